@@ -1,0 +1,1 @@
+"""Billing: metering, rating, the append-only ledger, invoices, Stripe, provider payouts."""

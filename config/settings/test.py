@@ -1,0 +1,17 @@
+"""Test settings: the same as base, with fast password hashing and no secure-cookie requirement."""
+
+import os
+
+os.environ.setdefault("GPUMARKET_EPHEMERAL_SECRET", "1")
+
+from config.settings.base import *  # noqa: F403
+
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+SESSION_COOKIE_SECURE = False
+CSRF_COOKIE_SECURE = False
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
+}
+LOGGING["root"]["level"] = "WARNING"  # noqa: F405
+MIDDLEWARE = [m for m in MIDDLEWARE if not m.startswith("whitenoise.")]  # noqa: F405

@@ -1,0 +1,191 @@
+"""Run the stack or the checks on embedded services (or on DATABASE_URL / REDIS_URL when set).
+
+    python -m config.stack up [--port 8000]   # web + worker + beat + a local agent, demo inventory
+    python -m config.stack test [pytest args] # ruff, Django checks, migrations check, pytest
+
+`python3 dev.py ...` creates the virtualenv and calls this module inside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from config.embedded import ensure_services
+
+ROOT = Path(__file__).resolve().parent.parent
+VAR = ROOT / ".var"
+BIN = Path(sys.executable).parent
+log = logging.getLogger("stack")
+
+
+def _run(cmd: list[str], env: dict[str, str] | None = None) -> int:
+    print("$", " ".join(cmd), flush=True)
+    return subprocess.run(cmd, env=env, cwd=ROOT, check=False).returncode
+
+
+def _manage(*args: str, env: dict[str, str]) -> int:
+    return _run([sys.executable, "manage.py", *args], env=env)
+
+
+def _docker_engine(env: dict[str, str]) -> None:
+    """Start a Docker Engine when none answers, and build the offline harness image."""
+    script = ROOT / "deploy" / "docker-engine.sh"
+    if not script.exists():
+        return
+    out = subprocess.run(
+        ["bash", str(script)], cwd=ROOT, env=env, check=True, stdout=subprocess.PIPE, text=True
+    ).stdout
+    for line in out.splitlines():
+        if line.startswith("DOCKER_HOST="):
+            env["DOCKER_HOST"] = line.split("=", 1)[1].strip()
+    image_script = ROOT / "deploy" / "harness" / "build-offline.sh"
+    if image_script.exists():
+        subprocess.run(["bash", str(image_script)], cwd=ROOT, env=env, check=True)
+
+
+def cmd_test(pytest_args: list[str]) -> int:
+    services = ensure_services(VAR / "test", durable=False)
+    env = dict(os.environ)
+    env.update(
+        DATABASE_URL=services.database_url,
+        REDIS_URL=services.redis_url,
+        DJANGO_SETTINGS_MODULE="config.settings.test",
+        GPUMARKET_EPHEMERAL_SECRET="1",
+    )
+    try:
+        steps: list[tuple[str, list[str]]] = [
+            ("ruff lint", [str(BIN / "ruff"), "check", "."]),
+            ("ruff format", [str(BIN / "ruff"), "format", "--check", "."]),
+            ("django check", [sys.executable, "manage.py", "check", "--fail-level", "WARNING"]),
+            (
+                "migrations are up to date",
+                [sys.executable, "manage.py", "makemigrations", "--check", "--dry-run"],
+            ),
+        ]
+        for name, cmd in steps:
+            print(f"== {name}", flush=True)
+            if _run(cmd, env) != 0:
+                print(f"FAILED: {name}", flush=True)
+                return 1
+        print("== docker engine and harness image", flush=True)
+        _docker_engine(env)
+        print("== pytest", flush=True)
+        code = _run([sys.executable, "-m", "pytest", *pytest_args], env)
+        if code == 5:
+            print("FAILED: pytest collected no tests", flush=True)
+            return 1
+        return code
+    finally:
+        services.stop()
+
+
+def _secret_key() -> str:
+    path = VAR / "dev" / "secret_key"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        path.write_text(secrets.token_urlsafe(50))
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+def cmd_up(port: int) -> int:
+    services = ensure_services(VAR / "dev")
+    env = dict(os.environ)
+    env.update(
+        DATABASE_URL=services.database_url,
+        REDIS_URL=services.redis_url,
+        DJANGO_SETTINGS_MODULE="config.settings.base",
+        SECRET_KEY=env.get("SECRET_KEY") or _secret_key(),
+        SECURE_COOKIES="0",
+        ALLOWED_HOSTS=env.get("ALLOWED_HOSTS", "localhost,127.0.0.1"),
+        GPUMARKET_SERVER_URL=f"http://127.0.0.1:{port}",
+    )
+    procs: list[subprocess.Popen] = []
+    try:
+        if _manage("migrate", "--no-input", env=env) != 0:
+            return 1
+        if _manage("seed_demo", env=env) != 0:
+            return 1
+        logs = VAR / "dev" / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        commands = {
+            "web": [
+                str(BIN / "gunicorn"),
+                "config.wsgi",
+                "--bind",
+                f"127.0.0.1:{port}",
+                "--workers",
+                "2",
+                "--threads",
+                "4",
+                "--access-logfile",
+                "-",
+            ],
+            "worker": [str(BIN / "celery"), "-A", "config", "worker", "-l", "info", "-c", "2"],
+            "beat": [
+                str(BIN / "celery"),
+                "-A",
+                "config",
+                "beat",
+                "-l",
+                "info",
+                "-s",
+                str(VAR / "dev" / "celerybeat-schedule"),
+            ],
+        }
+        agent = [sys.executable, "-m", "provisioning.agent", "--dev-local"]
+        if (ROOT / "provisioning" / "agent" / "__main__.py").exists():
+            commands["agent"] = agent
+        for name, cmd in commands.items():
+            out = (logs / f"{name}.log").open("ab")
+            procs.append(
+                subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+            )
+            print(f"started {name} (log: {logs / name}.log)", flush=True)
+        print(f"\nGPU marketplace on http://127.0.0.1:{port}/", flush=True)
+        print(f"  API docs  http://127.0.0.1:{port}/api/docs/", flush=True)
+        print(f"  admin     http://127.0.0.1:{port}/admin/  (user: ops, see .var/dev/ops_password)")
+        print("Ctrl-C stops everything.", flush=True)
+        while all(p.poll() is None for p in procs):
+            time.sleep(1)
+        print("a process exited; stopping the stack", flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("\nstopping", flush=True)
+        return 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for p in procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+        services.stop()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    parser = argparse.ArgumentParser(prog="python -m config.stack")
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up")
+    up.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+    sub.add_parser("test")
+    args, rest = parser.parse_known_args()
+    if args.command == "up":
+        sys.exit(cmd_up(args.port))
+    sys.exit(cmd_test(rest))
+
+
+if __name__ == "__main__":
+    main()

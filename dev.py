@@ -1,0 +1,60 @@
+#!/usr/bin/env python3
+"""The two set-up commands, for a machine that has only Python 3.11+.
+
+    python3 dev.py up     # the whole stack on embedded services: web, worker, beat, a local agent
+    python3 dev.py test   # every check (ruff, Django checks, migrations) and the whole test suite
+
+Both create `.venv/` and install the project into it when pyproject.toml changed, then hand over
+to `config.stack` inside that virtualenv. DATABASE_URL / REDIS_URL, when set, are used instead of
+the embedded PostgreSQL and Redis.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+PYTHON = VENV / "bin" / "python"
+STAMP = VENV / ".gpumarket-installed"
+
+
+def _install_digest() -> str:
+    return hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+
+
+def ensure_venv() -> None:
+    if sys.version_info < (3, 11):  # noqa: UP036 - this file runs before the venv exists
+        sys.exit("Python 3.11 or newer is needed")
+    if not PYTHON.exists():
+        print("creating .venv", flush=True)
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    digest = _install_digest()
+    if STAMP.exists() and STAMP.read_text() == digest:
+        return
+    print("installing the project into .venv (first run takes a few minutes)", flush=True)
+    subprocess.run([str(PYTHON), "-m", "pip", "install", "--quiet", "--upgrade", "pip"], check=True)
+    # torch==2.13.0 is pinned: on these machines pip takes the CPU wheel from its local cache.
+    subprocess.run(
+        [str(PYTHON), "-m", "pip", "install", "--quiet", "-e", f"{ROOT}[harness,dev]"],
+        check=True,
+    )
+    STAMP.write_text(digest)
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] not in {"up", "test"}:
+        sys.exit(__doc__)
+    ensure_venv()
+    os.chdir(ROOT)
+    # Hand over to the venv interpreter.
+    os.execv(str(PYTHON), [str(PYTHON), "-m", "config.stack", *sys.argv[1:]])  # noqa: S606
+
+
+if __name__ == "__main__":
+    main()

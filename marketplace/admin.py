@@ -1,0 +1,183 @@
+"""The ops console: inventory, catalog, rentals and tokens (staff only, as the admin always is)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from django.contrib import admin, messages
+from django.contrib.auth.admin import UserAdmin
+from django.db.models import Prefetch
+
+from marketplace import services
+from marketplace.errors import DomainError
+from marketplace.models import (
+    Allocation,
+    ApiToken,
+    Gpu,
+    GpuModel,
+    Node,
+    NodeEvent,
+    Provider,
+    Rental,
+    RentalEvent,
+    User,
+)
+
+
+@admin.register(User)
+class MarketplaceUserAdmin(UserAdmin):
+    pass
+
+
+@admin.register(Provider)
+class ProviderAdmin(admin.ModelAdmin):
+    list_display = ["name", "owner", "is_platform", "created_at"]
+    search_fields = ["name", "owner__username"]
+    list_select_related = ["owner"]
+
+
+@admin.register(GpuModel)
+class GpuModelAdmin(admin.ModelAdmin):
+    list_display = [
+        "name",
+        "family",
+        "tier",
+        "memory_gb",
+        "memory_bandwidth_gbs",
+        "tensor_tflops",
+        "fp32_tflops",
+        "bf16",
+        "nvlink_gbs",
+        "tdp_w",
+        "figures_checked",
+    ]
+    list_filter = ["tier", "family", "bf16", "figures_checked"]
+    search_fields = ["name", "slug", "family"]
+    prepopulated_fields = {"slug": ["name"]}
+
+
+class GpuInline(admin.TabularInline):
+    model = Gpu
+    extra = 0
+    fields = ["index", "uuid", "model", "topology_group"]
+    autocomplete_fields = ["model"]
+
+
+class NodeEventInline(admin.TabularInline):
+    model = NodeEvent
+    extra = 0
+    can_delete = False
+    fields = ["created_at", "from_status", "to_status", "actor", "reason"]
+    readonly_fields = fields
+
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False
+
+
+def _node_action(action: str, label: str):
+    def run(modeladmin, request, queryset):
+        done, refused = 0, []
+        for node_id, hostname in queryset.order_by("pk").values_list("pk", "hostname"):
+            try:
+                services.node_set_status(
+                    node_id=node_id, action=action, actor=request.user, reason=f"admin: {label}"
+                )
+                done += 1
+            except DomainError as exc:
+                refused.append(f"{hostname}: {exc.message}")
+        if done:
+            modeladmin.message_user(request, f"{label}: {done} node(s)", messages.SUCCESS)
+        if refused:
+            modeladmin.message_user(request, "; ".join(refused), messages.WARNING)
+
+    run.__name__ = f"node_{action}"
+    run.short_description = label  # type: ignore[attr-defined]
+    return run
+
+
+@admin.register(Node)
+class NodeAdmin(admin.ModelAdmin):
+    list_display = [
+        "hostname",
+        "provider",
+        "region",
+        "status",
+        "gpu_summary",
+        "price_per_gpu_hour",
+        "reliability",
+        "simulated",
+        "last_seen_at",
+    ]
+    list_filter = ["status", "region", "simulated", "nvlink", "provider"]
+    search_fields = ["hostname"]
+    list_select_related = ["provider"]
+    inlines = [GpuInline, NodeEventInline]
+    readonly_fields = ["status", "last_seen_at", "created_at"]
+    actions = [
+        _node_action("drain", "Drain (no new rentals)"),
+        _node_action("maintenance", "Put in maintenance"),
+        _node_action("online", "Bring back online"),
+    ]
+
+    @admin.display(description="GPUs")
+    def gpu_summary(self, obj: Node) -> str:
+        counts = Counter(gpu.model.name for gpu in obj.gpus.all())
+        return ", ".join(f"{n}x {name}" for name, n in sorted(counts.items()))
+
+    def get_queryset(self, request):
+        gpus = Gpu.objects.select_related("model")
+        return super().get_queryset(request).prefetch_related(Prefetch("gpus", queryset=gpus))
+
+
+@admin.register(NodeEvent)
+class NodeEventAdmin(admin.ModelAdmin):
+    list_display = ["created_at", "node", "from_status", "to_status", "actor", "reason"]
+    list_filter = ["to_status"]
+    list_select_related = ["node", "actor"]
+    search_fields = ["node__hostname", "reason"]
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+
+class RentalEventInline(admin.TabularInline):
+    model = RentalEvent
+    extra = 0
+    can_delete = False
+    fields = ["created_at", "from_status", "to_status", "actor_kind", "actor", "reason"]
+    readonly_fields = fields
+
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False
+
+
+@admin.register(Rental)
+class RentalAdmin(admin.ModelAdmin):
+    list_display = ["id", "customer", "status", "gpus_per_node", "node_count", "kind", "created_at"]
+    list_filter = ["status", "kind"]
+    search_fields = ["id", "customer__username", "name"]
+    list_select_related = ["customer"]
+    inlines = [RentalEventInline]
+    readonly_fields = ["status", "status_reason", "price_per_gpu_hour", "created_at", "updated_at"]
+
+
+@admin.register(Allocation)
+class AllocationAdmin(admin.ModelAdmin):
+    list_display = ["rental", "node", "gpu", "during", "released_at"]
+    list_select_related = ["rental", "node", "gpu__node"]
+    search_fields = ["rental__id", "node__hostname"]
+
+
+@admin.register(ApiToken)
+class ApiTokenAdmin(admin.ModelAdmin):
+    list_display = ["name", "user", "prefix", "created_at", "last_used_at", "revoked_at"]
+    list_select_related = ["user"]
+    readonly_fields = ["prefix", "key_hash", "created_at", "last_used_at"]
+    search_fields = ["name", "prefix", "user__username"]
+
+    def has_add_permission(self, request) -> bool:
+        # Tokens are created through the API so that the secret is shown to its owner only.
+        return False

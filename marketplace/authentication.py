@@ -1,0 +1,47 @@
+"""Bearer-token authentication for programs: `Authorization: Bearer gpm_...`."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.db.models import Q
+from django.utils import timezone
+from rest_framework import authentication, exceptions
+
+from marketplace.models import ApiToken
+from marketplace.services import token_hash
+
+# Writing last_used_at on every request would turn reads into writes; a minute is precise enough.
+_LAST_USED_GRANULARITY = timedelta(minutes=1)
+
+
+class ApiTokenAuthentication(authentication.BaseAuthentication):
+    keyword = "Bearer"
+
+    def authenticate(self, request):
+        header = authentication.get_authorization_header(request).split()
+        if not header or header[0].lower() != self.keyword.lower().encode():
+            return None
+        if len(header) != 2:
+            raise exceptions.AuthenticationFailed("malformed Authorization header")
+        try:
+            raw = header[1].decode()
+        except UnicodeError as exc:
+            raise exceptions.AuthenticationFailed("malformed token") from exc
+        token = ApiToken.objects.select_related("user").filter(key_hash=token_hash(raw)).first()
+        now = timezone.now()
+        if (
+            token is None
+            or token.revoked_at is not None
+            or (token.expires_at is not None and token.expires_at <= now)
+            or not token.user.is_active
+        ):
+            raise exceptions.AuthenticationFailed("invalid or revoked token")
+        if token.last_used_at is None or now - token.last_used_at > _LAST_USED_GRANULARITY:
+            ApiToken.objects.filter(pk=token.pk).filter(
+                Q(last_used_at__isnull=True) | Q(last_used_at__lt=now - _LAST_USED_GRANULARITY)
+            ).update(last_used_at=now)
+        return token.user, token
+
+    def authenticate_header(self, request) -> str:
+        return self.keyword

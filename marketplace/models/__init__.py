@@ -1,0 +1,29 @@
+"""Marketplace models, one module per concern."""
+
+from marketplace.models.accounts import ApiToken, Provider, User
+from marketplace.models.catalog import GpuModel, GpuTier
+from marketplace.models.inventory import Gpu, Node, NodeEvent, NodeStatus
+from marketplace.models.rentals import (
+    Allocation,
+    Rental,
+    RentalEvent,
+    RentalKind,
+    RentalStatus,
+)
+
+__all__ = [
+    "Allocation",
+    "ApiToken",
+    "Gpu",
+    "GpuModel",
+    "GpuTier",
+    "Node",
+    "NodeEvent",
+    "NodeStatus",
+    "Provider",
+    "Rental",
+    "RentalEvent",
+    "RentalKind",
+    "RentalStatus",
+    "User",
+]

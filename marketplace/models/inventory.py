@@ -1,0 +1,113 @@
+"""Inventory: the GPU servers providers list, their GPUs, and the ops actions taken on them."""
+
+from decimal import Decimal
+
+from django.conf import settings
+from django.db import models
+from django.db.models import F, Q
+
+
+class NodeStatus(models.TextChoices):
+    ONLINE = "online", "Online"
+    OFFLINE = "offline", "Offline"
+    MAINTENANCE = "maintenance", "Maintenance"
+    DRAINING = "draining", "Draining"
+
+
+class Node(models.Model):
+    """A GPU server of a provider: where rentals run, priced per GPU-hour."""
+
+    provider = models.ForeignKey(
+        "marketplace.Provider", on_delete=models.PROTECT, related_name="nodes"
+    )
+    hostname = models.CharField(max_length=253)
+    region = models.SlugField(max_length=40, help_text="e.g. eu-west, us-east")
+    pool = models.SlugField(max_length=40, default="default", help_text="scheduler shard")
+    cpu_cores = models.PositiveIntegerField()
+    ram_gb = models.PositiveIntegerField()
+    disk_gb = models.PositiveIntegerField()
+    net_up_mbps = models.PositiveIntegerField(default=0)
+    net_down_mbps = models.PositiveIntegerField(default=0)
+    driver_version = models.CharField(max_length=40, blank=True)
+    cuda_version = models.CharField(max_length=20, blank=True)
+    nvlink = models.BooleanField(
+        default=False, help_text="GPUs of one topology group are connected by NVLink"
+    )
+    status = models.CharField(max_length=12, choices=NodeStatus.choices, default=NodeStatus.OFFLINE)
+    reliability = models.DecimalField(
+        max_digits=5, decimal_places=4, default=Decimal("0.9500"), help_text="0 to 1"
+    )
+    simulated = models.BooleanField(
+        default=False, help_text="GPUs and telemetry are simulated: no real NVIDIA hardware"
+    )
+    price_per_gpu_hour = models.DecimalField(max_digits=10, decimal_places=4)
+    min_bid_per_gpu_hour = models.DecimalField(max_digits=10, decimal_places=4)
+    last_seen_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["id"]
+        constraints = [
+            models.UniqueConstraint(fields=["provider", "hostname"], name="node_unique_hostname"),
+            models.CheckConstraint(
+                condition=Q(price_per_gpu_hour__gt=0), name="node_price_positive"
+            ),
+            models.CheckConstraint(
+                condition=Q(min_bid_per_gpu_hour__gt=0)
+                & Q(min_bid_per_gpu_hour__lte=F("price_per_gpu_hour")),
+                name="node_min_bid_within_price",
+            ),
+            models.CheckConstraint(
+                condition=Q(reliability__gte=0) & Q(reliability__lte=1),
+                name="node_reliability_unit_interval",
+            ),
+            models.CheckConstraint(
+                condition=Q(cpu_cores__gt=0) & Q(ram_gb__gt=0), name="node_resources_positive"
+            ),
+        ]
+        indexes = [models.Index(fields=["status", "region"], name="node_status_region")]
+
+    def __str__(self) -> str:
+        return self.hostname
+
+
+class Gpu(models.Model):
+    """One physical GPU in a node; the unit the scheduler allocates."""
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="gpus")
+    index = models.PositiveSmallIntegerField(help_text="the host's device index (nvidia-smi)")
+    uuid = models.CharField(max_length=64, unique=True)
+    model = models.ForeignKey("marketplace.GpuModel", on_delete=models.PROTECT, related_name="gpus")
+    topology_group = models.CharField(
+        max_length=40,
+        blank=True,
+        help_text="GPUs that share an NVLink island or a PCIe switch have the same group",
+    )
+
+    class Meta:
+        ordering = ["node_id", "index"]
+        constraints = [
+            models.UniqueConstraint(fields=["node", "index"], name="gpu_unique_index_per_node"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.node.hostname}/gpu{self.index}"
+
+
+class NodeEvent(models.Model):
+    """An audit row for each status change of a node: who, when, from, to, and why."""
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="events")
+    from_status = models.CharField(max_length=12, choices=NodeStatus.choices)
+    to_status = models.CharField(max_length=12, choices=NodeStatus.choices)
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
+    )
+    reason = models.CharField(max_length=500, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.node_id}: {self.from_status} -> {self.to_status}"

@@ -1,0 +1,172 @@
+"""Every write of the marketplace: typed, keyword-only, each owning its transaction."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+
+from django.db import transaction
+from django.utils import timezone
+
+from marketplace.errors import Conflict, NotFound, ValidationFailed
+from marketplace.models import ApiToken, Gpu, GpuModel, Node, NodeEvent, NodeStatus, Provider, User
+
+TOKEN_PREFIX = "gpm"
+
+
+def token_hash(raw: str) -> str:
+    """SHA-256 is enough for 256-bit random secrets (no dictionary to guess from)."""
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+def api_token_create(
+    *, user: User, name: str, expires_at: datetime | None = None
+) -> tuple[ApiToken, str]:
+    """Create a token; the raw secret is returned once and never stored."""
+    name = name.strip()
+    if not name:
+        raise ValidationFailed("a token needs a name", field="name")
+    if expires_at is not None and expires_at <= timezone.now():
+        raise ValidationFailed("expires_at must be in the future", field="expires_at")
+    prefix = secrets.token_hex(4)
+    raw = f"{TOKEN_PREFIX}_{prefix}_{secrets.token_urlsafe(32)}"
+    token = ApiToken.objects.create(
+        user=user, name=name, prefix=prefix, key_hash=token_hash(raw), expires_at=expires_at
+    )
+    return token, raw
+
+
+def api_token_revoke(*, user: User, token_id: int) -> ApiToken:
+    with transaction.atomic():
+        token = ApiToken.objects.select_for_update().filter(user=user, pk=token_id).first()
+        if token is None:
+            raise NotFound("no such token")
+        if token.revoked_at is None:
+            token.revoked_at = timezone.now()
+            token.save(update_fields=["revoked_at"])
+        return token
+
+
+# Which ops actions may move a node from which status. OFFLINE <-> ONLINE is the agent's to say.
+_NODE_ACTIONS: dict[str, tuple[frozenset[str], str]] = {
+    "drain": (frozenset({NodeStatus.ONLINE}), NodeStatus.DRAINING),
+    "maintenance": (
+        frozenset({NodeStatus.ONLINE, NodeStatus.DRAINING, NodeStatus.OFFLINE}),
+        NodeStatus.MAINTENANCE,
+    ),
+    "online": (
+        frozenset({NodeStatus.DRAINING, NodeStatus.MAINTENANCE, NodeStatus.OFFLINE}),
+        NodeStatus.ONLINE,
+    ),
+}
+
+
+def node_set_status(*, node_id: int, action: str, actor: User | None, reason: str = "") -> Node:
+    """Apply an ops action (drain, maintenance, online) and record who did it and when."""
+    if action not in _NODE_ACTIONS:
+        raise ValidationFailed(f"unknown action {action!r}", field="action")
+    allowed_from, to_status = _NODE_ACTIONS[action]
+    with transaction.atomic():
+        node = Node.objects.select_for_update().filter(pk=node_id).first()
+        if node is None:
+            raise NotFound("no such node")
+        if node.status == to_status:
+            return node
+        if node.status not in allowed_from:
+            raise Conflict(f"cannot {action} a node that is {node.status}")
+        NodeEvent.objects.create(
+            node=node, from_status=node.status, to_status=to_status, actor=actor, reason=reason
+        )
+        node.status = to_status
+        node.save(update_fields=["status"])
+        return node
+
+
+def node_drain(*, node_id: int, actor: User | None, reason: str = "") -> Node:
+    """Stop placing new rentals on the node; running ones finish."""
+    return node_set_status(node_id=node_id, action="drain", actor=actor, reason=reason)
+
+
+def node_set_maintenance(*, node_id: int, actor: User | None, reason: str = "") -> Node:
+    return node_set_status(node_id=node_id, action="maintenance", actor=actor, reason=reason)
+
+
+def node_bring_online(*, node_id: int, actor: User | None, reason: str = "") -> Node:
+    return node_set_status(node_id=node_id, action="online", actor=actor, reason=reason)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSpec:
+    """One GPU as a provider (or its agent) reports it."""
+
+    index: int
+    uuid: str
+    model_slug: str
+    topology_group: str = ""
+
+
+def node_register(
+    *,
+    provider: Provider,
+    hostname: str,
+    region: str,
+    cpu_cores: int,
+    ram_gb: int,
+    disk_gb: int,
+    price_per_gpu_hour: Decimal,
+    min_bid_per_gpu_hour: Decimal,
+    gpus: list[GpuSpec],
+    status: str = NodeStatus.OFFLINE,
+    simulated: bool = False,
+    nvlink: bool = False,
+    reliability: Decimal = Decimal("0.95"),
+    net_up_mbps: int = 0,
+    net_down_mbps: int = 0,
+    driver_version: str = "",
+    cuda_version: str = "",
+    pool: str = "default",
+) -> Node:
+    """List a server and its GPUs in one transaction; unknown card models are refused."""
+    if not gpus:
+        raise ValidationFailed("a node needs at least one GPU", field="gpus")
+    indices = [g.index for g in gpus]
+    if len(set(indices)) != len(indices):
+        raise ValidationFailed("GPU indices must be unique on a node", field="gpus")
+    models = {m.slug: m for m in GpuModel.objects.filter(slug__in={g.model_slug for g in gpus})}
+    unknown = sorted({g.model_slug for g in gpus} - models.keys())
+    if unknown:
+        raise ValidationFailed(f"unknown GPU model(s): {', '.join(unknown)}", field="gpus")
+    with transaction.atomic():
+        node = Node.objects.create(
+            provider=provider,
+            hostname=hostname,
+            region=region,
+            pool=pool,
+            cpu_cores=cpu_cores,
+            ram_gb=ram_gb,
+            disk_gb=disk_gb,
+            net_up_mbps=net_up_mbps,
+            net_down_mbps=net_down_mbps,
+            driver_version=driver_version,
+            cuda_version=cuda_version,
+            nvlink=nvlink,
+            status=status,
+            reliability=reliability,
+            simulated=simulated,
+            price_per_gpu_hour=price_per_gpu_hour,
+            min_bid_per_gpu_hour=min_bid_per_gpu_hour,
+        )
+        Gpu.objects.bulk_create(
+            Gpu(
+                node=node,
+                index=g.index,
+                uuid=g.uuid,
+                model=models[g.model_slug],
+                topology_group=g.topology_group,
+            )
+            for g in gpus
+        )
+    return node

@@ -1,0 +1,1 @@
+"""Provisioning: the agent API, the node agent, runtime drivers, telemetry sources."""

@@ -1,0 +1,86 @@
+"""Shared fixtures: real PostgreSQL through pytest-django, real services to build data."""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from decimal import Decimal
+
+import pytest
+from rest_framework.test import APIClient
+
+from marketplace.models import NodeStatus, Provider, User
+from marketplace.services import GpuSpec, api_token_create, node_register
+from tests.factories import ProviderFactory, UserFactory
+
+_host_seq = itertools.count(1)
+
+
+@pytest.fixture
+def user(db) -> User:
+    return UserFactory()
+
+
+@pytest.fixture
+def provider(db) -> Provider:
+    return ProviderFactory()
+
+
+@pytest.fixture
+def api() -> APIClient:
+    return APIClient()
+
+
+@pytest.fixture
+def auth_api(user) -> APIClient:
+    """An API client authenticated by a real bearer token of `user`."""
+    _, raw = api_token_create(user=user, name="tests")
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
+    return client
+
+
+@pytest.fixture
+def make_node(provider):
+    """Register a node through the real service; GPUs get groups of `group_size`."""
+
+    def make(
+        *,
+        card: str = "a100-sxm4-80gb",
+        gpus: int = 8,
+        price: str = "1.00",
+        min_bid: str | None = None,
+        region: str = "eu-west",
+        status: str = NodeStatus.ONLINE,
+        reliability: str = "0.95",
+        nvlink: bool = False,
+        group_size: int = 8,
+        hostname: str | None = None,
+        pool: str = "default",
+    ):
+        n = next(_host_seq)
+        return node_register(
+            provider=provider,
+            hostname=hostname or f"node{n}",
+            region=region,
+            cpu_cores=8 * gpus,
+            ram_gb=64 * gpus,
+            disk_gb=500 * gpus,
+            price_per_gpu_hour=Decimal(price),
+            min_bid_per_gpu_hour=Decimal(min_bid) if min_bid else Decimal(price) / 2,
+            gpus=[
+                GpuSpec(
+                    index=i,
+                    uuid=f"GPU-{uuid.uuid4()}",
+                    model_slug=card,
+                    topology_group=f"g{i // group_size}",
+                )
+                for i in range(gpus)
+            ],
+            status=status,
+            nvlink=nvlink,
+            reliability=Decimal(reliability),
+            pool=pool,
+        )
+
+    return make

@@ -1,0 +1,70 @@
+"""The ops console: staff only; node actions recorded with who and when."""
+
+import pytest
+from django.test import Client
+from django.urls import reverse
+
+from marketplace.models import NodeEvent, NodeStatus
+from tests.factories import UserFactory
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def ops_client():
+    ops = UserFactory(is_staff=True, is_superuser=True)
+    client = Client()
+    client.force_login(ops)
+    return client, ops
+
+
+def _act(client, action, nodes):
+    return client.post(
+        reverse("admin:marketplace_node_changelist"),
+        {"action": action, "_selected_action": [n.pk for n in nodes]},
+        follow=True,
+    )
+
+
+def test_admin_is_staff_only(make_node):
+    client = Client()
+    client.force_login(UserFactory())
+    r = client.get(reverse("admin:marketplace_node_changelist"))
+    assert r.status_code == 302
+    assert "/admin/login/" in r["Location"]
+
+
+def test_node_changelist_shows_gpu_counts_by_model(ops_client, make_node):
+    client, _ = ops_client
+    make_node(card="h100-sxm5-80gb", gpus=8, hostname="fra-1")
+    r = client.get(reverse("admin:marketplace_node_changelist"), {"q": "fra-1"})
+    assert r.status_code == 200
+    assert b"8x H100 SXM5 80 GB" in r.content
+
+
+def test_drain_maintenance_online_are_recorded_with_actor(ops_client, make_node):
+    client, ops = ops_client
+    a, b = make_node(), make_node()
+    assert _act(client, "node_drain", [a, b]).status_code == 200
+    a.refresh_from_db()
+    b.refresh_from_db()
+    assert (a.status, b.status) == (NodeStatus.DRAINING, NodeStatus.DRAINING)
+    _act(client, "node_maintenance", [a])
+    _act(client, "node_online", [a])
+    events = list(NodeEvent.objects.filter(node=a).order_by("id"))
+    assert [(e.from_status, e.to_status) for e in events] == [
+        (NodeStatus.ONLINE, NodeStatus.DRAINING),
+        (NodeStatus.DRAINING, NodeStatus.MAINTENANCE),
+        (NodeStatus.MAINTENANCE, NodeStatus.ONLINE),
+    ]
+    assert all(e.actor == ops and e.created_at is not None for e in events)
+
+
+def test_refused_action_changes_nothing(ops_client, make_node):
+    client, _ = ops_client
+    node = make_node(status=NodeStatus.MAINTENANCE)
+    r = _act(client, "node_drain", [node])
+    assert b"cannot drain a node that is maintenance" in r.content
+    node.refresh_from_db()
+    assert node.status == NodeStatus.MAINTENANCE
+    assert not NodeEvent.objects.filter(node=node).exists()
