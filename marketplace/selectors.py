@@ -5,33 +5,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from decimal import Decimal
 
-from django.db.models import (
-    Count,
-    DecimalField,
-    Exists,
-    ExpressionWrapper,
-    F,
-    OuterRef,
-    Q,
-    QuerySet,
-)
-from django.utils import timezone
+from django.db import connection
+from django.db.models import Q, QuerySet
 
-from marketplace.models import Allocation, ApiToken, Gpu, GpuModel, Node, NodeStatus, User
+from marketplace.models import ApiToken, GpuModel, Node, User
 
+# ordering name -> SQL ORDER BY (whitelisted: never interpolate user text into SQL).
 OFFER_ORDERINGS = {
-    "price": ("price_per_gpu_hour", "node_id"),
-    "-price": ("-price_per_gpu_hour", "node_id"),
-    "memory": ("memory_gb", "price_per_gpu_hour", "node_id"),
-    "-memory": ("-memory_gb", "price_per_gpu_hour", "node_id"),
-    "price_per_tflop": ("price_per_tflop_hour", "node_id"),
-    "-price_per_tflop": ("-price_per_tflop_hour", "node_id"),
-    "tflops": ("tensor_tflops", "price_per_gpu_hour", "node_id"),
-    "-tflops": ("-tensor_tflops", "price_per_gpu_hour", "node_id"),
-    "reliability": ("reliability", "price_per_gpu_hour", "node_id"),
-    "-reliability": ("-reliability", "price_per_gpu_hour", "node_id"),
-    "free_gpus": ("free_gpus", "price_per_gpu_hour", "node_id"),
-    "-free_gpus": ("-free_gpus", "price_per_gpu_hour", "node_id"),
+    "price": "n.price_per_gpu_hour, n.id",
+    "-price": "n.price_per_gpu_hour DESC, n.id",
+    "memory": "m.memory_gb, n.price_per_gpu_hour, n.id",
+    "-memory": "m.memory_gb DESC, n.price_per_gpu_hour, n.id",
+    "price_per_tflop": "price_per_tflop_hour, n.id",
+    "-price_per_tflop": "price_per_tflop_hour DESC, n.id",
+    "tflops": "m.tensor_tflops, n.price_per_gpu_hour, n.id",
+    "-tflops": "m.tensor_tflops DESC, n.price_per_gpu_hour, n.id",
+    "reliability": "n.reliability, n.price_per_gpu_hour, n.id",
+    "-reliability": "n.reliability DESC, n.price_per_gpu_hour, n.id",
+    "free_gpus": "free_gpus, n.price_per_gpu_hour, n.id",
+    "-free_gpus": "free_gpus DESC, n.price_per_gpu_hour, n.id",
 }
 
 
@@ -55,69 +47,76 @@ def gpu_model_list() -> QuerySet[GpuModel]:
     return GpuModel.objects.all()
 
 
-def free_gpus_now() -> QuerySet[Gpu]:
-    """GPUs of online nodes that no active allocation holds at this instant."""
-    now = timezone.now()
-    held = Allocation.objects.filter(
-        gpu=OuterRef("pk"), released_at__isnull=True, during__contains=now
-    )
-    return Gpu.objects.filter(node__status=NodeStatus.ONLINE).filter(~Exists(held))
-
-
 def region_q(region: str, field: str = "region") -> Q:
     """`eu` matches `eu` and every `eu-*` region."""
     return Q(**{field: region}) | Q(**{f"{field}__startswith": f"{region}-"})
 
 
-def offer_list(*, filters: OfferFilters) -> QuerySet:
-    """Offers: one row per (node, GPU model) with the GPUs free right now, filtered and sorted."""
-    gpus = free_gpus_now()
+# The hot read of the marketplace. Written in SQL because it joins nodes to an aggregate of the
+# allocations that hold GPUs right now, which the ORM can only express as a per-row subquery
+# (ten times slower at 10,000 nodes).
+_OFFERS_SQL = """
+SELECT n.id AS node_id, n.hostname, p.name AS provider, n.region, n.nvlink, n.simulated,
+       n.reliability, n.price_per_gpu_hour, n.min_bid_per_gpu_hour, n.cpu_cores, n.ram_gb,
+       n.disk_gb, n.cuda_version, n.gpu_count, m.slug AS gpu_model, m.name AS gpu_name,
+       m.memory_gb, m.tensor_tflops,
+       n.gpu_count - COALESCE(busy.held, 0) AS free_gpus,
+       round(n.price_per_gpu_hour / m.tensor_tflops, 6) AS price_per_tflop_hour
+FROM marketplace_node n
+JOIN marketplace_gpumodel m ON m.id = n.gpu_model_id
+JOIN marketplace_provider p ON p.id = n.provider_id
+LEFT JOIN (
+    SELECT node_id, count(*) AS held FROM marketplace_allocation
+    WHERE released_at IS NULL AND during @> now()
+    GROUP BY node_id
+) busy ON busy.node_id = n.id
+WHERE n.status = 'online' AND n.gpu_count - COALESCE(busy.held, 0) >= %s {where}
+ORDER BY {order}
+LIMIT %s OFFSET %s
+"""
+
+
+def offer_list(*, filters: OfferFilters, limit: int, offset: int) -> list[dict]:
+    """Offers: one row per node with the GPUs free right now, filtered and sorted.
+
+    Returns at most `limit` rows starting at `offset`; callers ask for one more row than they
+    show to know whether a next page exists (no count: it would double the cost).
+    """
     f = filters
+    where: list[str] = []
+    params: list = [f.min_free_gpus or 1]
     if f.gpu_models:
-        gpus = gpus.filter(model__slug__in=f.gpu_models)
+        where.append("m.slug = ANY(%s)")
+        params.append(list(f.gpu_models))
     if f.gpu_families:
-        gpus = gpus.filter(model__family__in=f.gpu_families)
+        where.append("m.family = ANY(%s)")
+        params.append(list(f.gpu_families))
     if f.min_memory_gb is not None:
-        gpus = gpus.filter(model__memory_gb__gte=f.min_memory_gb)
+        where.append("m.memory_gb >= %s")
+        params.append(f.min_memory_gb)
     if f.min_tensor_tflops is not None:
-        gpus = gpus.filter(model__tensor_tflops__gte=f.min_tensor_tflops)
+        where.append("m.tensor_tflops >= %s")
+        params.append(f.min_tensor_tflops)
     if f.nvlink is not None:
-        gpus = gpus.filter(node__nvlink=f.nvlink)
+        where.append("n.nvlink = %s")
+        params.append(f.nvlink)
     if f.region:
-        gpus = gpus.filter(region_q(f.region, "node__region"))
+        where.append("(n.region = %s OR n.region LIKE %s)")
+        params.extend([f.region, f"{f.region}-%"])
     if f.max_price is not None:
-        gpus = gpus.filter(node__price_per_gpu_hour__lte=f.max_price)
+        where.append("n.price_per_gpu_hour <= %s")
+        params.append(f.max_price)
     if f.min_reliability is not None:
-        gpus = gpus.filter(node__reliability__gte=f.min_reliability)
-    offers = gpus.values(
-        "node_id",
-        "model_id",
-        hostname=F("node__hostname"),
-        provider=F("node__provider__name"),
-        region=F("node__region"),
-        nvlink=F("node__nvlink"),
-        simulated=F("node__simulated"),
-        reliability=F("node__reliability"),
-        price_per_gpu_hour=F("node__price_per_gpu_hour"),
-        min_bid_per_gpu_hour=F("node__min_bid_per_gpu_hour"),
-        cpu_cores=F("node__cpu_cores"),
-        ram_gb=F("node__ram_gb"),
-        disk_gb=F("node__disk_gb"),
-        cuda_version=F("node__cuda_version"),
-        gpu_model=F("model__slug"),
-        gpu_name=F("model__name"),
-        memory_gb=F("model__memory_gb"),
-        tensor_tflops=F("model__tensor_tflops"),
-    ).annotate(
-        free_gpus=Count("id"),
-        price_per_tflop_hour=ExpressionWrapper(
-            F("node__price_per_gpu_hour") / F("model__tensor_tflops"),
-            output_field=DecimalField(max_digits=12, decimal_places=6),
-        ),
+        where.append("n.reliability >= %s")
+        params.append(f.min_reliability)
+    sql = _OFFERS_SQL.format(
+        where="".join(f" AND {clause}" for clause in where), order=OFFER_ORDERINGS[f.ordering]
     )
-    if f.min_free_gpus is not None:
-        offers = offers.filter(free_gpus__gte=f.min_free_gpus)
-    return offers.order_by(*OFFER_ORDERINGS[f.ordering])
+    params.extend([limit, offset])
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        columns = [c.name for c in cursor.description]
+        return [dict(zip(columns, row, strict=True)) for row in cursor.fetchall()]
 
 
 def node_list() -> QuerySet[Node]:

@@ -135,10 +135,14 @@ def node_register(
     indices = [g.index for g in gpus]
     if len(set(indices)) != len(indices):
         raise ValidationFailed("GPU indices must be unique on a node", field="gpus")
-    models = {m.slug: m for m in GpuModel.objects.filter(slug__in={g.model_slug for g in gpus})}
-    unknown = sorted({g.model_slug for g in gpus} - models.keys())
-    if unknown:
-        raise ValidationFailed(f"unknown GPU model(s): {', '.join(unknown)}", field="gpus")
+    slugs = {g.model_slug for g in gpus}
+    if len(slugs) != 1:
+        raise ValidationFailed(
+            "a node lists one GPU model; found " + ", ".join(sorted(slugs)), field="gpus"
+        )
+    model = GpuModel.objects.filter(slug__in=slugs).first()
+    if model is None:
+        raise ValidationFailed(f"unknown GPU model: {slugs.pop()}", field="gpus")
     with transaction.atomic():
         node = Node.objects.create(
             provider=provider,
@@ -152,6 +156,8 @@ def node_register(
             net_down_mbps=net_down_mbps,
             driver_version=driver_version,
             cuda_version=cuda_version,
+            gpu_model=model,
+            gpu_count=len(gpus),
             nvlink=nvlink,
             status=status,
             reliability=reliability,
@@ -164,7 +170,7 @@ def node_register(
                 node=node,
                 index=g.index,
                 uuid=g.uuid,
-                model=models[g.model_slug],
+                model=model,
                 topology_group=g.topology_group,
             )
             for g in gpus

@@ -71,7 +71,10 @@ class OfferQuerySerializer(serializers.Serializer):
         required=False, choices=sorted(OFFER_ORDERINGS), default="price"
     )
 
-    PASS_THROUGH = frozenset({"limit", "offset", "format"})
+    limit = serializers.IntegerField(required=False, min_value=1, max_value=500, default=50)
+    offset = serializers.IntegerField(required=False, min_value=0, default=0)
+
+    PASS_THROUGH = frozenset({"format"})
 
     def validate(self, attrs):
         unknown = set(self.initial_data) - set(self.fields) - self.PASS_THROUGH
@@ -92,6 +95,7 @@ class OfferSerializer(serializers.Serializer):
     memory_gb = serializers.IntegerField()
     tensor_tflops = serializers.DecimalField(max_digits=7, decimal_places=2)
     free_gpus = serializers.IntegerField()
+    gpu_count = serializers.IntegerField()
     nvlink = serializers.BooleanField()
     price_per_gpu_hour = serializers.DecimalField(max_digits=10, decimal_places=4)
     min_bid_per_gpu_hour = serializers.DecimalField(max_digits=10, decimal_places=4)
@@ -102,6 +106,12 @@ class OfferSerializer(serializers.Serializer):
     ram_gb = serializers.IntegerField()
     disk_gb = serializers.IntegerField()
     cuda_version = serializers.CharField()
+
+
+class OfferPageSerializer(serializers.Serializer):
+    next = serializers.URLField(allow_null=True)
+    previous = serializers.URLField(allow_null=True)
+    results = OfferSerializer(many=True)
 
 
 class ApiTokenSerializer(serializers.ModelSerializer):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from drf_spectacular.utils import OpenApiParameter, extend_schema
-from rest_framework import generics, permissions, status, viewsets
+from drf_spectacular.utils import extend_schema
+from rest_framework import permissions, status, viewsets
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -14,6 +14,7 @@ from marketplace.api.serializers import (
     ApiTokenCreateSerializer,
     ApiTokenSerializer,
     GpuModelSerializer,
+    OfferPageSerializer,
     OfferQuerySerializer,
     OfferSerializer,
 )
@@ -31,20 +32,14 @@ class GpuModelViewSet(viewsets.ReadOnlyModelViewSet):
         return selectors.gpu_model_list()
 
 
-class OfferListView(generics.GenericAPIView):
-    """GPUs free right now, one row per (node, GPU model), filtered and sorted."""
+class OfferListView(APIView):
+    """GPUs free right now, one row per node, filtered and sorted; pages by limit and offset."""
 
     permission_classes = [permissions.AllowAny]
-    serializer_class = OfferSerializer
-    filter_backends: list = []
 
     @extend_schema(
-        parameters=[
-            OfferQuerySerializer,
-            OpenApiParameter("limit", int),
-            OpenApiParameter("offset", int),
-        ],
-        responses=OfferSerializer(many=True),
+        parameters=[OfferQuerySerializer],
+        responses=OfferPageSerializer,
     )
     def get(self, request: Request) -> Response:
         query = OfferQuerySerializer(data=request.query_params)
@@ -62,8 +57,25 @@ class OfferListView(generics.GenericAPIView):
             min_reliability=data.get("min_reliability"),
             ordering=data["ordering"],
         )
-        page = self.paginate_queryset(selectors.offer_list(filters=filters))
-        return self.get_paginated_response(OfferSerializer(page, many=True).data)
+        limit, offset = data["limit"], data["offset"]
+        rows = selectors.offer_list(filters=filters, limit=limit + 1, offset=offset)
+        return Response(
+            {
+                "next": self._page_url(request, limit, offset + limit)
+                if len(rows) > limit
+                else None,
+                "previous": self._page_url(request, limit, max(0, offset - limit))
+                if offset
+                else None,
+                "results": OfferSerializer(rows[:limit], many=True).data,
+            }
+        )
+
+    @staticmethod
+    def _page_url(request: Request, limit: int, offset: int) -> str:
+        query = request.query_params.copy()
+        query["limit"], query["offset"] = str(limit), str(offset)
+        return request.build_absolute_uri(f"{request.path}?{query.urlencode()}")
 
 
 class ApiTokenListCreateView(APIView):

@@ -92,8 +92,9 @@ def test_offer_row_counts_free_gpus_right_now(api, fleet):
     rows = api.get("/api/v1/offers/", {"region": "us-west"}).json()["results"]
     assert len(rows) == 1
     row = rows[0]
-    assert (row["free_gpus"], row["gpu_model"], row["price_per_gpu_hour"]) == (
+    assert (row["free_gpus"], row["gpu_count"], row["gpu_model"], row["price_per_gpu_hour"]) == (
         1,
+        4,
         "l40s-48gb",
         "0.9000",
     )
@@ -102,9 +103,14 @@ def test_offer_row_counts_free_gpus_right_now(api, fleet):
 
 def test_offers_paginate(api, fleet):
     first = api.get("/api/v1/offers/", {"limit": 2}).json()
-    assert first["count"] == 5
-    second = api.get("/api/v1/offers/", {"limit": 2, "offset": 2}).json()
+    assert [r["node_id"] for r in first["results"]] == [fleet["n4"], fleet["n3"]]
+    assert first["previous"] is None
+    second = api.get(first["next"]).json()
     assert [r["node_id"] for r in second["results"]] == [fleet["n6"], fleet["n1"]]
+    last = api.get(second["next"]).json()
+    assert [r["node_id"] for r in last["results"]] == [fleet["n2"]]
+    assert last["next"] is None
+    assert "offset=2" in last["previous"]
 
 
 @pytest.mark.parametrize(
@@ -121,6 +127,8 @@ def test_offers_paginate(api, fleet):
         ({"gpu_family": "a100;drop"}, "gpu_family"),
         ({"region": "eu west"}, "region"),
         ({"min_free_gpus": "-3"}, "min_free_gpus"),
+        ({"limit": "0"}, "limit"),
+        ({"offset": "x"}, "offset"),
         ({"gpu": "a100"}, "gpu"),
     ],
 )
