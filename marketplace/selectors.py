@@ -6,9 +6,17 @@ from dataclasses import dataclass
 from decimal import Decimal
 
 from django.db import connection
-from django.db.models import Q, QuerySet
+from django.db.models import Prefetch, Q, QuerySet
 
-from marketplace.models import ApiToken, GpuModel, Node, User
+from marketplace.models import (
+    Allocation,
+    ApiToken,
+    GpuModel,
+    Node,
+    Rental,
+    RentalEvent,
+    User,
+)
 
 # ordering name -> SQL ORDER BY (whitelisted: never interpolate user text into SQL).
 OFFER_ORDERINGS = {
@@ -125,3 +133,27 @@ def node_list() -> QuerySet[Node]:
 
 def api_token_list(*, user: User) -> QuerySet[ApiToken]:
     return ApiToken.objects.filter(user=user)
+
+
+def rental_list(*, customer: User, status: str | None = None) -> QuerySet[Rental]:
+    rentals = Rental.objects.filter(customer=customer)
+    if status:
+        rentals = rentals.filter(status=status)
+    return rentals.order_by("-created_at")
+
+
+def rental_get(*, customer: User, rental_id) -> Rental | None:
+    """One of the customer's rentals with its history and GPUs; another account's id is None."""
+    return (
+        Rental.objects.filter(customer=customer, pk=rental_id)
+        .prefetch_related(
+            Prefetch("events", queryset=RentalEvent.objects.order_by("created_at", "id")),
+            Prefetch(
+                "allocations",
+                queryset=Allocation.objects.select_related("node", "gpu").order_by(
+                    "node_id", "gpu__index"
+                ),
+            ),
+        )
+        .first()
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import uuid
 from decimal import Decimal
@@ -84,3 +85,20 @@ def make_node(provider):
         )
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _catalog(request):
+    """Transactional tests flush every table, the migrated catalog included: load it again."""
+    if "transactional_db" not in request.fixturenames and not any(
+        m.kwargs.get("transaction") for m in request.node.iter_markers("django_db")
+    ):
+        yield
+        return
+    from django.apps import apps
+
+    from marketplace.models import GpuModel
+
+    if not GpuModel.objects.exists():
+        importlib.import_module("marketplace.migrations.0002_gpu_catalog").load(apps, None)
+    yield

@@ -149,7 +149,9 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BROKER_TRANSPORT_OPTIONS = {"socket_timeout": 10, "socket_connect_timeout": 5}
 CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=False)
-CELERY_BEAT_SCHEDULE: dict[str, dict] = {}
+CELERY_BEAT_SCHEDULE: dict[str, dict] = {
+    "scheduler-tick": {"task": "scheduler.tick", "schedule": timedelta(seconds=5)},
+}
 CELERY_BEAT_SCHEDULE_INTERVAL = timedelta(seconds=5)
 
 GPUMARKET = {

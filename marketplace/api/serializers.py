@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 from rest_framework import serializers
 
 from marketplace.models import ApiToken, GpuModel
@@ -130,3 +132,156 @@ class ApiTokenCreatedSerializer(ApiTokenSerializer):
 
     class Meta(ApiTokenSerializer.Meta):
         fields = [*ApiTokenSerializer.Meta.fields, "token"]
+
+
+class RuntimeSerializer(serializers.Serializer):
+    """What runs in the container: an image and a command, or the training harness config."""
+
+    image = serializers.RegexField(
+        r"^[a-z0-9][a-z0-9._/:@-]{0,254}$",
+        max_length=255,
+        help_text="a local or registry image reference",
+    )
+    command = serializers.ListField(
+        child=serializers.CharField(max_length=4096), max_length=64, required=False, default=list
+    )
+    harness_config = serializers.DictField(required=False, allow_null=True, default=None)
+    env = serializers.DictField(
+        child=serializers.CharField(max_length=4096, allow_blank=True),
+        required=False,
+        default=dict,
+    )
+    ports = serializers.ListField(
+        child=serializers.IntegerField(min_value=1, max_value=65535),
+        max_length=16,
+        required=False,
+        default=list,
+    )
+
+    def validate_env(self, value: dict) -> dict:
+        import re
+
+        if len(value) > 64:
+            raise serializers.ValidationError("at most 64 variables")
+        for key in value:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,127}", key):
+                raise serializers.ValidationError(f"bad variable name {key!r}")
+            if key.startswith(("GPUMARKET_", "NVIDIA_", "CUDA_VISIBLE")):
+                raise serializers.ValidationError(f"{key} is set by the platform")
+        return value
+
+    def validate_ports(self, value: list[int]) -> list[int]:
+        if len(set(value)) != len(value):
+            raise serializers.ValidationError("ports must be unique")
+        return value
+
+
+class RentalCreateSerializer(serializers.Serializer):
+    """A rental request: GPU constraints, placement, timing, pricing and the runtime."""
+
+    name = serializers.CharField(max_length=80, required=False, default="", allow_blank=True)
+    gpu_models = serializers.ListField(
+        child=serializers.SlugField(max_length=40), required=False, default=list, max_length=20
+    )
+    gpu_families = serializers.ListField(
+        child=serializers.SlugField(max_length=20), required=False, default=list, max_length=20
+    )
+    min_memory_gb = serializers.IntegerField(required=False, default=0, min_value=0)
+    min_tensor_tflops = serializers.DecimalField(
+        max_digits=7, decimal_places=2, required=False, default=0, min_value=0
+    )
+    gpus_per_node = serializers.IntegerField(min_value=1, max_value=64)
+    node_count = serializers.IntegerField(required=False, default=1, min_value=1, max_value=64)
+    same_group = serializers.BooleanField(
+        required=False, default=False, help_text="all GPUs of a node in one NVLink group"
+    )
+    region = serializers.SlugField(max_length=40, required=False, default="", allow_blank=True)
+    max_price_per_gpu_hour = serializers.DecimalField(
+        max_digits=10, decimal_places=4, required=False, allow_null=True, default=None,
+        min_value=0,
+    )  # fmt: skip
+    kind = serializers.ChoiceField(choices=["on_demand", "interruptible"], default="on_demand")
+    bid_per_gpu_hour = serializers.DecimalField(
+        max_digits=10, decimal_places=4, required=False, allow_null=True, default=None,
+        min_value=Decimal("0.0001"),
+    )  # fmt: skip
+    start_at = serializers.DateTimeField(required=False, allow_null=True, default=None)
+    start_deadline = serializers.DateTimeField(required=False, allow_null=True, default=None)
+    duration_s = serializers.IntegerField(required=False, min_value=60, max_value=30 * 86400)
+    end_at = serializers.DateTimeField(required=False)
+    runtime = RuntimeSerializer()
+
+    def validate(self, attrs):
+        unknown = set(self.initial_data) - set(self.fields)
+        if unknown:
+            raise serializers.ValidationError({name: ["unknown field"] for name in sorted(unknown)})
+        if ("duration_s" in attrs) == ("end_at" in attrs):
+            raise serializers.ValidationError({"duration_s": ["give duration_s or end_at"]})
+        if "end_at" in attrs:
+            from django.utils import timezone
+
+            start = attrs.get("start_at") or timezone.now()
+            seconds = int((attrs.pop("end_at") - start).total_seconds())
+            if seconds < 60:
+                raise serializers.ValidationError({"end_at": ["must be at least 60 s after start"]})
+            attrs["duration_s"] = seconds
+        return attrs
+
+
+class RentalEventSerializer(serializers.Serializer):
+    created_at = serializers.DateTimeField()
+    from_status = serializers.CharField()
+    to_status = serializers.CharField()
+    actor_kind = serializers.CharField()
+    reason = serializers.CharField()
+
+
+class AllocationSerializer(serializers.Serializer):
+    node = serializers.CharField(source="node.hostname")
+    gpu_index = serializers.IntegerField(source="gpu.index")
+    gpu_uuid = serializers.CharField(source="gpu.uuid")
+    start = serializers.DateTimeField(source="during.lower")
+    end = serializers.DateTimeField(source="during.upper")
+    released_at = serializers.DateTimeField()
+
+
+class RentalSerializer(serializers.Serializer):
+    id = serializers.UUIDField()
+    name = serializers.CharField()
+    status = serializers.CharField()
+    status_reason = serializers.CharField()
+    kind = serializers.CharField()
+    gpus_per_node = serializers.IntegerField()
+    node_count = serializers.IntegerField()
+    gpu_models = serializers.ListField(child=serializers.CharField())
+    gpu_families = serializers.ListField(child=serializers.CharField())
+    min_memory_gb = serializers.IntegerField()
+    min_tensor_tflops = serializers.DecimalField(max_digits=7, decimal_places=2)
+    same_group = serializers.BooleanField()
+    region = serializers.CharField()
+    max_price_per_gpu_hour = serializers.DecimalField(
+        max_digits=10, decimal_places=4, allow_null=True
+    )
+    bid_per_gpu_hour = serializers.DecimalField(max_digits=10, decimal_places=4, allow_null=True)
+    price_per_gpu_hour = serializers.DecimalField(
+        max_digits=10, decimal_places=4, allow_null=True, help_text="locked at booking"
+    )
+    start_at = serializers.DateTimeField()
+    start_deadline = serializers.DateTimeField()
+    duration_s = serializers.IntegerField()
+    scheduled_start = serializers.DateTimeField(allow_null=True)
+    scheduled_end = serializers.DateTimeField(allow_null=True)
+    started_at = serializers.DateTimeField(allow_null=True)
+    ended_at = serializers.DateTimeField(allow_null=True)
+    exit_code = serializers.IntegerField(allow_null=True)
+    image = serializers.CharField()
+    command = serializers.JSONField()
+    harness_config = serializers.JSONField()
+    ports = serializers.ListField(child=serializers.IntegerField())
+    created_at = serializers.DateTimeField()
+
+
+class RentalDetailSerializer(RentalSerializer):
+    events = RentalEventSerializer(many=True)
+    allocations = AllocationSerializer(many=True)
+    log_tail = serializers.CharField()

@@ -11,5 +11,11 @@ urlpatterns = [
     path("tokens/", views.ApiTokenListCreateView.as_view(), name="token-list"),
     path("tokens/<int:token_id>/revoke/", views.ApiTokenRevokeView.as_view(), name="token-revoke"),
     path("me/", views.MeView.as_view(), name="me"),
+    path("rentals/", views.RentalListCreateView.as_view(), name="rental-list"),
+    path("rentals/<uuid:rental_id>/", views.RentalDetailView.as_view(), name="rental-detail"),
+    path(
+        "rentals/<uuid:rental_id>/cancel/", views.RentalCancelView.as_view(), name="rental-cancel"
+    ),
+    path("rentals/<uuid:rental_id>/stop/", views.RentalStopView.as_view(), name="rental-stop"),
     *router.urls,
 ]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import permissions, status, viewsets
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from marketplace import selectors, services
+from marketplace.api.pagination import Pagination
 from marketplace.api.serializers import (
     ApiTokenCreatedSerializer,
     ApiTokenCreateSerializer,
@@ -17,6 +18,18 @@ from marketplace.api.serializers import (
     OfferPageSerializer,
     OfferQuerySerializer,
     OfferSerializer,
+    RentalCreateSerializer,
+    RentalDetailSerializer,
+    RentalSerializer,
+)
+from marketplace.errors import NotFound
+from marketplace.models import RentalStatus
+from marketplace.services.rentals import (
+    RentalRequest,
+    RuntimeSpec,
+    rental_cancel,
+    rental_create,
+    rental_stop,
 )
 
 
@@ -119,3 +132,70 @@ class MeView(APIView):
                 "providers": list(user.providers.values_list("name", flat=True)),
             }
         )
+
+
+class RentalListCreateView(APIView):
+    """Your rentals: list them (optionally by status), or ask for GPUs."""
+
+    @extend_schema(
+        parameters=[OpenApiParameter("status", str, enum=[s.value for s in RentalStatus])],
+        responses=RentalSerializer(many=True),
+    )
+    def get(self, request: Request) -> Response:
+        status_filter = request.query_params.get("status")
+        if status_filter and status_filter not in RentalStatus.values:
+            return Response({"status": ["unknown status"]}, status=status.HTTP_400_BAD_REQUEST)
+        paginator = Pagination()
+        page = paginator.paginate_queryset(
+            selectors.rental_list(customer=request.user, status=status_filter), request, self
+        )
+        return paginator.get_paginated_response(RentalSerializer(page, many=True).data)
+
+    @extend_schema(request=RentalCreateSerializer, responses={201: RentalDetailSerializer})
+    def post(self, request: Request) -> Response:
+        body = RentalCreateSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = dict(body.validated_data)
+        runtime = RuntimeSpec(**data.pop("runtime"))
+        rental = rental_create(
+            customer=request.user,
+            request=RentalRequest(
+                runtime=runtime,
+                gpu_models=tuple(data.pop("gpu_models")),
+                gpu_families=tuple(data.pop("gpu_families")),
+                **data,
+            ),
+        )
+        rental = selectors.rental_get(customer=request.user, rental_id=rental.pk)
+        return Response(RentalDetailSerializer(rental).data, status=status.HTTP_201_CREATED)
+
+
+class RentalDetailView(APIView):
+    """One of your rentals, with its event history and its GPUs."""
+
+    @extend_schema(responses=RentalDetailSerializer)
+    def get(self, request: Request, rental_id) -> Response:
+        rental = selectors.rental_get(customer=request.user, rental_id=rental_id)
+        if rental is None:
+            raise NotFound("no such rental")
+        return Response(RentalDetailSerializer(rental).data)
+
+
+class RentalCancelView(APIView):
+    """Cancel a rental that has not started; its GPUs are freed at once."""
+
+    @extend_schema(request=None, responses=RentalDetailSerializer)
+    def post(self, request: Request, rental_id) -> Response:
+        rental_cancel(customer=request.user, rental_id=rental_id)
+        rental = selectors.rental_get(customer=request.user, rental_id=rental_id)
+        return Response(RentalDetailSerializer(rental).data)
+
+
+class RentalStopView(APIView):
+    """Stop a rental: a running one checkpoints and stops; a waiting one is cancelled."""
+
+    @extend_schema(request=None, responses=RentalDetailSerializer)
+    def post(self, request: Request, rental_id) -> Response:
+        rental_stop(customer=request.user, rental_id=rental_id)
+        rental = selectors.rental_get(customer=request.user, rental_id=rental_id)
+        return Response(RentalDetailSerializer(rental).data)

@@ -1,54 +1,14 @@
-"""Every write of the marketplace: typed, keyword-only, each owning its transaction."""
+"""Inventory writes: listing nodes and their GPUs, and the ops actions on them."""
 
 from __future__ import annotations
 
-import hashlib
-import secrets
 from dataclasses import dataclass
-from datetime import datetime
 from decimal import Decimal
 
 from django.db import transaction
-from django.utils import timezone
 
 from marketplace.errors import Conflict, NotFound, ValidationFailed
-from marketplace.models import ApiToken, Gpu, GpuModel, Node, NodeEvent, NodeStatus, Provider, User
-
-TOKEN_PREFIX = "gpm"
-
-
-def token_hash(raw: str) -> str:
-    """SHA-256 is enough for 256-bit random secrets (no dictionary to guess from)."""
-    return hashlib.sha256(raw.encode()).hexdigest()
-
-
-def api_token_create(
-    *, user: User, name: str, expires_at: datetime | None = None
-) -> tuple[ApiToken, str]:
-    """Create a token; the raw secret is returned once and never stored."""
-    name = name.strip()
-    if not name:
-        raise ValidationFailed("a token needs a name", field="name")
-    if expires_at is not None and expires_at <= timezone.now():
-        raise ValidationFailed("expires_at must be in the future", field="expires_at")
-    prefix = secrets.token_hex(4)
-    raw = f"{TOKEN_PREFIX}_{prefix}_{secrets.token_urlsafe(32)}"
-    token = ApiToken.objects.create(
-        user=user, name=name, prefix=prefix, key_hash=token_hash(raw), expires_at=expires_at
-    )
-    return token, raw
-
-
-def api_token_revoke(*, user: User, token_id: int) -> ApiToken:
-    with transaction.atomic():
-        token = ApiToken.objects.select_for_update().filter(user=user, pk=token_id).first()
-        if token is None:
-            raise NotFound("no such token")
-        if token.revoked_at is None:
-            token.revoked_at = timezone.now()
-            token.save(update_fields=["revoked_at"])
-        return token
-
+from marketplace.models import Gpu, GpuModel, Node, NodeEvent, NodeStatus, Provider, User
 
 # Which ops actions may move a node from which status. OFFLINE <-> ONLINE is the agent's to say.
 _NODE_ACTIONS: dict[str, tuple[frozenset[str], str]] = {

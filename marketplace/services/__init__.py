@@ -1,0 +1,23 @@
+"""Every write of the marketplace: typed, keyword-only functions, each owning its transaction."""
+
+from marketplace.services.accounts import api_token_create, api_token_revoke, token_hash
+from marketplace.services.inventory import (
+    GpuSpec,
+    node_bring_online,
+    node_drain,
+    node_register,
+    node_set_maintenance,
+    node_set_status,
+)
+
+__all__ = [
+    "GpuSpec",
+    "api_token_create",
+    "api_token_revoke",
+    "node_bring_online",
+    "node_drain",
+    "node_register",
+    "node_set_maintenance",
+    "node_set_status",
+    "token_hash",
+]

@@ -1,0 +1,416 @@
+"""The binding of the pure engine to the database: snapshot in, decisions written.
+
+One cycle per pool at a time, under a PostgreSQL advisory lock. Whatever the engine decides,
+the exclusion constraint on allocations has the last word: a conflicting bind is rolled back and
+the rental stays PENDING for the next cycle ("re-plan"), so a cycle is safe to kill at any point.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from django.db import IntegrityError, connection, transaction
+from django.db.backends.postgresql.psycopg_any import DateTimeTZRange
+from django.db.models import QuerySet
+from django.utils import timezone
+
+from marketplace.models import (
+    Allocation,
+    Gpu,
+    Node,
+    NodeStatus,
+    Rental,
+    RentalEvent,
+    RentalKind,
+    RentalStatus,
+)
+from marketplace.services.rentals import allocations_release, rental_transition
+from scheduler.engine import planner
+from scheduler.engine import types as engine
+
+log = logging.getLogger(__name__)
+
+BIND_CHUNK = 500
+# Statuses whose allocations still hold GPUs.
+_HOLDING = (
+    RentalStatus.SCHEDULED,
+    RentalStatus.PROVISIONING,
+    RentalStatus.RUNNING,
+    RentalStatus.STOPPING,
+)
+
+
+def _ts(value: datetime) -> float:
+    return value.timestamp()
+
+
+def _dt(value: float) -> datetime:
+    return datetime.fromtimestamp(value, tz=UTC)
+
+
+def engine_nodes(nodes: QuerySet[Node] | Iterable[Node]) -> list[engine.Node]:
+    """Map node rows (with their GPUs) to the engine's value types, in two queries."""
+    rows = list(
+        nodes.values(
+            "id",
+            "region",
+            "pool",
+            "price_per_gpu_hour",
+            "min_bid_per_gpu_hour",
+            "reliability",
+            "nvlink",
+            "gpu_model__slug",
+            "gpu_model__family",
+            "gpu_model__memory_gb",
+            "gpu_model__tensor_tflops",
+        )
+        if isinstance(nodes, QuerySet)
+        else nodes
+    )
+    by_node: dict[int, list[engine.Gpu]] = {r["id"]: [] for r in rows}
+    info = {r["id"]: r for r in rows}
+    gpus = Gpu.objects.filter(node_id__in=list(by_node)).order_by("node_id", "index")
+    for gpu_id, node_id, index, group in gpus.values_list(
+        "id", "node_id", "index", "topology_group"
+    ):
+        r = info[node_id]
+        by_node[node_id].append(
+            engine.Gpu(
+                gpu_id=gpu_id,
+                node_id=node_id,
+                index=index,
+                model=r["gpu_model__slug"],
+                family=r["gpu_model__family"],
+                memory_gb=r["gpu_model__memory_gb"],
+                tensor_tflops=float(r["gpu_model__tensor_tflops"]),
+                group=group,
+                nvlink=r["nvlink"],
+            )
+        )
+    return [
+        engine.Node(
+            node_id=r["id"],
+            region=r["region"],
+            price_per_gpu_hour=r["price_per_gpu_hour"],
+            min_bid=r["min_bid_per_gpu_hour"],
+            reliability=float(r["reliability"]),
+            gpus=tuple(by_node[r["id"]]),
+            pool=r["pool"],
+        )
+        for r in rows
+    ]
+
+
+def engine_request(row: dict) -> engine.Request:
+    return engine.Request(
+        rental_id=row["id"],
+        created_at=_ts(row["created_at"]),
+        gpus_per_node=row["gpus_per_node"],
+        node_count=row["node_count"],
+        duration=float(row["duration_s"]),
+        start=_ts(row["start_at"]),
+        start_deadline=_ts(row["start_deadline"]),
+        priority=row["priority"],
+        gpu_models=frozenset(row["gpu_models"]) or None,
+        gpu_families=frozenset(row["gpu_families"]) or None,
+        min_memory_gb=row["min_memory_gb"],
+        min_tensor_tflops=float(row["min_tensor_tflops"]),
+        same_group=row["same_group"],
+        region=row["region"] or None,
+        pool=row["pool"],
+        max_price=row["max_price_per_gpu_hour"],
+        interruptible=row["kind"] == RentalKind.INTERRUPTIBLE,
+        bid=row["bid_per_gpu_hour"],
+    )
+
+
+_REQUEST_FIELDS = (
+    "id",
+    "created_at",
+    "gpus_per_node",
+    "node_count",
+    "duration_s",
+    "start_at",
+    "start_deadline",
+    "priority",
+    "gpu_models",
+    "gpu_families",
+    "min_memory_gb",
+    "min_tensor_tflops",
+    "same_group",
+    "region",
+    "pool",
+    "max_price_per_gpu_hour",
+    "kind",
+    "bid_per_gpu_hour",
+)
+
+
+def snapshot_take(*, pool: str, now: datetime) -> engine.Snapshot:
+    """Free capacity of the pool's online nodes, what holds it, and the pending queue."""
+    nodes = engine_nodes(Node.objects.filter(pool=pool, status=NodeStatus.ONLINE).order_by("id"))
+    node_ids = [n.node_id for n in nodes]
+    busy = [
+        engine.Busy(
+            gpu_id=gpu_id,
+            rental_id=rental_id,
+            start=_ts(during.lower),
+            end=_ts(during.upper),
+            interruptible=kind == RentalKind.INTERRUPTIBLE,
+            price=price or 0,
+            priority=priority,
+        )
+        for gpu_id, rental_id, during, kind, price, priority in Allocation.objects.filter(
+            node_id__in=node_ids, released_at__isnull=True, during__endswith__gt=now
+        ).values_list(
+            "gpu_id",
+            "rental_id",
+            "during",
+            "rental__kind",
+            "rental__price_per_gpu_hour",
+            "rental__priority",
+        )
+    ]
+    pending = [
+        engine_request(row)
+        for row in Rental.objects.filter(pool=pool, status=RentalStatus.PENDING)
+        .order_by("created_at")
+        .values(*_REQUEST_FIELDS)
+    ]
+    return engine.Snapshot(
+        now=_ts(now), nodes=tuple(nodes), busy=tuple(busy), pending=tuple(pending)
+    )
+
+
+@dataclass
+class CycleResult:
+    """What one cycle did, for logs, tests and the benchmark."""
+
+    ran: bool = False
+    rounds: int = 0
+    placed: int = 0
+    conflicts: int = 0
+    preempted: int = 0
+    expired: int = 0
+    waiting: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def _lock_key(pool: str) -> int:
+    digest = hashlib.blake2b(f"scheduler:{pool}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+@contextmanager
+def pool_lock(pool: str) -> Iterator[bool]:
+    """A session advisory lock: one cycle per pool cluster-wide; a killed worker's connection
+    drops and PostgreSQL releases the lock with it."""
+    key = _lock_key(pool)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_try_advisory_lock(%s)", [key])
+        got = cursor.fetchone()[0]
+    try:
+        yield got
+    finally:
+        if got:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_advisory_unlock(%s)", [key])
+
+
+def _bind_chunk(placements: list[engine.Placement], now: datetime) -> list[engine.Placement]:
+    """Bind a chunk in the caller's transaction; returns those whose rental was still PENDING."""
+    values = []
+    params: list = []
+    for p in placements:
+        values.append("(%s::uuid, %s::numeric, %s::timestamptz, %s::timestamptz)")
+        params.extend([str(p.rental_id), p.price_per_gpu_hour, _dt(p.start), _dt(p.end)])
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"""
+            UPDATE marketplace_rental r
+            SET status = %s, status_reason = %s, price_per_gpu_hour = v.price,
+                scheduled_start = v.s, scheduled_end = v.e, updated_at = %s
+            FROM (VALUES {", ".join(values)}) AS v(id, price, s, e)
+            WHERE r.id = v.id AND r.status = %s
+            RETURNING r.id
+            """,  # noqa: S608 - only placeholders are interpolated
+            [RentalStatus.SCHEDULED, "placed", now, *params, RentalStatus.PENDING],
+        )
+        bound_ids = {str(row[0]) for row in cursor.fetchall()}
+    bound = [p for p in placements if str(p.rental_id) in bound_ids]
+    if not bound:
+        return []
+    gpu_node = {}
+    allocations = []
+    for p in bound:
+        during = DateTimeTZRange(_dt(p.start), _dt(p.end), "[)")
+        for node_id, gpu_ids in p.nodes:
+            for gpu_id in gpu_ids:
+                gpu_node[gpu_id] = node_id
+                allocations.append(
+                    Allocation(rental_id=p.rental_id, gpu_id=gpu_id, node_id=node_id, during=during)
+                )
+    Allocation.objects.bulk_create(allocations)
+    RentalEvent.objects.bulk_create(
+        RentalEvent(
+            rental_id=p.rental_id,
+            from_status=RentalStatus.PENDING,
+            to_status=RentalStatus.SCHEDULED,
+            actor_kind=RentalEvent.Actor.SCHEDULER,
+            reason=f"placed on node(s) {', '.join(str(n) for n, _ in p.nodes)} "
+            f"at ${p.price_per_gpu_hour}/GPU-hour",
+        )
+        for p in bound
+    )
+    return bound
+
+
+def allocation_bind(
+    *, placements: list[engine.Placement], now: datetime
+) -> tuple[list[engine.Placement], list[engine.Placement]]:
+    """Write placements as allocation rows, a chunk per transaction; returns (bound, conflicts).
+
+    A chunk that hits the exclusion constraint is retried placement by placement, each in its
+    own savepoint, so one conflict (another writer got there first) costs only that rental a
+    cycle of waiting.
+    """
+    bound: list[engine.Placement] = []
+    conflicts: list[engine.Placement] = []
+    for i in range(0, len(placements), BIND_CHUNK):
+        chunk = placements[i : i + BIND_CHUNK]
+        try:
+            with transaction.atomic():
+                bound.extend(_bind_chunk(chunk, now))
+        except IntegrityError:
+            for p in chunk:
+                try:
+                    with transaction.atomic():
+                        bound.extend(_bind_chunk([p], now))
+                except IntegrityError:
+                    conflicts.append(p)
+    if conflicts:
+        log.info("bind conflicts, re-planned next cycle: %d", len(conflicts))
+    return bound, conflicts
+
+
+def _apply_preemptions(preemptions: tuple[engine.Preemption, ...], now: datetime) -> int:
+    done = 0
+    for pre in preemptions:
+        with transaction.atomic():
+            rental = Rental.objects.select_for_update().filter(pk=pre.victim_rental_id).first()
+            if rental is None or rental.status not in _HOLDING:
+                continue
+            allocations_release(rental=rental, at=now)
+            rental_transition(
+                rental=rental,
+                to_status=RentalStatus.PREEMPTED,
+                actor_kind=RentalEvent.Actor.SCHEDULER,
+                reason=pre.reason,
+                ended_at=now,
+            )
+            done += 1
+    return done
+
+
+def _apply_expiry(expired: tuple[engine.Expired, ...], now: datetime) -> int:
+    done = 0
+    for exp in expired:
+        with transaction.atomic():
+            rental = (
+                Rental.objects.select_for_update()
+                .filter(pk=exp.rental_id, status=RentalStatus.PENDING)
+                .first()
+            )
+            if rental is None:
+                continue
+            rental_transition(
+                rental=rental,
+                to_status=RentalStatus.EXPIRED,
+                actor_kind=RentalEvent.Actor.SCHEDULER,
+                reason=exp.reason,
+                ended_at=now,
+            )
+            done += 1
+    return done
+
+
+def _apply_waiting(waiting: tuple[engine.Waiting, ...]) -> None:
+    """Show each waiting customer why, writing only reasons that changed."""
+    if not waiting:
+        return
+    for i in range(0, len(waiting), BIND_CHUNK):
+        chunk = waiting[i : i + BIND_CHUNK]
+        values = ", ".join(["(%s::uuid, %s)"] * len(chunk))
+        params = [x for w in chunk for x in (str(w.rental_id), w.reason[:500])]
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"""
+                UPDATE marketplace_rental r SET status_reason = v.reason
+                FROM (VALUES {values}) AS v(id, reason)
+                WHERE r.id = v.id AND r.status = %s AND r.status_reason IS DISTINCT FROM v.reason
+                """,  # noqa: S608 - only placeholders are interpolated
+                [*params, RentalStatus.PENDING],
+            )
+
+
+def plan_apply(*, plan: engine.Plan, now: datetime, result: CycleResult) -> None:
+    """Preemptions first (they free what placements use), then expiry, binds, reasons."""
+    result.preempted += _apply_preemptions(plan.preemptions, now)
+    result.expired += _apply_expiry(plan.expired, now)
+    bound, conflicts = allocation_bind(placements=list(plan.placements), now=now)
+    result.placed += len(bound)
+    result.conflicts += len(conflicts)
+    _apply_waiting(plan.waiting)
+    result.waiting = len(plan.waiting)
+
+
+def scheduler_cycle_run(
+    *, pool: str = "default", max_rounds: int = 5, policy: engine.Policy | None = None
+) -> CycleResult:
+    """Plan and bind the pool's pending rentals; skipped when another cycle holds the pool.
+
+    Rounds repeat while rentals arrived after the last snapshot, so a burst of creates that
+    found the lock taken is still served by the cycle that holds it.
+    """
+    result = CycleResult()
+    with pool_lock(pool) as got:
+        if not got:
+            return result
+        result.ran = True
+        for _ in range(max_rounds):
+            now = timezone.now()
+            t0 = time.perf_counter()
+            snapshot = snapshot_take(pool=pool, now=now)
+            t1 = time.perf_counter()
+            if not snapshot.pending:
+                break
+            decided = planner.plan(snapshot, policy or planner.DEFAULT_POLICY)
+            t2 = time.perf_counter()
+            plan_apply(plan=decided, now=now, result=result)
+            t3 = time.perf_counter()
+            result.rounds += 1
+            for name, secs in (("snapshot", t1 - t0), ("plan", t2 - t1), ("bind", t3 - t2)):
+                result.seconds[name] = result.seconds.get(name, 0.0) + secs
+            newest = max(_dt(r.created_at) for r in snapshot.pending)
+            if not Rental.objects.filter(
+                pool=pool, status=RentalStatus.PENDING, created_at__gt=newest
+            ).exists():
+                break
+    if result.ran:
+        log.info("scheduler cycle %s: %s", pool, result)
+    return result
+
+
+def pools_with_pending() -> list[str]:
+    return list(
+        Rental.objects.filter(status=RentalStatus.PENDING)
+        .values_list("pool", flat=True)
+        .distinct()
+        .order_by("pool")
+    )

@@ -1,0 +1,153 @@
+"""The rentals API: create, validation, refusal of what can never fit, ownership, cancel, stop."""
+
+import pytest
+
+from marketplace.models import Rental, RentalEvent, RentalStatus
+from marketplace.services import api_token_create
+from scheduler.services import scheduler_cycle_run
+from tests.factories import UserFactory
+
+pytestmark = pytest.mark.django_db
+
+BODY = {
+    "name": "llm-finetune",
+    "gpu_families": ["a100"],
+    "gpus_per_node": 4,
+    "same_group": True,
+    "region": "eu",
+    "max_price_per_gpu_hour": "2.00",
+    "duration_s": 7200,
+    "runtime": {
+        "image": "gpumarket/harness:dev",
+        "harness_config": {"model": {"name": "gpt"}},
+        "env": {"WANDB_MODE": "offline"},
+        "ports": [8888],
+    },
+}
+
+
+@pytest.fixture
+def node(make_node):
+    return make_node(card="a100-sxm4-80gb", region="eu-west", price="1.50", nvlink=True,
+                     group_size=4)  # fmt: skip
+
+
+def test_create_stores_a_pending_rental_with_its_first_event(auth_api, user, node):
+    r = auth_api.post("/api/v1/rentals/", BODY, format="json")
+    assert r.status_code == 201, r.content
+    body = r.json()
+    assert body["status"] == "pending"
+    assert [e["to_status"] for e in body["events"]] == ["pending"]
+    rental = Rental.objects.get(pk=body["id"])
+    assert (rental.customer, rental.gpus_per_node, rental.region) == (user, 4, "eu")
+    assert rental.env == {"WANDB_MODE": "offline"} and rental.ports == [8888]
+    scheduler_cycle_run()
+    detail = auth_api.get(f"/api/v1/rentals/{rental.pk}/").json()
+    assert detail["status"] == "scheduled"
+    assert detail["price_per_gpu_hour"] == "1.5000"
+    assert [a["gpu_index"] for a in detail["allocations"]] == [0, 1, 2, 3]
+
+
+def test_end_at_gives_the_duration(auth_api, node):
+    body = {k: v for k, v in BODY.items() if k != "duration_s"}
+    body["start_at"] = "2099-01-01T00:00:00Z"
+    body["end_at"] = "2099-01-01T02:00:00Z"
+    r = auth_api.post("/api/v1/rentals/", body, format="json")
+    # 2099 is beyond the 90-day booking horizon: refused, naming the field.
+    assert r.status_code == 400 and "start_at" in r.json()
+
+
+@pytest.mark.parametrize(
+    ("patch", "field"),
+    [
+        ({"gpus_per_node": 0}, "gpus_per_node"),
+        ({"gpus_per_node": "four"}, "gpus_per_node"),
+        ({"max_price_per_gpu_hour": "-1"}, "max_price_per_gpu_hour"),
+        ({"kind": "spot"}, "kind"),
+        ({"kind": "interruptible"}, "bid_per_gpu_hour"),
+        ({"bid_per_gpu_hour": "0.5"}, "bid_per_gpu_hour"),
+        ({"duration_s": 10}, "duration_s"),
+        ({"region": "eu west"}, "region"),
+        ({"gpu_models": ["no-such-card"]}, "gpu_models"),
+        ({"start_at": "yesterday"}, "start_at"),
+        ({"start_at": "2020-01-01T00:00:00Z"}, "start_at"),
+        ({"gpus": 4}, "gpus"),
+        ({"runtime": {"image": "Bad Image!"}}, "runtime"),
+        ({"runtime": {"image": "x", "ports": [70000]}}, "runtime"),
+        ({"runtime": {"image": "x", "env": {"CUDA_VISIBLE_DEVICES": "0"}}}, "runtime"),
+    ],
+)
+def test_bad_input_is_400_naming_the_field_and_stores_nothing(auth_api, node, patch, field):
+    r = auth_api.post("/api/v1/rentals/", {**BODY, **patch}, format="json")
+    assert r.status_code == 400, r.content
+    assert field in r.json()
+    assert Rental.objects.count() == 0 and RentalEvent.objects.count() == 0
+
+
+@pytest.mark.parametrize(
+    ("patch", "words"),
+    [
+        ({"gpus_per_node": 16}, "has 16 matching GPUs"),
+        ({"gpu_families": ["h100"]}, "has 4 matching GPUs"),
+        ({"region": "us"}, "no node in region us"),
+        ({"max_price_per_gpu_hour": "1.00"}, "price"),
+        ({"node_count": 2}, "only 1 matching nodes"),
+    ],
+)
+def test_a_request_that_can_never_fit_is_refused_with_the_reason(auth_api, node, patch, words):
+    r = auth_api.post("/api/v1/rentals/", {**BODY, **patch}, format="json")
+    assert r.status_code == 400
+    assert words in r.json()["detail"]
+    assert Rental.objects.count() == 0
+
+
+def test_customers_see_and_touch_only_their_own_rentals(auth_api, node):
+    mine = auth_api.post("/api/v1/rentals/", BODY, format="json").json()["id"]
+    other = UserFactory()
+    _, raw = api_token_create(user=other, name="t")
+    from rest_framework.test import APIClient
+
+    theirs = APIClient()
+    theirs.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
+    assert theirs.get("/api/v1/rentals/").json()["results"] == []
+    for method, url in [
+        ("get", f"/api/v1/rentals/{mine}/"),
+        ("post", f"/api/v1/rentals/{mine}/cancel/"),
+        ("post", f"/api/v1/rentals/{mine}/stop/"),
+    ]:
+        assert getattr(theirs, method)(url).status_code == 404
+    assert Rental.objects.get(pk=mine).status == RentalStatus.PENDING
+    assert [r["id"] for r in auth_api.get("/api/v1/rentals/").json()["results"]] == [mine]
+
+
+def test_cancel_frees_the_gpus_and_records_the_event(auth_api, node):
+    rental_id = auth_api.post("/api/v1/rentals/", BODY, format="json").json()["id"]
+    scheduler_cycle_run()
+    r = auth_api.post(f"/api/v1/rentals/{rental_id}/cancel/")
+    assert r.status_code == 200
+    assert r.json()["status"] == "cancelled"
+    assert all(a["released_at"] for a in r.json()["allocations"])
+    offers = auth_api.get("/api/v1/offers/").json()["results"]
+    assert offers[0]["free_gpus"] == 8
+    assert auth_api.post(f"/api/v1/rentals/{rental_id}/cancel/").status_code == 409
+
+
+def test_stop_of_a_running_rental_asks_the_agent_to_stop(auth_api, node):
+    from django.db import transaction
+
+    from marketplace.services.rentals import rental_transition
+
+    rental_id = auth_api.post("/api/v1/rentals/", BODY, format="json").json()["id"]
+    scheduler_cycle_run()
+    with transaction.atomic():
+        rental = Rental.objects.select_for_update().get(pk=rental_id)
+        rental_transition(rental=rental, to_status="provisioning", actor_kind="agent")
+        rental_transition(rental=rental, to_status="running", actor_kind="agent")
+    r = auth_api.post(f"/api/v1/rentals/{rental_id}/stop/")
+    assert r.json()["status"] == "stopping"
+    assert auth_api.post(f"/api/v1/rentals/{rental_id}/cancel/").status_code == 409
+
+
+def test_unknown_status_filter_is_400(auth_api):
+    r = auth_api.get("/api/v1/rentals/", {"status": "sleeping"})
+    assert r.status_code == 400 and "status" in r.json()
