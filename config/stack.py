@@ -51,6 +51,43 @@ def _docker_engine(env: dict[str, str]) -> None:
         subprocess.run(["bash", str(image_script)], cwd=ROOT, env=env, check=True)
 
 
+def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 30) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.5).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{what} did not listen on {port} within {timeout:.0f} s")
+
+
+def _localstripe(env: dict[str, str]) -> subprocess.Popen:
+    """A stateful Stripe-compatible server for the suite; the keys are its placeholders."""
+    from config.embedded import _free_port
+
+    port = _free_port()
+    log_file = (VAR / "test" / "localstripe.log").open("wb")
+    proc = subprocess.Popen(
+        [str(BIN / "localstripe"), "--port", str(port), "--from-scratch"],
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    _wait_port(port, proc, "localstripe")
+    env.update(
+        STRIPE_API_BASE=f"http://127.0.0.1:{port}",
+        STRIPE_SECRET_KEY="sk_test_localstripe",
+        STRIPE_PUBLISHABLE_KEY="pk_test_localstripe",
+        STRIPE_WEBHOOK_SECRET="whsec_test_localstripe",
+    )
+    return proc
+
+
 def cmd_test(pytest_args: list[str]) -> int:
     services = ensure_services(VAR / "test", durable=False)
     env = dict(os.environ)
@@ -77,8 +114,13 @@ def cmd_test(pytest_args: list[str]) -> int:
                 return 1
         print("== docker engine and harness image", flush=True)
         _docker_engine(env)
+        print("== localstripe", flush=True)
+        stripe_server = _localstripe(env)
         print("== pytest", flush=True)
-        code = _run([sys.executable, "-m", "pytest", *pytest_args], env)
+        try:
+            code = _run([sys.executable, "-m", "pytest", *pytest_args], env)
+        finally:
+            stripe_server.terminate()
         if code == 5:
             print("FAILED: pytest collected no tests", flush=True)
             return 1

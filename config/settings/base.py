@@ -154,6 +154,15 @@ CELERY_BEAT_SCHEDULE: dict[str, dict] = {
 }
 CELERY_BEAT_SCHEDULE_INTERVAL = timedelta(seconds=5)
 
+# Stripe: without a secret key everything but card payments works (ops credit accounts by hand).
+STRIPE_SECRET_KEY = env.str("STRIPE_SECRET_KEY", default="")
+STRIPE_PUBLISHABLE_KEY = env.str("STRIPE_PUBLISHABLE_KEY", default="")
+STRIPE_WEBHOOK_SECRET = env.str("STRIPE_WEBHOOK_SECRET", default="")
+# Points the SDK at a Stripe-compatible server (localstripe in the test suite).
+STRIPE_API_BASE = env.str("STRIPE_API_BASE", default="")
+STRIPE_CONNECT_ENABLED = env.bool("STRIPE_CONNECT_ENABLED", default=False)
+STRIPE_TIMEOUT_S = env.float("STRIPE_TIMEOUT_S", default=10.0)
+
 GPUMARKET = {
     # Agents that have not heartbeaten for this long are marked OFFLINE.
     "NODE_SILENCE_TIMEOUT_S": env.int("NODE_SILENCE_TIMEOUT_S", default=60),

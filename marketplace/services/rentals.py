@@ -276,6 +276,30 @@ def rental_cancel(
         )
 
 
+def rental_stop_by_system(*, rental_id, actor_kind: str, reason: str) -> Rental | None:
+    """Stop (or cancel, if not started) a rental for the platform: billing at zero balance,
+    ops, a lost node. Returns None when the rental is already over."""
+    with transaction.atomic():
+        rental = Rental.objects.select_for_update().filter(pk=rental_id).first()
+        if rental is None or rental.status in TERMINAL_STATUSES:
+            return None
+        if rental.status == RentalStatus.STOPPING:
+            return rental
+        if rental.status in (RentalStatus.PENDING, RentalStatus.SCHEDULED):
+            now = timezone.now()
+            allocations_release(rental=rental, at=now)
+            return rental_transition(
+                rental=rental,
+                to_status=RentalStatus.CANCELLED,
+                actor_kind=actor_kind,
+                reason=reason,
+                ended_at=now,
+            )
+        return rental_transition(
+            rental=rental, to_status=RentalStatus.STOPPING, actor_kind=actor_kind, reason=reason
+        )
+
+
 def rental_stop(*, customer: User, rental_id, reason: str = "stopped by the customer") -> Rental:
     """Ask a running rental to stop: the agent checkpoints (SIGTERM), stops and reports."""
     with transaction.atomic():
