@@ -1,0 +1,199 @@
+#!/usr/bin/env bash
+# Build the harness image for tests and the dev stack without any container registry.
+#
+#   deploy/harness/build-offline.sh                      # -> gpumarket/harness:dev
+#   GPUMARKET_HARNESS_IMAGE=my/harness:x deploy/harness/build-offline.sh
+#
+# How it differs from the production image (deploy/harness/Dockerfile):
+#   - production starts FROM a CUDA PyTorch base image pulled from a registry and runs on GPU hosts
+#     with the NVIDIA runtime; this image has no registry ancestry at all: its base is a Debian
+#     bookworm root filesystem made with debootstrap from Debian's mirror and `docker import`ed,
+#     with the CPU build of torch (no CUDA libraries), so it runs on any x86_64 Docker Engine and is
+#     a fraction of the size;
+#   - Python is Debian's python3 (3.11) with the wheels installed into
+#     /usr/local/lib/python3.11/dist-packages by the host's pip (cp311 manylinux wheels, the same
+#     versions as the project's virtualenv), not a conda/pip environment of the CUDA base;
+#   - the harness code is a second, cheap layer (`FROM <base>` + `COPY harness`), so changing
+#     harness code rebuilds in seconds while the base is reused.
+# Both images run the harness as the non-root user `harness` (uid/gid 1000) with /workspace as
+# the working directory (the rental's volume) and `python -m harness` available.
+#
+# Idempotent and cached:
+#   - the base image gpumarket/harness-base:dev is rebuilt only when its recipe key (package
+#     versions + recipe version) changes; the key is stored in the image as GPUMARKET_BASE_KEY;
+#   - the root filesystem tarball is cached under .var/cache/harness-rootfs/ (git-ignored), so an
+#     engine with an empty data root re-imports it without another debootstrap;
+#   - the harness layer relies on the builder's cache for COPY (unchanged code: no new layer).
+#
+# Settings (environment): GPUMARKET_HARNESS_IMAGE, GPUMARKET_HARNESS_BASE_IMAGE,
+# GPUMARKET_HARNESS_CACHE, DEBIAN_MIRROR, GPUMARKET_TORCH_SPEC, PYTHON (interpreter whose pip
+# installs the wheels; default: the repo's .venv, else python3).
+# Needs root (debootstrap) and an answering engine (see deploy/docker-engine.sh).
+set -euo pipefail
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+IMAGE="${GPUMARKET_HARNESS_IMAGE:-${1:-gpumarket/harness:dev}}"
+BASE_IMAGE="${GPUMARKET_HARNESS_BASE_IMAGE:-gpumarket/harness-base:dev}"
+CACHE="${GPUMARKET_HARNESS_CACHE:-$REPO_ROOT/.var/cache/harness-rootfs}"
+MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+SUITE=bookworm
+# Bump when the recipe below changes in a way the package versions do not capture.
+RECIPE_VERSION=3
+HARNESS_UID=1000
+
+log() { echo "build-offline: $*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+
+[[ "$(id -u)" == 0 ]] || die "needs root (debootstrap, chroot-less rootfs ownership)"
+docker info >/dev/null 2>&1 || die "no Docker Engine answers; run: export DOCKER_HOST=\$(deploy/docker-engine.sh)"
+
+if [[ -n "${PYTHON:-}" ]]; then
+    PY="$PYTHON"
+elif [[ -x "$REPO_ROOT/.venv/bin/python" ]]; then
+    PY="$REPO_ROOT/.venv/bin/python"
+else
+    PY="$(command -v python3)"
+fi
+
+mkdir -p "$CACHE"
+exec 9>"$CACHE/.lock"
+flock 9  # parallel callers (test sessions) build once, the others then find the image
+
+# Pin the image to the versions the project's virtualenv was tested with; fall back to the
+# newest wheels (within pip's configured constraints) where a package is not installed there.
+pinned() {  # $1: distribution name
+    local v
+    if v="$("$PY" -c "import importlib.metadata as m; print(m.version('$1'))" 2>/dev/null)"; then
+        echo "$1==$v"
+    else
+        echo "$1"
+    fi
+}
+TORCH_SPEC="${GPUMARKET_TORCH_SPEC:-torch==2.13.0+cpu}"
+REQUIREMENTS=("$TORCH_SPEC" "$(pinned numpy)" "$(pinned scikit-learn)" "$(pinned scipy)"
+    "$(pinned joblib)" "$(pinned threadpoolctl)" "$(pinned PyYAML)")
+BASE_KEY="$(printf '%s\n' "$RECIPE_VERSION" "$SUITE" "${REQUIREMENTS[@]}" | sha256sum | cut -c1-16)"
+TARBALL="$CACHE/base-$BASE_KEY.tar"
+
+base_key_of_image() {
+    docker image inspect --format '{{range .Config.Env}}{{println .}}{{end}}' "$BASE_IMAGE" \
+        2>/dev/null | sed -n 's/^GPUMARKET_BASE_KEY=//p'
+}
+
+cleanup_rootfs() {  # $1: rootfs dir; unmount whatever a failed debootstrap left mounted first
+    local dir="$1"
+    [[ -d "$dir" ]] || return 0
+    { findmnt -rn -o TARGET | grep -F "$dir/" || true; } | sort -r | while read -r mnt; do
+        umount -l "$mnt" || true
+    done
+    rm -rf --one-file-system "$dir"
+}
+
+build_rootfs_tarball() {
+    command -v debootstrap >/dev/null 2>&1 || {
+        log "installing debootstrap"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends debootstrap >&2 ||
+            { apt-get update -q >&2 &&
+                DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends debootstrap >&2; }
+    }
+    local rootfs="$CACHE/rootfs.$$"
+    trap 'cleanup_rootfs "'"$rootfs"'"' EXIT
+    mkdir -p "$CACHE/debs"
+    log "debootstrap $SUITE (minbase + python3) from $MIRROR"
+    debootstrap --variant=minbase --include=python3,python-is-python3 \
+        --cache-dir="$CACHE/debs" "$SUITE" "$rootfs" "$MIRROR" >&2
+
+    local site="$rootfs/usr/local/lib/python3.11/dist-packages"
+    local platforms=(--platform manylinux2014_x86_64 --platform manylinux2010_x86_64
+        --platform manylinux1_x86_64)
+    for minor in $(seq 5 36); do  # bookworm's glibc is 2.36
+        platforms+=(--platform "manylinux_2_${minor}_x86_64")
+    done
+    local find_links=()
+    [[ -d /opt/wheels ]] && find_links=(--find-links /opt/wheels)
+    log "installing ${REQUIREMENTS[*]} into the rootfs"
+    mkdir -p "$site"
+    "$PY" -m pip install -q --disable-pip-version-check --no-warn-script-location \
+        --target "$site" --only-binary=:all: --python-version 3.11 --implementation cp \
+        --abi cp311 "${platforms[@]}" "${find_links[@]}" "${REQUIREMENTS[@]}" 2>&1 |
+        { grep -v "^WARNING: Location .* is ignored" || true; } >&2
+
+    # Size: headers, CMake files, C++ test binaries and the libraries' own test suites are never
+    # used at run time (torch_shm_manager is: DataLoader workers share tensors through it).
+    rm -rf "$site/torch/include" "$site/torch/share/cmake" "$site/torch/test" "$site/bin"
+    find "$site/torch/bin" -mindepth 1 -maxdepth 1 ! -name torch_shm_manager -exec rm -rf {} +
+    find "$site/numpy" "$site/scipy" "$site/sklearn" -depth -type d -name tests \
+        -exec rm -rf {} +
+    rm -rf "$rootfs"/usr/share/{doc,man,info}/* "$rootfs"/var/cache/apt/*.bin \
+        "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
+    find "$rootfs/usr/share/locale" -mindepth 1 -maxdepth 1 ! -name 'locale.alias' \
+        -exec rm -rf {} + 2>/dev/null || true
+
+    # The non-root user the harness runs as; written directly (no chroot needed).
+    echo "harness:x:$HARNESS_UID:$HARNESS_UID::/home/harness:/bin/sh" >>"$rootfs/etc/passwd"
+    echo "harness:x:$HARNESS_UID:" >>"$rootfs/etc/group"
+    echo "harness:!:19000:0:99999:7:::" >>"$rootfs/etc/shadow"
+    mkdir -p "$rootfs/home/harness" "$rootfs/workspace" "$rootfs/opt/harness"
+    chown "$HARNESS_UID:$HARNESS_UID" "$rootfs/home/harness" "$rootfs/workspace"
+
+    log "packing $TARBALL"
+    tar --numeric-owner -C "$rootfs" --exclude='./dev/*' --exclude='./proc/*' \
+        --exclude='./sys/*' --exclude='./run/*' -cf "$TARBALL.tmp" .
+    mv "$TARBALL.tmp" "$TARBALL"
+    find "$CACHE" -maxdepth 1 -name 'base-*.tar' ! -name "base-$BASE_KEY.tar" -delete
+    cleanup_rootfs "$rootfs"
+    trap - EXIT
+}
+
+import_base() {
+    log "importing $TARBALL as $BASE_IMAGE"
+    docker import \
+        --change "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" \
+        --change "ENV LANG=C.UTF-8" \
+        --change "ENV PYTHONUNBUFFERED=1" \
+        --change "ENV PYTHONPATH=/opt/harness" \
+        --change "ENV HOME=/home/harness" \
+        --change "ENV GPUMARKET_BASE_KEY=$BASE_KEY" \
+        --change "WORKDIR /workspace" \
+        --change "USER harness" \
+        --change 'CMD ["python3", "-m", "harness"]' \
+        "$TARBALL" "$BASE_IMAGE" >/dev/null
+}
+
+if [[ "$(base_key_of_image)" == "$BASE_KEY" ]]; then
+    log "base image $BASE_IMAGE is current (key $BASE_KEY)"
+else
+    [[ -s "$TARBALL" ]] || build_rootfs_tarball
+    import_base
+fi
+
+# The harness layer: a tiny local build context with only the harness package.
+CONTEXT="$(mktemp -d)"
+trap 'rm -rf "$CONTEXT"' EXIT
+if [[ -d "$REPO_ROOT/harness" ]]; then
+    cp -a "$REPO_ROOT/harness" "$CONTEXT/harness"
+    find "$CONTEXT/harness" -name '__pycache__' -type d -prune -exec rm -rf {} +
+else
+    log "warning: $REPO_ROOT/harness does not exist; the image carries no harness code"
+    mkdir "$CONTEXT/harness"
+fi
+cat >"$CONTEXT/Dockerfile" <<EOF
+FROM $BASE_IMAGE
+COPY harness /opt/harness/harness
+LABEL org.opencontainers.image.title="gpumarket-harness (offline, CPU)" \\
+      gpumarket.harness.base-key="$BASE_KEY"
+EOF
+before="$(docker image inspect --format '{{.Id}}' "$IMAGE" 2>/dev/null || true)"
+# The classic builder: it uses the local base image as is and never contacts a registry.
+# Its deprecation notice is filtered out of the output.
+DOCKER_BUILDKIT=0 docker build -q -t "$IMAGE" "$CONTEXT" 2>&1 >/dev/null |
+    { grep -vE 'DEPRECATED|BuildKit|environment-variable|^\s*$' || true; } >&2
+after="$(docker image inspect --format '{{.Id}}' "$IMAGE")"
+
+if [[ "$before" != "$after" ]]; then
+    log "smoke test of $IMAGE"
+    docker run --rm --network none "$IMAGE" python -c \
+        "import torch, numpy, sklearn, scipy, yaml; print('torch', torch.__version__)" >&2
+fi
+log "built $IMAGE ($(docker image inspect --format '{{.Size}}' "$IMAGE" | numfmt --to=iec))"
+echo "$IMAGE"
