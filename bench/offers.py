@@ -37,7 +37,10 @@ SELECT n.id AS node_id, n.hostname, p.name AS provider, n.region, n.nvlink, n.si
        n.disk_gb, n.cuda_version, n.gpu_count, m.slug AS gpu_model, m.name AS gpu_name,
        m.memory_gb, m.tensor_tflops,
        n.gpu_count - COALESCE(busy.held, 0) AS free_gpus,
-       round(n.price_per_gpu_hour / m.tensor_tflops, 6) AS price_per_tflop_hour
+       round(n.price_per_gpu_hour / m.tensor_tflops, 6) AS price_per_tflop_hour,
+       n.measured_tflops,
+       round(n.price_per_gpu_hour / NULLIF(n.measured_tflops, 0)::numeric, 6)
+           AS price_per_measured_tflop_hour
 FROM marketplace_node n
 JOIN marketplace_gpumodel m ON m.id = n.gpu_model_id
 JOIN marketplace_provider p ON p.id = n.provider_id

@@ -5,6 +5,8 @@ from django.http import JsonResponse
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from provisioning.api.urls import agent_urlpatterns, provider_urlpatterns
+
 
 def healthz(request):
     return JsonResponse({"status": "ok"})
@@ -16,5 +18,7 @@ urlpatterns = [
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("api/v1/", include("marketplace.api.urls")),
+    path("api/v1/providers/", include(provider_urlpatterns)),
+    path("api/agent/v1/", include(agent_urlpatterns)),
     path("healthz", healthz),
 ]

@@ -138,6 +138,13 @@ SPECTACULAR_SETTINGS = {
 }
 
 REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
+CACHES = {
+    "default": {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": REDIS_URL,
+        "OPTIONS": {"socket_timeout": 2, "socket_connect_timeout": 2},
+    }
+}
 CELERY_BROKER_URL = env.str("CELERY_BROKER_URL", default=REDIS_URL)
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_IGNORE_RESULT = True
@@ -151,6 +158,8 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {"socket_timeout": 10, "socket_connect_timeout
 CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=False)
 CELERY_BEAT_SCHEDULE: dict[str, dict] = {
     "scheduler-tick": {"task": "scheduler.tick", "schedule": timedelta(seconds=5)},
+    "silent-nodes": {"task": "provisioning.mark_silent_nodes", "schedule": timedelta(seconds=15)},
+    "booked-time": {"task": "provisioning.end_booked_time", "schedule": timedelta(seconds=15)},
 }
 CELERY_BEAT_SCHEDULE_INTERVAL = timedelta(seconds=5)
 
@@ -166,6 +175,8 @@ STRIPE_TIMEOUT_S = env.float("STRIPE_TIMEOUT_S", default=10.0)
 GPUMARKET = {
     # Agents that have not heartbeaten for this long are marked OFFLINE.
     "NODE_SILENCE_TIMEOUT_S": env.int("NODE_SILENCE_TIMEOUT_S", default=60),
+    # What happens to a started rental whose node goes silent: "fail" or "requeue".
+    "NODE_LOST_POLICY": env.str("NODE_LOST_POLICY", default="fail"),
 }
 
 LOGGING = {

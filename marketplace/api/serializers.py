@@ -102,6 +102,12 @@ class OfferSerializer(serializers.Serializer):
     price_per_gpu_hour = serializers.DecimalField(max_digits=10, decimal_places=4)
     min_bid_per_gpu_hour = serializers.DecimalField(max_digits=10, decimal_places=4)
     price_per_tflop_hour = serializers.DecimalField(max_digits=12, decimal_places=6)
+    measured_tflops = serializers.FloatField(
+        allow_null=True, help_text="dense matmul TFLOPS measured by the harness benchmark"
+    )
+    price_per_measured_tflop_hour = serializers.DecimalField(
+        max_digits=12, decimal_places=6, allow_null=True
+    )
     reliability = serializers.DecimalField(max_digits=5, decimal_places=4)
     simulated = serializers.BooleanField()
     cpu_cores = serializers.IntegerField()

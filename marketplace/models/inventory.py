@@ -49,6 +49,10 @@ class Node(models.Model):
     price_per_gpu_hour = models.DecimalField(max_digits=10, decimal_places=4)
     min_bid_per_gpu_hour = models.DecimalField(max_digits=10, decimal_places=4)
     last_seen_at = models.DateTimeField(null=True, blank=True)
+    # The latest measured dense matmul TFLOPS (harness benchmark), kept here for the listing;
+    # the history is in provisioning.NodeBenchmark.
+    measured_tflops = models.FloatField(null=True, blank=True)
+    benchmark_requested = models.BooleanField(default=False)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

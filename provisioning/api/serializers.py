@@ -1,0 +1,94 @@
+"""The agent protocol's shapes, with the size limits a public endpoint needs."""
+
+from __future__ import annotations
+
+from rest_framework import serializers
+
+MAX_GPUS = 64
+
+
+class HostSerializer(serializers.Serializer):
+    cpu_cores = serializers.IntegerField(min_value=1, max_value=4096)
+    ram_gb = serializers.IntegerField(min_value=1, max_value=1 << 20)
+    disk_gb = serializers.IntegerField(min_value=1, max_value=1 << 30)
+    driver_version = serializers.CharField(max_length=40, allow_blank=True, default="")
+    cuda_version = serializers.CharField(max_length=20, allow_blank=True, default="")
+
+
+class ReportedGpuSerializer(serializers.Serializer):
+    index = serializers.IntegerField(min_value=0, max_value=255)
+    uuid = serializers.CharField(max_length=64)
+    name = serializers.CharField(max_length=120)
+    memory_mb = serializers.IntegerField(min_value=1, max_value=1 << 24)
+    topology_group = serializers.CharField(max_length=40, allow_blank=True, default="")
+
+
+class JoinSerializer(serializers.Serializer):
+    join_token = serializers.CharField(max_length=200)
+    hostname = serializers.RegexField(r"^[A-Za-z0-9][A-Za-z0-9.-]{0,252}$")
+    host = HostSerializer()
+    gpus = ReportedGpuSerializer(many=True, max_length=MAX_GPUS, allow_empty=False)
+    simulated = serializers.BooleanField(default=False)
+
+
+class ContainerReportSerializer(serializers.Serializer):
+    rental_id = serializers.UUIDField()
+    run_id = serializers.CharField(max_length=128)
+    status = serializers.ChoiceField(choices=["running", "exited", "created", "missing"])
+    exit_code = serializers.IntegerField(allow_null=True, required=False, default=None)
+    started_at = serializers.FloatField(allow_null=True, required=False, default=None)
+    finished_at = serializers.FloatField(allow_null=True, required=False, default=None)
+    log_tail = serializers.CharField(max_length=8192, allow_blank=True, required=False, default="")
+
+
+class UsageReportSerializer(serializers.Serializer):
+    seq = serializers.IntegerField(min_value=1)
+    rental_id = serializers.UUIDField()
+    run_id = serializers.CharField(max_length=128)
+    gpu_count = serializers.IntegerField(min_value=1, max_value=MAX_GPUS)
+    started_at = serializers.FloatField()
+    confirmed_at = serializers.FloatField()
+    final = serializers.BooleanField(default=False)
+
+    def validate(self, attrs):
+        if attrs["confirmed_at"] < attrs["started_at"]:
+            raise serializers.ValidationError({"confirmed_at": ["before started_at"]})
+        return attrs
+
+
+class TelemetrySerializer(serializers.Serializer):
+    gpu_index = serializers.IntegerField(min_value=0, max_value=255)
+    ts = serializers.FloatField()
+    util_pct = serializers.FloatField(min_value=0, max_value=100)
+    mem_used_mb = serializers.IntegerField(min_value=0)
+    power_w = serializers.FloatField(min_value=0)
+    temp_c = serializers.FloatField()
+    ecc_errors = serializers.IntegerField(min_value=0, required=False, default=0)
+    xid_errors = serializers.IntegerField(min_value=0, required=False, default=0)
+    healthy = serializers.BooleanField(required=False, default=True)
+
+
+class MetricLineSerializer(serializers.Serializer):
+    rental_id = serializers.UUIDField()
+    run_id = serializers.CharField(max_length=128)
+    line = serializers.CharField(max_length=4096)
+
+
+class HeartbeatSerializer(serializers.Serializer):
+    agent_version = serializers.CharField(max_length=40, required=False, default="")
+    sent_at = serializers.FloatField(required=False)
+    telemetry = TelemetrySerializer(
+        many=True, max_length=4 * MAX_GPUS, required=False, default=list
+    )
+    containers = ContainerReportSerializer(many=True, max_length=256, required=False, default=list)
+    usage = UsageReportSerializer(many=True, max_length=5000, required=False, default=list)
+    metrics = MetricLineSerializer(many=True, max_length=500, required=False, default=list)
+    benchmark = serializers.DictField(required=False, allow_null=True, default=None)
+
+
+class JoinTokenCreateSerializer(serializers.Serializer):
+    provider = serializers.CharField(max_length=120, help_text="your provider's name")
+    region = serializers.SlugField(max_length=40)
+    pool = serializers.SlugField(max_length=40, default="default")
+    price_per_gpu_hour = serializers.DecimalField(max_digits=10, decimal_places=4, min_value=0)
+    min_bid_per_gpu_hour = serializers.DecimalField(max_digits=10, decimal_places=4, min_value=0)

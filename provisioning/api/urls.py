@@ -1,0 +1,12 @@
+from django.urls import path
+
+from provisioning.api import views
+
+agent_urlpatterns = [
+    path("join/", views.JoinView.as_view(), name="agent-join"),
+    path("heartbeat/", views.HeartbeatView.as_view(), name="agent-heartbeat"),
+]
+
+provider_urlpatterns = [
+    path("join-tokens/", views.JoinTokenCreateView.as_view(), name="join-token-create"),
+]

@@ -1,0 +1,147 @@
+"""The agent API (node-token auth, throttled, size-limited) and the provider's join tokens."""
+
+from __future__ import annotations
+
+from drf_spectacular.utils import extend_schema
+from rest_framework import exceptions, permissions, status
+from rest_framework.authentication import BaseAuthentication, get_authorization_header
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.throttling import SimpleRateThrottle
+from rest_framework.views import APIView
+
+from marketplace.errors import NotFound
+from marketplace.models import Provider
+from provisioning import services
+from provisioning.api.serializers import (
+    HeartbeatSerializer,
+    JoinSerializer,
+    JoinTokenCreateSerializer,
+)
+
+# A heartbeat carries at most a few hundred small records; anything bigger is not an agent.
+MAX_BODY_BYTES = 1 << 20
+
+
+class NodeAuthentication(BaseAuthentication):
+    """`Authorization: Bearer gpn_...`: the node token; the request's `user` is the node."""
+
+    def authenticate(self, request):
+        header = get_authorization_header(request).split()
+        if len(header) != 2 or header[0].lower() != b"bearer":
+            raise exceptions.AuthenticationFailed("node token required")
+        try:
+            raw = header[1].decode()
+        except UnicodeError as exc:
+            raise exceptions.AuthenticationFailed("malformed token") from exc
+        node = services.node_authenticate(raw)
+        if node is None:
+            raise exceptions.AuthenticationFailed("invalid or revoked node token")
+        return node, raw
+
+    def authenticate_header(self, request) -> str:
+        return "Bearer"
+
+
+class IsNode(permissions.BasePermission):
+    def has_permission(self, request, view) -> bool:
+        from marketplace.models import Node
+
+        return isinstance(request.user, Node)
+
+
+class NodeThrottle(SimpleRateThrottle):
+    """Per-node request rate: a runaway agent cannot starve the others."""
+
+    scope = "agent"
+
+    def get_cache_key(self, request, view):
+        return self.cache_format % {"scope": self.scope, "ident": f"node-{request.user.pk}"}
+
+
+class JoinThrottle(SimpleRateThrottle):
+    scope = "agent"
+
+    def get_cache_key(self, request, view):
+        return self.cache_format % {"scope": "join", "ident": self.get_ident(request)}
+
+
+def _check_size(request: Request) -> None:
+    length = int(request.META.get("CONTENT_LENGTH") or 0)
+    if length > MAX_BODY_BYTES:
+        raise exceptions.ValidationError({"body": [f"larger than {MAX_BODY_BYTES} bytes"]})
+
+
+class JoinView(APIView):
+    """Exchange a provider's one-time join token for a node token."""
+
+    authentication_classes: list = []
+    permission_classes = [permissions.AllowAny]
+    throttle_classes = [JoinThrottle]
+
+    @extend_schema(request=JoinSerializer, responses={201: dict})
+    def post(self, request: Request) -> Response:
+        _check_size(request)
+        body = JoinSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = body.validated_data
+        node, raw = services.node_join(
+            raw_join_token=data["join_token"],
+            host=services.HostFacts(
+                hostname=data["hostname"], simulated=data["simulated"], **data["host"]
+            ),
+            gpus=[services.ReportedGpu(**g) for g in data["gpus"]],
+        )
+        return Response(
+            {
+                "node_id": node.pk,
+                "node_token": raw,
+                "heartbeat_interval_s": services.HEARTBEAT_INTERVAL_S,
+            },
+            status=status.HTTP_201_CREATED,
+        )
+
+
+class HeartbeatView(APIView):
+    """Actual state in, desired state out."""
+
+    authentication_classes = [NodeAuthentication]
+    permission_classes = [IsNode]
+    throttle_classes = [NodeThrottle]
+
+    @extend_schema(request=HeartbeatSerializer, responses={200: dict})
+    def post(self, request: Request) -> Response:
+        _check_size(request)
+        body = HeartbeatSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = body.validated_data
+        answer = services.node_heartbeat(
+            node=request.user,
+            containers=[
+                services.ReportedContainer(**{**c, "rental_id": str(c["rental_id"])})
+                for c in data["containers"]
+            ],
+            usage=data["usage"],
+            telemetry=data["telemetry"],
+            metrics=[(str(m["rental_id"]), m["run_id"], m["line"]) for m in data["metrics"]],
+            benchmark=data["benchmark"],
+        )
+        return Response(answer)
+
+
+class JoinTokenCreateView(APIView):
+    """A provider's owner creates a one-time join token for a new host (shown once)."""
+
+    @extend_schema(request=JoinTokenCreateSerializer, responses={201: dict})
+    def post(self, request: Request) -> Response:
+        body = JoinTokenCreateSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = dict(body.validated_data)
+        provider = Provider.objects.filter(owner=request.user, name=data.pop("provider")).first()
+        if provider is None:
+            raise NotFound("no such provider")
+        token, raw = services.join_token_create(provider=provider, created_by=request.user, **data)
+        return Response(
+            {"join_token": raw, "expires_at": token.expires_at, "region": token.region},
+            status=status.HTTP_201_CREATED,
+        )

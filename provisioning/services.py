@@ -1,0 +1,556 @@
+"""Provisioning writes: joining nodes, agent heartbeats, the rental state changes they drive.
+
+The agent reports actual state; the server answers with desired state computed from the
+allocations. Every report is applied idempotently: a retried or replayed heartbeat changes
+nothing it already changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import secrets
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from marketplace.errors import Conflict, ValidationFailed
+from marketplace.models import (
+    Allocation,
+    GpuModel,
+    Node,
+    NodeEvent,
+    NodeStatus,
+    Provider,
+    Rental,
+    RentalEvent,
+    RentalStatus,
+    User,
+)
+from marketplace.models.rentals import ALLOWED_TRANSITIONS, TERMINAL_STATUSES
+from marketplace.services import GpuSpec, node_register, token_hash
+from marketplace.services.rentals import allocations_release, rental_transition
+from provisioning.models import ContainerRun, JoinToken, NodeBenchmark, NodeCredential, RunMetric
+
+log = logging.getLogger(__name__)
+
+A = RentalEvent.Actor
+HEARTBEAT_INTERVAL_S = 5
+# Statuses in which a rental's container should be running on its nodes.
+_WANTED = (RentalStatus.SCHEDULED, RentalStatus.PROVISIONING, RentalStatus.RUNNING)
+
+
+def _dt(epoch: float | None) -> datetime | None:
+    return None if epoch is None else datetime.fromtimestamp(epoch, tz=UTC)
+
+
+def join_token_create(
+    *,
+    provider: Provider,
+    created_by: User | None,
+    region: str,
+    price_per_gpu_hour: Decimal,
+    min_bid_per_gpu_hour: Decimal,
+    pool: str = "default",
+    valid_for: timedelta = timedelta(days=1),
+) -> tuple[JoinToken, str]:
+    """A one-time join token for one new host; the secret is returned once."""
+    if price_per_gpu_hour <= 0:
+        raise ValidationFailed("price must be positive", field="price_per_gpu_hour")
+    if not 0 < min_bid_per_gpu_hour <= price_per_gpu_hour:
+        raise ValidationFailed(
+            "minimum bid must be positive and at most the price", field="min_bid_per_gpu_hour"
+        )
+    prefix = secrets.token_hex(4)
+    raw = f"gpj_{prefix}_{secrets.token_urlsafe(32)}"
+    token = JoinToken.objects.create(
+        provider=provider,
+        key_hash=token_hash(raw),
+        prefix=prefix,
+        region=region,
+        pool=pool,
+        price_per_gpu_hour=price_per_gpu_hour,
+        min_bid_per_gpu_hour=min_bid_per_gpu_hour,
+        created_by=created_by,
+        expires_at=timezone.now() + valid_for,
+    )
+    return token, raw
+
+
+def catalog_match(name: str, memory_mb: int) -> GpuModel | None:
+    """The catalog card for an NVML device name ("NVIDIA H100 80GB HBM3") or a catalog slug."""
+    exact = GpuModel.objects.filter(slug=name).first()
+    if exact is not None:
+        return exact
+    lowered = name.lower().replace("nvidia", "").replace("geforce", "")
+    compact = lowered.replace(" ", "").replace("-", "")
+    memory_gb = round(memory_mb / 1024)
+    best = None
+    for model in GpuModel.objects.all():
+        family = model.family.replace("rtx", "rtx")
+        if family not in compact:
+            continue
+        form_hit = model.form_factor.lower().rstrip("0123456789") in compact
+        # The closest memory size: NVML reports a little less than the marketed size.
+        score = (abs(model.memory_gb - memory_gb), 0 if form_hit else 1, -len(model.family))
+        if best is None or score < best[0]:
+            best = (score, model)
+    if best is None or best[0][0] > max(4, memory_gb // 8):
+        return None
+    return best[1]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostFacts:
+    hostname: str
+    cpu_cores: int
+    ram_gb: int
+    disk_gb: int
+    driver_version: str = ""
+    cuda_version: str = ""
+    simulated: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReportedGpu:
+    index: int
+    uuid: str
+    name: str
+    memory_mb: int
+    topology_group: str = ""
+
+
+def node_join(*, raw_join_token: str, host: HostFacts, gpus: list[ReportedGpu]) -> tuple[Node, str]:
+    """Turn a one-time join token into a listed node and a node token (stored hashed)."""
+    if not gpus:
+        raise ValidationFailed("a node needs at least one GPU", field="gpus")
+    with transaction.atomic():
+        token = (
+            JoinToken.objects.select_for_update()
+            .select_related("provider")
+            .filter(key_hash=token_hash(raw_join_token))
+            .first()
+        )
+        if token is None or token.used_at is not None or token.expires_at <= timezone.now():
+            raise ValidationFailed("invalid, used or expired join token", field="join_token")
+        models = {g.index: catalog_match(g.name, g.memory_mb) for g in gpus}
+        unknown = sorted({g.name for g in gpus if models[g.index] is None})
+        if unknown:
+            raise ValidationFailed(f"GPU not in the catalog: {', '.join(unknown)}", field="gpus")
+        node = node_register(
+            provider=token.provider,
+            hostname=host.hostname,
+            region=token.region,
+            pool=token.pool,
+            cpu_cores=host.cpu_cores,
+            ram_gb=host.ram_gb,
+            disk_gb=host.disk_gb,
+            price_per_gpu_hour=token.price_per_gpu_hour,
+            min_bid_per_gpu_hour=token.min_bid_per_gpu_hour,
+            gpus=[
+                GpuSpec(
+                    index=g.index,
+                    uuid=g.uuid,
+                    model_slug=models[g.index].slug,
+                    topology_group=g.topology_group,
+                )
+                for g in gpus
+            ],
+            status=NodeStatus.ONLINE,
+            simulated=host.simulated,
+            nvlink=any(g.topology_group.startswith("nvl") for g in gpus),
+            driver_version=host.driver_version,
+            cuda_version=host.cuda_version,
+        )
+        node.last_seen_at = timezone.now()
+        node.benchmark_requested = True  # measured, not declared: benchmark on join
+        node.save(update_fields=["last_seen_at", "benchmark_requested"])
+        raw = f"gpn_{secrets.token_urlsafe(32)}"
+        NodeCredential.objects.create(node=node, key_hash=token_hash(raw))
+        token.used_at = timezone.now()
+        token.node = node
+        token.save(update_fields=["used_at", "node"])
+    return node, raw
+
+
+def node_credential_revoke(*, node_id: int, actor: User | None) -> int:
+    """Revoke the node's tokens: its agent gets 401 from now on."""
+    return NodeCredential.objects.filter(node_id=node_id, revoked_at__isnull=True).update(
+        revoked_at=timezone.now()
+    )
+
+
+def node_authenticate(raw_token: str) -> Node | None:
+    cred = (
+        NodeCredential.objects.select_related("node")
+        .filter(key_hash=token_hash(raw_token), revoked_at__isnull=True)
+        .first()
+    )
+    return None if cred is None else cred.node
+
+
+def run_id_for(rental_id, node_id: int) -> str:
+    return f"r{rental_id.hex}-n{node_id}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReportedContainer:
+    rental_id: str
+    run_id: str
+    status: str
+    exit_code: int | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    log_tail: str = ""
+
+
+def _cpu_and_memory(node: Node, gpus: int) -> tuple[float, int]:
+    """CPU and memory in proportion to the share of the node's GPUs the rental takes."""
+    share = gpus / node.gpu_count
+    return max(1.0, round(node.cpu_cores * share, 2)), max(1024, int(node.ram_gb * 1024 * share))
+
+
+def desired_state(*, node: Node, now: datetime) -> list[dict]:
+    """The containers that should run on the node now, from its active allocations."""
+    allocs = (
+        Allocation.objects.filter(
+            node=node,
+            released_at__isnull=True,
+            during__contains=now,
+            rental__status__in=_WANTED,
+        )
+        .select_related("rental", "gpu")
+        .order_by("rental_id", "gpu__index")
+    )
+    by_rental: dict = {}
+    for alloc in allocs:
+        by_rental.setdefault(alloc.rental_id, (alloc.rental, []))[1].append(alloc.gpu)
+    desired = []
+    for rental, gpus in by_rental.values():
+        cpu, memory_mb = _cpu_and_memory(node, len(gpus))
+        command = list(rental.command)
+        env = {str(k): str(v) for k, v in rental.env.items()}
+        if rental.harness_config is not None:
+            env["HARNESS_CONFIG_JSON"] = json.dumps(rental.harness_config)
+            if not command:
+                command = ["python", "-m", "harness", "--config-env", "HARNESS_CONFIG_JSON"]
+            env.setdefault("HARNESS_PEAK_TFLOPS", str(node.gpu_model.tensor_tflops))
+        desired.append(
+            {
+                "rental_id": str(rental.pk),
+                "run_id": run_id_for(rental.pk, node.pk),
+                "image": rental.image,
+                "command": command,
+                "env": env,
+                "gpu_indices": [g.index for g in gpus],
+                "gpu_uuids": [g.uuid for g in gpus],
+                "cpu_limit": cpu,
+                "memory_limit_mb": memory_mb,
+                "ports": list(rental.ports),
+                "stop_grace_s": 30.0,
+            }
+        )
+    return desired
+
+
+def _apply_container(node: Node, report: ReportedContainer, now: datetime) -> None:
+    """Fold one reported container into its run row and the rental's state machine."""
+    run = (
+        ContainerRun.objects.select_for_update()
+        .select_related("rental")
+        .filter(run_id=report.run_id, node=node)
+        .first()
+    )
+    if run is None:
+        return  # not ours (or not yet requested): the desired state will tell the agent
+    rental = Rental.objects.select_for_update().get(pk=run.rental_id)
+    run.status = report.status
+    run.exit_code = report.exit_code
+    run.started_at = run.started_at or _dt(report.started_at)
+    run.finished_at = _dt(report.finished_at) or run.finished_at
+    if report.log_tail:
+        run.log_tail = report.log_tail[-8192:]
+    run.last_report_at = now
+    run.save()
+    if rental.status in TERMINAL_STATUSES:
+        return
+    ran = report.status in (ContainerRun.Status.RUNNING, ContainerRun.Status.EXITED)
+    if ran and rental.status == RentalStatus.SCHEDULED:
+        rental_transition(rental=rental, to_status=RentalStatus.PROVISIONING, actor_kind=A.AGENT)
+    if ran and rental.status == RentalStatus.PROVISIONING:
+        rental_transition(
+            rental=rental,
+            to_status=RentalStatus.RUNNING,
+            actor_kind=A.AGENT,
+            reason=f"container running on {node.hostname}",
+            started_at=run.started_at or now,
+        )
+    if report.status not in (ContainerRun.Status.EXITED, ContainerRun.Status.MISSING):
+        return
+    code = report.exit_code
+    if rental.status == RentalStatus.STOPPING:
+        to, reason = RentalStatus.COMPLETED, "stopped"
+    elif code == 0:
+        to, reason = RentalStatus.COMPLETED, "finished"
+    elif code is not None:
+        to, reason = RentalStatus.FAILED, f"container exited with code {code}"
+    else:
+        to, reason = RentalStatus.FAILED, "container disappeared from the node"
+    if to not in ALLOWED_TRANSITIONS[rental.status]:
+        return
+    allocations_release(rental=rental, at=now)
+    rental_transition(
+        rental=rental,
+        to_status=to,
+        actor_kind=A.AGENT,
+        reason=reason,
+        ended_at=run.finished_at or now,
+        exit_code=code,
+        log_tail=run.log_tail,
+    )
+
+
+def metrics_store(*, node: Node, lines: list[tuple[str, str, str]]) -> int:
+    """Store forwarded harness JSON lines (rental_id, run_id, line); replays are no-ops."""
+    run_rentals = dict(
+        ContainerRun.objects.filter(node=node, run_id__in={r for _, r, _ in lines}).values_list(
+            "run_id", "rental_id"
+        )
+    )
+    rows = []
+    for _, run_id, line in lines:
+        rental_id = run_rentals.get(run_id)
+        if rental_id is None:
+            continue
+        try:
+            data = json.loads(line)
+        except ValueError:
+            continue  # a non-JSON stdout line is the program's own business
+        if not isinstance(data, dict):
+            continue
+        step = data.get("step")
+        rows.append(
+            RunMetric(
+                rental_id=rental_id,
+                run_id=run_id,
+                line_hash=hashlib.sha1(line.encode(), usedforsecurity=False).hexdigest(),
+                event=str(data.get("event", ""))[:20],
+                step=step if isinstance(step, int) else None,
+                data=data,
+            )
+        )
+    RunMetric.objects.bulk_create(rows, ignore_conflicts=True)
+    return len(rows)
+
+
+def benchmark_record(*, node: Node, result: dict) -> NodeBenchmark:
+    tflops = result.get("matmul_tflops")
+    if not isinstance(tflops, int | float) or tflops <= 0:
+        raise ValidationFailed("benchmark needs a positive matmul_tflops", field="benchmark")
+    with transaction.atomic():
+        bench = NodeBenchmark.objects.create(
+            node=node,
+            precision=str(result.get("precision", ""))[:8],
+            device_name=str(result.get("device_name", ""))[:120],
+            matmul_tflops=float(tflops),
+            mem_bandwidth_gbs=result.get("mem_bandwidth_gbs"),
+            h2d_gbs=result.get("h2d_gbs"),
+            train_samples_per_s=result.get("train_samples_per_s"),
+            raw=result,
+        )
+        Node.objects.filter(pk=node.pk).update(
+            measured_tflops=float(tflops), benchmark_requested=False
+        )
+    return bench
+
+
+def node_heartbeat(
+    *,
+    node: Node,
+    containers: list[ReportedContainer],
+    usage: list[dict],
+    telemetry: list[dict],
+    metrics: list[tuple[str, str, str]],
+    benchmark: dict | None = None,
+) -> dict:
+    """Apply one heartbeat and answer with the desired state."""
+    now = timezone.now()
+    with transaction.atomic():
+        locked = Node.objects.select_for_update().get(pk=node.pk)
+        updates = {"last_seen_at": now}
+        if locked.status == NodeStatus.OFFLINE:
+            NodeEvent.objects.create(
+                node=locked,
+                from_status=NodeStatus.OFFLINE,
+                to_status=NodeStatus.ONLINE,
+                reason="agent heartbeat",
+            )
+            updates["status"] = NodeStatus.ONLINE
+        Node.objects.filter(pk=node.pk).update(**updates)
+    for report in sorted(containers, key=lambda c: c.run_id):
+        with transaction.atomic():
+            _apply_container(node, report, now)
+    ack = _usage_apply(node=node, usage=usage)
+    if telemetry:
+        _telemetry_apply(node=node, samples=telemetry)
+    if metrics:
+        metrics_store(node=node, lines=metrics)
+    if benchmark:
+        benchmark_record(node=node, result=benchmark)
+    node.refresh_from_db(fields=["benchmark_requested", "gpu_model_id"])
+    desired = desired_state(node=node, now=now)
+    _runs_request(node=node, desired=desired)
+    return {
+        "desired": desired,
+        "ack_usage_seq": ack,
+        "heartbeat_interval_s": HEARTBEAT_INTERVAL_S,
+        "run_benchmark": node.benchmark_requested,
+    }
+
+
+def _runs_request(*, node: Node, desired: list[dict]) -> None:
+    """Record the runs handed to the agent; the first hand-over moves SCHEDULED->PROVISIONING."""
+    for entry in desired:
+        try:
+            with transaction.atomic():
+                _, created = ContainerRun.objects.get_or_create(
+                    run_id=entry["run_id"],
+                    defaults={"rental_id": entry["rental_id"], "node": node},
+                )
+                if not created:
+                    continue
+                rental = Rental.objects.select_for_update().get(pk=entry["rental_id"])
+                if rental.status == RentalStatus.SCHEDULED:
+                    rental_transition(
+                        rental=rental,
+                        to_status=RentalStatus.PROVISIONING,
+                        actor_kind=A.AGENT,
+                        reason=f"starting on {node.hostname}",
+                    )
+        except IntegrityError:
+            continue  # a concurrent heartbeat recorded it first
+
+
+def _usage_apply(*, node: Node, usage: list[dict]) -> int:
+    """Hand usage reports to billing (idempotent there); returns the highest seq applied."""
+    from billing.services import usage_report_apply
+
+    ack = 0
+    for report in sorted(usage, key=lambda r: r["seq"]):
+        usage_report_apply(
+            node_id=node.pk,
+            rental_id=report["rental_id"],
+            run_id=report["run_id"],
+            seq=report["seq"],
+            gpu_count=report["gpu_count"],
+            started_at=_dt(report["started_at"]),
+            confirmed_at=_dt(report["confirmed_at"]),
+            final=report.get("final", False),
+        )
+        ack = max(ack, report["seq"])
+    return ack
+
+
+def _telemetry_apply(*, node: Node, samples: list[dict]) -> None:
+    from billing.services import telemetry_ingest
+
+    telemetry_ingest(node_id=node.pk, samples=samples)
+
+
+def nodes_mark_silent(*, now: datetime | None = None) -> list[int]:
+    """Nodes whose agent has been silent too long go OFFLINE; their rentals follow the policy:
+    not yet started -> back to PENDING (re-queued elsewhere); started -> FAILED (their state is
+    on the lost host) unless NODE_LOST_POLICY is "requeue"."""
+    now = now or timezone.now()
+    timeout = timedelta(seconds=settings.GPUMARKET["NODE_SILENCE_TIMEOUT_S"])
+    policy = settings.GPUMARKET.get("NODE_LOST_POLICY", "fail")
+    silent = list(
+        Node.objects.filter(status__in=[NodeStatus.ONLINE, NodeStatus.DRAINING])
+        .filter(Q(last_seen_at__lt=now - timeout) | Q(last_seen_at__isnull=True))
+        .values_list("pk", flat=True)
+    )
+    for node_id in silent:
+        with transaction.atomic():
+            node = Node.objects.select_for_update().get(pk=node_id)
+            if node.status not in (NodeStatus.ONLINE, NodeStatus.DRAINING):
+                continue
+            NodeEvent.objects.create(
+                node=node,
+                from_status=node.status,
+                to_status=NodeStatus.OFFLINE,
+                reason=f"no heartbeat for {int(timeout.total_seconds())} s",
+            )
+            node.status = NodeStatus.OFFLINE
+            node.save(update_fields=["status"])
+            rental_ids = (
+                Allocation.objects.filter(node=node, released_at__isnull=True)
+                .values_list("rental_id", flat=True)
+                .distinct()
+            )
+            for rental in Rental.objects.select_for_update().filter(pk__in=list(rental_ids)):
+                _node_lost(rental, node, now, policy)
+    return silent
+
+
+def _node_lost(rental: Rental, node: Node, now: datetime, policy: str) -> None:
+    if rental.status in TERMINAL_STATUSES:
+        return
+    reason = f"node {node.hostname} went silent"
+    allocations_release(rental=rental, at=now)
+    ContainerRun.objects.filter(rental=rental, node=node).delete()
+    started = rental.status in (RentalStatus.RUNNING, RentalStatus.STOPPING)
+    if rental.status == RentalStatus.STOPPING:
+        rental_transition(
+            rental=rental, to_status=RentalStatus.COMPLETED, actor_kind=A.SYSTEM, reason=reason,
+            ended_at=now,
+        )  # fmt: skip
+    elif started and policy != "requeue":
+        rental_transition(
+            rental=rental, to_status=RentalStatus.FAILED, actor_kind=A.SYSTEM, reason=reason,
+            ended_at=now,
+        )  # fmt: skip
+    else:
+        rental_transition(
+            rental=rental,
+            to_status=RentalStatus.PENDING,
+            actor_kind=A.SYSTEM,
+            reason=f"{reason}; re-queued",
+            scheduled_start=None,
+            scheduled_end=None,
+            price_per_gpu_hour=None,
+        )
+
+
+def rentals_end_booked_time(*, now: datetime | None = None) -> int:
+    """Running rentals whose booked window has ended are asked to stop (checkpoint, exit)."""
+    now = now or timezone.now()
+    ended = 0
+    ids = list(
+        Rental.objects.filter(
+            status__in=[RentalStatus.RUNNING, RentalStatus.PROVISIONING], scheduled_end__lte=now
+        ).values_list("pk", flat=True)
+    )
+    for rental_id in ids:
+        with transaction.atomic():
+            rental = Rental.objects.select_for_update().get(pk=rental_id)
+            if rental.status not in (RentalStatus.RUNNING, RentalStatus.PROVISIONING):
+                continue
+            rental_transition(
+                rental=rental,
+                to_status=RentalStatus.STOPPING,
+                actor_kind=A.SYSTEM,
+                reason="booked time ended",
+            )
+            ended += 1
+    return ended
+
+
+def node_request_benchmark(*, node_id: int) -> None:
+    if not Node.objects.filter(pk=node_id).update(benchmark_requested=True):
+        raise Conflict("no such node")

@@ -1,0 +1,17 @@
+"""Thin periodic tasks of provisioning."""
+
+from __future__ import annotations
+
+from celery import shared_task
+
+from provisioning import services
+
+
+@shared_task(name="provisioning.mark_silent_nodes", ignore_result=True, time_limit=120)
+def mark_silent_nodes() -> None:
+    services.nodes_mark_silent()
+
+
+@shared_task(name="provisioning.end_booked_time", ignore_result=True, time_limit=120)
+def end_booked_time() -> None:
+    services.rentals_end_booked_time()
