@@ -191,6 +191,8 @@ DOCKER_BUILDKIT=0 docker build -q -t "$IMAGE" "$CONTEXT" 2>&1 >/dev/null |
 after="$(docker image inspect --format '{{.Id}}' "$IMAGE")"
 
 if [[ "$before" != "$after" ]]; then
+    # The previous build of the tag is now a dangling image: drop it (kept if still in use).
+    if [[ -n "$before" ]]; then docker image rm "$before" >/dev/null 2>&1 || true; fi
     log "smoke test of $IMAGE"
     docker run --rm --network none "$IMAGE" python -c \
         "import torch, numpy, sklearn, scipy, yaml; print('torch', torch.__version__)" >&2

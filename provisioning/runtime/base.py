@@ -105,6 +105,7 @@ class ContainerState:
     finished_at: float | None
     ports: Mapping[int, int]  # container port -> host port
     node_id: str | None = None
+    oom_killed: bool = False  # killed by the kernel for exceeding memory_limit_mb (Docker only)
 
     @classmethod
     def missing(cls, run_id: str, rental_id: str = "") -> ContainerState:

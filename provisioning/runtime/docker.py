@@ -183,6 +183,7 @@ def _state_from_attrs(attrs: dict[str, Any]) -> ContainerState:
         ),
         ports=ports,
         node_id=labels.get(LABEL_NODE),
+        oom_killed=bool(state.get("OOMKilled")),
     )
 
 

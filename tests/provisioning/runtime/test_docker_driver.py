@@ -167,6 +167,16 @@ def test_nvidia_mode_without_the_nvidia_runtime_fails_permanently_and_cleanly(
     assert containers_of_run(spec.run_id) == []
 
 
+def test_running_out_of_memory_is_reported(docker_driver, make_spec):
+    # given a program that allocates past its 64 MiB limit
+    spec = make_spec("x = bytearray(512 * 1024 * 1024)", memory_limit_mb=64)
+
+    docker_driver.start(spec)
+    state = wait_exited(docker_driver, spec.run_id)
+
+    assert (state.exit_code, state.oom_killed) == (137, True)
+
+
 def test_missing_image_is_a_permanent_error(docker_driver, make_spec):
     spec = make_spec(image="gpumarket/no-such-image:never-built")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import threading
 import time
@@ -23,7 +24,7 @@ from provisioning.runtime.base import (
 )
 from provisioning.runtime.docker import container_name
 from provisioning.runtime.process import LocalProcessDriver
-from tests.provisioning.runtime.conftest import collect_output, wait_exited
+from tests.provisioning.runtime.conftest import REPO, collect_output, wait_exited
 
 TRAP_SIGTERM = """
     import signal, sys, time
@@ -342,3 +343,44 @@ def test_spec_rejects_unsafe_run_ids(make_spec):
     for bad in ("../escape", "a/b", "", "-starts-with-dash"):
         with pytest.raises(ValueError):
             make_spec(run_id=bad)
+
+
+def test_the_harness_trains_reports_metrics_and_checkpoints_on_stop(
+    driver_kind, make_driver, make_spec
+):
+    # given the real harness (in the image, or from this checkout for the process driver) with
+    # a config in the rental's volume; its contract: JSON-line metrics on stdout, and SIGTERM
+    # means checkpoint and exit 0
+    options = {"extra_env": {"PYTHONPATH": str(REPO)}} if driver_kind == "process" else {}
+    driver = make_driver(**options)
+    spec = make_spec(
+        command=("python", "-m", "harness", "--config", "harness.json"), memory_limit_mb=2048
+    )
+    os.makedirs(spec.volume_dir)
+    Path(spec.volume_dir, "harness.json").write_text(
+        json.dumps({"train": {"steps": 1_000_000, "log_every": 1}})
+    )
+
+    # when it has trained a few steps and is stopped
+    driver.start(spec)
+    try:
+        steps, cursor = [], None
+        deadline = time.monotonic() + 120
+        while len(steps) < 2 and time.monotonic() < deadline:
+            if driver.state(spec.run_id).status == "exited":
+                break
+            lines, cursor = driver.output_since(spec.run_id, cursor)
+            steps += [json.loads(x) for x in lines if x.startswith('{"event": "step"')]
+            time.sleep(0.2)
+        driver.stop(spec.run_id, grace_s=60)
+        state = driver.state(spec.run_id)
+        rest, _ = driver.output_since(spec.run_id, cursor)
+        logs = driver.logs_tail(spec.run_id, 20)
+    finally:
+        driver.remove(spec.run_id)
+
+    # then metrics came through, and it checkpointed into the volume and exited 0
+    assert len(steps) >= 2, logs
+    assert state.exit_code == 0, logs
+    assert any(json.loads(x).get("exit_reason") == "sigterm" for x in rest if x.startswith("{"))
+    assert list(Path(spec.volume_dir, "checkpoints").iterdir())
