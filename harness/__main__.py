@@ -1,0 +1,113 @@
+"""Command line: ``python -m harness --config FILE`` and ``python -m harness benchmark``.
+
+Exit status: 0 when training completed or stopped cleanly on SIGTERM/SIGINT (a checkpoint was
+written), 2 for an invalid config or command line, anything else for a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from harness.config import CONFIG_ERROR_EXIT_CODE, ConfigError, load_config
+
+
+def _nproc(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        count = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be a positive integer or 'auto'") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError("must be a positive integer or 'auto'")
+    return count
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m harness",
+        description="Train a built-in model (JSON-line metrics on stdout), or benchmark the card.",
+    )
+    parser.add_argument("--config", help="JSON (.json) or YAML config file")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config key, e.g. --set train.steps=500 (repeatable)",
+    )
+    parser.add_argument(
+        "--nproc",
+        type=_nproc,
+        default=1,
+        help="start this many local ranks (DDP); 'auto' = one per visible GPU",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="{benchmark}")
+    bench = commands.add_parser("benchmark", help="measure matmul, memory and training speed")
+    bench.add_argument("--precision", choices=["auto", "bf16", "fp16", "fp32"], default="auto")
+    bench.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    bench.add_argument("--quick", action="store_true", help="a few seconds, small sizes")
+    return parser
+
+
+def _configure_logging() -> None:
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=logging.INFO if rank == "0" else logging.WARNING,
+        format=f"%(asctime)s %(levelname)s harness[rank {rank}]: %(message)s",
+    )
+
+
+def _report(error: ConfigError) -> int:
+    for line in error.lines():
+        print(line, file=sys.stderr)
+    return CONFIG_ERROR_EXIT_CODE
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _configure_logging()
+    if args.command == "benchmark":
+        from harness.benchmark import run
+        from harness.metrics import JsonLines
+
+        try:
+            JsonLines()(run(precision=args.precision, quick=args.quick, device=args.device))
+        except ConfigError as error:
+            return _report(error)
+        return 0
+
+    if not args.config:
+        print("config error: --config FILE is required", file=sys.stderr)
+        return CONFIG_ERROR_EXIT_CODE
+    try:
+        config = load_config(args.config, args.set)
+    except ConfigError as error:
+        return _report(error)
+
+    # torch loads only now, so a bad config fails fast.
+    from harness.distributed import launch_local, visible_gpu_count
+
+    nproc = args.nproc
+    if nproc == "auto":
+        nproc = max(visible_gpu_count(), 1) if config.train.device != "cpu" else 1
+    try:
+        if nproc > 1:
+            worker_args = ["--config", args.config]
+            for override in args.set:
+                worker_args += ["--set", override]
+            return launch_local(worker_args, nproc)
+        from harness.trainer import Trainer
+
+        Trainer(config).run()
+    except ConfigError as error:
+        return _report(error)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

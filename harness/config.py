@@ -1,0 +1,433 @@
+"""The harness config schema: hand-written dataclasses and a strict, path-aware validator.
+
+A config is a mapping with four optional sections, ``model``, ``data``, ``train`` and
+``checkpoint``. ``model`` and ``data`` are variants chosen by their ``name`` key; each variant
+accepts only its own keys, so a typo (``model.layer``) or a key of another variant
+(``model.layers`` on ``mnist_cnn``) is an error rather than a silently ignored setting.
+
+Every problem is reported as ``<dotted.key.path>: <what is wrong>``; the CLI prints each one as
+``config error: ...`` and exits with status 2. This module must stay free of torch imports: the
+CLI validates before loading PyTorch, and the marketplace may validate a customer's config at
+booking time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+CONFIG_ERROR_EXIT_CODE = 2
+
+Precision = Literal["fp32", "fp16", "bf16", "auto"]
+Device = Literal["auto", "cpu", "cuda"]
+LrSchedule = Literal["constant", "cosine"]
+CompileMode = Literal["default", "reduce-overhead", "max-autotune"]
+
+
+class ConfigError(Exception):
+    """One or more problems in a harness config, each naming the offending key path."""
+
+    def __init__(self, problems: Iterable[tuple[str, str]]) -> None:
+        self.problems = list(problems)
+        super().__init__("\n".join(self.lines()))
+
+    def lines(self) -> list[str]:
+        return [
+            f"config error: {path}: {message}" if path else f"config error: {message}"
+            for path, message in self.problems
+        ]
+
+
+def _bounds(
+    *, gt: float | None = None, ge: float | None = None, le: float | None = None
+) -> dict[str, float | None]:
+    return {"gt": gt, "ge": ge, "le": le}
+
+
+# --- model variants -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MnistCnnConfig:
+    """The CNN of the classic PyTorch MNIST example, sized to the input images."""
+
+    name: Literal["mnist_cnn"] = "mnist_cnn"
+    # The example's two dropout layers (0.25 after the convolutions, 0.5 before the classifier).
+    dropout: bool = True
+
+
+@dataclass(frozen=True)
+class ResNetConfig:
+    """A small ResNet-style image model (basic blocks, GroupNorm)."""
+
+    name: Literal["resnet"] = "resnet"
+    widths: list[int] = field(default_factory=lambda: [32, 64, 128], metadata=_bounds(ge=4))
+    blocks_per_stage: int = field(default=2, metadata=_bounds(ge=1))
+
+
+@dataclass(frozen=True)
+class GptConfig:
+    """A small GPT-style decoder (pre-norm blocks with causal self-attention, tied embeddings)."""
+
+    name: Literal["gpt"] = "gpt"
+    layers: int = field(default=4, metadata=_bounds(ge=1))
+    width: int = field(default=128, metadata=_bounds(ge=8))
+    heads: int = field(default=4, metadata=_bounds(ge=1))
+    dropout: float = field(default=0.0, metadata=_bounds(ge=0.0, le=0.9))
+
+
+ModelConfig = MnistCnnConfig | ResNetConfig | GptConfig
+MODEL_VARIANTS: dict[str, type] = {
+    "mnist_cnn": MnistCnnConfig,
+    "resnet": ResNetConfig,
+    "gpt": GptConfig,
+}
+IMAGE_MODELS = frozenset({"mnist_cnn", "resnet"})
+
+
+# --- data variants --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DigitsDataConfig:
+    """scikit-learn's bundled 8x8 digits (1797 images), split 80/20 with a fixed permutation."""
+
+    name: Literal["digits"] = "digits"
+    batch_size: int = field(default=64, metadata=_bounds(ge=1))
+    eval_batch_size: int = field(default=512, metadata=_bounds(ge=1))
+
+
+@dataclass(frozen=True)
+class SyntheticDataConfig:
+    """Generated tensors: images with a learnable label rule for image models, token
+    sequences with a learnable rule for the GPT."""
+
+    name: Literal["synthetic"] = "synthetic"
+    batch_size: int = field(default=64, metadata=_bounds(ge=1))
+    eval_batch_size: int = field(default=512, metadata=_bounds(ge=1))
+    num_samples: int = field(default=8192, metadata=_bounds(ge=1))
+    image_size: int = field(default=28, metadata=_bounds(ge=6))
+    channels: int = field(default=1, metadata=_bounds(ge=1))
+    seq_len: int = field(default=128, metadata=_bounds(ge=2))
+    vocab_size: int = field(default=256, metadata=_bounds(ge=2))
+
+
+@dataclass(frozen=True)
+class TextDataConfig:
+    """Public-domain text shipped with the harness, byte-level tokens (vocabulary 256)."""
+
+    name: Literal["text"] = "text"
+    batch_size: int = field(default=32, metadata=_bounds(ge=1))
+    eval_batch_size: int = field(default=128, metadata=_bounds(ge=1))
+    seq_len: int = field(default=128, metadata=_bounds(ge=2))
+
+
+DataConfig = DigitsDataConfig | SyntheticDataConfig | TextDataConfig
+DATA_VARIANTS: dict[str, type] = {
+    "digits": DigitsDataConfig,
+    "synthetic": SyntheticDataConfig,
+    "text": TextDataConfig,
+}
+
+
+# --- train and checkpoint -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation, precision and logging settings."""
+
+    steps: int = field(default=1000, metadata=_bounds(ge=1))
+    lr: float = field(default=1e-3, metadata=_bounds(gt=0.0))
+    weight_decay: float = field(default=0.01, metadata=_bounds(ge=0.0))
+    warmup_steps: int = field(default=0, metadata=_bounds(ge=0))
+    lr_schedule: LrSchedule = "cosine"
+    min_lr_ratio: float = field(default=0.1, metadata=_bounds(ge=0.0, le=1.0))
+    grad_accum: int = field(default=1, metadata=_bounds(ge=1))
+    grad_clip: float = field(default=1.0, metadata=_bounds(ge=0.0))
+    precision: Precision = "auto"
+    device: Device = "auto"
+    seed: int = field(default=0, metadata=_bounds(ge=0))
+    activation_checkpointing: bool = False
+    compile: bool = False
+    compile_mode: CompileMode = "default"
+    # TF32 tensor-core matmuls for fp32 work on CUDA (Ampere and newer); ignored elsewhere.
+    tf32: bool = True
+    deterministic: bool = False
+    eval_every: int = field(default=0, metadata=_bounds(ge=0))
+    log_every: int = field(default=10, metadata=_bounds(ge=1))
+
+
+def _default_checkpoint_dir() -> str:
+    return os.environ.get("HARNESS_CHECKPOINT_DIR") or "./checkpoints"
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Where and how often to checkpoint; resuming from the latest one is automatic."""
+
+    enabled: bool = True
+    dir: str = field(default_factory=_default_checkpoint_dir)
+    every_steps: int = field(default=0, metadata=_bounds(ge=0))
+    every_seconds: float = field(default=600.0, metadata=_bounds(ge=0.0))
+    keep: int = field(default=3, metadata=_bounds(ge=1))
+    resume: bool = True
+
+
+@dataclass(frozen=True)
+class HarnessConfig:
+    """A complete, validated harness config."""
+
+    model: ModelConfig = field(default_factory=MnistCnnConfig)
+    data: DataConfig = field(default_factory=DigitsDataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# --- validation -----------------------------------------------------------------------------
+
+_INVALID = object()
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, str):
+        return f"string {value!r}"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return repr(value)
+
+
+def _bound_message(kind: str, meta: Mapping[str, Any]) -> str:
+    gt, ge, le = meta.get("gt"), meta.get("ge"), meta.get("le")
+    article = "an" if kind == "integer" else "a"
+    if le is None and (gt == 0 or (kind == "integer" and ge == 1)):
+        return f"must be a positive {kind}"
+    if le is None and ge == 0:
+        return f"must be a non-negative {kind}"
+    if ge is not None and le is not None:
+        return f"must be {article} {kind} between {ge} and {le}"
+    if ge is not None:
+        return f"must be {article} {kind} >= {ge}"
+    if gt is not None:
+        return f"must be {article} {kind} > {gt}"
+    return f"must be {article} {kind} <= {le}"
+
+
+def _in_bounds(value: float, meta: Mapping[str, Any]) -> bool:
+    gt, ge, le = meta.get("gt"), meta.get("ge"), meta.get("le")
+    return (
+        (gt is None or value > gt) and (ge is None or value >= ge) and (le is None or value <= le)
+    )
+
+
+def _convert(value: Any, tp: Any, meta: Mapping[str, Any], path: str, problems: list) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices or isinstance(value, bool):
+            allowed = ", ".join(repr(c) for c in choices)
+            problems.append((path, f"must be one of {allowed} (got {_describe(value)})"))
+            return _INVALID
+        return value
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list) or not value:
+            problems.append((path, f"must be a non-empty list (got {_describe(value)})"))
+            return _INVALID
+        items = [
+            _convert(item, item_tp, meta, f"{path}[{i}]", problems) for i, item in enumerate(value)
+        ]
+        return _INVALID if any(item is _INVALID for item in items) else items
+    if tp is bool:
+        if not isinstance(value, bool):
+            problems.append((path, f"must be true or false (got {_describe(value)})"))
+            return _INVALID
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            message = _bound_message("integer", meta) if meta else "must be an integer"
+            problems.append((path, f"{message} (got {_describe(value)})"))
+            return _INVALID
+        if not _in_bounds(value, meta):
+            problems.append((path, f"{_bound_message('integer', meta)} (got {value})"))
+            return _INVALID
+        return value
+    if tp is float:
+        number = value
+        # PyYAML follows YAML 1.1, which reads `lr: 3e-4` (no dot) as a string; accept it.
+        if isinstance(value, str):
+            try:
+                number = float(value)
+            except ValueError:
+                number = value
+        if isinstance(number, bool) or not isinstance(number, int | float):
+            message = _bound_message("number", meta) if meta else "must be a number"
+            problems.append((path, f"{message} (got {_describe(value)})"))
+            return _INVALID
+        number = float(number)
+        if number != number or number in (float("inf"), float("-inf")):
+            problems.append((path, f"must be a finite number (got {value!r})"))
+            return _INVALID
+        if not _in_bounds(number, meta):
+            problems.append((path, f"{_bound_message('number', meta)} (got {value})"))
+            return _INVALID
+        return number
+    if tp is str:
+        if not isinstance(value, str) or not value:
+            problems.append((path, f"must be a non-empty string (got {_describe(value)})"))
+            return _INVALID
+        return value
+    raise TypeError(f"unsupported config field type {tp!r} at {path}")
+
+
+def _build_section(cls: type, raw: Any, path: str, problems: list, *, label: str = "") -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        problems.append((path, f"must be a mapping (got {_describe(raw)})"))
+        return _INVALID
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in raw:
+        if key not in fields:
+            allowed = ", ".join(sorted(fields))
+            where = f" for {label}" if label else ""
+            problems.append((f"{path}.{key}", f"unknown key{where} (allowed: {allowed})"))
+    values = {}
+    for name, f in fields.items():
+        if name in raw:
+            converted = _convert(raw[name], hints[name], f.metadata, f"{path}.{name}", problems)
+            if converted is not _INVALID:
+                values[name] = converted
+    try:
+        return cls(**values)
+    except TypeError:  # a required field missing; all fields have defaults today
+        return _INVALID
+
+
+def _build_variant(
+    variants: Mapping[str, type], default: str, raw: Any, path: str, problems: list
+) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        problems.append((path, f"must be a mapping (got {_describe(raw)})"))
+        return _INVALID
+    name = raw.get("name", default)
+    if name not in variants or not isinstance(name, str):
+        allowed = ", ".join(repr(v) for v in variants)
+        problems.append((f"{path}.name", f"must be one of {allowed} (got {_describe(name)})"))
+        return _INVALID
+    return _build_section(variants[name], raw, path, problems, label=f"{path} {name!r}")
+
+
+def _check_combination(config: HarnessConfig, problems: list) -> None:
+    model, data = config.model, config.data
+    if model.name in IMAGE_MODELS and data.name == "text":
+        problems.append(
+            ("data.name", f"'text' is a token dataset; model {model.name!r} needs images")
+        )
+    if model.name == "gpt" and data.name == "digits":
+        problems.append(
+            ("data.name", "'digits' is an image dataset; model 'gpt' needs 'text' or 'synthetic'")
+        )
+    if isinstance(model, GptConfig) and model.width % model.heads:
+        problems.append(
+            ("model.width", f"must be divisible by model.heads ({model.width} % {model.heads})")
+        )
+    if config.train.warmup_steps >= config.train.steps > 1:
+        problems.append(("train.warmup_steps", "must be smaller than train.steps"))
+
+
+def load_config_dict(raw: Any) -> HarnessConfig:
+    """Validate a parsed config mapping; raise ConfigError listing every problem found."""
+    problems: list[tuple[str, str]] = []
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError([("", f"the top level must be a mapping (got {_describe(raw)})")])
+    sections = {"model", "data", "train", "checkpoint"}
+    for key in raw:
+        if key not in sections:
+            problems.append((str(key), f"unknown key (allowed: {', '.join(sorted(sections))})"))
+    model = _build_variant(MODEL_VARIANTS, "mnist_cnn", raw.get("model"), "model", problems)
+    data = _build_variant(DATA_VARIANTS, "digits", raw.get("data"), "data", problems)
+    train = _build_section(TrainConfig, raw.get("train"), "train", problems)
+    checkpoint = _build_section(CheckpointConfig, raw.get("checkpoint"), "checkpoint", problems)
+    if problems:
+        raise ConfigError(problems)
+    config = HarnessConfig(model=model, data=data, train=train, checkpoint=checkpoint)
+    _check_combination(config, problems)
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def read_config_file(path: str | os.PathLike[str]) -> Any:
+    """Parse a JSON (``.json``) or YAML file into plain Python data; ConfigError if unreadable."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([("", f"cannot read {path}: {exc.strerror or exc}")]) from exc
+    try:
+        if path.suffix.lower() == ".json":
+            return json.loads(text)
+        return yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        kind = "JSON" if path.suffix.lower() == ".json" else "YAML"
+        detail = " ".join(str(exc).split())
+        raise ConfigError([("", f"{path} is not valid {kind}: {detail}")]) from exc
+
+
+def apply_overrides(raw: Any, overrides: Iterable[str]) -> Any:
+    """Apply ``section.key=value`` overrides (value parsed as a YAML scalar) to a raw config."""
+    result: dict[str, Any] = _deep_copy_mapping(raw) if isinstance(raw, Mapping) else {}
+    if raw is not None and not isinstance(raw, Mapping):
+        raise ConfigError([("", f"the top level must be a mapping (got {_describe(raw)})")])
+    for override in overrides:
+        key, sep, text = override.partition("=")
+        if not sep or not key:
+            raise ConfigError([("", f"--set expects KEY=VALUE (got {override!r})")])
+        try:
+            value = yaml.safe_load(text) if text else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError([(key, f"cannot parse override value {text!r}")]) from exc
+        parts = key.split(".")
+        node = result
+        for depth, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError([(".".join(parts[: depth + 1]), "is not a mapping")])
+            node = child
+        node[parts[-1]] = value
+    return result
+
+
+def _deep_copy_mapping(raw: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        key: _deep_copy_mapping(value) if isinstance(value, Mapping) else value
+        for key, value in raw.items()
+    }
+
+
+def load_config(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> HarnessConfig:
+    """Read, override and validate a config file."""
+    return load_config_dict(apply_overrides(read_config_file(path), overrides))

@@ -1,0 +1,511 @@
+"""The training loop: DDP, mixed precision, gradient accumulation, checkpoints, graceful stop.
+
+One ``Trainer.run()`` trains ``train.steps`` optimizer steps, resuming from the newest checkpoint
+in ``checkpoint.dir`` if there is one. SIGTERM (or SIGINT) on any rank makes every rank finish the
+step in flight, agree to stop, write one checkpoint (rank 0) and return a summary with
+``exit_reason`` ``"sigterm"``: a stopped or preempted rental loses at most one checkpoint
+interval of work.
+
+The hot loop stays free of host-device synchronisation: the loss is accumulated on the device and
+read (``.item()``) only when a step event is due, and stop/checkpoint decisions travel over a CPU
+gloo group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.lr_scheduler import LambdaLR
+
+from harness.checkpoint import load_checkpoint, load_latest, remove_stale_temporaries
+from harness.checkpoint import save_checkpoint as write_checkpoint_file
+from harness.config import ConfigError, HarnessConfig, TrainConfig
+from harness.datasets import Dataset, DatasetInfo, ShardedBatches, build_datasets, eval_batches
+from harness.distributed import (
+    DistContext,
+    agree_any,
+    broadcast_from_primary,
+    gather_to_primary,
+    init_distributed,
+    shutdown_distributed,
+)
+from harness.metrics import (
+    Emit,
+    JsonLines,
+    flops_per_sample,
+    mfu,
+    peak_memory_bytes,
+    peak_tflops_from_env,
+)
+from harness.models import build_model
+from harness.precision import PrecisionPlan, resolve_precision
+
+log = logging.getLogger("harness")
+
+# Why a run stops early, in the order reported when several apply at once.
+STOP_REASONS = ("sigterm", "sigint", "requested")
+_SIGNAL_REASONS = {signal.SIGTERM: "sigterm", signal.SIGINT: "sigint"}
+
+
+def lr_factor_fn(train: TrainConfig) -> Callable[[int], float]:
+    """Multiplier of ``train.lr`` for optimizer step ``step`` (0-based): linear warmup, then
+    constant or cosine decay to ``min_lr_ratio``."""
+
+    def factor(step: int) -> float:
+        if step < train.warmup_steps:
+            return (step + 1) / train.warmup_steps
+        if train.lr_schedule == "constant":
+            return 1.0
+        progress = min((step - train.warmup_steps) / max(1, train.steps - train.warmup_steps), 1)
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return train.min_lr_ratio + (1.0 - train.min_lr_ratio) * cosine
+
+    return factor
+
+
+def build_optimizer(
+    model: nn.Module, train: TrainConfig, device: torch.device
+) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices and embeddings only (not on biases or norm gains)."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [
+        {"params": decay, "weight_decay": train.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=train.lr, fused=device.type == "cuda")
+
+
+class Trainer:
+    """Trains one config; ``run()`` returns the summary event (also emitted on rank 0)."""
+
+    def __init__(self, config: HarnessConfig, *, emit: Emit | None = None) -> None:
+        self.config = config
+        self._emit = emit if emit is not None else JsonLines()
+        self._stop_reason: str | None = None
+
+    def request_stop(self, reason: str = "requested") -> None:
+        """Stop after the current step, checkpoint and return (what SIGTERM does)."""
+        if reason not in STOP_REASONS:
+            raise ValueError(f"unknown stop reason {reason!r}")
+        if self._stop_reason is None:
+            self._stop_reason = reason
+
+    def run(self) -> dict[str, Any]:
+        if self.config.train.deterministic:
+            # cuBLAS needs this before its first handle exists to give reproducible results.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        ctx = init_distributed(self.config.train.device)
+        try:
+            with self._signal_handlers():
+                return _Run(self.config, ctx, self).execute()
+        finally:
+            shutdown_distributed()
+
+    def emit(self, ctx: DistContext, event: dict[str, Any]) -> None:
+        if ctx.is_primary:
+            self._emit(event)
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self._stop_reason
+
+    @contextlib.contextmanager
+    def _signal_handlers(self) -> Iterator[None]:
+        # Python only allows handlers in the main thread; elsewhere request_stop() is the way.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handle(signum: int, _frame: FrameType | None) -> None:
+            if self._stop_reason is None:
+                name = signal.Signals(signum).name
+                log.info("%s received: finishing this step, then checkpointing", name)
+            self.request_stop(_SIGNAL_REASONS[signal.Signals(signum)])
+
+        previous = {sig: signal.signal(sig, handle) for sig in _SIGNAL_REASONS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+class _Run:
+    """The state of one training run in one process."""
+
+    def __init__(self, config: HarnessConfig, ctx: DistContext, trainer: Trainer) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.trainer = trainer
+        self.train_cfg = config.train
+        self.ckpt_cfg = config.checkpoint
+        self.ckpt_dir = Path(config.checkpoint.dir)
+
+    # --- setup ---------------------------------------------------------------------------
+
+    def _setup(self) -> None:
+        train, ctx = self.train_cfg, self.ctx
+        if ctx.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = train.tf32
+            torch.backends.cudnn.allow_tf32 = train.tf32
+        if train.deterministic:
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.benchmark = False
+        self.precision: PrecisionPlan = resolve_precision(train.precision, ctx.device)
+        self.train_set: Dataset
+        self.eval_set: Dataset
+        self.info: DatasetInfo
+        self.train_set, self.eval_set, self.info = build_datasets(
+            self.config.data, self.config.model, seed=train.seed, device=ctx.device
+        )
+        # Same seed on every rank, so all start from identical weights (DDP also broadcasts them).
+        torch.manual_seed(train.seed)
+        self.model = build_model(
+            self.config.model,
+            num_classes=self.info.num_classes,
+            in_channels=self.info.in_channels,
+            image_size=self.info.image_size,
+            vocab_size=self.info.vocab_size,
+            seq_len=self.info.seq_len,
+        ).to(ctx.device)
+        self.model.activation_checkpointing = train.activation_checkpointing
+        self.peak_tflops = peak_tflops_from_env()
+        # FLOPs only serve MFU, and counting them costs a second of imports at start.
+        self.flops_per_sample = (
+            flops_per_sample(self.config.model, self.info, self.model) if self.peak_tflops else None
+        )
+        # Per-rank stream for dropout and anything else random in the step.
+        torch.manual_seed(train.seed + ctx.rank)
+        self.optimizer = build_optimizer(self.model, train, ctx.device)
+        self.scheduler = LambdaLR(self.optimizer, lr_factor_fn(train))
+        self.scaler = self.precision.grad_scaler()
+        self.batches = ShardedBatches(
+            len(self.train_set),
+            batch_size=self.config.data.batch_size,
+            world_size=ctx.world_size,
+            rank=ctx.rank,
+            grad_accum=train.grad_accum,
+            seed=train.seed,
+            device=ctx.device,
+        )
+        self.start_step = 0
+        self.elapsed_before = 0.0
+        self.last_loss: float | None = None
+        self.resumed_from: str | None = None
+        self._resume()
+        self.ddp = (
+            DistributedDataParallel(
+                self.model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None
+            )
+            if ctx.distributed
+            else None
+        )
+        self.train_model: nn.Module = self.ddp if self.ddp is not None else self.model
+        if train.compile:
+            self.train_model = torch.compile(self.train_model, mode=train.compile_mode)
+
+    def _resume(self) -> None:
+        if not (self.ckpt_cfg.enabled and self.ckpt_cfg.resume):
+            return
+        chosen: str | None = None
+        if self.ctx.is_primary:
+            remove_stale_temporaries(self.ckpt_dir)
+            found = load_latest(self.ckpt_dir)
+            chosen = str(found[1]) if found else None
+        # Rank 0 picks the file so that every rank resumes from the same one.
+        chosen = broadcast_from_primary(self.ctx, chosen)
+        if chosen is None:
+            return
+        state = load_checkpoint(Path(chosen))
+        saved_model = state["config"]["model"]
+        if saved_model != self.config.to_dict()["model"]:
+            raise ConfigError(
+                [
+                    (
+                        "checkpoint.dir",
+                        f"{chosen} was written for model {saved_model}, not "
+                        f"{self.config.to_dict()['model']}; use another checkpoint.dir",
+                    )
+                ]
+            )
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.start_step = int(state["step"])
+        self.elapsed_before = float(state["elapsed_s"])
+        self.last_loss = state["last_loss"]
+        rng_states = state["rng"]
+        if len(rng_states) == self.ctx.world_size:
+            mine = rng_states[self.ctx.rank]
+            torch.set_rng_state(mine["torch"])
+            if self.ctx.device.type == "cuda" and mine["cuda"] is not None:
+                torch.cuda.set_rng_state(mine["cuda"], self.ctx.device)
+        else:
+            log.warning(
+                "checkpoint has %d ranks, this run %d: reseeding random streams",
+                len(rng_states),
+                self.ctx.world_size,
+            )
+            torch.manual_seed(self.train_cfg.seed + self.ctx.rank + self.start_step)
+        if not self.batches.load_state_dict(state["data"], self.start_step):
+            log.warning("global batch size changed since the checkpoint: data order differs")
+        self.resumed_from = chosen
+        log.info("resumed from %s at step %d", chosen, self.start_step)
+
+    # --- the loop ------------------------------------------------------------------------
+
+    def _train_step(self, step: int) -> Tensor:
+        accum = self.train_cfg.grad_accum
+        total: Tensor | None = None
+        for micro in range(accum):
+            inputs, targets = self.train_set.batch(self.batches.indices(step, micro))
+            # Gradients are all-reduced on the last micro-step only.
+            sync = self.ddp.no_sync() if self.ddp is not None and micro < accum - 1 else None
+            with sync or contextlib.nullcontext():
+                with self.precision.autocast():
+                    logits = self.train_model(inputs)
+                # The loss in fp32 whatever the autocast dtype of the logits.
+                loss = F.cross_entropy(
+                    logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
+                )
+                scaled = loss / accum if accum > 1 else loss
+                if self.scaler is not None:
+                    scaled = self.scaler.scale(scaled)
+                scaled.backward()
+            detached = loss.detach()
+            total = detached if total is None else total + detached
+        if self.train_cfg.grad_clip > 0:
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)
+            self.grad_norm = nn.utils.clip_grad_norm_(
+                self.model.parameters(), self.train_cfg.grad_clip
+            )
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        assert total is not None
+        return total / accum if accum > 1 else total
+
+    def execute(self) -> dict[str, Any]:
+        self._setup()
+        ctx, train = self.ctx, self.train_cfg
+        self.grad_norm: Tensor | None = None
+        peak = self.peak_tflops
+        self.trainer.emit(ctx, self._start_event(peak))
+
+        step = self.start_step
+        loop_start = time.perf_counter()
+        interval_start, interval_paused, interval_steps = loop_start, 0.0, 0
+        interval_loss: Tensor | None = None
+        last_checkpoint_time = time.monotonic()
+        last_checkpoint: str | None = self.resumed_from
+        last_eval: dict[str, Any] | None = None
+        stop_reason: str | None = None
+        self.model.train()
+
+        while step < train.steps:
+            loss = self._train_step(step)
+            interval_loss = loss if interval_loss is None else interval_loss + loss
+            step += 1
+            interval_steps += 1
+            time_due = (
+                ctx.is_primary
+                and self.ckpt_cfg.every_seconds > 0
+                and time.monotonic() - last_checkpoint_time >= self.ckpt_cfg.every_seconds
+            )
+            local_stop = self.trainer.stop_reason
+            *stops, time_due = agree_any(
+                ctx, [local_stop == reason for reason in STOP_REASONS] + [time_due]
+            )
+            stop_reason = next((r for r, s in zip(STOP_REASONS, stops, strict=True) if s), None)
+            finished = step == train.steps
+
+            if step % train.log_every == 0 or finished or stop_reason:
+                # Reading the loss waits for the queued device work, so the time after it is
+                # the true end of the interval.
+                self.last_loss = self._global_mean(interval_loss / interval_steps)
+                elapsed = time.perf_counter() - interval_start - interval_paused
+                self.trainer.emit(ctx, self._step_event(step, interval_steps, elapsed, peak))
+                interval_start, interval_paused = time.perf_counter(), 0.0
+                interval_steps, interval_loss = 0, None
+
+            pause_start = time.perf_counter()
+            if train.eval_every and not stop_reason and (step % train.eval_every == 0 or finished):
+                last_eval = self._evaluate(step)
+                self.trainer.emit(ctx, {"event": "eval", **last_eval})
+            due = (
+                (self.ckpt_cfg.every_steps and step % self.ckpt_cfg.every_steps == 0)
+                or time_due
+                or finished
+                or stop_reason is not None
+            )
+            if self.ckpt_cfg.enabled and due:
+                elapsed_total = self.elapsed_before + time.perf_counter() - loop_start
+                last_checkpoint = self._save(step, elapsed_total) or last_checkpoint
+                last_checkpoint_time = time.monotonic()
+            interval_paused += time.perf_counter() - pause_start
+            if stop_reason:
+                break
+
+        run_seconds = time.perf_counter() - loop_start
+        steps_this_run = step - self.start_step
+        samples_per_s = steps_this_run * self.batches.global_batch / run_seconds
+        summary: dict[str, Any] = {
+            "event": "summary",
+            "steps": step,
+            "steps_this_run": steps_this_run,
+            "final_loss": self.last_loss,
+            "exit_reason": stop_reason or "completed",
+            "elapsed_s": round(run_seconds, 3),
+            "total_elapsed_s": round(self.elapsed_before + run_seconds, 3),
+            "samples_per_s": samples_per_s,
+        }
+        if self.info.task == "lm":
+            summary["tokens_per_s"] = samples_per_s * self.info.seq_len
+        summary.update(
+            peak_mem_bytes=peak_memory_bytes(ctx.device),
+            checkpoint=last_checkpoint,
+            eval=last_eval,
+        )
+        self.trainer.emit(ctx, summary)
+        return summary
+
+    # --- events --------------------------------------------------------------------------
+
+    def _start_event(self, peak: float | None) -> dict[str, Any]:
+        device = self.ctx.device
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        return {
+            "event": "start",
+            "world_size": self.ctx.world_size,
+            "device": device.type,
+            "device_name": name,
+            "precision": self.precision.name,
+            "params": sum(p.numel() for p in self.model.parameters()),
+            "global_batch_size": self.batches.global_batch,
+            "steps": self.train_cfg.steps,
+            "start_step": self.start_step,
+            "resumed_from": self.resumed_from,
+            "flops_per_sample": self.flops_per_sample,
+            "peak_tflops": peak,
+            "torch_version": torch.__version__,
+            "config": self.config.to_dict(),
+        }
+
+    def _step_event(
+        self, step: int, steps: int, elapsed: float, peak: float | None
+    ) -> dict[str, Any]:
+        samples_per_s = steps * self.batches.global_batch / elapsed
+        event: dict[str, Any] = {
+            "event": "step",
+            "step": step,
+            "loss": self.last_loss,
+            "lr": self.train_cfg.lr * lr_factor_fn(self.train_cfg)(step - 1),
+            "samples_per_s": samples_per_s,
+        }
+        if self.info.task == "lm":
+            event["tokens_per_s"] = samples_per_s * self.info.seq_len
+        event.update(
+            peak_mem_bytes=peak_memory_bytes(self.ctx.device),
+            mfu=mfu(self.flops_per_sample, samples_per_s, self.ctx.world_size, peak),
+            grad_norm=float(self.grad_norm) if self.grad_norm is not None else None,
+        )
+        if self.scaler is not None:
+            event["loss_scale"] = float(self.scaler.get_scale())
+        return event
+
+    def _global_mean(self, value: Tensor) -> float:
+        if self.ctx.distributed:
+            value = value.clone()
+            dist.all_reduce(value)
+            value /= self.ctx.world_size
+        return float(value.item())
+
+    @torch.no_grad()
+    def _evaluate(self, step: int) -> dict[str, Any]:
+        # The plain module: eval shapes differ from training ones and must not trigger compiles.
+        self.model.eval()
+        totals = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)
+        for indices in eval_batches(
+            len(self.eval_set),
+            batch_size=self.config.data.eval_batch_size,
+            world_size=self.ctx.world_size,
+            rank=self.ctx.rank,
+            device=self.ctx.device,
+        ):
+            inputs, targets = self.eval_set.batch(indices)
+            with self.precision.autocast():
+                logits = self.model(inputs)
+            logits = logits.float().reshape(-1, logits.shape[-1])
+            targets = targets.reshape(-1)
+            totals[0] += F.cross_entropy(logits, targets, reduction="sum")
+            totals[1] += (logits.argmax(dim=1) == targets).sum()
+            totals[2] += targets.numel()
+        if self.ctx.distributed:
+            dist.all_reduce(totals)
+        self.model.train()
+        loss_sum, correct, count = totals.tolist()
+        return {
+            "step": step,
+            "loss": loss_sum / count,
+            "accuracy": correct / count,
+            "samples": len(self.eval_set),
+        }
+
+    def _save(self, step: int, elapsed_total: float) -> str | None:
+        device = self.ctx.device
+        rng = {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        }
+        rng_states = gather_to_primary(self.ctx, rng)
+        if not self.ctx.is_primary:
+            return None
+        started = time.perf_counter()
+        state = {
+            "step": step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "rng": rng_states,
+            "data": self.batches.state_dict(step),
+            "elapsed_s": elapsed_total,
+            "last_loss": self.last_loss,
+            "world_size": self.ctx.world_size,
+            "config": self.config.to_dict(),
+        }
+        path = write_checkpoint_file(state, self.ckpt_dir, step, self.ckpt_cfg.keep)
+        self.trainer.emit(
+            self.ctx,
+            {
+                "event": "checkpoint",
+                "step": step,
+                "path": str(path),
+                "bytes": path.stat().st_size,
+                "seconds": round(time.perf_counter() - started, 3),
+            },
+        )
+        return str(path)

@@ -1,0 +1,186 @@
+"""Config validation: every bad key is named, and the CLI exits 2 before loading PyTorch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.config import (
+    CONFIG_ERROR_EXIT_CODE,
+    ConfigError,
+    GptConfig,
+    SyntheticDataConfig,
+    apply_overrides,
+    load_config_dict,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def problems_of(raw: object) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config_dict(raw)
+    return info.value.lines()
+
+
+def test_empty_config_gives_the_documented_defaults(monkeypatch):
+    # given no checkpoint directory in the environment
+    monkeypatch.delenv("HARNESS_CHECKPOINT_DIR", raising=False)
+    # when an empty config is loaded
+    config = load_config_dict({})
+    # then every section has its defaults
+    assert config.model.name == "mnist_cnn"
+    assert config.data.name == "digits"
+    assert config.train.precision == "auto"
+    assert config.checkpoint.dir == "./checkpoints"
+
+
+def test_checkpoint_dir_defaults_to_the_environment(monkeypatch):
+    monkeypatch.setenv("HARNESS_CHECKPOINT_DIR", "/volume/ckpt")
+    assert load_config_dict({}).checkpoint.dir == "/volume/ckpt"
+
+
+def test_variant_sections_build_their_own_dataclass():
+    config = load_config_dict(
+        {
+            "model": {"name": "gpt", "layers": 2, "width": 32, "heads": 4},
+            "data": {"name": "synthetic", "seq_len": 16, "batch_size": 4},
+            "train": {"lr": "3e-4"},
+        }
+    )
+    assert config.model == GptConfig(layers=2, width=32, heads=4)
+    assert isinstance(config.data, SyntheticDataConfig)
+    # YAML 1.1 reads 3e-4 as a string; a number-shaped string is accepted for float keys.
+    assert config.train.lr == pytest.approx(3e-4)
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ({"trian": {}}, "config error: trian: unknown key"),
+        ({"train": {"lr": -1}}, "config error: train.lr: must be a positive number (got -1)"),
+        ({"train": {"lr": "fast"}}, "config error: train.lr: must be a positive number"),
+        ({"train": {"steps": 1.5}}, "config error: train.steps: must be a positive integer"),
+        ({"train": {"steps": True}}, "config error: train.steps: must be a positive integer"),
+        ({"train": {"compile": "yes"}}, "config error: train.compile: must be true or false"),
+        ({"train": {"precision": "fp8"}}, "config error: train.precision: must be one of"),
+        ({"train": {"lr_schedule": "linear"}}, "config error: train.lr_schedule: must be one of"),
+        ({"train": {"min_lr_ratio": 2}}, "config error: train.min_lr_ratio: must be a number"),
+        ({"train": []}, "config error: train: must be a mapping (got a list)"),
+        ({"model": {"name": "vit"}}, "config error: model.name: must be one of"),
+        ({"model": {"layers": 2}}, "config error: model.layers: unknown key for model 'mnist_cnn'"),
+        ({"model": {"name": "resnet", "widths": []}}, "config error: model.widths: must be a"),
+        ({"model": {"name": "resnet", "widths": [8, 2]}}, "config error: model.widths[1]:"),
+        ({"data": {"name": "digits", "seq_len": 8}}, "config error: data.seq_len: unknown key"),
+        ({"data": {"batch_size": 0}}, "config error: data.batch_size: must be a positive"),
+        ({"checkpoint": {"keep": 0}}, "config error: checkpoint.keep: must be a positive"),
+        ({"checkpoint": {"dir": ""}}, "config error: checkpoint.dir: must be a non-empty string"),
+        (
+            {"model": {"name": "gpt"}, "data": {"name": "digits"}},
+            "config error: data.name: 'digits' is an image dataset",
+        ),
+        (
+            {"model": {"name": "gpt", "width": 30, "heads": 4}, "data": {"name": "text"}},
+            "config error: model.width: must be divisible by model.heads",
+        ),
+        (["train"], "config error: the top level must be a mapping"),
+    ],
+)
+def test_each_bad_key_is_named(raw, expected):
+    problems = problems_of(raw)
+    assert any(line.startswith(expected) for line in problems), problems
+
+
+def test_all_problems_are_reported_at_once():
+    problems = problems_of({"train": {"lr": 0, "seed": -1}, "extra": 1})
+    assert [line.split(":")[1].strip() for line in problems] == ["extra", "train.lr", "train.seed"]
+
+
+def test_overrides_parse_yaml_scalars_and_create_sections():
+    raw = apply_overrides({"train": {"steps": 5}}, ["train.lr=1e-2", "checkpoint.keep=2"])
+    assert raw == {"train": {"steps": 5, "lr": "1e-2"}, "checkpoint": {"keep": 2}}
+    assert load_config_dict(raw).train.lr == pytest.approx(0.01)
+
+
+def test_override_through_a_scalar_is_an_error():
+    with pytest.raises(ConfigError, match=r"train\.steps: is not a mapping"):
+        apply_overrides({"train": {"steps": 5}}, ["train.steps.x=1"])
+
+
+def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    # Also checks that a config failure happens before torch is imported (fast, and usable on a
+    # machine without PyTorch).
+    code = (
+        "import sys\n"
+        "from harness.__main__ import main\n"
+        f"status = main({list(args)!r})\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "sys.exit(status)\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "expected"),
+    [
+        ("unknown.json", '{"train": {"stpes": 10}}', "config error: train.stpes: unknown key"),
+        (
+            "wrong_type.json",
+            '{"train": {"lr": "fast"}}',
+            "config error: train.lr: must be a positive number (got string 'fast')",
+        ),
+        (
+            "bad_enum.yaml",
+            "train:\n  precision: fp64\n",
+            "config error: train.precision: must be one of 'fp32', 'fp16', 'bf16', 'auto'",
+        ),
+        (
+            "nested.yml",
+            "model:\n  name: gpt\n  layers: many\ndata:\n  name: text\n",
+            "config error: model.layers: must be a positive integer (got string 'many')",
+        ),
+        ("broken.yaml", "train: [unclosed\n", "is not valid YAML"),
+        ("broken.json", '{"train": ', "is not valid JSON"),
+    ],
+)
+def test_cli_exits_2_naming_the_bad_key(tmp_path, clean_env, name, content, expected):
+    # given a malformed config file
+    path = tmp_path / name
+    path.write_text(content)
+    # when the harness is started with it
+    result = _cli("--config", str(path), env=clean_env)
+    # then it exits 2 with the problem on stderr and prints no metrics
+    assert result.returncode == CONFIG_ERROR_EXIT_CODE, result.stderr
+    assert expected in result.stderr
+    assert result.stdout == ""
+
+
+def test_cli_reports_a_missing_file_and_a_bad_override(tmp_path, clean_env):
+    missing = _cli("--config", str(tmp_path / "nope.yaml"), env=clean_env)
+    assert missing.returncode == CONFIG_ERROR_EXIT_CODE
+    assert "config error: cannot read" in missing.stderr
+
+    path = tmp_path / "ok.yaml"
+    path.write_text("train:\n  steps: 3\n")
+    override = _cli("--config", str(path), "--set", "train.grad_accum=0", env=clean_env)
+    assert override.returncode == CONFIG_ERROR_EXIT_CODE
+    assert "config error: train.grad_accum: must be a positive integer (got 0)" in override.stderr
+
+
+def test_cli_requires_a_config(clean_env):
+    result = _cli(env=clean_env)
+    assert result.returncode == CONFIG_ERROR_EXIT_CODE
+    assert "--config FILE is required" in result.stderr
