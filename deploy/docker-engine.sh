@@ -27,14 +27,16 @@
 #   GPUMARKET_DOCKER_SOCK     socket path          (default /var/run/docker.sock)
 #   GPUMARKET_DOCKER_STORAGE  force a storage driver (overlay2 | vfs); default: probe
 #   GPUMARKET_DOCKER_WAIT_S   seconds to wait for the engine to answer (default 60)
+#   GPUMARKET_DOCKER_RUN_DIR  pidfile and exec root (default /var/run/gpumarket-docker)
+#   GPUMARKET_DOCKER_LOG      daemon log (default /var/log/gpumarket-dockerd.log)
 # All progress goes to stderr; stdout carries only the DOCKER_HOST value.
 set -euo pipefail
 
 DATA_ROOT="${GPUMARKET_DOCKER_ROOT:-/var/lib/gpumarket-docker}"
 SOCK="${GPUMARKET_DOCKER_SOCK:-/var/run/docker.sock}"
-RUN_DIR="/var/run/gpumarket-docker"
+RUN_DIR="${GPUMARKET_DOCKER_RUN_DIR:-/var/run/gpumarket-docker}"
 PIDFILE="$RUN_DIR/dockerd.pid"
-LOG="/var/log/gpumarket-dockerd.log"
+LOG="${GPUMARKET_DOCKER_LOG:-/var/log/gpumarket-dockerd.log}"
 WAIT_S="${GPUMARKET_DOCKER_WAIT_S:-60}"
 
 log() { echo "docker-engine: $*" >&2; }
