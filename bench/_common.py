@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import random
 import statistics
 import sys
+import time
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -66,3 +70,91 @@ def bench_database(name: str):
 def emit(figures: dict) -> None:
     """The last line of every benchmark: one JSON object of its figures."""
     print(json.dumps(figures), flush=True)
+
+
+REGIONS = ["eu-west", "eu-central", "us-east", "us-west", "ap-southeast", "ap-northeast"]
+
+
+def build_inventory(url: str, nodes: int, *, busy_node_fraction: float = 0.0, seed: int = 7) -> int:
+    """Fill the database with COPY: nodes of 8 GPUs (two NVLink groups of 4), and on the given
+    fraction of nodes half of the GPUs held right now by running rentals. Returns the GPU count."""
+    import psycopg
+
+    rng = random.Random(seed)
+    with psycopg.connect(url) as conn:
+        models = conn.execute("SELECT id, slug FROM marketplace_gpumodel").fetchall()
+        conn.execute(
+            "INSERT INTO marketplace_user (password, is_superuser, username, first_name,"
+            " last_name, email, is_staff, is_active, date_joined) VALUES"
+            " ('!', false, 'bench', '', '', 'bench@example.invalid', false, true, now())"
+        )
+        user_id = conn.execute("SELECT id FROM marketplace_user").fetchone()[0]
+        provider_id = conn.execute(
+            "INSERT INTO marketplace_provider (name, owner_id, is_platform, created_at)"
+            " VALUES ('bench', %s, false, now()) RETURNING id",
+            (user_id,),
+        ).fetchone()[0]
+        node_rows = io.StringIO()
+        node_models = [rng.choice(models)[0] for _ in range(nodes)]
+        for i in range(nodes):
+            price = round(rng.uniform(0.2, 4.0), 4)
+            node_rows.write(
+                f"{provider_id}\t{node_models[i]}\t8\tnode{i:05d}\t{rng.choice(REGIONS)}\t"
+                "default\t64\t512\t4000\t"
+                f"10000\t10000\t550.54\t12.4\t{'t' if rng.random() < 0.5 else 'f'}\t"
+                f"{'online' if rng.random() < 0.95 else 'offline'}\t"
+                f"{round(rng.uniform(0.8, 1.0), 4)}\tt\t{price}\t{round(price * 0.4, 4)}\tnow\tf\n"
+            )
+        with conn.cursor().copy(
+            "COPY marketplace_node (provider_id, gpu_model_id, gpu_count, hostname, region, pool,"
+            " cpu_cores, ram_gb, disk_gb, net_up_mbps, net_down_mbps, driver_version,"
+            " cuda_version, nvlink, status, reliability, simulated, price_per_gpu_hour,"
+            " min_bid_per_gpu_hour, created_at, benchmark_requested)"
+            " FROM STDIN"
+        ) as copy:
+            copy.write(node_rows.getvalue())
+        node_ids = [r[0] for r in conn.execute("SELECT id FROM marketplace_node ORDER BY id")]
+        gpu_rows = io.StringIO()
+        for node_id, model_id in zip(node_ids, node_models, strict=True):
+            for idx in range(8):
+                gpu_rows.write(f"{node_id}\t{idx}\tGPU-{uuid.uuid4()}\t{model_id}\tg{idx // 4}\n")
+        with conn.cursor().copy(
+            "COPY marketplace_gpu (node_id, index, uuid, model_id, topology_group) FROM STDIN"
+        ) as copy:
+            copy.write(gpu_rows.getvalue())
+        gpus = conn.execute(
+            "SELECT node_id, array_agg(id ORDER BY index) FROM marketplace_gpu GROUP BY node_id"
+        ).fetchall()
+        rental_rows, alloc_rows = io.StringIO(), io.StringIO()
+        busy_nodes = rng.sample(gpus, int(len(gpus) * busy_node_fraction))
+        t = time.time()
+        held = "[{},{})".format(
+            *(time.strftime("%Y-%m-%d %H:%M:%S+00", time.gmtime(x)) for x in (t - 3600, t + 3600))
+        )
+        for node_id, gpu_ids in busy_nodes:
+            rental_id = uuid.uuid4()
+            rental_rows.write(
+                f"{rental_id}\t{user_id}\t\trunning\t\t{{}}\t{{}}\t0\t0\t4\t1\tf\t\tdefault\t\\N\t"
+                f"on_demand\t\\N\t0\tnow\tnow\t3600\timg\t[]\t\\N\t{{}}\t{{}}\t1.0\t\\N\t\\N\t"
+                f"\\N\t\\N\t\\N\t\tnow\tnow\n"
+            )
+            for gpu_id in gpu_ids[:4]:
+                alloc_rows.write(f"{rental_id}\t{gpu_id}\t{node_id}\t{held}\t\\N\tnow\n")
+        with conn.cursor().copy(
+            "COPY marketplace_rental (id, customer_id, name, status, status_reason, gpu_models,"
+            " gpu_families, min_memory_gb, min_tensor_tflops, gpus_per_node, node_count,"
+            " same_group, region, pool, max_price_per_gpu_hour, kind, bid_per_gpu_hour,"
+            " priority, start_at, start_deadline, duration_s, image, command, harness_config,"
+            " env, ports, price_per_gpu_hour, scheduled_start, scheduled_end, started_at,"
+            " ended_at, exit_code, log_tail, created_at, updated_at) FROM STDIN"
+        ) as copy:
+            copy.write(rental_rows.getvalue())
+        with conn.cursor().copy(
+            "COPY marketplace_allocation (rental_id, gpu_id, node_id, during, released_at,"
+            " created_at) FROM STDIN"
+        ) as copy:
+            copy.write(alloc_rows.getvalue())
+        conn.commit()
+        conn.autocommit = True
+        conn.execute("VACUUM ANALYZE")
+        return conn.execute("SELECT count(*) FROM marketplace_gpu").fetchone()[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import secrets
 import uuid
 from decimal import Decimal
@@ -87,4 +88,31 @@ def load_demo(*, var_dir: Path | None = None) -> dict[str, int]:
             cuda_version="12.4",
         )
         created += 1
+    _local_agent_env(platform, ops, var_dir)
     return {"nodes_created": created, "nodes": Node.objects.count()}
+
+
+def _local_agent_env(platform: Provider, ops: User, var_dir: Path) -> None:
+    """A join token for the stack's own agent (simulated GPUs, local processes), written where
+    `python -m provisioning.agent --dev-local` reads it. Once the agent has joined, it keeps its
+    node token and the file is left alone."""
+    from provisioning.services import join_token_create
+
+    env_file = var_dir / "agent.env"
+    if env_file.exists():
+        return
+    _, raw = join_token_create(
+        provider=platform,
+        created_by=ops,
+        region="local",
+        price_per_gpu_hour=Decimal("0.50"),
+        min_bid_per_gpu_hour=Decimal("0.20"),
+    )
+    server = os.environ.get("GPUMARKET_SERVER_URL", "http://127.0.0.1:8000")
+    env_file.write_text(
+        f"GPUMARKET_SERVER_URL={server}\n"
+        f"GPUMARKET_JOIN_TOKEN={raw}\n"
+        "GPUMARKET_SIMULATE_GPUS=rtx4090-24gb:2\n"
+        "GPUMARKET_HOSTNAME=local-sim-01\n"
+    )
+    env_file.chmod(0o600)

@@ -15,8 +15,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+import psycopg
+from django.core.cache import cache
 from django.db import IntegrityError, connection, transaction
-from django.db.backends.postgresql.psycopg_any import DateTimeTZRange
 from django.db.models import QuerySet
 from django.utils import timezone
 
@@ -37,6 +38,8 @@ from scheduler.engine import types as engine
 log = logging.getLogger(__name__)
 
 BIND_CHUNK = 500
+# A bind that loses to another writer: Django's wrapper, or psycopg's own from COPY.
+_CONFLICT = (IntegrityError, psycopg.IntegrityError)
 # Statuses whose allocations still hold GPUs.
 _HOLDING = (
     RentalStatus.SCHEDULED,
@@ -224,7 +227,11 @@ def pool_lock(pool: str) -> Iterator[bool]:
 
 
 def _bind_chunk(placements: list[engine.Placement], now: datetime) -> list[engine.Placement]:
-    """Bind a chunk in the caller's transaction; returns those whose rental was still PENDING."""
+    """Bind a chunk in the caller's transaction; returns those whose rental was still PENDING.
+
+    `now` is the cycle's planning instant; the events carry the time of the bind itself.
+    """
+    bound_at = timezone.now()
     values = []
     params: list = []
     for p in placements:
@@ -240,34 +247,41 @@ def _bind_chunk(placements: list[engine.Placement], now: datetime) -> list[engin
             WHERE r.id = v.id AND r.status = %s
             RETURNING r.id
             """,  # noqa: S608 - only placeholders are interpolated
-            [RentalStatus.SCHEDULED, "placed", now, *params, RentalStatus.PENDING],
+            [RentalStatus.SCHEDULED, "placed", bound_at, *params, RentalStatus.PENDING],
         )
         bound_ids = {str(row[0]) for row in cursor.fetchall()}
     bound = [p for p in placements if str(p.rental_id) in bound_ids]
     if not bound:
         return []
-    gpu_node = {}
-    allocations = []
-    for p in bound:
-        during = DateTimeTZRange(_dt(p.start), _dt(p.end), "[)")
-        for node_id, gpu_ids in p.nodes:
-            for gpu_id in gpu_ids:
-                gpu_node[gpu_id] = node_id
-                allocations.append(
-                    Allocation(rental_id=p.rental_id, gpu_id=gpu_id, node_id=node_id, during=during)
+    # COPY: the bind is the hot write of the scheduler, and the exclusion constraint checks
+    # every row COPY writes exactly as it would an INSERT.
+    with connection.cursor() as cursor:
+        raw = cursor.cursor
+        with raw.copy(
+            "COPY marketplace_allocation (rental_id, gpu_id, node_id, during, created_at)"
+            " FROM STDIN"
+        ) as copy:
+            for p in bound:
+                during = f"[{_dt(p.start).isoformat()},{_dt(p.end).isoformat()})"
+                for node_id, gpu_ids in p.nodes:
+                    for gpu_id in gpu_ids:
+                        copy.write_row((str(p.rental_id), gpu_id, node_id, during, bound_at))
+        with raw.copy(
+            "COPY marketplace_rentalevent (rental_id, from_status, to_status, actor_kind,"
+            " reason, created_at) FROM STDIN"
+        ) as copy:
+            for p in bound:
+                hosts = ", ".join(str(n) for n, _ in p.nodes)
+                copy.write_row(
+                    (
+                        str(p.rental_id),
+                        RentalStatus.PENDING.value,
+                        RentalStatus.SCHEDULED.value,
+                        RentalEvent.Actor.SCHEDULER.value,
+                        f"placed on node(s) {hosts} at ${p.price_per_gpu_hour}/GPU-hour",
+                        bound_at,
+                    )
                 )
-    Allocation.objects.bulk_create(allocations)
-    RentalEvent.objects.bulk_create(
-        RentalEvent(
-            rental_id=p.rental_id,
-            from_status=RentalStatus.PENDING,
-            to_status=RentalStatus.SCHEDULED,
-            actor_kind=RentalEvent.Actor.SCHEDULER,
-            reason=f"placed on node(s) {', '.join(str(n) for n, _ in p.nodes)} "
-            f"at ${p.price_per_gpu_hour}/GPU-hour",
-        )
-        for p in bound
-    )
     return bound
 
 
@@ -287,12 +301,12 @@ def allocation_bind(
         try:
             with transaction.atomic():
                 bound.extend(_bind_chunk(chunk, now))
-        except IntegrityError:
+        except _CONFLICT:
             for p in chunk:
                 try:
                     with transaction.atomic():
                         bound.extend(_bind_chunk([p], now))
-                except IntegrityError:
+                except _CONFLICT:
                     conflicts.append(p)
     if conflicts:
         log.info("bind conflicts, re-planned next cycle: %d", len(conflicts))
@@ -384,6 +398,7 @@ def scheduler_cycle_run(
             return result
         result.ran = True
         for _ in range(max_rounds):
+            cache.set(_SNAPSHOT_KEY.format(pool=pool), time.time(), timeout=3600)
             now = timezone.now()
             t0 = time.perf_counter()
             snapshot = snapshot_take(pool=pool, now=now)
@@ -405,6 +420,14 @@ def scheduler_cycle_run(
     if result.ran:
         log.info("scheduler cycle %s: %s", pool, result)
     return result
+
+
+_SNAPSHOT_KEY = "scheduler:last-snapshot:{pool}"
+
+
+def last_snapshot_at(pool: str) -> float:
+    """When the latest cycle of the pool began reading (epoch seconds; 0 when unknown)."""
+    return cache.get(_SNAPSHOT_KEY.format(pool=pool), 0.0)
 
 
 def pools_with_pending() -> list[str]:

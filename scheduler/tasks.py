@@ -8,8 +8,12 @@ from scheduler import services
 
 
 @shared_task(name="scheduler.cycle", ignore_result=True, time_limit=300, soft_time_limit=240)
-def scheduler_cycle(pool: str = "default") -> None:
-    """One placement cycle for one pool (skips when another worker holds the pool)."""
+def scheduler_cycle(pool: str = "default", requested_at: float | None = None) -> None:
+    """One placement cycle for one pool. A burst of creates queues one task each; a task whose
+    rentals a later snapshot already covered is dropped, and one that finds the pool locked
+    leaves it to the running cycle's next round."""
+    if requested_at is not None and services.last_snapshot_at(pool) > requested_at:
+        return
     services.scheduler_cycle_run(pool=pool)
 
 

@@ -6,6 +6,7 @@ through the one table of allowed transitions and record every change as an event
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -138,12 +139,13 @@ def _engine_request(req: RentalRequest, start: datetime, deadline: datetime) -> 
     )
 
 
-def _candidate_nodes(req: RentalRequest) -> list[engine.Node]:
-    """The nodes the engine's feasibility rules should judge the request against.
+def _never_fits(req: RentalRequest, start: datetime, deadline: datetime) -> str | None:
+    """Why the request could never be placed, judged by the engine's own feasibility rules.
 
-    The narrowest non-empty set wins (location, then hardware, size and price), cheapest
-    first, so the engine either finds enough candidates or explains the first constraint that
-    no node meets, without loading the whole inventory on every create.
+    The cheapest few nodes that meet every static constraint usually prove it fits (a cheap
+    check on every create). Otherwise the candidate set widens one constraint at a time
+    (price, size, hardware, location), cheapest first, so the reason names the first
+    constraint no node meets.
     """
     from scheduler.services import engine_nodes  # the binding owns the row -> engine mapping
 
@@ -166,11 +168,19 @@ def _candidate_nodes(req: RentalRequest) -> list[engine.Node]:
         priced = sized.filter(price_per_gpu_hour__lte=req.max_price_per_gpu_hour)
     else:
         priced = sized
-    for candidates in (priced, sized, hardware, located):
-        nodes = engine_nodes(candidates.order_by("price_per_gpu_hour", "id")[:256])
-        if len(nodes) >= req.node_count:
-            return nodes
-    return nodes
+    request = _engine_request(req, start, deadline)
+    tiers = [(priced, 4 * req.node_count), (priced, 256), (sized, 256), (hardware, 256)]
+    nodes: list[engine.Node] = []
+    for i, (candidates, limit) in enumerate(tiers):
+        nodes = engine_nodes(candidates.order_by("price_per_gpu_hour", "id")[:limit])
+        if len(nodes) < req.node_count:
+            continue
+        reason = feasibility.never_fits(request, nodes)
+        if reason is None or i > 0:
+            return reason
+    return feasibility.never_fits(
+        request, engine_nodes(located.order_by("price_per_gpu_hour", "id")[:256])
+    )
 
 
 def rental_create(*, customer: User, request: RentalRequest) -> Rental:
@@ -202,9 +212,7 @@ def rental_create(*, customer: User, request: RentalRequest) -> Rental:
         unknown = sorted(set(request.gpu_models) - known)
         if unknown:
             raise ValidationFailed(f"unknown GPU model: {', '.join(unknown)}", field="gpu_models")
-    reason = feasibility.never_fits(
-        _engine_request(request, start, deadline), _candidate_nodes(request)
-    )
+    reason = _never_fits(request, start, deadline)
     if reason is not None:
         raise ValidationFailed(f"this request can never be placed: {reason}", field="non_field")
     with transaction.atomic():
@@ -245,7 +253,8 @@ def rental_create(*, customer: User, request: RentalRequest) -> Rental:
         from scheduler.tasks import scheduler_cycle
 
         pool = rental.pool
-        transaction.on_commit(lambda: scheduler_cycle.delay(pool))
+        # The time is taken after commit: any cycle that snapshots later sees this rental.
+        transaction.on_commit(lambda: scheduler_cycle.delay(pool, time.time()))
     return rental
 
 
