@@ -120,7 +120,7 @@ build_rootfs_tarball() {
 
     # Size: headers, CMake files, C++ test binaries and the libraries' own test suites are never
     # used at run time (torch_shm_manager is: DataLoader workers share tensors through it).
-    rm -rf "$site/torch/include" "$site/torch/share/cmake" "$site/torch/test" "$site/bin"
+    rm -rf "${site:?}/torch/include" "${site:?}/torch/share/cmake" "${site:?}/torch/test" "${site:?}/bin"
     find "$site/torch/bin" -mindepth 1 -maxdepth 1 ! -name torch_shm_manager -exec rm -rf {} +
     find "$site/numpy" "$site/scipy" "$site/sklearn" -depth -type d -name tests \
         -exec rm -rf {} +
