@@ -176,6 +176,20 @@ class RuntimeSerializer(serializers.Serializer):
                 raise serializers.ValidationError(f"{key} is set by the platform")
         return value
 
+    def validate_harness_config(self, value: dict | None) -> dict | None:
+        """Checked with the harness's own schema, so a bad key is a 400 now, not a failed run."""
+        if value is None:
+            return value
+        from harness.config import ConfigError, load_config_dict
+
+        try:
+            load_config_dict(value)
+        except ConfigError as exc:
+            raise serializers.ValidationError(
+                [f"{path}: {message}" if path else message for path, message in exc.problems]
+            ) from exc
+        return value
+
     def validate_ports(self, value: list[int]) -> list[int]:
         if len(set(value)) != len(value):
             raise serializers.ValidationError("ports must be unique")

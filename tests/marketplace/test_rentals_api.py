@@ -19,7 +19,7 @@ BODY = {
     "duration_s": 7200,
     "runtime": {
         "image": "gpumarket/harness:dev",
-        "harness_config": {"model": {"name": "gpt"}},
+        "harness_config": {"model": {"name": "gpt"}, "data": {"name": "text"}},
         "env": {"WANDB_MODE": "offline"},
         "ports": [8888],
     },
@@ -151,3 +151,11 @@ def test_stop_of_a_running_rental_asks_the_agent_to_stop(auth_api, node):
 def test_unknown_status_filter_is_400(auth_api):
     r = auth_api.get("/api/v1/rentals/", {"status": "sleeping"})
     assert r.status_code == 400 and "status" in r.json()
+
+
+def test_a_bad_harness_config_is_400_naming_the_key(auth_api, node):
+    body = {**BODY, "runtime": {"image": "x", "harness_config": {"train": {"lr": -1}}}}
+    r = auth_api.post("/api/v1/rentals/", body, format="json")
+    assert r.status_code == 400
+    assert "train.lr" in str(r.json()["runtime"]["harness_config"])
+    assert Rental.objects.count() == 0
