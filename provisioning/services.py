@@ -213,7 +213,8 @@ class ReportedContainer:
 def _cpu_and_memory(node: Node, gpus: int) -> tuple[float, int]:
     """CPU and memory in proportion to the share of the node's GPUs the rental takes."""
     share = gpus / node.gpu_count
-    return max(1.0, round(node.cpu_cores * share, 2)), max(1024, int(node.ram_gb * 1024 * share))
+    # torch alone needs about 1 GiB resident; below 2 GiB a training run is OOM-killed.
+    return max(1.0, round(node.cpu_cores * share, 2)), max(2048, int(node.ram_gb * 1024 * share))
 
 
 def desired_state(*, node: Node, now: datetime) -> list[dict]:
