@@ -84,24 +84,38 @@ def join_token_create(
 
 
 def catalog_match(name: str, memory_mb: int) -> GpuModel | None:
-    """The catalog card for an NVML device name ("NVIDIA H100 80GB HBM3") or a catalog slug."""
+    """The catalog card for an NVML device name ("NVIDIA H100 80GB HBM3") or a catalog slug.
+
+    The family must appear in the name; among its cards the closest memory size wins (NVML
+    reports a little less than the marketed size), then the form factor the name implies
+    ("PCIe"; "SXM" or HBM3 memory otherwise), then the memory type.
+    """
     exact = GpuModel.objects.filter(slug=name).first()
     if exact is not None:
         return exact
-    lowered = name.lower().replace("nvidia", "").replace("geforce", "")
-    compact = lowered.replace(" ", "").replace("-", "")
-    memory_gb = round(memory_mb / 1024)
+    lowered = name.lower()
+    compact = lowered.replace("nvidia", "").replace("geforce", "").replace(" ", "").replace("-", "")
+    memory_gb = memory_mb / 1024
+    if "pcie" in compact:
+        form = "pcie"
+    elif "sxm" in compact or "hbm3" in compact:
+        form = "sxm"
+    else:
+        form = ""
     best = None
     for model in GpuModel.objects.all():
-        family = model.family.replace("rtx", "rtx")
-        if family not in compact:
+        if model.family not in compact:
             continue
-        form_hit = model.form_factor.lower().rstrip("0123456789") in compact
-        # The closest memory size: NVML reports a little less than the marketed size.
-        score = (abs(model.memory_gb - memory_gb), 0 if form_hit else 1, -len(model.family))
+        model_form = "pcie" if model.form_factor.lower() == "pcie" else "sxm"
+        score = (
+            abs(model.memory_gb - memory_gb) // 4,
+            0 if not form or form == model_form else 1,
+            0 if model.memory_type.lower() in compact else 1,
+            -len(model.family),
+        )
         if best is None or score < best[0]:
             best = (score, model)
-    if best is None or best[0][0] > max(4, memory_gb // 8):
+    if best is None or best[0][0] > max(1, memory_gb // 32):
         return None
     return best[1]
 
@@ -397,7 +411,7 @@ def node_heartbeat(
     for report in sorted(containers, key=lambda c: c.run_id):
         with transaction.atomic():
             _apply_container(node, report, now)
-    ack = _usage_apply(node=node, usage=usage)
+    ack = _usage_apply(node=node, usage=usage) if usage else 0
     if telemetry:
         _telemetry_apply(node=node, samples=telemetry)
     if metrics:

@@ -12,6 +12,7 @@ from rest_framework.test import APIClient
 
 from marketplace.models import NodeStatus, Provider, User
 from marketplace.services import GpuSpec, api_token_create, node_register
+from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 from tests.factories import ProviderFactory, UserFactory
 
 _host_seq = itertools.count(1)
@@ -102,3 +103,22 @@ def _catalog(request):
     if not GpuModel.objects.exists():
         importlib.import_module("marketplace.migrations.0002_gpu_catalog").load(apps, None)
     yield
+
+
+@pytest.fixture
+def rent(user):
+    """Create a rental through the real service."""
+
+    def make(gpus: int = 1, *, customer=None, **kwargs):
+        for name in ("max_price_per_gpu_hour", "bid_per_gpu_hour", "min_tensor_tflops"):
+            if isinstance(kwargs.get(name), str):
+                kwargs[name] = Decimal(kwargs[name])
+        kwargs.setdefault("duration_s", 3600)
+        return rental_create(
+            customer=customer or user,
+            request=RentalRequest(
+                gpus_per_node=gpus, runtime=RuntimeSpec(image="gpumarket/harness:dev"), **kwargs
+            ),
+        )
+
+    return make

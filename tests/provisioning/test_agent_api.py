@@ -1,0 +1,236 @@
+"""The agent API as the node agent speaks it: join, heartbeat, desired state, state changes."""
+
+import json
+from decimal import Decimal
+
+import pytest
+from rest_framework.test import APIClient
+
+from marketplace.models import Allocation, Node, NodeStatus, Rental, RentalStatus
+from provisioning.models import ContainerRun, NodeCredential, RunMetric
+from provisioning.services import join_token_create, node_credential_revoke, nodes_mark_silent
+from scheduler.services import scheduler_cycle_run
+
+pytestmark = pytest.mark.django_db
+
+HOST = {"cpu_cores": 32, "ram_gb": 256, "disk_gb": 2000, "driver_version": "550.54",
+        "cuda_version": "12.4"}  # fmt: skip
+
+
+def _gpus(n=4, name="NVIDIA A100-SXM4-80GB", memory_mb=81920):
+    return [
+        {"index": i, "uuid": f"GPU-test-{i}-{name[-4:]}", "name": name, "memory_mb": memory_mb,
+         "topology_group": "nvl0"}
+        for i in range(n)
+    ]  # fmt: skip
+
+
+@pytest.fixture
+def join_token(provider):
+    _, raw = join_token_create(
+        provider=provider,
+        created_by=provider.owner,
+        region="eu-west",
+        price_per_gpu_hour=Decimal("1.20"),
+        min_bid_per_gpu_hour=Decimal("0.40"),
+    )
+    return raw
+
+
+@pytest.fixture
+def agent(api, join_token):
+    r = api.post(
+        "/api/agent/v1/join/",
+        {"join_token": join_token, "hostname": "gpu-host-1", "host": HOST, "gpus": _gpus()},
+        format="json",
+    )
+    assert r.status_code == 201, r.content
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {r.json()['node_token']}")
+    client.node = Node.objects.get(pk=r.json()["node_id"])
+    return client
+
+
+def _beat(agent, **body):
+    return agent.post("/api/agent/v1/heartbeat/", body, format="json")
+
+
+def test_join_lists_the_node_with_catalog_gpus_and_stores_the_token_hashed(agent):
+    node = agent.node
+    assert (node.hostname, node.region, node.status, node.gpu_count) == (
+        "gpu-host-1",
+        "eu-west",
+        NodeStatus.ONLINE,
+        4,
+    )
+    assert node.gpu_model.slug == "a100-sxm4-80gb"
+    assert node.price_per_gpu_hour == Decimal("1.2000") and node.nvlink
+    cred = NodeCredential.objects.get(node=node)
+    assert len(cred.key_hash) == 64
+    assert node.benchmark_requested
+
+
+@pytest.mark.parametrize(
+    ("name", "memory_mb", "slug"),
+    [
+        ("NVIDIA H100 80GB HBM3", 81559, "h100-sxm5-80gb"),
+        ("NVIDIA H100 PCIe", 81559, "h100-pcie-80gb"),
+        ("NVIDIA GeForce RTX 4090", 24564, "rtx4090-24gb"),
+        ("Tesla V100-SXM2-32GB", 32768, "v100-sxm2-32gb"),
+        ("NVIDIA A100-PCIE-40GB", 40960, "a100-pcie-40gb"),
+        ("rtx3090-24gb", 24576, "rtx3090-24gb"),
+    ],
+)
+def test_nvml_names_match_catalog_cards(db, name, memory_mb, slug):
+    from provisioning.services import catalog_match
+
+    assert catalog_match(name, memory_mb).slug == slug
+
+
+def test_a_used_join_token_is_refused_and_changes_nothing(api, agent, join_token):
+    r = api.post(
+        "/api/agent/v1/join/",
+        {"join_token": join_token, "hostname": "gpu-host-2", "host": HOST, "gpus": _gpus()},
+        format="json",
+    )
+    assert r.status_code == 400 and "join_token" in r.json()
+    assert Node.objects.count() == 1
+
+
+def test_an_unknown_gpu_is_refused_and_the_token_stays_usable(api, join_token):
+    r = api.post(
+        "/api/agent/v1/join/",
+        {"join_token": join_token, "hostname": "h", "host": HOST,
+         "gpus": _gpus(name="Voodoo 5 6000", memory_mb=64)},
+        format="json",
+    )  # fmt: skip
+    assert r.status_code == 400 and "gpus" in r.json()
+    assert Node.objects.count() == 0
+    ok = api.post(
+        "/api/agent/v1/join/",
+        {"join_token": join_token, "hostname": "h", "host": HOST, "gpus": _gpus()},
+        format="json",
+    )
+    assert ok.status_code == 201
+
+
+@pytest.mark.parametrize("header", [None, "Bearer gpn_forged", "Bearer"])
+def test_forged_or_missing_node_token_is_401_and_changes_nothing(agent, header):
+    node = agent.node
+    before = Node.objects.get(pk=node.pk).last_seen_at
+    client = APIClient()
+    if header:
+        client.credentials(HTTP_AUTHORIZATION=header)
+    r = client.post("/api/agent/v1/heartbeat/", {}, format="json")
+    assert r.status_code == 401
+    assert Node.objects.get(pk=node.pk).last_seen_at == before
+
+
+def test_revoked_node_token_is_401(agent):
+    assert _beat(agent).status_code == 200
+    node_credential_revoke(node_id=agent.node.pk, actor=None)
+    r = _beat(agent, containers=[])
+    assert r.status_code == 401
+
+
+def test_bad_heartbeat_is_400_naming_the_field(agent):
+    r = _beat(agent, containers=[{"rental_id": "not-a-uuid", "run_id": "x", "status": "running"}])
+    assert r.status_code == 400 and "containers" in r.json()
+    r = _beat(agent, metrics=[{"rental_id": "x"}] * 501)
+    assert r.status_code == 400 and "metrics" in r.json()
+
+
+def _schedule(rent, gpus=2, **kwargs):
+    rental = rent(gpus, **kwargs)
+    scheduler_cycle_run()
+    rental.refresh_from_db()
+    assert rental.status == RentalStatus.SCHEDULED
+    return rental
+
+
+def _status(rental):
+    rental.refresh_from_db()
+    return rental.status
+
+
+def test_a_run_goes_provisioning_running_stopping_completed(agent, rent):
+    rental = _schedule(rent, 2)
+    answer = _beat(agent).json()
+    [desired] = answer["desired"]
+    assert desired["rental_id"] == str(rental.pk)
+    assert desired["gpu_indices"] == [0, 1]
+    assert desired["memory_limit_mb"] >= 2048 and desired["cpu_limit"] == 16.0
+    assert _status(rental) == RentalStatus.PROVISIONING
+    run = {"rental_id": str(rental.pk), "run_id": desired["run_id"], "started_at": 1.0e9}
+    line = json.dumps({"event": "step", "step": 1, "loss": 2.5})
+    metric = {"rental_id": str(rental.pk), "run_id": desired["run_id"], "line": line}
+    _beat(agent, containers=[{**run, "status": "running"}], metrics=[metric, metric])
+    assert _status(rental) == RentalStatus.RUNNING
+    _beat(agent, containers=[{**run, "status": "running"}], metrics=[metric])  # replay
+    assert RunMetric.objects.filter(rental=rental).count() == 1
+    assert RunMetric.objects.get(rental=rental).data["loss"] == 2.5
+    from marketplace.services.rentals import rental_stop
+
+    rental_stop(customer=rental.customer, rental_id=rental.pk)
+    assert _beat(agent, containers=[{**run, "status": "running"}]).json()["desired"] == []
+    _beat(agent, containers=[{**run, "status": "exited", "exit_code": 0, "finished_at": 1.0e9}])
+    rental.refresh_from_db()
+    assert (rental.status, rental.exit_code) == (RentalStatus.COMPLETED, 0)
+    assert not Allocation.objects.filter(rental=rental, released_at__isnull=True).exists()
+    assert list(rental.events.values_list("to_status", flat=True)) == [
+        "pending", "scheduled", "provisioning", "running", "stopping", "completed",
+    ]  # fmt: skip
+
+
+def test_a_container_that_exits_non_zero_fails_the_rental_with_code_and_log(agent, rent):
+    rental = _schedule(rent, 1)
+    [desired] = _beat(agent).json()["desired"]
+    run = {"rental_id": str(rental.pk), "run_id": desired["run_id"]}
+    _beat(agent, containers=[{**run, "status": "running", "started_at": 1.0e9}])
+    _beat(
+        agent,
+        containers=[{**run, "status": "exited", "exit_code": 3, "log_tail": "Traceback...\nBoom"}],
+    )
+    rental.refresh_from_db()
+    assert (rental.status, rental.exit_code) == (RentalStatus.FAILED, 3)
+    assert rental.log_tail.endswith("Boom")
+    assert "code 3" in rental.status_reason
+    assert ContainerRun.objects.get(rental=rental).status == "exited"
+    assert _beat(agent).json()["desired"] == []
+
+
+def test_a_silent_node_goes_offline_and_its_rentals_follow_the_policy(agent, rent):
+    running = _schedule(rent, 2)
+    waiting = _schedule(rent, 2)
+    answer = _beat(agent).json()
+    started = next(d for d in answer["desired"] if d["rental_id"] == str(running.pk))
+    _beat(agent, containers=[{"rental_id": str(running.pk), "run_id": started["run_id"],
+                              "status": "running", "started_at": 1.0e9}])  # fmt: skip
+    Rental.objects.filter(pk=waiting.pk).update(status=RentalStatus.SCHEDULED)
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    Node.objects.filter(pk=agent.node.pk).update(last_seen_at=timezone.now() - timedelta(hours=1))
+    assert nodes_mark_silent() == [agent.node.pk]
+    agent.node.refresh_from_db()
+    assert agent.node.status == NodeStatus.OFFLINE
+    assert _status(running) == RentalStatus.FAILED
+    assert _status(waiting) == RentalStatus.PENDING
+    waiting.refresh_from_db()
+    assert "went silent" in waiting.status_reason
+    assert not Allocation.objects.filter(node=agent.node, released_at__isnull=True).exists()
+    # The agent comes back: the node is online again.
+    _beat(agent)
+    agent.node.refresh_from_db()
+    assert agent.node.status == NodeStatus.ONLINE
+
+
+def test_a_benchmark_result_is_recorded_and_shown_in_offers(agent, api):
+    bench = {"event": "benchmark", "precision": "bf16", "device_name": "A100",
+             "matmul_tflops": 250.0, "mem_bandwidth_gbs": 1500.0}  # fmt: skip
+    assert _beat(agent).json()["run_benchmark"] is True
+    assert _beat(agent, benchmark=bench).json()["run_benchmark"] is False
+    [offer] = api.get("/api/v1/offers/").json()["results"]
+    assert offer["measured_tflops"] == 250.0
+    assert offer["price_per_measured_tflop_hour"] == "0.004800"
