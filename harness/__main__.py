@@ -7,11 +7,18 @@ written), 2 for an invalid config or command line, anything else for a failure.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 
-from harness.config import CONFIG_ERROR_EXIT_CODE, ConfigError, load_config
+from harness.config import (
+    CONFIG_ERROR_EXIT_CODE,
+    ConfigError,
+    apply_overrides,
+    load_config,
+    load_config_dict,
+)
 
 
 def _nproc(value: str) -> int | str:
@@ -32,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a built-in model (JSON-line metrics on stdout), or benchmark the card.",
     )
     parser.add_argument("--config", help="JSON (.json) or YAML config file")
+    parser.add_argument(
+        "--config-env",
+        metavar="NAME",
+        help="read the config as JSON from environment variable NAME (how the node agent passes"
+        " a rental's config into its container)",
+    )
     parser.add_argument(
         "--set",
         action="append",
@@ -62,6 +75,16 @@ def _configure_logging() -> None:
     )
 
 
+def _env_json(name: str) -> object:
+    text = os.environ.get(name)
+    if text is None:
+        raise ConfigError([("", f"environment variable {name} is not set")])
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError([("", f"{name} is not valid JSON: {exc}")]) from exc
+
+
 def _report(error: ConfigError) -> int:
     for line in error.lines():
         print(line, file=sys.stderr)
@@ -81,11 +104,14 @@ def main(argv: list[str] | None = None) -> int:
             return _report(error)
         return 0
 
-    if not args.config:
-        print("config error: --config FILE is required", file=sys.stderr)
+    if not args.config and not args.config_env:
+        print("config error: --config FILE or --config-env NAME is required", file=sys.stderr)
         return CONFIG_ERROR_EXIT_CODE
     try:
-        config = load_config(args.config, args.set)
+        if args.config_env:
+            config = load_config_dict(apply_overrides(_env_json(args.config_env), args.set))
+        else:
+            config = load_config(args.config, args.set)
     except ConfigError as error:
         return _report(error)
 
@@ -97,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         nproc = max(visible_gpu_count(), 1) if config.train.device != "cpu" else 1
     try:
         if nproc > 1:
-            worker_args = ["--config", args.config]
+            worker_args = (
+                ["--config-env", args.config_env] if args.config_env else ["--config", args.config]
+            )
             for override in args.set:
                 worker_args += ["--set", override]
             return launch_local(worker_args, nproc)
