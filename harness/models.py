@@ -18,10 +18,12 @@ from torch.utils.checkpoint import checkpoint
 from harness.config import GptConfig, MnistCnnConfig, ModelConfig, ResNetConfig
 
 
-class _Checkpointable(nn.Module):
-    """Mixin giving a model the ``activation_checkpointing`` switch."""
+class HarnessModel(nn.Module):
+    """Base of the built-in models: the ``activation_checkpointing`` switch and compile hints."""
 
     activation_checkpointing: bool = False
+    # Whether torch.compile may use inductor's channels-last layout optimisation on this model.
+    inductor_layout_optimization: bool = True
 
     def _run(self, fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
         if self.activation_checkpointing and self.training and torch.is_grad_enabled():
@@ -29,7 +31,7 @@ class _Checkpointable(nn.Module):
         return fn(x)
 
 
-class MnistCnn(_Checkpointable):
+class MnistCnn(HarnessModel):
     """The CNN of the PyTorch MNIST example (pytorch/examples, mnist/main.py).
 
     Two 3x3 convolutions, max-pooling, dropout, two linear layers. The example hard-codes 9216
@@ -37,6 +39,11 @@ class MnistCnn(_Checkpointable):
     It returns logits (the example returns log-softmax and uses NLL, which is the same loss as
     cross-entropy on logits).
     """
+
+    # torch 2.13's inductor, with its layout optimisation on, returns all-zero gradients for
+    # the convolutions ahead of this max-pool (reproduced on CPU with conv-relu-conv-relu-
+    # maxpool-linear-relu-linear); compiled without it, the gradients match eager mode.
+    inductor_layout_optimization = False
 
     def __init__(
         self, *, in_channels: int, image_size: int, num_classes: int, dropout: bool = True
@@ -92,7 +99,7 @@ class BasicBlock(nn.Module):
         return F.relu(out + self.shortcut(x))
 
 
-class ResNet(_Checkpointable):
+class ResNet(HarnessModel):
     """A small ResNet for small images: a 3x3 stem, stages of basic blocks, global pooling."""
 
     def __init__(
@@ -164,7 +171,7 @@ class GptBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class Gpt(_Checkpointable):
+class Gpt(HarnessModel):
     """A small GPT-2-style decoder with learned positions and tied input/output embeddings."""
 
     def __init__(

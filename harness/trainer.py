@@ -218,7 +218,13 @@ class _Run:
         )
         self.train_model: nn.Module = self.ddp if self.ddp is not None else self.model
         if train.compile:
-            self.train_model = torch.compile(self.train_model, mode=train.compile_mode)
+            # Imported here so that only compiling runs pay for loading the compiler.
+            from torch._inductor import list_mode_options
+
+            options = dict(list_mode_options(train.compile_mode))
+            if not getattr(self.model, "inductor_layout_optimization", True):
+                options["layout_optimization"] = False
+            self.train_model = torch.compile(self.train_model, options=options)
 
     def _resume(self) -> None:
         if not (self.ckpt_cfg.enabled and self.ckpt_cfg.resume):

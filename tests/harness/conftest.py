@@ -1,4 +1,4 @@
-"""Shared fixtures for the harness tests: real subprocesses of ``python -m harness``.
+"""Fixtures for the harness tests.
 
 The harness is a plain PyTorch program, so these tests need no Django settings and no database.
 """
@@ -6,99 +6,12 @@ The harness is a plain PyTorch program, so these tests need no Django settings a
 from __future__ import annotations
 
 import json
-import os
-import queue
-import subprocess
-import sys
-import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-# Variables that would make a child think it is part of someone else's job or change its output.
-_SCRUBBED = (
-    "WORLD_SIZE",
-    "RANK",
-    "LOCAL_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "HARNESS_PEAK_TFLOPS",
-    "HARNESS_CHECKPOINT_DIR",
-)
-
-
-def harness_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    env.update(extra)
-    return env
-
-
-def parse_events(stdout: str) -> list[dict[str, Any]]:
-    """Every stdout line must be one JSON object: that is the contract with the node agent."""
-    return [json.loads(line) for line in stdout.splitlines() if line.strip()]
-
-
-class HarnessProcess:
-    """A running ``python -m harness`` whose stdout events are read on a background thread."""
-
-    def __init__(self, args: list[str], tmp_path: Path, env: dict[str, str] | None = None) -> None:
-        self.stderr_path = tmp_path / f"stderr-{time.monotonic_ns()}.log"
-        self._stderr = self.stderr_path.open("w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "harness", *args],
-            cwd=REPO_ROOT,
-            env=env or harness_env(),
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            text=True,
-        )
-        self.events: list[dict[str, Any]] = []
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def wait_for(self, predicate: Callable[[dict[str, Any]], bool], timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self._lines.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            if line is None:
-                break
-            event = json.loads(line)
-            self.events.append(event)
-            if predicate(event):
-                return event
-        raise AssertionError(f"no matching event; stderr:\n{self.stderr()}")
-
-    def finish(self, timeout: float) -> int:
-        code = self.proc.wait(timeout=timeout)
-        while (line := self._lines.get(timeout=timeout)) is not None:
-            self.events.append(json.loads(line))
-        self._stderr.close()
-        return code
-
-    def stderr(self) -> str:
-        self._stderr.flush()
-        return self.stderr_path.read_text()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self._stderr.close()
+from tests.harness.helpers import HarnessProcess, harness_env
 
 
 @pytest.fixture
@@ -149,3 +62,27 @@ def write_config(tmp_path: Path):
         return path
 
     return write
+
+
+@pytest.fixture
+def run_trainer():
+    """Train a config in this process; return its events. ``stop_after`` asks the trainer to
+    stop (the SIGTERM path) once the step event of that step has been emitted."""
+    from harness.config import load_config_dict
+    from harness.trainer import Trainer
+
+    def run(raw: dict[str, Any], stop_after: int | None = None) -> list[dict[str, Any]]:
+        raw = {"checkpoint": {"enabled": False}, **raw}
+        raw["train"] = {"device": "cpu", **raw.get("train", {})}
+        events: list[dict[str, Any]] = []
+
+        def emit(event: dict[str, Any]) -> None:
+            events.append(event)
+            if event["event"] == "step" and event["step"] == stop_after:
+                trainer.request_stop()
+
+        trainer = Trainer(load_config_dict(raw), emit=emit)
+        trainer.run()
+        return events
+
+    return run

@@ -1,0 +1,149 @@
+"""Datasets and the sharded batch order: deterministic, complete, and equal across world sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.config import ConfigError, load_config_dict
+from harness.datasets import (
+    ByteTokenizer,
+    ShardedBatches,
+    TokenWindows,
+    build_datasets,
+    eval_batches,
+    load_text_corpus,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+CPU = torch.device("cpu")
+
+
+def batches(length: int, *, batch: int, world: int, rank: int, accum: int = 1, seed: int = 0):
+    return ShardedBatches(
+        length,
+        batch_size=batch,
+        world_size=world,
+        rank=rank,
+        grad_accum=accum,
+        seed=seed,
+        device=CPU,
+    )
+
+
+@pytest.mark.parametrize(("world", "accum"), [(2, 1), (3, 1), (2, 2)])
+def test_ranks_together_see_exactly_the_single_process_batch(world, accum):
+    # given one process with the global batch, and `world` ranks with a share of it each
+    single = batches(1000, batch=8 * world * accum, world=1, rank=0)
+    ranks = [batches(1000, batch=8, world=world, rank=r, accum=accum) for r in range(world)]
+    for step in range(30):  # crosses several epoch boundaries
+        # then each optimizer step covers the same samples, none twice
+        shares = [r.indices(step, m) for r in ranks for m in range(accum)]
+        together = torch.cat(shares)
+        assert len(set(together.tolist())) == together.numel()
+        assert sorted(together.tolist()) == sorted(single.indices(step, 0).tolist())
+
+
+def test_each_epoch_visits_every_sample_once_and_reshuffles():
+    sampler = batches(64, batch=8, world=2, rank=0)
+    other = batches(64, batch=8, world=2, rank=1)
+    assert sampler.steps_per_epoch == 4
+    epoch0 = torch.cat([s.indices(step, 0) for step in range(4) for s in (sampler, other)]).tolist()
+    epoch1 = torch.cat(
+        [s.indices(step, 0) for step in range(4, 8) for s in (sampler, other)]
+    ).tolist()
+    assert sorted(epoch0) == list(range(64)) == sorted(epoch1)
+    assert epoch0 != epoch1
+
+
+def test_order_is_a_function_of_seed_and_step_only():
+    first = [batches(100, batch=4, world=1, rank=0, seed=7).indices(s, 0) for s in range(10)]
+    again = batches(100, batch=4, world=1, rank=0, seed=7)
+    # asked out of order, the answers are the same
+    for step in reversed(range(10)):
+        assert torch.equal(again.indices(step, 0), first[step])
+    other_seed = batches(100, batch=4, world=1, rank=0, seed=8)
+    assert not torch.equal(other_seed.indices(0, 0), first[0])
+
+
+def test_resume_with_the_same_geometry_continues_the_order():
+    straight = batches(100, batch=4, world=1, rank=0)
+    saved = straight.state_dict(step=13)
+    resumed = batches(100, batch=4, world=1, rank=0)
+    assert resumed.load_state_dict(saved, step=13)
+    assert torch.equal(resumed.indices(13, 0), straight.indices(13, 0))
+
+
+def test_resume_with_another_batch_size_stays_in_the_same_epoch():
+    # given a checkpoint at step 10 of 25 steps per epoch with 4 samples a step (40 samples in)
+    saved = batches(100, batch=4, world=1, rank=0).state_dict(step=10)
+    # when resumed with 8 samples a step
+    resumed = batches(100, batch=8, world=1, rank=0)
+    assert not resumed.load_state_dict(saved, step=10)
+    # then it continues from sample 40 of the same epoch's permutation
+    perm = torch.randperm(100, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(resumed.indices(10, 0), perm[40:48])
+
+
+def test_a_global_batch_larger_than_the_data_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"data\.batch_size"):
+        batches(10, batch=8, world=2, rank=0)
+
+
+def test_eval_shards_cover_the_eval_set_once():
+    shards = [
+        torch.cat(list(eval_batches(103, batch_size=10, world_size=3, rank=r, device=CPU)))
+        for r in range(3)
+    ]
+    assert sorted(torch.cat(shards).tolist()) == list(range(103))
+
+
+def test_digits_split_is_fixed_and_disjoint():
+    config = load_config_dict({"data": {"name": "digits"}})
+    train, evaluation, info = build_datasets(config.data, config.model, seed=0, device=CPU)
+    again, _, _ = build_datasets(config.data, config.model, seed=99, device=CPU)
+    assert (len(train), len(evaluation)) == (1437, 360)
+    assert torch.equal(train.inputs, again.inputs)  # the split ignores the training seed
+    assert train.inputs.shape[1:] == (1, 8, 8) and float(train.inputs.max()) <= 1.0
+    assert info.num_classes == 10 and info.image_size == 8
+    train_rows = {tuple(row.tolist()) for row in train.inputs.flatten(1)}
+    # The 1797 digits images are all distinct, so a shared image would mean a shared sample.
+    assert not any(tuple(row.tolist()) in train_rows for row in evaluation.inputs.flatten(1))
+
+
+def test_synthetic_data_is_generated_from_the_seed():
+    config = load_config_dict(
+        {"model": {"name": "gpt"}, "data": {"name": "synthetic", "seq_len": 8, "num_samples": 16}}
+    )
+    a, _, info = build_datasets(config.data, config.model, seed=1, device=CPU)
+    b, _, _ = build_datasets(config.data, config.model, seed=1, device=CPU)
+    c, _, _ = build_datasets(config.data, config.model, seed=2, device=CPU)
+    assert torch.equal(a.inputs, b.inputs) and not torch.equal(a.inputs, c.inputs)
+    assert info.task == "lm" and a.inputs.shape == (16, 8)
+    # Targets are the inputs shifted by one: an arithmetic progression modulo the vocabulary.
+    assert torch.equal(a.targets[:, :-1], a.inputs[:, 1:])
+
+
+def test_text_windows_pair_each_token_with_the_next():
+    windows = TokenWindows(torch.arange(10), seq_len=4)
+    inputs, targets = windows.batch(torch.tensor([0, 5]))
+    assert len(windows) == 6
+    assert inputs.tolist() == [[0, 1, 2, 3], [5, 6, 7, 8]]
+    assert targets.tolist() == [[1, 2, 3, 4], [6, 7, 8, 9]]
+
+
+def test_text_corpus_and_byte_tokenizer():
+    text = load_text_corpus()
+    assert text.startswith("Four score and seven years ago")
+    assert "unalienable Rights" in text
+    tokenizer = ByteTokenizer()
+    sample = "Liberty — für alle"
+    assert tokenizer.decode(tokenizer.encode(sample)) == sample
+    assert max(tokenizer.encode(text)) < tokenizer.vocab_size
+
+
+def test_text_sequence_longer_than_the_eval_split_is_a_config_error():
+    config = load_config_dict({"model": {"name": "gpt"}, "data": {"name": "text", "seq_len": 5000}})
+    with pytest.raises(ConfigError, match=r"data\.seq_len"):
+        build_datasets(config.data, config.model, seed=0, device=CPU)
