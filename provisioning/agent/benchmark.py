@@ -1,0 +1,132 @@
+"""The node benchmark the server asks for (`run_benchmark: true`): measured, not declared TFLOPS.
+
+It runs `python -m harness benchmark --quick` as a host subprocess, in a background thread so
+heartbeats go on meanwhile, with a timeout. The harness prints its result as one JSON line on
+stdout; that object is sent under `benchmark` in the next heartbeat. A GPU host whose harness
+lives only in the image runs it there instead through `--benchmark-command`, e.g.
+`docker run --rm --gpus all IMAGE python -m harness benchmark --quick`.
+
+A failed run (non-zero exit, timeout, no usable JSON) is logged and not sent: the server refuses
+a result without a positive `matmul_tflops`, and a refused heartbeat would hold up usage reports.
+It is retried when the server asks again after a cool-down.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_COMMAND = ("python", "-m", "harness", "benchmark", "--quick")
+# The directory holding the `provisioning` and `harness` packages (a checkout or site-packages).
+_PACKAGES_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def benchmark_env(*, gpu_mode: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The agent's environment, with the harness importable and fake GPUs hidden from CUDA."""
+    env = dict(os.environ if base is None else base)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGES_ROOT, env.get("PYTHONPATH")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    if gpu_mode == "none":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def parse_result(stdout: str) -> dict[str, Any]:
+    """The last stdout line that is a JSON object with a positive matmul_tflops."""
+    for line in reversed(stdout.splitlines()):
+        try:
+            result = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(result, dict):
+            tflops = result.get("matmul_tflops")
+            if isinstance(tflops, int | float) and not isinstance(tflops, bool) and tflops > 0:
+                return result
+            raise ValueError(f"result without a positive matmul_tflops: {line[:300]}")
+    raise ValueError("no JSON result line on stdout")
+
+
+class BenchmarkRunner:
+    """At most one benchmark at a time; its result waits until a heartbeat delivered it."""
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        timeout_s: float = 900.0,
+        retry_after_s: float = 1800.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        command = list(command)
+        if command and command[0] in ("python", "python3"):
+            command[0] = sys.executable  # the agent's interpreter, which has the harness
+        self.command = command
+        self.env = dict(env)
+        self.timeout_s = timeout_s
+        self.retry_after_s = retry_after_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._result: dict[str, Any] | None = None
+        self._not_before = 0.0
+
+    def request(self) -> bool:
+        """Start a run unless one is running, a result is waiting, or the last one failed
+        recently; True when one was started."""
+        with self._lock:
+            busy = self._thread is not None and self._thread.is_alive()
+            if busy or self._result is not None or self._clock() < self._not_before:
+                return False
+            self._thread = threading.Thread(target=self._run, name="benchmark", daemon=True)
+            self._thread.start()
+        logger.info("benchmark started", extra={"command": " ".join(self.command)})
+        return True
+
+    def result(self) -> dict[str, Any] | None:
+        """The result waiting to be sent, if any."""
+        with self._lock:
+            return self._result
+
+    def delivered(self) -> None:
+        """The server received the result."""
+        with self._lock:
+            self._result = None
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Wait for a running benchmark to finish."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+
+    def _run(self) -> None:
+        try:
+            proc = subprocess.run(
+                self.command,
+                capture_output=True,
+                text=True,
+                timeout=self.timeout_s,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                check=False,
+            )
+            if proc.returncode != 0:
+                raise ValueError(f"exit code {proc.returncode}: {proc.stderr[-2000:]}")
+            result = parse_result(proc.stdout)
+        except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
+            logger.error("benchmark failed", extra={"error": str(exc)})
+            with self._lock:
+                self._not_before = self._clock() + self.retry_after_s
+            return
+        logger.info("benchmark finished", extra={"matmul_tflops": result["matmul_tflops"]})
+        with self._lock:
+            self._result = result
