@@ -1,0 +1,232 @@
+"""The real stack for end-to-end tests: the web app on a live server, a real Celery worker on
+the test database, real node agents running containers in the real Docker Engine.
+
+The test command (`python3 dev.py test`) starts the Docker Engine and builds the harness image
+before pytest; these fixtures only check that both answer, and fail (never skip) otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from decimal import Decimal
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+from django.conf import settings
+from django.db import connection
+
+ROOT = Path(__file__).resolve().parents[2]
+HARNESS_IMAGE = os.environ.get("GPUMARKET_HARNESS_IMAGE", "gpumarket/harness:dev")
+
+
+def wait_for(check: Callable[[], object], timeout: float, what: str, every: float = 0.25):
+    """Poll `check` until it returns something truthy; fail with `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def _database_url() -> str:
+    db = connection.settings_dict
+    host = db["HOST"] or db.get("OPTIONS", {}).get("host", "")
+    user = quote(db["USER"] or "", safe="")
+    password = f":{quote(db['PASSWORD'], safe='')}" if db["PASSWORD"] else ""
+    if host.startswith("/"):
+        return f"postgresql://{user}{password}@/{db['NAME']}?host={quote(host, safe='/')}"
+    port = f":{db['PORT']}" if db["PORT"] else ""
+    return f"postgresql://{user}{password}@{host}{port}/{db['NAME']}"
+
+
+@pytest.fixture
+def stack_env(transactional_db) -> dict[str, str]:
+    """Environment for subprocesses that must see the test database."""
+    env = dict(os.environ)
+    env.update(
+        DATABASE_URL=_database_url(),
+        REDIS_URL=settings.REDIS_URL,
+        DJANGO_SETTINGS_MODULE="config.settings.test",
+        GPUMARKET_EPHEMERAL_SECRET="1",
+        PYTHONPATH=str(ROOT),
+    )
+    return env
+
+
+@pytest.fixture
+def celery_worker(stack_env, tmp_path) -> Iterator[subprocess.Popen]:
+    """A real Celery worker consuming the scheduler tasks that rental_create queues."""
+    celery = str(Path(sys.executable).parent / "celery")
+    subprocess.run(
+        [celery, "-A", "config", "purge", "-f"], env=stack_env, cwd=ROOT, check=False,
+        capture_output=True, timeout=60,
+    )  # fmt: skip
+    log = (tmp_path / "worker.log").open("wb")
+    proc = subprocess.Popen(
+        [celery, "-A", "config", "worker", "-P", "solo", "-l", "info", "--without-heartbeat",
+         "--without-mingle", "--without-gossip"],
+        env=stack_env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    wait_for(lambda: b"ready" in (tmp_path / "worker.log").read_bytes(), 60, "the Celery worker")
+    yield proc
+    proc.terminate()
+    proc.wait(30)
+
+
+@pytest.fixture(scope="session")
+def docker_client():
+    import docker
+
+    client = docker.from_env(timeout=30)
+    try:
+        client.ping()
+        client.images.get(HARNESS_IMAGE)
+    except Exception as exc:  # the test command provides both; say which is missing
+        pytest.fail(
+            f"e2e tests need a Docker Engine and the {HARNESS_IMAGE} image "
+            f"(`python3 dev.py test` provides both): {exc}"
+        )
+    return client
+
+
+def managed_containers(client, rental_id: str | None = None) -> list:
+    labels = ["gpumarket.managed=1"]
+    if rental_id:
+        labels.append(f"gpumarket.rental={rental_id}")
+    return client.containers.list(all=True, filters={"label": labels})
+
+
+class TcpProxy:
+    """A loopback TCP forwarder that can be cut, to make the server unreachable for a while."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.up = threading.Event()
+        self.up.set()
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            if not self.up.is_set():
+                client.close()
+                continue
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port), 5)
+            except OSError:
+                client.close()
+                continue
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while chunk := src.recv(65536):
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.close()
+
+    def close(self) -> None:
+        self.closed = True
+        self.sock.close()
+
+
+class AgentProcess:
+    """`python -m provisioning.agent` as a provider would run it, in its own state dir."""
+
+    def __init__(self, *, server: str, join_token: str, state: Path, runtime: str, env: dict):
+        self.args = [
+            sys.executable, "-m", "provisioning.agent",
+            "--server", server, "--join-token", join_token,
+            "--runtime", runtime, "--gpu-mode", "none", "--telemetry", "simulated",
+            "--simulate-gpus", "rtx4090-24gb:2", "--hostname", f"e2e-{state.name}",
+            "--state-dir", str(state / "state"), "--volume-root", str(state / "volumes"),
+            "--process-dir", str(state / "runs"), "--interval", "1",
+            "--benchmark-command", f"{sys.executable} -m harness benchmark --quick",
+        ]  # fmt: skip
+        self.env = {k: v for k, v in env.items() if k != "DATABASE_URL"}
+        self.log_path = state / "agent.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> AgentProcess:
+        self.proc = subprocess.Popen(
+            self.args, env=self.env, cwd=ROOT, stdout=self.log_path.open("ab"),
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: the agent dies mid-run without any chance to clean up."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@pytest.fixture
+def join_token(provider) -> str:
+    from provisioning.services import join_token_create
+
+    _, raw = join_token_create(
+        provider=provider,
+        created_by=provider.owner,
+        region="e2e",
+        price_per_gpu_hour=Decimal("0.60"),
+        min_bid_per_gpu_hour=Decimal("0.20"),
+    )
+    return raw
+
+
+@pytest.fixture
+def start_agent(live_server, join_token, stack_env, tmp_path):
+    """Start a real agent against the live server (through `via`, a proxy, when given)."""
+    agents: list[AgentProcess] = []
+
+    def start(*, runtime: str = "docker", via: int | None = None, name: str = "node1"):
+        server = live_server.url if via is None else f"http://127.0.0.1:{via}"
+        state = tmp_path / name
+        state.mkdir(exist_ok=True)
+        agent = AgentProcess(
+            server=server, join_token=join_token, state=state, runtime=runtime, env=stack_env
+        )
+        agents.append(agent)
+        return agent.start()
+
+    yield start
+    for agent in agents:
+        agent.stop()

@@ -1,0 +1,168 @@
+"""End to end on the real stack: API -> Celery scheduler -> agent -> Docker container -> back.
+
+Each test starts a real node agent (simulated GPUs, the Docker runtime) against the live server;
+a real Celery worker runs the scheduler cycles that rental_create queues.
+"""
+
+from __future__ import annotations
+
+import pytest
+from django.test import override_settings
+
+from marketplace.models import Node, NodeStatus, Rental, RentalStatus
+from provisioning.models import ContainerRun, RunMetric
+from provisioning.services import node_credential_revoke, nodes_mark_silent
+from tests.e2e.conftest import HARNESS_IMAGE, managed_containers, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
+
+TRAIN_FOREVER = {
+    "model": {"name": "mnist_cnn"},
+    "data": {"name": "digits", "batch_size": 32},
+    "train": {"steps": 1_000_000, "log_every": 5, "device": "cpu"},
+    "checkpoint": {"every_steps": 50},
+}
+
+
+def _rent(auth_api, **runtime) -> str:
+    body = {
+        "gpus_per_node": 1,
+        "region": "e2e",
+        "duration_s": 3600,
+        "runtime": {"image": HARNESS_IMAGE, **runtime},
+    }
+    r = auth_api.post("/api/v1/rentals/", body, format="json")
+    assert r.status_code == 201, r.content
+    return r.json()["id"]
+
+
+def _status(rental_id: str) -> str:
+    return Rental.objects.values_list("status", flat=True).get(pk=rental_id)
+
+
+def _wait_status(rental_id: str, status: str, timeout: float = 180) -> Rental:
+    wait_for(lambda: _status(rental_id) == status, timeout, f"rental {status}")
+    return Rental.objects.get(pk=rental_id)
+
+
+def _steps(rental_id: str) -> int:
+    return RunMetric.objects.filter(rental_id=rental_id, event="step").count()
+
+
+@pytest.fixture(autouse=True)
+def _funded_customer(settings, user):
+    """The real path: the funds check is on and the customer has credit from ops."""
+    from billing.services.ledger import account_adjust, account_for_customer
+
+    settings.BILLING_FUNDS_CHECK = True
+    account = account_for_customer(user=user)
+    account_adjust(account_id=account.pk, amount_micros=50_000_000, reason="e2e credit", actor=None)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_containers(docker_client):
+    yield
+    for container in managed_containers(docker_client):
+        container.remove(force=True)
+
+
+def _joined() -> Node:
+    return wait_for(lambda: Node.objects.filter(region="e2e").first(), 90, "the agent to join")
+
+
+def test_a_rental_trains_in_a_real_container_and_stops_cleanly(
+    auth_api, celery_worker, start_agent, docker_client
+):
+    start_agent()
+    node = _joined()
+    assert node.simulated and node.gpu_count == 2
+    rental_id = _rent(auth_api, harness_config=TRAIN_FOREVER)
+    _wait_status(rental_id, RentalStatus.RUNNING)
+    wait_for(lambda: _steps(rental_id) >= 3, 120, "harness metrics")
+    [container] = managed_containers(docker_client, rental_id)
+    host = container.attrs["HostConfig"]
+    assert host["Privileged"] is False
+    assert host["NetworkMode"] != "host" and host["PidMode"] != "host"
+    assert host["NanoCpus"] > 0 and host["Memory"] >= 2048 * 1024 * 1024
+    assert container.labels["gpumarket.rental"] == rental_id
+
+    r = auth_api.post(f"/api/v1/rentals/{rental_id}/stop/")
+    assert r.json()["status"] == "stopping"
+    rental = _wait_status(rental_id, RentalStatus.COMPLETED)
+    assert rental.exit_code == 0
+    wait_for(lambda: not managed_containers(docker_client, rental_id), 60, "container removal")
+    # SIGTERM made the harness checkpoint and say so before exiting.
+    events = set(RunMetric.objects.filter(rental_id=rental_id).values_list("event", flat=True))
+    assert {"start", "step", "checkpoint", "summary"} <= events
+    summary = RunMetric.objects.get(rental_id=rental_id, event="summary").data
+    assert summary["exit_reason"] == "sigterm"
+    assert list(rental.events.values_list("to_status", flat=True)) == [
+        "pending", "scheduled", "provisioning", "running", "stopping", "completed",
+    ]  # fmt: skip
+
+
+def test_a_killed_agent_adopts_its_container_on_restart(
+    auth_api, celery_worker, start_agent, docker_client
+):
+    agent = start_agent()
+    _joined()
+    rental_id = _rent(auth_api, harness_config=TRAIN_FOREVER)
+    _wait_status(rental_id, RentalStatus.RUNNING)
+    [before] = managed_containers(docker_client, rental_id)
+    agent.kill()
+    seen = _steps(rental_id)
+    agent.start()
+    # Metrics flow again only once the new agent has adopted the running container.
+    wait_for(lambda: _steps(rental_id) > seen + 2, 120, "metrics after the restart")
+    after = managed_containers(docker_client, rental_id)
+    assert [c.id for c in after] == [before.id]
+    assert _status(rental_id) == RentalStatus.RUNNING
+    assert ContainerRun.objects.filter(rental_id=rental_id).count() == 1
+
+
+def test_a_container_exiting_non_zero_fails_the_rental_with_code_and_log(
+    auth_api, celery_worker, start_agent, docker_client
+):
+    start_agent()
+    _joined()
+    rental_id = _rent(
+        auth_api,
+        command=["python", "-c", "import sys; print('loading shards', flush=True); sys.exit(3)"],
+    )
+    rental = _wait_status(rental_id, RentalStatus.FAILED)
+    assert rental.exit_code == 3
+    assert "loading shards" in rental.log_tail
+    assert "code 3" in rental.status_reason
+    wait_for(lambda: not managed_containers(docker_client, rental_id), 60, "container removal")
+
+
+def test_a_silent_node_goes_offline_and_its_rental_fails_by_policy(
+    auth_api, celery_worker, start_agent, docker_client
+):
+    agent = start_agent()
+    node = _joined()
+    rental_id = _rent(auth_api, harness_config=TRAIN_FOREVER)
+    _wait_status(rental_id, RentalStatus.RUNNING)
+    agent.kill()
+    with override_settings(GPUMARKET={"NODE_SILENCE_TIMEOUT_S": 2, "NODE_LOST_POLICY": "fail"}):
+        wait_for(lambda: nodes_mark_silent() == [node.pk], 30, "the node to be marked silent")
+    node.refresh_from_db()
+    assert node.status == NodeStatus.OFFLINE
+    rental = _wait_status(rental_id, RentalStatus.FAILED, timeout=5)
+    assert "went silent" in rental.status_reason
+    # The agent comes back: the node is online again and the orphan container is stopped.
+    agent.start()
+    wait_for(lambda: Node.objects.get(pk=node.pk).status == NodeStatus.ONLINE, 60, "online")
+    wait_for(lambda: not managed_containers(docker_client, rental_id), 90, "orphan removal")
+
+
+def test_a_revoked_node_token_is_refused_and_the_agent_stops(start_agent):
+    agent = start_agent()
+    node = _joined()
+    wait_for(lambda: Node.objects.get(pk=node.pk).last_seen_at, 30, "a heartbeat")
+    node_credential_revoke(node_id=node.pk, actor=None)
+    code = agent.proc.wait(60)
+    assert code != 0
+    seen = Node.objects.get(pk=node.pk).last_seen_at
+    assert "401" in agent.log() or "revoked" in agent.log()
+    assert Node.objects.get(pk=node.pk).last_seen_at == seen
