@@ -417,7 +417,10 @@ def node_heartbeat(
     if metrics:
         metrics_store(node=node, lines=metrics)
     if benchmark:
-        benchmark_record(node=node, result=benchmark)
+        try:
+            benchmark_record(node=node, result=benchmark)
+        except ValidationFailed as exc:
+            log.warning("benchmark refused node=%s: %s", node.pk, exc.message)
     node.refresh_from_db(fields=["benchmark_requested", "gpu_model_id"])
     desired = desired_state(node=node, now=now)
     _runs_request(node=node, desired=desired)
@@ -458,16 +461,23 @@ def _usage_apply(*, node: Node, usage: list[dict]) -> int:
 
     ack = 0
     for report in sorted(usage, key=lambda r: r["seq"]):
-        usage_report_apply(
-            node_id=node.pk,
-            rental_id=report["rental_id"],
-            run_id=report["run_id"],
-            seq=report["seq"],
-            gpu_count=report["gpu_count"],
-            started_at=_dt(report["started_at"]),
-            confirmed_at=_dt(report["confirmed_at"]),
-            final=report.get("final", False),
-        )
+        try:
+            usage_report_apply(
+                node_id=node.pk,
+                rental_id=report["rental_id"],
+                run_id=report["run_id"],
+                seq=report["seq"],
+                gpu_count=report["gpu_count"],
+                started_at=_dt(report["started_at"]),
+                confirmed_at=_dt(report["confirmed_at"]),
+                final=report.get("final", False),
+            )
+        except ValidationFailed as exc:
+            # One report the server can never accept (a host clock far ahead, say) must not
+            # block every later one: it is logged, acknowledged and not billed.
+            log.warning(
+                "usage report refused node=%s seq=%s: %s", node.pk, report["seq"], exc.message
+            )
         ack = max(ack, report["seq"])
     return ack
 

@@ -1,0 +1,293 @@
+"""Agent API load: 200 simulated agents heartbeating once a second against one server.
+
+The server is one gunicorn instance (2 sync workers, one per core of this machine) on the same
+PostgreSQL and Redis a deployment would use. The agents are protocol clients in one asyncio
+process (a real agent per simulated host would need 200 processes): each joins with its own
+one-time token, then sends a heartbeat every second carrying telemetry for its 2 GPUs, exactly
+the payload shape the real agent sends. Printed beside the figures: the offered rate, and the
+server's own CPU time per heartbeat (psutil on the gunicorn processes).
+
+Then one real agent (`python -m provisioning.agent`, Docker runtime when an engine answers,
+else the local-process runtime) gets a rental, and the time from SCHEDULED to RUNNING is read
+from the rental's event rows.
+
+    python bench/agents.py [--agents 200] [--seconds 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from decimal import Decimal
+from pathlib import Path
+
+from _common import ROOT, bench_database, emit, percentile
+
+BIN = Path(sys.executable).parent
+
+
+def start_server(port: int, workers: int) -> subprocess.Popen:
+    env = dict(os.environ, DEBUG="0", ALLOWED_HOSTS="127.0.0.1", SECURE_COOKIES="0",
+               AGENT_THROTTLE_RATE="100000/min", LOG_LEVEL="WARNING")  # fmt: skip
+    return subprocess.Popen(
+        [str(BIN / "gunicorn"), "config.wsgi", "--bind", f"127.0.0.1:{port}",
+         "--workers", str(workers), "--log-level", "warning"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def server_cpu_seconds(server: subprocess.Popen) -> float:
+    import psutil
+
+    parent = psutil.Process(server.pid)
+    total = 0.0
+    for proc in [parent, *parent.children(recursive=True)]:
+        times = proc.cpu_times()
+        total += times.user + times.system
+    return total
+
+
+def join_tokens(n: int) -> list[str]:
+    from marketplace.models import Provider, User
+    from provisioning.services import join_token_create
+
+    owner = User.objects.create_user("provider", "p@example.invalid", "x")
+    provider = Provider.objects.create(name="bench", owner=owner)
+    return [
+        join_token_create(
+            provider=provider,
+            created_by=owner,
+            region="bench",
+            price_per_gpu_hour=Decimal("1.00"),
+            min_bid_per_gpu_hour=Decimal("0.40"),
+        )[1]
+        for _ in range(n)
+    ]
+
+
+async def run_agents(base: str, tokens: list[str], seconds: float) -> tuple[list[float], int]:
+    import aiohttp
+
+    latencies: list[float] = []
+    errors = 0
+    timeout = aiohttp.ClientTimeout(total=10)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        node_tokens = []
+        for i, token in enumerate(tokens):
+            body = {
+                "join_token": token,
+                "hostname": f"sim-{i:04d}",
+                "host": {"cpu_cores": 32, "ram_gb": 256, "disk_gb": 2000},
+                "gpus": [
+                    {
+                        "index": g,
+                        "uuid": f"GPU-bench-{i}-{g}",
+                        "name": "rtx4090-24gb",
+                        "memory_mb": 24564,
+                        "topology_group": "",
+                    }
+                    for g in range(2)
+                ],
+                "simulated": True,
+            }
+            async with session.post(f"{base}/api/agent/v1/join/", json=body) as r:
+                assert r.status == 201, await r.text()
+                node_tokens.append((await r.json())["node_token"])
+
+        deadline = time.monotonic() + seconds
+
+        async def agent(token: str, offset: float) -> None:
+            nonlocal errors
+            headers = {"Authorization": f"Bearer {token}"}
+            await asyncio.sleep(offset)
+            next_at = time.monotonic()
+            rng = random.Random(token)
+            while time.monotonic() < deadline:
+                now = time.time()
+                body = {
+                    "agent_version": "bench",
+                    "sent_at": now,
+                    "telemetry": [
+                        {
+                            "gpu_index": g,
+                            "ts": now,
+                            "util_pct": rng.uniform(0, 100),
+                            "mem_used_mb": rng.randint(0, 24000),
+                            "power_w": rng.uniform(50, 450),
+                            "temp_c": rng.uniform(30, 80),
+                        }
+                        for g in range(2)
+                    ],
+                    "containers": [],
+                    "usage": [],
+                    "metrics": [],
+                }
+                t0 = time.perf_counter()
+                try:
+                    async with session.post(
+                        f"{base}/api/agent/v1/heartbeat/", json=body, headers=headers
+                    ) as r:
+                        await r.read()
+                        if r.status != 200:
+                            errors += 1
+                except (aiohttp.ClientError, TimeoutError):
+                    errors += 1
+                latencies.append((time.perf_counter() - t0) * 1000)
+                next_at += 1.0
+                await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+
+        await asyncio.gather(*(agent(t, i / len(node_tokens)) for i, t in enumerate(node_tokens)))
+    return latencies, errors
+
+
+def scheduled_to_running(base: str) -> tuple[float, str]:
+    """One real agent, one rental: seconds from the SCHEDULED event to the RUNNING event."""
+    import docker
+
+    from marketplace.models import Rental, RentalEvent, RentalStatus, User
+    from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
+    from scheduler.services import scheduler_cycle_run
+
+    try:
+        docker.from_env(timeout=5).images.get("gpumarket/harness:dev")
+        runtime, image = "docker", "gpumarket/harness:dev"
+    except Exception:
+        runtime, image = "process", "local"
+    from marketplace.models import Provider
+    from provisioning.services import join_token_create
+
+    provider = Provider.objects.get(name="bench")
+    _, token = join_token_create(
+        provider=provider, created_by=provider.owner, region="bench-real",
+        price_per_gpu_hour=Decimal("1.00"), min_bid_per_gpu_hour=Decimal("0.40"),
+    )  # fmt: skip
+    state = Path(tempfile.mkdtemp(prefix="bench-agent-"))
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "provisioning.agent", "--server", base, "--join-token", token,
+         "--runtime", runtime, "--gpu-mode", "none", "--telemetry", "simulated",
+         "--simulate-gpus", "rtx4090-24gb:1", "--hostname", "bench-real",
+         "--state-dir", str(state / "s"), "--volume-root", str(state / "v"),
+         "--process-dir", str(state / "r"), "--interval", "1"],
+        cwd=ROOT, env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        from marketplace.models import Node
+
+        deadline = time.monotonic() + 60
+        while not Node.objects.filter(hostname="bench-real").exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError("the real agent did not join")
+            time.sleep(0.2)
+        customer = User.objects.create_user("renter", "r@example.invalid", "x")
+        from billing.services.ledger import account_adjust, account_for_customer
+
+        account_adjust(
+            account_id=account_for_customer(user=customer).pk,
+            amount_micros=10_000_000,
+            reason="benchmark credit",
+            actor=None,
+        )
+        rental = rental_create(
+            customer=customer,
+            request=RentalRequest(
+                gpus_per_node=1,
+                duration_s=600,
+                region="bench-real",
+                runtime=RuntimeSpec(
+                    image=image, command=["python", "-c", "import time; time.sleep(600)"]
+                ),
+            ),
+        )
+        scheduler_cycle_run()
+        deadline = time.monotonic() + 120
+        while Rental.objects.get(pk=rental.pk).status != RentalStatus.RUNNING:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the rental did not reach RUNNING")
+            time.sleep(0.1)
+        events = dict(
+            RentalEvent.objects.filter(rental=rental).values_list("to_status", "created_at")
+        )
+        seconds = (events["running"] - events["scheduled"]).total_seconds()
+        from marketplace.services.rentals import rental_stop
+
+        rental_stop(customer=customer, rental_id=rental.pk)
+        deadline = time.monotonic() + 60
+        while Rental.objects.get(pk=rental.pk).status == RentalStatus.STOPPING:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        return seconds, runtime
+    finally:
+        agent.terminate()
+        agent.wait(20)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--agents", type=int, default=200)
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args()
+    with bench_database("gpumarket_bench_agents"):
+        from config.embedded import _free_port
+
+        tokens = join_tokens(args.agents)
+        port = _free_port()
+        server = start_server(port, args.workers)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            import requests
+
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if requests.get(f"{base}/healthz", timeout=2).ok:
+                        break
+                except requests.RequestException:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("gunicorn did not come up")
+                time.sleep(0.2)
+            cpu0 = server_cpu_seconds(server)
+            t0 = time.perf_counter()
+            latencies, errors = asyncio.run(run_agents(base, tokens, args.seconds))
+            wall = time.perf_counter() - t0
+            cpu = server_cpu_seconds(server) - cpu0
+            to_running, runtime = scheduled_to_running(base)
+        finally:
+            server.terminate()
+            server.wait(20)
+    handled = len(latencies) - errors
+    # Joins are inside the measured wall time: count only the heartbeat window.
+    rate = handled / args.seconds
+    p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
+    cpu_ms = cpu * 1000 / max(1, len(latencies) + args.agents)
+    print(
+        f"{args.agents} agents x 1 heartbeat/s = {args.agents}/s offered for {args.seconds:.0f} s"
+    )
+    print(f"handled {rate:,.1f} heartbeats/s ({errors} errors), p50 {p50:.1f} ms, p99 {p99:.1f} ms")
+    print(f"server CPU {cpu_ms:.2f} ms per request ({cpu:.1f} s over {wall:.1f} s, joins included)")
+    print(f"SCHEDULED -> RUNNING with a real agent ({runtime} runtime): {to_running:.2f} s")
+    emit(
+        {
+            "agents": args.agents,
+            "heartbeats_per_s": round(rate, 1),
+            "heartbeat_p99_ms": round(p99, 1),
+            "server_cpu_ms_per_heartbeat": round(cpu_ms, 2),
+            "scheduled_to_running_s": round(to_running, 2),
+            "offered_heartbeats_per_s": args.agents,
+            "heartbeat_p50_ms": round(p50, 1),
+            "errors": errors,
+            "runtime": runtime,
+        }
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
