@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from decimal import Decimal
 from math import inf, nextafter
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 
 from scheduler.engine.feasibility import (
     describe_hardware,
@@ -52,6 +52,7 @@ Interval = tuple[float, float, RentalId, int]
 """(start, end, rental id, tag); lists are sorted by start only, so ids are never compared."""
 
 _by_start = itemgetter(0)
+_by_index = attrgetter("index")
 _ZERO = Decimal(0)
 
 DEFAULT_POLICY = Policy()
@@ -109,6 +110,19 @@ class _Class:
         self.rbuckets: list[list[tuple[Decimal, int]]] = [[] for _ in range(self.size + 1)]
 
 
+class _Shape:
+    """What nodes with the same GPUs in the same topology have in common."""
+
+    __slots__ = ("group", "kind", "kinds", "max_group", "positions")
+
+    def __init__(self, kind: list[int], gpus: Sequence[Gpu]) -> None:
+        self.kind = kind
+        self.kinds = frozenset(kind)
+        self.positions = list(range(len(gpus)))
+        self.group = _group_ids(gpus)
+        self.max_group = _max_group(self.group, len(gpus))
+
+
 class _NodeState:
     """Mutable per-node capacity: intervals per GPU position (GPUs sorted by index)."""
 
@@ -134,14 +148,15 @@ class _NodeState:
         "static",
     )
 
-    def __init__(self, node: Node, gpus: Sequence[Gpu], kind: list[int], static: int) -> None:
+    def __init__(self, node: Node, gpus: Sequence[Gpu], shape: _Shape, static: int) -> None:
         self.node = node
         self.node_id = node.node_id
         self.gpu_ids = [gpu.gpu_id for gpu in gpus]
-        self.kind = kind
-        self.positions = list(range(len(gpus)))
+        # Shared by every node of the same shape, never mutated.
+        self.kind = shape.kind
+        self.positions = shape.positions
+        self.group = shape.group
         self.ivs: list[list[Interval]] = [[] for _ in gpus]
-        self.group = _group_ids(gpus)
         self.static = static
         # Summaries kept up to date by _Planner._refresh: GPUs idle now; most of them in one
         # topology group; until when all of them stay idle; GPUs idle now or held now only by
@@ -298,7 +313,12 @@ def _spans(sizes: list[int], k: int) -> int:
 
 
 def _free(intervals: list[Interval], t0: float, t1: float) -> bool:
-    return all(end <= t0 or start >= t1 for start, end, _, _ in intervals)
+    # A plain loop: this runs for every GPU of every node a future window visits, and a
+    # generator costs more than the check itself.
+    for start, end, _, _ in intervals:  # noqa: SIM110
+        if start < t1 and end > t0:
+            return False
+    return True
 
 
 def _latest_start(start: float, duration: float) -> float:
@@ -388,6 +408,10 @@ class _Planner:
         self.classes: dict[tuple, _Class] = {}
         self.class_list: list[_Class] = []
         self.victims: dict[RentalId, _Victim] = {}
+        # Request constraints repeat, so what they admit is cached at three levels: GPU kinds,
+        # classes by location, and classes by both.
+        self.kinds_cache: dict[tuple, frozenset[int]] = {}
+        self.located: dict[tuple[str | None, str], list[_Class]] = {}
         self.matches: dict[tuple, _Match] = {}
         self.reserves_left = policy.reserve_depth
         self.placements: list[Placement] = []
@@ -413,34 +437,35 @@ class _Planner:
 
     def _index_nodes(self, nodes: Sequence[Node]) -> dict[int, tuple[_NodeState, int]]:
         where: dict[int, tuple[_NodeState, int]] = {}
-        kind_ids = self.kind_ids
+        shapes: dict[tuple, _Shape] = {}
+        statics: dict[tuple[Decimal, float], int] = {}
         for node in nodes:
             if not node.gpus:
                 continue
-            gpus = sorted(node.gpus, key=lambda gpu: gpu.index)
-            kind = []
-            for gpu in gpus:
-                key = (gpu.model, gpu.family, gpu.memory_gb, gpu.tensor_tflops)
-                kind_id = kind_ids.get(key)
-                if kind_id is None:
-                    kind_id = kind_ids[key] = len(self.kind_gpus)
-                    self.kind_gpus.append(gpu)
-                kind.append(kind_id)
-            ns = _NodeState(node, gpus, kind, self._static_score(node))
-            max_group = _max_group(ns.group, len(gpus))
-            kinds = frozenset(kind)
+            gpus = sorted(node.gpus, key=_by_index)
+            shape_key = tuple(
+                (gpu.model, gpu.family, gpu.memory_gb, gpu.tensor_tflops, gpu.group) for gpu in gpus
+            )
+            shape = shapes.get(shape_key)
+            if shape is None:
+                shape = shapes[shape_key] = _Shape([self._kind_id(gpu) for gpu in gpus], gpus)
+            static_key = (node.price_per_gpu_hour, node.reliability)
+            static = statics.get(static_key)
+            if static is None:
+                static = statics[static_key] = self._static_score(node)
+            ns = _NodeState(node, gpus, shape, static)
             class_key = (
                 node.pool,
                 node.region,
-                kinds,
+                shape.kinds,
                 len(gpus),
-                max_group,
+                shape.max_group,
                 node.price_per_gpu_hour,
                 node.min_bid,
             )
             cls = self.classes.get(class_key)
             if cls is None:
-                cls = _Class(len(self.class_list), node, kinds, max_group)
+                cls = _Class(len(self.class_list), node, shape.kinds, shape.max_group)
                 self.classes[class_key] = cls
                 self.class_list.append(cls)
             ns.cls = cls
@@ -449,6 +474,14 @@ class _Planner:
             for position, gpu in enumerate(gpus):
                 where[gpu.gpu_id] = (ns, position)
         return where
+
+    def _kind_id(self, gpu: Gpu) -> int:
+        key = (gpu.model, gpu.family, gpu.memory_gb, gpu.tensor_tflops)
+        kind_id = self.kind_ids.get(key)
+        if kind_id is None:
+            kind_id = self.kind_ids[key] = len(self.kind_gpus)
+            self.kind_gpus.append(gpu)
+        return kind_id
 
     def _index_busy(self, busy: Sequence[Busy], where: dict[int, tuple[_NodeState, int]]) -> None:
         now = self.now
@@ -499,38 +532,40 @@ class _Planner:
 
     def _summarize(self, ns: _NodeState) -> tuple[int, int]:
         """Update the node's time and price summaries; returns its idle and reclaimable counts."""
-        now = self.now
+        now, group = self.now, ns.group
         level = reclaimable = 0
-        first, clear = inf, -inf
-        min_spot = min_victim = None
-        idle_until = inf
-        idle_groups: dict[int, int] = {}
+        first, clear, idle_until = inf, -inf, inf
+        spots: list[_Victim] = []
+        idle_by_group: dict[int, int] = {}
         for p, intervals in enumerate(ns.ivs):
-            if not intervals or intervals[0][0] > now:
-                level += 1
-                reclaimable += 1
-                if intervals:
-                    idle_until = min(idle_until, intervals[0][0])
-                if ns.group is not None:
-                    g = ns.group[p]
-                    idle_groups[g] = idle_groups.get(g, 0) + 1
-            elif intervals[0][3] == _SPOT:
-                reclaimable += 1
-            for start, end, rental_id, tag in intervals:
-                first = min(first, start)
-                clear = max(clear, end)
-                if tag == _SPOT:
-                    victim = self.victims[rental_id]
-                    if min_spot is None or victim.price < min_spot:
-                        min_spot = victim.price
-                    if min_victim is None or victim.cost < min_victim:
-                        min_victim = victim.cost
-        ns.first, ns.clear, ns.min_spot, ns.min_victim = first, clear, min_spot, min_victim
-        ns.idle_groups = (
-            sorted(idle_groups.values(), reverse=True) if ns.group is not None else [level]
-        )
-        ns.glevel = ns.idle_groups[0] if ns.idle_groups else 0
-        ns.idle_until = idle_until
+            if intervals:
+                # Sorted by start, so the head is the earliest and the only one that can be
+                # running now.
+                head_start = intervals[0][0]
+                first = min(first, head_start)
+                for _, end, rental_id, tag in intervals:
+                    clear = max(clear, end)
+                    if tag == _SPOT:
+                        spots.append(self.victims[rental_id])
+                if head_start <= now:
+                    reclaimable += intervals[0][3] == _SPOT
+                    continue
+                idle_until = min(idle_until, head_start)
+            level += 1
+            reclaimable += 1
+            if group is not None:
+                idle_by_group[group[p]] = idle_by_group.get(group[p], 0) + 1
+        ns.first, ns.clear, ns.idle_until = first, clear, idle_until
+        if spots:
+            ns.min_spot = min(victim.price for victim in spots)
+            ns.min_victim = min(victim.cost for victim in spots)
+        else:
+            ns.min_spot = ns.min_victim = None
+        if group is None:
+            ns.idle_groups = [level]
+        else:
+            ns.idle_groups = sorted(idle_by_group.values(), reverse=True) or [0]
+        ns.glevel = ns.idle_groups[0]
         return level, reclaimable
 
     def _refresh(self, ns: _NodeState) -> None:
@@ -566,13 +601,20 @@ class _Planner:
         )
         match = self.matches.get(key)
         if match is None:
-            kinds = frozenset(i for i, gpu in enumerate(self.kind_gpus) if gpu_matches(req, gpu))
+            kinds_key = key[:4]
+            kinds = self.kinds_cache.get(kinds_key)
+            if kinds is None:
+                kinds = frozenset(i for i, g in enumerate(self.kind_gpus) if gpu_matches(req, g))
+                self.kinds_cache[kinds_key] = kinds
+            located = self.located.get((req.region, req.pool))
+            if located is None:
+                located = [cls for cls in self.class_list if location_ok(req, cls.example)]
+                self.located[req.region, req.pool] = located
             k = req.gpus_per_node
             classes = [
                 (cls, cls.kinds <= kinds)
-                for cls in self.class_list
-                if location_ok(req, cls.example)
-                and cls.kinds & kinds
+                for cls in located
+                if cls.kinds & kinds
                 and cls.size >= k
                 and (not req.same_group or cls.max_group >= k)
             ]
@@ -736,7 +778,7 @@ class _Planner:
                     free, spare = positions, len(ns.ivs)
                 else:
                     ivs = ns.ivs
-                    free = [p for p in positions if not ivs[p] or _free(ivs[p], t0, t1)]
+                    free = [p for p in positions if _free(ivs[p], t0, t1)]
                     spare = len(free) if full else sum(_free(iv, t0, t1) for iv in ivs)
                 picked = _pick(ns.group, free, k, same_group, best_fit)
                 if picked is None:
