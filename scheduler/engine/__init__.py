@@ -35,7 +35,8 @@ Policies, in the order they apply:
    rental id.
 2. Filter: nodes whose pool, region, price and GPUs match (see above).
 3. Score (lower is better, integer points, ties by node id): `pack_weight` per GPU of the node
-   left idle at the window start (best fit, so whole nodes stay free for big requests),
+   left free (idle now for a request starting now, free over the window for a later one: best
+   fit, so whole nodes stay free for big requests),
    `topology_weight` per extra topology group spanned (one group preferred even when not
    required), `price_weight` per cent of the on-demand price, `reliability_weight` per 0.1 % of
    unreliability. `first_fit` drops all scoring: the lowest node id that fits, lowest GPU indices.

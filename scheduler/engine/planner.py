@@ -4,13 +4,20 @@ Capacity is kept per GPU as a sorted list of time intervals (existing allocation
 made earlier in this plan, and backfill holds), so every check is a time-range check and a GPU
 can never be given out twice for overlapping times.
 
-To avoid scanning every node per request, nodes are grouped into classes of identical hardware
-(pool, region, GPU kinds, size, largest topology group); within a class each node sits in a
-bucket by the number of its GPUs idle now, sorted by its static score (price, reliability). A
-request starting now only visits buckets with enough idle GPUs, in increasing order of what
-would be left over, and stops as soon as no remaining node can beat the best found. A second
-bucket index counts GPUs that preemption could free, so preemption only visits nodes running
-interruptible work, cheapest possible victims first.
+To avoid scanning every node per request, nodes are grouped into classes of identical offer
+(pool, region, GPU kinds, size, largest topology group, price, minimum bid), so a request's
+constraints select whole classes. Within a class each node sits in a bucket by the number of
+its GPUs idle now, sorted by its static score (price, reliability), and each GPU count keeps
+the set of classes with a non-empty bucket. A request starting now only visits buckets with
+enough idle GPUs, in increasing order of what would be left over, and stops as soon as no
+remaining node can beat the best found. A second bucket index counts GPUs that preemption
+could free, sorted by the cheapest victim, so preemption only visits nodes running
+interruptible work and stops where victims get dearer than the best found.
+
+A future window cannot use the idle-now buckets; it visits the matching classes' nodes and
+compares a bounded number that fit (`Policy.future_candidates`). Finding the earliest start of
+a blocked request sweeps interval boundaries over every matching node, which is why only
+`Policy.reserve_depth` requests per cycle get one.
 """
 
 from __future__ import annotations
@@ -71,10 +78,9 @@ def effective_priority(request: Request, now: float, policy: Policy = DEFAULT_PO
 class _Victim:
     """An interruptible rental of the snapshot and every GPU interval it holds."""
 
-    __slots__ = ("cost", "price", "priority", "rental_id", "start", "where")
+    __slots__ = ("cost", "price", "priority", "start", "where")
 
-    def __init__(self, rental_id: RentalId, price: Decimal, priority: int, start: float) -> None:
-        self.rental_id = rental_id
+    def __init__(self, price: Decimal, priority: int, start: float) -> None:
         self.price = price
         self.priority = priority
         self.start = start
@@ -495,7 +501,7 @@ class _Planner:
             if b.interruptible:
                 victim = self.victims.get(b.rental_id)
                 if victim is None:
-                    victim = _Victim(b.rental_id, b.price, b.priority, b.start)
+                    victim = _Victim(b.price, b.priority, b.start)
                     self.victims[b.rental_id] = victim
                 victim.start = min(victim.start, b.start)
                 victim.where.append(located)
@@ -660,8 +666,8 @@ class _Planner:
                 f"start in the future: {_iso(start)} is beyond the "
                 f"{_hours(self.policy.horizon)} planning horizon"
             )
-        if req.interruptible and req.bid is None:
-            return "an interruptible request needs a bid"
+        if req.interruptible and (req.bid is None or req.bid <= 0):
+            return "an interruptible request needs a positive bid"
         if req.interruptible and req.max_price is not None and req.bid > req.max_price:
             return f"bid ${req.bid:.2f} is above max price ${req.max_price:.2f}"
         match = self._match(req)

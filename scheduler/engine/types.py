@@ -98,7 +98,8 @@ class Policy:
     """Knobs of one cycle; the defaults are what production runs.
 
     Scores are integer points, lower is better, so ties are exact and broken by node id:
-    `pack_weight` per GPU left idle on the node, `topology_weight` per extra topology group
+    `pack_weight` per GPU of the node left free (idle now, for a request starting now; free over
+    the whole window, for a later one), `topology_weight` per extra topology group
     spanned, `price_weight` per cent of the on-demand price, `reliability_weight` per 0.1 % of
     unreliability. The defaults make packing dominate, then topology, then price and reliability.
 
