@@ -225,6 +225,9 @@ class Agent:
         self._ops = _Operations()
         self._live: dict[str, _Live] = {}
         self._stopping = threading.Event()
+        # Set when a run has just started: the next heartbeat goes out at once, so the server
+        # learns RUNNING without waiting a whole interval.
+        self._wake = threading.Event()
         self._telemetry: TelemetrySource | None = None
         self._watchdog: SampleWatchdog | None = None
         self._driver: RuntimeDriver | None = None
@@ -236,7 +239,7 @@ class Agent:
         """Join if needed, then loop (or one round with --once); returns the exit status."""
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(signum, lambda *_: self._stopping.set())
+                signal.signal(signum, lambda *_: (self._stopping.set(), self._wake.set()))
         try:
             self._telemetry = create_source(
                 self.config.telemetry,
@@ -299,7 +302,8 @@ class Agent:
                 self._ops.wait()
                 self._harvest(self._clock())
                 return EXIT_OK
-            self._stopping.wait(max(0.0, delay))
+            self._wake.wait(max(0.0, delay))
+            self._wake.clear()
         logger.info("agent stopping")
         return EXIT_OK
 
@@ -657,6 +661,7 @@ class Agent:
     def _start(self, driver: RuntimeDriver, entry: DesiredRun) -> tuple[ContainerState, float]:
         """Start a run (in a worker thread); the state and when it was seen so."""
         state = driver.start(self.spec_for(entry))
+        self._wake.set()
         return state, self._clock()
 
     def spec_for(self, entry: DesiredRun) -> ContainerSpec:
