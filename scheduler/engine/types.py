@@ -20,7 +20,11 @@ NodeGpus: TypeAlias = tuple[tuple[int, tuple[int, ...]], ...]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Gpu:
-    """One allocatable GPU as the engine sees it."""
+    """One allocatable GPU as the engine sees it.
+
+    `group` is its topology group on the node ("" for none: a group of its own). Placement uses
+    only the group; `nvlink` (whether the group is an NVLink island) is carried for callers.
+    """
 
     gpu_id: int
     node_id: int
