@@ -85,6 +85,12 @@ def _env_json(name: str) -> object:
         raise ConfigError([("", f"{name} is not valid JSON: {exc}")]) from exc
 
 
+def _visible_gpus() -> int:
+    import torch
+
+    return max(torch.cuda.device_count(), 1)
+
+
 def _report(error: ConfigError) -> int:
     for line in error.lines():
         print(line, file=sys.stderr)
@@ -115,12 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         return _report(error)
 
-    # torch loads only now, so a bad config fails fast.
-    from harness.distributed import launch_local, visible_gpu_count
+    from harness.launcher import launch_local
 
     nproc = args.nproc
     if nproc == "auto":
-        nproc = max(visible_gpu_count(), 1) if config.train.device != "cpu" else 1
+        nproc = _visible_gpus() if config.train.device != "cpu" else 1
     try:
         if nproc > 1:
             worker_args = (
@@ -129,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             for override in args.set:
                 worker_args += ["--set", override]
             return launch_local(worker_args, nproc)
+        # torch loads only now, so a bad config fails fast and the launcher stays light.
         from harness.trainer import Trainer
 
         Trainer(config).run()

@@ -86,7 +86,8 @@ class HarnessProcess:
         return code
 
     def stderr(self) -> str:
-        self._stderr.flush()
+        if not self._stderr.closed:
+            self._stderr.flush()
         return self.stderr_path.read_text()
 
     def kill(self) -> None:

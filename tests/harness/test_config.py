@@ -183,4 +183,20 @@ def test_cli_reports_a_missing_file_and_a_bad_override(tmp_path, clean_env):
 def test_cli_requires_a_config(clean_env):
     result = _cli(env=clean_env)
     assert result.returncode == CONFIG_ERROR_EXIT_CODE
-    assert "--config FILE is required" in result.stderr
+    assert "config error: --config FILE or --config-env NAME is required" in result.stderr
+
+
+def test_cli_validates_a_config_passed_in_the_environment(clean_env):
+    # given the config as JSON in an environment variable (how the node agent passes it)
+    env = {**clean_env, "RENTAL_CONFIG": '{"data": {"name": "digits", "batch_size": -4}}'}
+    result = _cli("--config-env", "RENTAL_CONFIG", env=env)
+    assert result.returncode == CONFIG_ERROR_EXIT_CODE
+    assert "config error: data.batch_size: must be a positive integer (got -4)" in result.stderr
+
+    env["RENTAL_CONFIG"] = "{not json"
+    result = _cli("--config-env", "RENTAL_CONFIG", env=env)
+    assert result.returncode == CONFIG_ERROR_EXIT_CODE
+    assert "config error: RENTAL_CONFIG is not valid JSON" in result.stderr
+
+    result = _cli("--config-env", "UNSET_VARIABLE", env=clean_env)
+    assert "config error: environment variable UNSET_VARIABLE is not set" in result.stderr

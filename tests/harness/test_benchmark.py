@@ -1,0 +1,36 @@
+"""Benchmark mode: one JSON line with every figure, as a command and as a function."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import benchmark
+
+pytestmark = pytest.mark.timeout(120)
+
+FIGURES = ("matmul_tflops", "mem_bandwidth_gbs", "train_samples_per_s", "train_tokens_per_s")
+KEYS = {"event", "device", "device_name", "precision", "h2d_gbs", *FIGURES}
+
+
+def test_quick_benchmark_command_prints_one_json_line(run_harness):
+    code, events, stderr = run_harness(["benchmark", "--quick"])
+    assert code == 0, stderr
+    (event,) = events
+    assert set(event) >= KEYS
+    assert event["event"] == "benchmark" and event["device"] == "cpu" and event["quick"]
+    assert event["precision"] == "fp32"  # auto on a CPU
+    for key in FIGURES:
+        assert isinstance(event[key], float) and event[key] > 0, key
+    # There is no device to copy to on a CPU: null, with the reason alongside.
+    assert event["h2d_gbs"] is None
+    assert "host-to-device" in event["notes"]["h2d_gbs"]
+    # tokens = samples x the reference model's sequence length
+    seq_len = event["reference_model"]["seq_len"]
+    assert event["train_tokens_per_s"] == pytest.approx(event["train_samples_per_s"] * seq_len)
+
+
+def test_benchmark_function_in_bf16():
+    result = benchmark.run(precision="bf16", quick=True, device="cpu")
+    assert result["precision"] == "bf16"
+    assert set(result) >= KEYS
+    assert all(result[key] > 0 for key in FIGURES)
