@@ -41,7 +41,12 @@ from provisioning.models import ContainerRun, JoinToken, NodeBenchmark, NodeCred
 log = logging.getLogger(__name__)
 
 A = RentalEvent.Actor
-HEARTBEAT_INTERVAL_S = 5
+
+
+def heartbeat_interval_s() -> int:
+    """How often agents report; the server says so in every answer."""
+    return settings.GPUMARKET.get("HEARTBEAT_INTERVAL_S", 5)
+
 # Statuses in which a rental's container should be running on its nodes.
 _WANTED = (RentalStatus.SCHEDULED, RentalStatus.PROVISIONING, RentalStatus.RUNNING)
 
@@ -437,7 +442,7 @@ def node_heartbeat(
     return {
         "desired": desired,
         "ack_usage_seq": ack,
-        "heartbeat_interval_s": HEARTBEAT_INTERVAL_S,
+        "heartbeat_interval_s": heartbeat_interval_s(),
         "run_benchmark": run_benchmark,
     }
 

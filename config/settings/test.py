@@ -18,3 +18,5 @@ MIDDLEWARE = [m for m in MIDDLEWARE if not m.startswith("whitenoise.")]  # noqa:
 # Tests that are not about money need no balance; billing's own tests and the end-to-end tests
 # turn the check back on and top the customer up.
 BILLING_FUNDS_CHECK = False
+# Agents in the end-to-end tests report every second instead of every five.
+GPUMARKET = {**GPUMARKET, "HEARTBEAT_INTERVAL_S": 1}  # noqa: F405

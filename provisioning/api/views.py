@@ -96,7 +96,7 @@ class JoinView(APIView):
             {
                 "node_id": node.pk,
                 "node_token": raw,
-                "heartbeat_interval_s": services.HEARTBEAT_INTERVAL_S,
+                "heartbeat_interval_s": services.heartbeat_interval_s(),
             },
             status=status.HTTP_201_CREATED,
         )

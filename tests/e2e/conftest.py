@@ -120,7 +120,17 @@ class TcpProxy:
         self.sock.listen(64)
         self.port = self.sock.getsockname()[1]
         self.closed = False
+        self.open: set[socket.socket] = set()
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def cut(self) -> None:
+        """Refuse new connections and drop the open ones (kept-alive included)."""
+        self.up.clear()
+        for s in list(self.open):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+                s.close()
+        self.open.clear()
 
     def _accept(self) -> None:
         while not self.closed:
@@ -136,6 +146,7 @@ class TcpProxy:
             except OSError:
                 client.close()
                 continue
+            self.open.update((client, upstream))
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 

@@ -144,7 +144,8 @@ def test_a_silent_node_goes_offline_and_its_rental_fails_by_policy(
     rental_id = _rent(auth_api, harness_config=TRAIN_FOREVER)
     _wait_status(rental_id, RentalStatus.RUNNING)
     agent.kill()
-    with override_settings(GPUMARKET={"NODE_SILENCE_TIMEOUT_S": 2, "NODE_LOST_POLICY": "fail"}):
+    silence = {"NODE_SILENCE_TIMEOUT_S": 2, "NODE_LOST_POLICY": "fail", "HEARTBEAT_INTERVAL_S": 1}
+    with override_settings(GPUMARKET=silence):
         wait_for(lambda: nodes_mark_silent() == [node.pk], 30, "the node to be marked silent")
     node.refresh_from_db()
     assert node.status == NodeStatus.OFFLINE
@@ -166,3 +167,56 @@ def test_a_revoked_node_token_is_refused_and_the_agent_stops(start_agent):
     seen = Node.objects.get(pk=node.pk).last_seen_at
     assert "401" in agent.log() or "revoked" in agent.log()
     assert Node.objects.get(pk=node.pk).last_seen_at == seen
+
+
+def test_usage_spooled_while_the_server_is_unreachable_replays_once(
+    auth_api, celery_worker, start_agent, live_server, docker_client, tmp_path
+):
+    from billing.models import UsageSegment
+    from tests.e2e.conftest import TcpProxy
+
+    port = int(live_server.url.rsplit(":", 1)[1])
+    proxy = TcpProxy(port)
+    try:
+        start_agent(via=proxy.port)
+        _joined()
+        rental_id = _rent(auth_api, harness_config=TRAIN_FOREVER)
+        _wait_status(rental_id, RentalStatus.RUNNING)
+
+        def segment():
+            return UsageSegment.objects.filter(rental_id=rental_id).first()
+
+        wait_for(lambda: segment() and segment().reports >= 2, 60, "usage reports")
+        before = segment()
+        proxy.cut()  # the server is unreachable; the container keeps training
+        import time
+
+        time.sleep(6)
+        during = segment()
+        assert during.confirmed_until == before.confirmed_until or (
+            during.last_seq - before.last_seq <= 1  # one report may have been in flight
+        )
+        outage_end = time.time()
+        proxy.up.set()
+        # The spooled reports arrive: the segment reaches past the outage, in one row.
+        wait_for(
+            lambda: segment().confirmed_until.timestamp() >= outage_end - 1,
+            60,
+            "the spooled reports to be applied",
+        )
+        after = segment()
+        assert UsageSegment.objects.filter(rental_id=rental_id).count() == 1
+        assert after.started_at == before.started_at
+        assert after.last_seq > during.last_seq
+        # Every report the agent sent counted once: reports applied never exceed seqs issued.
+        assert after.reports <= after.last_seq - after.first_seq + 1
+        spool = tmp_path / "node1" / "state" / "spool" / "usage.jsonl"
+        # Drained: at most the report of the heartbeat in flight is left.
+        wait_for(
+            lambda: len(spool.read_text().splitlines()) <= 2,
+            30,
+            "the spool to drain after the acknowledgement",
+        )
+        assert _status(rental_id) == RentalStatus.RUNNING
+    finally:
+        proxy.close()
