@@ -7,6 +7,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 import uuid
@@ -158,3 +159,37 @@ def build_inventory(url: str, nodes: int, *, busy_node_fraction: float = 0.0, se
         conn.autocommit = True
         conn.execute("VACUUM ANALYZE")
         return conn.execute("SELECT count(*) FROM marketplace_gpu").fetchone()[0]
+
+
+@contextmanager
+def gunicorn(*, workers: int = 2, extra_env: dict[str, str] | None = None):
+    """The web app under gunicorn on a free loopback port, as production runs it; yields its URL."""
+    import requests
+
+    from config.embedded import _free_port
+
+    port = _free_port()
+    env = dict(os.environ, DEBUG="0", ALLOWED_HOSTS="127.0.0.1", SECURE_COOKIES="0")
+    env.update(extra_env or {})
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "gunicorn"), "config.wsgi",
+         "--bind", f"127.0.0.1:{port}", "--workers", str(workers), "--log-level", "warning"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if requests.get(f"{base}/healthz", timeout=2).ok:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("gunicorn did not come up")
+            time.sleep(0.2)
+        server.base_url = base
+        yield server
+    finally:
+        server.terminate()
+        server.wait(20)

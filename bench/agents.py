@@ -27,19 +27,9 @@ import time
 from decimal import Decimal
 from pathlib import Path
 
-from _common import ROOT, bench_database, emit, percentile
+from _common import ROOT, bench_database, emit, gunicorn, percentile
 
 BIN = Path(sys.executable).parent
-
-
-def start_server(port: int, workers: int) -> subprocess.Popen:
-    env = dict(os.environ, DEBUG="0", ALLOWED_HOSTS="127.0.0.1", SECURE_COOKIES="0",
-               AGENT_THROTTLE_RATE="100000/min", LOG_LEVEL="WARNING")  # fmt: skip
-    return subprocess.Popen(
-        [str(BIN / "gunicorn"), "config.wsgi", "--bind", f"127.0.0.1:{port}",
-         "--workers", str(workers), "--log-level", "warning"],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
 
 
 def server_cpu_seconds(server: subprocess.Popen) -> float:
@@ -235,34 +225,15 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
     with bench_database("gpumarket_bench_agents"):
-        from config.embedded import _free_port
-
         tokens = join_tokens(args.agents)
-        port = _free_port()
-        server = start_server(port, args.workers)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            import requests
-
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if requests.get(f"{base}/healthz", timeout=2).ok:
-                        break
-                except requests.RequestException:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError("gunicorn did not come up")
-                time.sleep(0.2)
+        extra = {"AGENT_THROTTLE_RATE": "100000/min", "LOG_LEVEL": "WARNING"}
+        with gunicorn(workers=args.workers, extra_env=extra) as server:
             cpu0 = server_cpu_seconds(server)
             t0 = time.perf_counter()
-            latencies, errors = asyncio.run(run_agents(base, tokens, args.seconds))
+            latencies, errors = asyncio.run(run_agents(server.base_url, tokens, args.seconds))
             wall = time.perf_counter() - t0
             cpu = server_cpu_seconds(server) - cpu0
-            to_running, runtime = scheduled_to_running(base)
-        finally:
-            server.terminate()
-            server.wait(20)
+            to_running, runtime = scheduled_to_running(server.base_url)
     handled = len(latencies) - errors
     # Joins are inside the measured wall time: count only the heartbeat window.
     rate = handled / args.seconds

@@ -10,14 +10,10 @@ the same run, so the ratio shows what HTTP, Django and DRF cost on top of the da
 from __future__ import annotations
 
 import argparse
-import os
-import socket
-import subprocess
 import sys
 import time
-from contextlib import closing
 
-from _common import ROOT, bench_database, build_inventory, emit, percentile
+from _common import bench_database, build_inventory, emit, gunicorn, percentile
 
 QUERY = {
     "min_memory_gb": "40",
@@ -27,71 +23,13 @@ QUERY = {
     "limit": "50",
 }
 
-# The statement the API runs for QUERY, written out by hand: the baseline is the database alone.
-RAW_PAGE = """
-SELECT n.id AS node_id, n.hostname, p.name AS provider, n.region, n.nvlink, n.simulated,
-       n.reliability, n.price_per_gpu_hour, n.min_bid_per_gpu_hour, n.cpu_cores, n.ram_gb,
-       n.disk_gb, n.cuda_version, n.gpu_count, m.slug AS gpu_model, m.name AS gpu_name,
-       m.memory_gb, m.tensor_tflops,
-       n.gpu_count - COALESCE(busy.held, 0) AS free_gpus,
-       round(n.price_per_gpu_hour / m.tensor_tflops, 6) AS price_per_tflop_hour,
-       n.measured_tflops,
-       round(n.price_per_gpu_hour / NULLIF(n.measured_tflops, 0)::numeric, 6)
-           AS price_per_measured_tflop_hour
-FROM marketplace_node n
-JOIN marketplace_gpumodel m ON m.id = n.gpu_model_id
-JOIN marketplace_provider p ON p.id = n.provider_id
-LEFT JOIN (
-    SELECT node_id, count(*) AS held FROM marketplace_allocation
-    WHERE released_at IS NULL AND during @> now()
-    GROUP BY node_id
-) busy ON busy.node_id = n.id
-WHERE n.status = 'online' AND n.gpu_count - COALESCE(busy.held, 0) >= 2
-  AND m.memory_gb >= 40 AND n.price_per_gpu_hour <= 3.00
-ORDER BY price_per_tflop_hour, n.id
-LIMIT 51 OFFSET 0
-"""
-
-
-def _free_port() -> int:
-    with closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def measure_api(requests_n: int) -> list[float]:
     import requests
 
-    port = _free_port()
-    env = dict(os.environ, DEBUG="0", ALLOWED_HOSTS="127.0.0.1", SECURE_COOKIES="0")
-    server = subprocess.Popen(
-        [
-            str(ROOT / ".venv" / "bin" / "gunicorn"),
-            "config.wsgi",
-            "--bind",
-            f"127.0.0.1:{port}",
-            "--workers",
-            "2",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if requests.get(f"{base}/healthz", timeout=2).ok:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("gunicorn did not come up")
-            time.sleep(0.2)
+    with gunicorn(workers=2) as server:
         session = requests.Session()
-        url = f"{base}/api/v1/offers/"
+        url = f"{server.base_url}/api/v1/offers/"
         for _ in range(20):
             r = session.get(url, params=QUERY, timeout=10)
             r.raise_for_status()
@@ -103,21 +41,31 @@ def measure_api(requests_n: int) -> list[float]:
             latencies.append((time.perf_counter() - t0) * 1000)
             r.raise_for_status()
         return latencies
-    finally:
-        server.terminate()
-        server.wait(10)
+
+
+def raw_statement() -> tuple[str, list]:
+    """The very statement and parameters the API runs for QUERY (one extra row for `next`)."""
+    from decimal import Decimal
+
+    from marketplace.selectors import OfferFilters, offer_list_sql
+
+    filters = OfferFilters(
+        min_memory_gb=40, min_free_gpus=2, max_price=Decimal("3.00"), ordering="price_per_tflop"
+    )
+    return offer_list_sql(filters=filters, limit=51, offset=0)
 
 
 def measure_raw(url: str, n: int) -> list[float]:
     import psycopg
 
+    sql, params = raw_statement()
     latencies = []
     with psycopg.connect(url) as conn:
         for _ in range(20):
-            conn.execute(RAW_PAGE).fetchall()
+            conn.execute(sql, params).fetchall()
         for _ in range(n):
             t0 = time.perf_counter()
-            conn.execute(RAW_PAGE).fetchall()
+            conn.execute(sql, params).fetchall()
             latencies.append((time.perf_counter() - t0) * 1000)
     return latencies
 

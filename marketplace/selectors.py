@@ -87,12 +87,8 @@ LIMIT %s OFFSET %s
 """
 
 
-def offer_list(*, filters: OfferFilters, limit: int, offset: int) -> list[dict]:
-    """Offers: one row per node with the GPUs free right now, filtered and sorted.
-
-    Returns at most `limit` rows starting at `offset`; callers ask for one more row than they
-    show to know whether a next page exists (no count: it would double the cost).
-    """
+def offer_list_sql(*, filters: OfferFilters, limit: int, offset: int) -> tuple[str, list]:
+    """The offers statement and its parameters (the benchmark runs it raw as its baseline)."""
     f = filters
     where: list[str] = []
     params: list = [f.min_free_gpus or 1]
@@ -124,6 +120,16 @@ def offer_list(*, filters: OfferFilters, limit: int, offset: int) -> list[dict]:
         where="".join(f" AND {clause}" for clause in where), order=OFFER_ORDERINGS[f.ordering]
     )
     params.extend([limit, offset])
+    return sql, params
+
+
+def offer_list(*, filters: OfferFilters, limit: int, offset: int) -> list[dict]:
+    """Offers: one row per node with the GPUs free right now, filtered and sorted.
+
+    Returns at most `limit` rows starting at `offset`; callers ask for one more row than they
+    show to know whether a next page exists (no count: it would double the cost).
+    """
+    sql, params = offer_list_sql(filters=filters, limit=limit, offset=offset)
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         columns = [c.name for c in cursor.description]
