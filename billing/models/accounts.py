@@ -1,0 +1,93 @@
+"""Accounts: one per customer, per provider and one for the platform, with a cached balance."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+
+
+class AccountKind(models.TextChoices):
+    CUSTOMER = "customer", "Customer"
+    PROVIDER = "provider", "Provider"
+    PLATFORM = "platform", "Platform"
+
+
+class Account(models.Model):
+    """Who money belongs to; balance_micros is the sum of its ledger entries, kept in step by
+    every posting in the same transaction so reads never sum the ledger."""
+
+    kind = models.CharField(max_length=10, choices=AccountKind.choices)
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="billing_accounts",
+    )
+    provider = models.ForeignKey(
+        "marketplace.Provider",
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="billing_accounts",
+    )
+    balance_micros = models.BigIntegerField(default=0)
+    low_balance_since = models.DateTimeField(null=True, blank=True)
+    depleted_since = models.DateTimeField(null=True, blank=True)
+    stripe_customer_id = models.CharField(max_length=255, blank=True)
+    stripe_connect_account_id = models.CharField(
+        max_length=255, blank=True, help_text="Connect account that receives provider payouts"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["id"]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(kind="customer", user__isnull=False, provider__isnull=True)
+                | Q(kind="provider", user__isnull=True, provider__isnull=False)
+                | Q(kind="platform", user__isnull=True, provider__isnull=True),
+                name="account_owner_matches_kind",
+            ),
+            models.UniqueConstraint(
+                fields=["user"], condition=Q(kind="customer"), name="account_one_per_customer"
+            ),
+            models.UniqueConstraint(
+                fields=["provider"], condition=Q(kind="provider"), name="account_one_per_provider"
+            ),
+            models.UniqueConstraint(
+                fields=["kind"], condition=Q(kind="platform"), name="account_one_platform"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        if self.kind == AccountKind.CUSTOMER:
+            return f"customer {self.user_id}"
+        if self.kind == AccountKind.PROVIDER:
+            return f"provider {self.provider_id}"
+        return "platform"
+
+
+class NoticeKind(models.TextChoices):
+    LOW_BALANCE = "low_balance", "Low balance"
+    DEPLETED = "depleted", "Balance exhausted: rentals stopped"
+    RESTORED = "restored", "Balance restored"
+
+
+class BalanceNotice(models.Model):
+    """A warning shown to a customer (and kept for ops) when the balance runs low or out."""
+
+    account = models.ForeignKey(Account, on_delete=models.PROTECT, related_name="notices")
+    kind = models.CharField(max_length=12, choices=NoticeKind.choices)
+    available_micros = models.BigIntegerField()
+    hourly_burn_micros = models.BigIntegerField()
+    detail = models.CharField(max_length=500, blank=True)
+    created_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [models.Index(fields=["account", "-created_at"], name="notice_by_account")]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.account_id}"

@@ -1,0 +1,104 @@
+"""The append-only ledger: every movement of money is a row; nothing is ever updated."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+
+
+class EntryKind(models.TextChoices):
+    USAGE = "usage", "Usage charge"
+    EARNING = "earning", "Provider earning"
+    PLATFORM_FEE = "platform_fee", "Platform fee"
+    TOPUP = "topup", "Card top-up"
+    REFUND = "refund", "Refund"
+    REFUND_REVERSAL = "refund_reversal", "Failed refund returned"
+    ADJUSTMENT = "adjustment", "Ops credit or debit"
+    PAYOUT = "payout", "Provider payout"
+    PAYOUT_REVERSAL = "payout_reversal", "Failed or reversed payout returned"
+
+
+# Postings made by the billing pass: keyed by (meter, posting_seq, kind).
+RATING_KINDS = (EntryKind.USAGE, EntryKind.EARNING, EntryKind.PLATFORM_FEE)
+
+
+class LedgerEntry(models.Model):
+    """One signed amount on one account (micro-dollars); a database trigger refuses updates and
+    deletes, and a natural unique key makes every replayed posting a no-op."""
+
+    account = models.ForeignKey("billing.Account", on_delete=models.PROTECT, related_name="entries")
+    kind = models.CharField(max_length=16, choices=EntryKind.choices)
+    amount_micros = models.BigIntegerField()
+    # Rating postings: the meter, its posting sequence, and the GPU-seconds the posting covers.
+    rental = models.ForeignKey(
+        "marketplace.Rental",
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="ledger_entries",
+    )
+    meter = models.ForeignKey(
+        "billing.UsageMeter",
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="entries",
+    )
+    posting_seq = models.PositiveIntegerField(null=True, blank=True)
+    gpu_seconds = models.BigIntegerField(null=True, blank=True)
+    # Every other posting: an idempotency key such as "topup:pi_..." or "adjust:<uuid>".
+    # NULL, not "", for rating postings: the unique key applies only to keyed postings.
+    key = models.CharField(max_length=120, null=True, blank=True)  # noqa: DJ001
+    memo = models.CharField(max_length=500, blank=True)
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+    )
+    created_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        verbose_name_plural = "ledger entries"
+        constraints = [
+            models.CheckConstraint(condition=~Q(amount_micros=0), name="entry_amount_nonzero"),
+            models.CheckConstraint(
+                condition=Q(meter__isnull=True, posting_seq__isnull=True, key__isnull=False)
+                | Q(meter__isnull=False, posting_seq__isnull=False, key__isnull=True),
+                name="entry_has_one_natural_key",
+            ),
+            models.CheckConstraint(
+                condition=Q(kind__in=RATING_KINDS, meter__isnull=False)
+                | (~Q(kind__in=RATING_KINDS) & Q(meter__isnull=True)),
+                name="entry_rating_kinds_have_meter",
+            ),
+            models.CheckConstraint(
+                condition=~Q(kind__in=["topup", "refund_reversal", "payout_reversal"])
+                | Q(amount_micros__gt=0),
+                name="entry_credits_positive",
+            ),
+            models.CheckConstraint(
+                condition=~Q(kind__in=["refund", "payout"]) | Q(amount_micros__lt=0),
+                name="entry_debits_negative",
+            ),
+            models.UniqueConstraint(
+                fields=["meter", "posting_seq", "kind"],
+                condition=Q(meter__isnull=False),
+                name="entry_unique_rating_posting",
+            ),
+            models.UniqueConstraint(
+                fields=["key"], condition=Q(key__isnull=False), name="entry_unique_key"
+            ),
+        ]
+        indexes = [
+            models.Index(fields=["account", "created_at"], name="entry_by_account"),
+            models.Index(
+                fields=["rental"], condition=Q(rental__isnull=False), name="entry_by_rental"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.amount_micros} on {self.account_id}"
