@@ -18,6 +18,8 @@ urlpatterns = [
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("api/v1/", include("marketplace.api.urls")),
+    path("api/v1/billing/", include("billing.api.urls")),
+    path("billing/", include("billing.urls")),
     path("api/v1/providers/", include(provider_urlpatterns)),
     path("api/agent/v1/", include(agent_urlpatterns)),
     path("healthz", healthz),

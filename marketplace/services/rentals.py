@@ -215,6 +215,14 @@ def rental_create(*, customer: User, request: RentalRequest) -> Rental:
     reason = _never_fits(request, start, deadline)
     if reason is not None:
         raise ValidationFailed(f"this request can never be placed: {reason}", field="non_field")
+    from billing.services import funds_check  # billing imports marketplace: import at call
+
+    price = request.bid_per_gpu_hour or request.max_price_per_gpu_hour or Decimal(0)
+    funds_check(
+        customer=customer,
+        hourly_cost=price * request.gpus_per_node * request.node_count,
+        duration_s=request.duration_s,
+    )
     with transaction.atomic():
         rental = Rental.objects.create(
             customer=customer,

@@ -1,0 +1,214 @@
+"""Input and output shapes of the billing API. Amounts are integer micro-dollars (`*_micros`:
+1 USD = 1,000,000) so clients never round; top-ups are asked for in cents, as Stripe does."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.utils import timezone
+from rest_framework import serializers
+
+from billing import conf
+from billing.models import (
+    BalanceNotice,
+    Invoice,
+    InvoiceLine,
+    LedgerEntry,
+    TelemetryMinute,
+    TopUp,
+    UsageMeter,
+    UsageSegment,
+)
+
+MAX_TELEMETRY_RANGE = timedelta(days=7)
+
+
+class NoticeSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = BalanceNotice
+        fields = ["kind", "available_micros", "hourly_burn_micros", "detail", "created_at"]
+
+
+class AccountSerializer(serializers.Serializer):
+    """The customer's money now: available = balance - accrued (rated, not yet posted)."""
+
+    currency = serializers.SerializerMethodField()
+    balance_micros = serializers.IntegerField()
+    accrued_micros = serializers.IntegerField()
+    available_micros = serializers.IntegerField()
+    hourly_burn_micros = serializers.IntegerField()
+    low_balance_since = serializers.SerializerMethodField()
+    depleted_since = serializers.SerializerMethodField()
+
+    def get_currency(self, summary) -> str:
+        return conf.currency()
+
+    def get_low_balance_since(self, summary) -> str | None:
+        value = summary.account.low_balance_since if summary.account else None
+        return serializers.DateTimeField().to_representation(value) if value else None
+
+    def get_depleted_since(self, summary) -> str | None:
+        value = summary.account.depleted_since if summary.account else None
+        return serializers.DateTimeField().to_representation(value) if value else None
+
+
+class LedgerEntrySerializer(serializers.ModelSerializer):
+    rental = serializers.UUIDField(source="rental_id", allow_null=True)
+
+    class Meta:
+        model = LedgerEntry
+        fields = ["id", "kind", "amount_micros", "rental", "gpu_seconds", "memo", "created_at"]
+
+
+class TopUpCreateSerializer(serializers.Serializer):
+    amount_cents = serializers.IntegerField(help_text="amount to add, in cents")
+
+    def validate_amount_cents(self, value: int) -> int:
+        low, high = conf.topup_limits_cents()
+        if not low <= value <= high:
+            raise serializers.ValidationError(f"between {low} and {high} cents")
+        return value
+
+
+class TopUpSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = TopUp
+        fields = ["id", "amount_cents", "currency", "status", "error", "created_at"]
+
+
+class TopUpCreatedSerializer(TopUpSerializer):
+    """Confirm `client_secret` in the browser with Stripe.js; the webhook credits the account."""
+
+    client_secret = serializers.CharField()
+    publishable_key = serializers.CharField()
+
+    class Meta(TopUpSerializer.Meta):
+        fields = [*TopUpSerializer.Meta.fields, "client_secret", "publishable_key"]
+
+
+class InvoiceLineSerializer(serializers.ModelSerializer):
+    rental = serializers.UUIDField(source="rental_id")
+
+    class Meta:
+        model = InvoiceLine
+        fields = [
+            "rental",
+            "description",
+            "gpu_model",
+            "gpus",
+            "gpu_seconds",
+            "rate_per_gpu_hour",
+            "amount_micros",
+        ]
+
+
+class InvoiceSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Invoice
+        fields = [
+            "id",
+            "number",
+            "period_start",
+            "period_end",
+            "currency",
+            "opening_balance_micros",
+            "usage_micros",
+            "payments_micros",
+            "closing_balance_micros",
+            "issued_at",
+        ]
+
+
+class InvoiceDetailSerializer(InvoiceSerializer):
+    lines = InvoiceLineSerializer(many=True)
+
+    class Meta(InvoiceSerializer.Meta):
+        fields = [*InvoiceSerializer.Meta.fields, "lines"]
+
+
+class TelemetryQuerySerializer(serializers.Serializer):
+    """A window of at most 7 days; the last hour by default."""
+
+    since = serializers.DateTimeField(required=False)
+    until = serializers.DateTimeField(required=False)
+    gpu_index = serializers.IntegerField(required=False, min_value=0, max_value=255)
+
+    def validate(self, attrs: dict) -> dict:
+        until = attrs.get("until") or timezone.now()
+        since = attrs.get("since") or until - timedelta(hours=1)
+        if since >= until:
+            raise serializers.ValidationError({"since": ["since must be before until"]})
+        if until - since > MAX_TELEMETRY_RANGE:
+            raise serializers.ValidationError({"since": ["at most 7 days at a time"]})
+        return {**attrs, "since": since, "until": until}
+
+
+class TelemetryMinuteSerializer(serializers.ModelSerializer):
+    node = serializers.CharField(source="node.hostname")
+    util_avg_pct = serializers.SerializerMethodField()
+    power_avg_w = serializers.SerializerMethodField()
+    temp_max_c = serializers.FloatField(source="temp_max")
+
+    class Meta:
+        model = TelemetryMinute
+        fields = [
+            "minute",
+            "node",
+            "gpu_index",
+            "samples",
+            "util_avg_pct",
+            "util_max",
+            "mem_max_mb",
+            "power_avg_w",
+            "temp_max_c",
+        ]
+
+    def get_util_avg_pct(self, row: TelemetryMinute) -> float:
+        return round(row.util_sum / row.samples, 2)
+
+    def get_power_avg_w(self, row: TelemetryMinute) -> float:
+        return round(row.power_sum / row.samples, 2)
+
+
+class UsageSegmentSerializer(serializers.ModelSerializer):
+    node = serializers.CharField(source="node.hostname")
+
+    class Meta:
+        model = UsageSegment
+        fields = [
+            "node",
+            "run_id",
+            "gpu_count",
+            "started_at",
+            "confirmed_until",
+            "final",
+            "first_seq",
+            "last_seq",
+            "reports",
+        ]
+
+
+class UsageMeterSerializer(serializers.ModelSerializer):
+    node = serializers.CharField(source="node.hostname")
+
+    class Meta:
+        model = UsageMeter
+        fields = [
+            "node",
+            "gpu_seconds",
+            "charge_micros",
+            "posted_charge_micros",
+            "rated_at",
+            "posted_at",
+        ]
+
+
+class RentalUsageSerializer(serializers.Serializer):
+    """How a rental's bill is made: the confirmed runs, and per node what was rated."""
+
+    rental = serializers.UUIDField(source="rental.pk")
+    price_per_gpu_hour = serializers.DecimalField(
+        source="rental.price_per_gpu_hour", max_digits=10, decimal_places=4, allow_null=True
+    )
+    meters = UsageMeterSerializer(many=True)
+    segments = UsageSegmentSerializer(many=True)

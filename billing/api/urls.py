@@ -1,0 +1,31 @@
+from django.urls import path
+
+from billing.api import views
+
+urlpatterns = [
+    path("account/", views.AccountView.as_view(), name="billing-account"),
+    path("ledger/", views.LedgerListView.as_view(), name="billing-ledger"),
+    path("notices/", views.NoticeListView.as_view(), name="billing-notices"),
+    path("topups/", views.TopUpListCreateView.as_view(), name="billing-topups"),
+    path("invoices/", views.InvoiceListView.as_view(), name="billing-invoices"),
+    path(
+        "invoices/<int:invoice_id>/",
+        views.InvoiceDetailView.as_view(),
+        name="billing-invoice-detail",
+    ),
+    path(
+        "invoices/<int:invoice_id>/print/",
+        views.InvoicePrintView.as_view(),
+        name="billing-invoice-print",
+    ),
+    path(
+        "rentals/<uuid:rental_id>/telemetry/",
+        views.RentalTelemetryView.as_view(),
+        name="billing-rental-telemetry",
+    ),
+    path(
+        "rentals/<uuid:rental_id>/usage/",
+        views.RentalUsageView.as_view(),
+        name="billing-rental-usage",
+    ),
+]

@@ -1,0 +1,164 @@
+"""Thin API views: validate input, call one selector or service, shape the output."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.http import HttpResponse
+from django.template.loader import render_to_string
+from drf_spectacular.utils import OpenApiTypes, extend_schema
+from rest_framework import status
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from billing import selectors, services
+from billing.api.serializers import (
+    AccountSerializer,
+    InvoiceDetailSerializer,
+    InvoiceSerializer,
+    LedgerEntrySerializer,
+    NoticeSerializer,
+    RentalUsageSerializer,
+    TelemetryMinuteSerializer,
+    TelemetryQuerySerializer,
+    TopUpCreatedSerializer,
+    TopUpCreateSerializer,
+    TopUpSerializer,
+)
+from marketplace.api.pagination import Pagination
+from marketplace.errors import NotFound
+
+
+class _ListView(APIView):
+    """A paginated, owner-scoped list."""
+
+    serializer_class: type
+    selector: staticmethod
+
+    def get(self, request: Request) -> Response:
+        paginator = Pagination()
+        page = paginator.paginate_queryset(self.selector(user=request.user), request, self)
+        return paginator.get_paginated_response(self.serializer_class(page, many=True).data)
+
+
+class AccountView(APIView):
+    """Your balance, what is accrued but not yet posted, and what running rentals cost."""
+
+    @extend_schema(responses=AccountSerializer)
+    def get(self, request: Request) -> Response:
+        return Response(AccountSerializer(selectors.account_summary(user=request.user)).data)
+
+
+class LedgerListView(_ListView):
+    """Your ledger entries, newest first."""
+
+    serializer_class = LedgerEntrySerializer
+    selector = staticmethod(selectors.ledger_list)
+
+    @extend_schema(responses=LedgerEntrySerializer(many=True))
+    def get(self, request: Request) -> Response:
+        return super().get(request)
+
+
+class NoticeListView(_ListView):
+    """Low-balance warnings and stops, newest first."""
+
+    serializer_class = NoticeSerializer
+    selector = staticmethod(selectors.notice_list)
+
+    @extend_schema(responses=NoticeSerializer(many=True))
+    def get(self, request: Request) -> Response:
+        return super().get(request)
+
+
+class TopUpListCreateView(APIView):
+    """Your card top-ups; POST starts one and returns the PaymentIntent's client_secret."""
+
+    @extend_schema(responses=TopUpSerializer(many=True))
+    def get(self, request: Request) -> Response:
+        paginator = Pagination()
+        page = paginator.paginate_queryset(selectors.topup_list(user=request.user), request, self)
+        return paginator.get_paginated_response(TopUpSerializer(page, many=True).data)
+
+    @extend_schema(request=TopUpCreateSerializer, responses={201: TopUpCreatedSerializer})
+    def post(self, request: Request) -> Response:
+        body = TopUpCreateSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        started = services.topup_create(
+            customer=request.user, amount_cents=body.validated_data["amount_cents"]
+        )
+        topup = started.topup
+        topup.client_secret = started.client_secret
+        topup.publishable_key = settings.STRIPE_PUBLISHABLE_KEY
+        return Response(TopUpCreatedSerializer(topup).data, status=status.HTTP_201_CREATED)
+
+
+class InvoiceListView(_ListView):
+    """Your monthly statements, newest first."""
+
+    serializer_class = InvoiceSerializer
+    selector = staticmethod(selectors.invoice_list)
+
+    @extend_schema(responses=InvoiceSerializer(many=True))
+    def get(self, request: Request) -> Response:
+        return super().get(request)
+
+
+class InvoiceDetailView(APIView):
+    """One of your statements with a line per rental; another account's id answers 404."""
+
+    @extend_schema(responses=InvoiceDetailSerializer)
+    def get(self, request: Request, invoice_id: int) -> Response:
+        invoice = selectors.invoice_get(user=request.user, invoice_id=invoice_id)
+        if invoice is None:
+            raise NotFound("no such invoice")
+        return Response(InvoiceDetailSerializer(invoice).data)
+
+
+class InvoicePrintView(APIView):
+    """The statement as a printable HTML page."""
+
+    @extend_schema(responses={(200, "text/html"): OpenApiTypes.STR})
+    def get(self, request: Request, invoice_id: int) -> HttpResponse:
+        invoice = selectors.invoice_get(user=request.user, invoice_id=invoice_id)
+        if invoice is None:
+            raise NotFound("no such invoice")
+        html = render_to_string(
+            "billing/invoice.html",
+            {"invoice": invoice, "customer": invoice.account.user, "lines": invoice.lines.all()},
+        )
+        return HttpResponse(html, content_type="text/html; charset=utf-8")
+
+
+class RentalTelemetryView(APIView):
+    """Per-minute GPU telemetry of one of your rentals (utilisation, memory, power, heat)."""
+
+    @extend_schema(
+        parameters=[TelemetryQuerySerializer], responses=TelemetryMinuteSerializer(many=True)
+    )
+    def get(self, request: Request, rental_id) -> Response:
+        rental = selectors.own_rental(user=request.user, rental_id=rental_id)
+        if rental is None:
+            raise NotFound("no such rental")
+        query = TelemetryQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        rows = selectors.rental_telemetry(rental=rental, **query.validated_data)
+        paginator = Pagination()
+        page = paginator.paginate_queryset(rows, request, self)
+        return paginator.get_paginated_response(TelemetryMinuteSerializer(page, many=True).data)
+
+
+class RentalUsageView(APIView):
+    """What one of your rentals is billed for: its confirmed runs and rated seconds."""
+
+    @extend_schema(responses=RentalUsageSerializer)
+    def get(self, request: Request, rental_id) -> Response:
+        rental = selectors.own_rental(user=request.user, rental_id=rental_id)
+        if rental is None:
+            raise NotFound("no such rental")
+        usage = {
+            "rental": rental,
+            "meters": selectors.rental_meters(rental=rental),
+            "segments": selectors.rental_segments(rental=rental),
+        }
+        return Response(RentalUsageSerializer(usage).data)

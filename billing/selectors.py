@@ -1,0 +1,149 @@
+"""Every read of billing, owner-scoped where a customer asks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.db import connection
+from django.db.models import QuerySet
+
+from billing.models import (
+    Account,
+    AccountKind,
+    BalanceNotice,
+    Invoice,
+    LedgerEntry,
+    TelemetryMinute,
+    TopUp,
+    UsageMeter,
+    UsageSegment,
+)
+from marketplace.models import Rental, RentalStatus, User
+
+
+@dataclass(frozen=True, slots=True)
+class AccountSummary:
+    """A customer's money right now, in micro-dollars."""
+
+    account: Account | None
+    balance_micros: int
+    accrued_micros: int
+    available_micros: int
+    hourly_burn_micros: int
+
+
+def customer_account(*, customer_id: int) -> Account | None:
+    return Account.objects.filter(kind=AccountKind.CUSTOMER, user_id=customer_id).first()
+
+
+def customer_accrued_micros(*, customer_id: int) -> int:
+    """Usage rated but not yet posted to the ledger (it still counts against the balance)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """
+            SELECT coalesce(sum(m.charge_micros - m.posted_charge_micros), 0)
+            FROM billing_usagemeter m JOIN marketplace_rental r ON r.id = m.rental_id
+            WHERE r.customer_id = %s AND m.charge_micros <> m.posted_charge_micros
+            """,
+            [customer_id],
+        )
+        return int(cursor.fetchone()[0])
+
+
+def customer_hourly_burn_micros(*, customer_id: int) -> int:
+    """What the customer's provisioning and running rentals cost per hour."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """
+            SELECT coalesce(sum(round(price_per_gpu_hour * 1000000)
+                                * gpus_per_node * node_count), 0)
+            FROM marketplace_rental
+            WHERE customer_id = %s AND status = ANY(%s) AND price_per_gpu_hour IS NOT NULL
+            """,
+            [customer_id, [RentalStatus.PROVISIONING, RentalStatus.RUNNING]],
+        )
+        return int(cursor.fetchone()[0])
+
+
+def customer_available_micros(*, customer_id: int) -> int:
+    account = customer_account(customer_id=customer_id)
+    balance = account.balance_micros if account else 0
+    return balance - customer_accrued_micros(customer_id=customer_id)
+
+
+def account_summary(*, user: User) -> AccountSummary:
+    account = customer_account(customer_id=user.pk)
+    balance = account.balance_micros if account else 0
+    accrued = customer_accrued_micros(customer_id=user.pk)
+    return AccountSummary(
+        account=account,
+        balance_micros=balance,
+        accrued_micros=accrued,
+        available_micros=balance - accrued,
+        hourly_burn_micros=customer_hourly_burn_micros(customer_id=user.pk),
+    )
+
+
+def notice_list(*, user: User) -> QuerySet[BalanceNotice]:
+    return BalanceNotice.objects.filter(
+        account__kind=AccountKind.CUSTOMER, account__user=user
+    ).order_by("-created_at", "-id")
+
+
+def ledger_list(*, user: User) -> QuerySet[LedgerEntry]:
+    return (
+        LedgerEntry.objects.filter(account__kind=AccountKind.CUSTOMER, account__user=user)
+        .select_related("rental")
+        .order_by("-created_at", "-id")
+    )
+
+
+def topup_list(*, user: User) -> QuerySet[TopUp]:
+    return TopUp.objects.filter(account__kind=AccountKind.CUSTOMER, account__user=user).order_by(
+        "-created_at"
+    )
+
+
+def invoice_list(*, user: User) -> QuerySet[Invoice]:
+    return Invoice.objects.filter(account__kind=AccountKind.CUSTOMER, account__user=user).order_by(
+        "-period_start", "-id"
+    )
+
+
+def invoice_get(*, user: User, invoice_id: int) -> Invoice | None:
+    """One of the customer's statements with its lines; another account's id gives None."""
+    return (
+        invoice_list(user=user)
+        .select_related("account__user")
+        .prefetch_related("lines")
+        .filter(pk=invoice_id)
+        .first()
+    )
+
+
+def own_rental(*, user: User, rental_id) -> Rental | None:
+    return Rental.objects.filter(pk=rental_id, customer=user).first()
+
+
+def rental_telemetry(
+    *, rental: Rental, since: datetime, until: datetime, gpu_index: int | None = None
+) -> QuerySet[TelemetryMinute]:
+    rows = TelemetryMinute.objects.filter(
+        rental=rental, minute__gte=since, minute__lt=until
+    ).select_related("node")
+    if gpu_index is not None:
+        rows = rows.filter(gpu_index=gpu_index)
+    return rows.order_by("minute", "node_id", "gpu_index")
+
+
+def rental_segments(*, rental: Rental) -> QuerySet[UsageSegment]:
+    return (
+        UsageSegment.objects.filter(rental=rental)
+        .select_related("node")
+        .order_by("started_at", "id")
+    )
+
+
+def rental_meters(*, rental: Rental) -> QuerySet[UsageMeter]:
+    return UsageMeter.objects.filter(rental=rental).select_related("node").order_by("node_id")

@@ -1,0 +1,117 @@
+"""Monthly statements, issued from the ledger once a month is over.
+
+A statement shows what was posted in the month (UTC): usage per rental, the money that came in
+or went back, and the balance before and after, so opening + movements = closing holds by
+construction. Usage is posted hourly and at every month boundary, so at most the last pass's
+seconds of a month land on the next statement.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, date, datetime, timedelta
+
+from django.db import connection, transaction
+from django.db.models import Q, Sum
+from django.utils import timezone
+
+from billing import conf
+from billing.models import Account, AccountKind, EntryKind, Invoice, InvoiceLine, LedgerEntry
+
+_LINES_SQL = """
+SELECT e.rental_id, -sum(e.amount_micros)::bigint, coalesce(sum(e.gpu_seconds), 0)::bigint,
+       r.name, r.gpus_per_node * r.node_count, r.price_per_gpu_hour,
+       (SELECT string_agg(DISTINCT g.name, ', ' ORDER BY g.name)
+        FROM billing_usagemeter m
+        JOIN marketplace_node n ON n.id = m.node_id
+        JOIN marketplace_gpumodel g ON g.id = n.gpu_model_id
+        WHERE m.rental_id = e.rental_id)
+FROM billing_ledgerentry e
+JOIN marketplace_rental r ON r.id = e.rental_id
+WHERE e.account_id = %s AND e.kind = 'usage' AND e.created_at >= %s AND e.created_at < %s
+GROUP BY e.rental_id, r.name, r.gpus_per_node, r.node_count, r.price_per_gpu_hour,
+         r.created_at
+ORDER BY r.created_at, e.rental_id
+"""
+
+
+def month_start(day: date) -> date:
+    return day.replace(day=1)
+
+
+def month_after(day: date) -> date:
+    return date(day.year + day.month // 12, day.month % 12 + 1, 1)
+
+
+def _at(day: date) -> datetime:
+    return datetime(day.year, day.month, day.day, tzinfo=UTC)
+
+
+def invoice_issue(*, account_id: int, period_start: date) -> Invoice:
+    """Issue (or return the already issued) statement of one customer for one month."""
+    period_start = month_start(period_start)
+    period_end = month_after(period_start)
+    begin, end = _at(period_start), _at(period_end)
+    if end > timezone.now():
+        raise ValueError("a month is invoiced once it is over")
+    with transaction.atomic():
+        account = Account.objects.select_for_update().get(pk=account_id)
+        existing = Invoice.objects.filter(account=account, period_start=period_start).first()
+        if existing is not None:
+            return existing
+        entries = LedgerEntry.objects.filter(account=account)
+        opening = entries.filter(created_at__lt=begin).aggregate(s=Sum("amount_micros"))["s"] or 0
+        in_period = entries.filter(created_at__gte=begin, created_at__lt=end).aggregate(
+            usage=Sum("amount_micros", filter=Q(kind=EntryKind.USAGE)),
+            other=Sum("amount_micros", filter=~Q(kind=EntryKind.USAGE)),
+        )
+        usage = -(in_period["usage"] or 0)
+        payments = in_period["other"] or 0
+        invoice = Invoice.objects.create(
+            account=account,
+            number=f"GM-{period_start:%Y%m}-{account.pk:06d}",
+            period_start=period_start,
+            period_end=period_end,
+            currency=conf.currency(),
+            opening_balance_micros=opening,
+            usage_micros=usage,
+            payments_micros=payments,
+            closing_balance_micros=opening - usage + payments,
+            issued_at=timezone.now(),
+        )
+        with connection.cursor() as cursor:
+            cursor.execute(_LINES_SQL, [account.pk, begin, end])
+            rows = cursor.fetchall()
+        InvoiceLine.objects.bulk_create(
+            InvoiceLine(
+                invoice=invoice,
+                rental_id=rental_id,
+                description=name or f"rental {str(rental_id)[:8]}",
+                gpu_model=models or "",
+                gpus=gpus,
+                gpu_seconds=seconds,
+                rate_per_gpu_hour=rate,
+                amount_micros=amount,
+            )
+            for rental_id, amount, seconds, name, gpus, rate, models in rows
+        )
+    return invoice
+
+
+def invoices_issue_due(*, today: date | None = None) -> int:
+    """Issue last month's statements for every customer with ledger entries in it."""
+    today = today or timezone.now().date()
+    period_start = month_start(month_start(today) - timedelta(days=1))
+    begin, end = _at(period_start), _at(month_after(period_start))
+    account_ids = (
+        LedgerEntry.objects.filter(
+            account__kind=AccountKind.CUSTOMER, created_at__gte=begin, created_at__lt=end
+        )
+        .exclude(account__invoices__period_start=period_start)
+        .values_list("account_id", flat=True)
+        .distinct()
+    )
+    issued = 0
+    for account_id in list(account_ids):
+        invoice_issue(account_id=account_id, period_start=period_start)
+        issued += 1
+    return issued

@@ -1,0 +1,244 @@
+"""The one place that talks to Stripe, through the official SDK.
+
+Every mutating call carries an idempotency key derived from our own row id, so a retry (by the
+SDK's max_network_retries, or by our periodic retry task) can never charge, refund or transfer
+twice. Timeouts come from settings.STRIPE_TIMEOUT_S; errors leave this module typed as
+retryable (try again later with the same key) or permanent (do not retry), with Stripe's message.
+Pointing settings.STRIPE_API_BASE at a Stripe-compatible server (localstripe) redirects the SDK.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import stripe
+from django.conf import settings
+
+from billing import conf
+
+log = logging.getLogger(__name__)
+
+
+class StripeNotConfigured(Exception):
+    """No secret key: card payments are off (ops credits still work)."""
+
+
+class StripeRetryableError(Exception):
+    """Network trouble, rate limiting or a Stripe-side error: retry with the same key."""
+
+
+class StripePermanentError(Exception):
+    """Stripe refused the request (card declined, invalid request, auth): do not retry."""
+
+    def __init__(self, message: str, *, code: str | None = None, declined: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        # The customer's card said no (as opposed to a request we got wrong).
+        self.declined = declined
+
+
+class WebhookSignatureInvalid(Exception):
+    """The payload was not signed by Stripe with our endpoint secret (or is too old)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PaymentIntentInfo:
+    id: str
+    status: str
+    client_secret: str
+    amount_received: int
+
+
+@dataclass(frozen=True, slots=True)
+class RefundInfo:
+    id: str
+    status: str
+
+
+def is_configured() -> bool:
+    return bool(settings.STRIPE_SECRET_KEY)
+
+
+def connect_enabled() -> bool:
+    return is_configured() and bool(settings.STRIPE_CONNECT_ENABLED)
+
+
+@lru_cache(maxsize=4)
+def _client_for(api_key: str, api_base: str, timeout_s: float, retries: int) -> stripe.StripeClient:
+    return stripe.StripeClient(
+        api_key,
+        base_addresses={"api": api_base} if api_base else None,
+        max_network_retries=retries,
+        http_client=stripe.RequestsClient(timeout=timeout_s),
+    )
+
+
+def _client() -> stripe.StripeClient:
+    if not is_configured():
+        raise StripeNotConfigured("STRIPE_SECRET_KEY is not set")
+    return _client_for(
+        settings.STRIPE_SECRET_KEY,
+        settings.STRIPE_API_BASE,
+        float(settings.STRIPE_TIMEOUT_S),
+        conf.stripe_max_network_retries(),
+    )
+
+
+def _retryable(exc: stripe.StripeError) -> bool:
+    """Worth retrying with the same key: the network, rate limits, Stripe's own 5xx, and
+    Stripe's lock_timeout. A 4xx (even one with an unreadable body) will fail again."""
+    if isinstance(exc, stripe.APIConnectionError | stripe.RateLimitError):
+        return True
+    if exc.code == "lock_timeout":
+        return True
+    return isinstance(exc, stripe.APIError) and (exc.http_status or 500) >= 500
+
+
+def _call(operation: str, fn, params: dict[str, Any], idempotency_key: str):
+    try:
+        result = fn(params=params, options={"idempotency_key": idempotency_key})
+    except stripe.StripeError as exc:
+        if _retryable(exc):
+            log.warning(
+                "stripe %s failed, retryable: %s", operation, exc, extra={"key": idempotency_key}
+            )
+            raise StripeRetryableError(f"{operation}: {exc.user_message or exc}") from exc
+        log.warning("stripe %s refused: %s", operation, exc, extra={"key": idempotency_key})
+        raise StripePermanentError(
+            exc.user_message or str(exc) or f"{operation} refused",
+            code=exc.code,
+            declined=isinstance(exc, stripe.CardError),
+        ) from exc
+    log.info("stripe %s ok: %s", operation, getattr(result, "id", ""))
+    return result
+
+
+def customer_create(*, account_id: int, email: str, name: str) -> str:
+    """Create the Stripe customer of one of our accounts; returns its id."""
+    customer = _call(
+        "customer.create",
+        _client().v1.customers.create,
+        {"email": email, "name": name, "metadata": {"account_id": str(account_id)}},
+        f"customer:{account_id}",
+    )
+    return customer.id
+
+
+def payment_intent_params(
+    *,
+    amount_cents: int,
+    currency: str,
+    customer_id: str,
+    topup_id: str,
+    account_id: int,
+    payment_method: str | None = None,
+) -> dict[str, Any]:
+    """The PaymentIntent of a top-up; with a saved payment method it is confirmed at once."""
+    params: dict[str, Any] = {
+        "amount": amount_cents,
+        "currency": currency,
+        "customer": customer_id,
+        "payment_method_types": ["card"],
+        "metadata": {"topup_id": topup_id, "account_id": str(account_id)},
+    }
+    if payment_method:
+        params.update(payment_method=payment_method, confirm=True, off_session=True)
+    return params
+
+
+def payment_intent_create(
+    *,
+    amount_cents: int,
+    currency: str,
+    customer_id: str,
+    topup_id: str,
+    account_id: int,
+    payment_method: str | None = None,
+) -> PaymentIntentInfo:
+    intent = _call(
+        "payment_intent.create",
+        _client().v1.payment_intents.create,
+        payment_intent_params(
+            amount_cents=amount_cents,
+            currency=currency,
+            customer_id=customer_id,
+            topup_id=topup_id,
+            account_id=account_id,
+            payment_method=payment_method,
+        ),
+        f"topup:{topup_id}",
+    )
+    return PaymentIntentInfo(
+        id=intent.id,
+        status=intent.status,
+        client_secret=intent.client_secret,
+        amount_received=_amount_received(intent),
+    )
+
+
+def _amount_received(intent) -> int:
+    if intent.status != "succeeded":
+        return 0
+    # Stripe reports amount_received; a compatible server may only report amount.
+    received = intent.to_dict().get("amount_received")
+    return int(received if received is not None else intent.amount)
+
+
+def refund_create(*, payment_intent_id: str, amount_cents: int, refund_id: str) -> RefundInfo:
+    refund = _call(
+        "refund.create",
+        _client().v1.refunds.create,
+        {
+            "payment_intent": payment_intent_id,
+            "amount": amount_cents,
+            "metadata": {"refund_id": refund_id},
+        },
+        f"refund:{refund_id}",
+    )
+    return RefundInfo(id=refund.id, status=refund.status)
+
+
+def transfer_params(
+    *, amount_cents: int, currency: str, destination: str, payout_id: str
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The exact request of a provider payout: a Connect transfer to the provider's account."""
+    return (
+        {
+            "amount": amount_cents,
+            "currency": currency,
+            "destination": destination,
+            "transfer_group": f"payout:{payout_id}",
+            "metadata": {"payout_id": payout_id},
+        },
+        {"idempotency_key": f"payout:{payout_id}"},
+    )
+
+
+def transfer_create(*, amount_cents: int, currency: str, destination: str, payout_id: str) -> str:
+    params, options = transfer_params(
+        amount_cents=amount_cents, currency=currency, destination=destination, payout_id=payout_id
+    )
+    transfer = _call(
+        "transfer.create", _client().v1.transfers.create, params, options["idempotency_key"]
+    )
+    return transfer.id
+
+
+def webhook_event_verify(*, payload: bytes, signature: str | None) -> dict[str, Any]:
+    """Check the Stripe-Signature header over the raw body; returns the event as a dict."""
+    secret = settings.STRIPE_WEBHOOK_SECRET
+    if not secret:
+        raise WebhookSignatureInvalid("STRIPE_WEBHOOK_SECRET is not set")
+    try:
+        stripe.Webhook.construct_event(payload, signature, secret)
+    except (stripe.SignatureVerificationError, ValueError) as exc:
+        raise WebhookSignatureInvalid(str(exc)) from exc
+    # The verified bytes themselves, not the SDK's object: what is stored is what Stripe sent.
+    event = json.loads(payload)
+    if not isinstance(event, dict) or not event.get("id") or not event.get("type"):
+        raise WebhookSignatureInvalid("not a Stripe event")
+    return event

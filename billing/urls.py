@@ -1,0 +1,8 @@
+from django.urls import path
+
+from billing import views
+
+urlpatterns = [
+    path("stripe/webhook/", views.stripe_webhook, name="billing-stripe-webhook"),
+    path("topup/", views.topup_page, name="billing-topup"),
+]

@@ -1,0 +1,57 @@
+"""Web endpoints outside the REST API: Stripe's webhook and the card top-up page."""
+
+from __future__ import annotations
+
+import logging
+
+from django.conf import settings
+from django.contrib.auth.decorators import login_required
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import render
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_GET, require_POST
+
+from billing import conf, services, stripe_adapter
+
+log = logging.getLogger(__name__)
+
+
+@csrf_exempt
+@require_POST
+def stripe_webhook(request: HttpRequest) -> JsonResponse:
+    """Stripe's callback: the signature is checked on the raw body before anything is read."""
+    try:
+        event = services.stripe_webhook_receive(
+            payload=request.body, signature=request.headers.get("Stripe-Signature")
+        )
+    except stripe_adapter.WebhookSignatureInvalid as exc:
+        log.warning("stripe webhook refused: %s", exc)
+        return JsonResponse({"detail": "invalid signature"}, status=400)
+    if event is None:
+        return JsonResponse({"received": True, "duplicate": True})
+    return JsonResponse({"received": True, "duplicate": False, "outcome": event.outcome})
+
+
+def _stripe_js_url() -> str:
+    # localstripe serves its Stripe.js stand-in under the API base.
+    if settings.STRIPE_API_BASE:
+        return f"{settings.STRIPE_API_BASE.rstrip('/')}/js.stripe.com/v3/"
+    return "https://js.stripe.com/v3/"
+
+
+@require_GET
+@login_required
+def topup_page(request: HttpRequest) -> HttpResponse:
+    """Add funds by card with Stripe Elements; the webhook credits the account."""
+    low, high = conf.topup_limits_cents()
+    return render(
+        request,
+        "billing/topup.html",
+        {
+            "publishable_key": settings.STRIPE_PUBLISHABLE_KEY,
+            "stripe_js_url": _stripe_js_url(),
+            "enabled": stripe_adapter.is_configured() and bool(settings.STRIPE_PUBLISHABLE_KEY),
+            "min_usd": low / 100,
+            "max_usd": high / 100,
+        },
+    )

@@ -1,0 +1,120 @@
+"""The ops console for money: read-only ledger, forms that require a reason and call services."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from django.test import Client
+from django.urls import reverse
+
+from billing.models import EntryKind, LedgerEntry, MoneyOutStatus, Payout, Refund
+from billing.services import account_adjust, account_for_customer, account_for_provider
+from tests.factories import UserFactory
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def ops():
+    ops = UserFactory(is_staff=True, is_superuser=True)
+    client = Client()
+    client.force_login(ops)
+    return client, ops
+
+
+def test_a_credit_needs_a_reason_and_a_resubmitted_form_posts_once(ops, user):
+    client, staff = ops
+    account = account_for_customer(user=user)
+    url = reverse("admin:billing_account_adjust", args=[account.pk])
+    assert client.get(url).status_code == 200
+    key = str(uuid.uuid4())
+    r = client.post(url, {"amount": "25.50", "reason": "", "key": key})
+    assert r.status_code == 200 and b"This field is required" in r.content
+    assert not LedgerEntry.objects.exists()
+    for _ in range(2):
+        r = client.post(url, {"amount": "25.50", "reason": "outage goodwill", "key": key})
+        assert r.status_code == 302
+    entry = LedgerEntry.objects.get()
+    assert (entry.kind, entry.amount_micros, entry.memo, entry.actor) == (
+        EntryKind.ADJUSTMENT,
+        25_500_000,
+        "outage goodwill",
+        staff,
+    )
+    account.refresh_from_db()
+    assert account.balance_micros == 25_500_000
+
+
+def test_the_ledger_is_read_only_in_the_admin(ops, user):
+    client, _ = ops
+    account = account_for_customer(user=user)
+    account_adjust(account_id=account.pk, amount_micros=1, reason="x", actor=None)
+    entry = LedgerEntry.objects.get()
+    assert client.get(reverse("admin:billing_ledgerentry_changelist")).status_code == 200
+    change = reverse("admin:billing_ledgerentry_change", args=[entry.pk])
+    r = client.get(change)
+    assert r.status_code == 200 and b'name="memo"' not in r.content
+    assert client.post(change, {"memo": "rewritten"}).status_code == 403
+    assert client.get(reverse("admin:billing_ledgerentry_add")).status_code == 403
+    delete = reverse("admin:billing_ledgerentry_delete", args=[entry.pk])
+    assert client.post(delete, {"post": "yes"}).status_code == 403
+    entry.refresh_from_db()
+    assert entry.memo == "x"
+
+
+def test_an_out_of_band_refund_from_the_admin_requires_a_reason(ops, user):
+    client, staff = ops
+    account = account_for_customer(user=user)
+    account_adjust(account_id=account.pk, amount_micros=10_000_000, reason="x", actor=None)
+    url = reverse("admin:billing_account_refund", args=[account.pk])
+    r = client.post(url, {"amount": "4.00", "reason": "  ", "key": str(uuid.uuid4())})
+    assert r.status_code == 200
+    assert not Refund.objects.exists()
+    r = client.post(url, {"amount": "40.00", "reason": "closing", "key": str(uuid.uuid4())})
+    assert b"only $10.00 is available" in r.content
+    r = client.post(url, {"amount": "4.00", "reason": "closing", "key": str(uuid.uuid4())})
+    assert r.status_code == 302
+    refund = Refund.objects.get()
+    assert (refund.amount_micros, refund.status, refund.actor) == (
+        4_000_000,
+        MoneyOutStatus.SUCCEEDED,
+        staff,
+    )
+    account.refresh_from_db()
+    assert account.balance_micros == 6_000_000
+
+
+def test_a_provider_is_paid_out_and_ops_mark_the_bank_transfer_done(ops, provider):
+    client, staff = ops
+    account = account_for_provider(provider=provider)
+    account_adjust(account_id=account.pk, amount_micros=7_654_321, reason="earned", actor=None)
+    r = client.post(
+        reverse("admin:billing_account_payout", args=[account.pk]),
+        {"amount": "", "reason": "monthly", "key": str(uuid.uuid4())},
+    )
+    assert r.status_code == 302
+    payout = Payout.objects.get()
+    assert (payout.amount_micros, payout.status) == (7_650_000, MoneyOutStatus.PENDING)
+    r = client.post(
+        reverse("admin:billing_payout_changelist"),
+        {"action": "payouts_mark_paid", "_selected_action": [payout.pk]},
+        follow=True,
+    )
+    assert r.status_code == 200
+    payout.refresh_from_db()
+    assert (payout.status, payout.actor) == (MoneyOutStatus.SUCCEEDED, staff)
+    account.refresh_from_db()
+    assert account.balance_micros == 4321
+
+
+def test_account_pages_render(ops, user, provider):
+    client, _ = ops
+    customer = account_for_customer(user=user)
+    supplier = account_for_provider(provider=provider)
+    for account in (customer, supplier):
+        r = client.get(reverse("admin:billing_account_change", args=[account.pk]))
+        assert r.status_code == 200
+    assert client.get(reverse("admin:billing_account_changelist")).status_code == 200
+    assert client.get(reverse("admin:billing_payout_changelist")).status_code == 200
+    assert client.get(reverse("admin:billing_invoice_changelist")).status_code == 200
