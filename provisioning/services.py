@@ -47,6 +47,7 @@ def heartbeat_interval_s() -> int:
     """How often agents report; the server says so in every answer."""
     return settings.GPUMARKET.get("HEARTBEAT_INTERVAL_S", 5)
 
+
 # Statuses in which a rental's container should be running on its nodes.
 _WANTED = (RentalStatus.SCHEDULED, RentalStatus.PROVISIONING, RentalStatus.RUNNING)
 
