@@ -15,6 +15,7 @@ lasts ``min_seconds`` (so the clock's resolution and launch latency do not domin
 from __future__ import annotations
 
 import platform
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +55,32 @@ _WORKLOADS = {
         256, 32 << 20, 0.1, {"layers": 2, "width": 64, "heads": 4}, 8, 64, 256, 3
     ),
 }
+
+
+# Dense BF16/FP16 tensor peaks per GPU (TFLOPS, FP32 accumulation) from the vendors' datasheets,
+# the figures the catalog holds; more specific names first. Benchmark mode falls back on them when
+# HARNESS_PEAK_TFLOPS is not set. Training never guesses: without the variable its MFU is null.
+_PUBLISHED_PEAKS = (
+    (r"H200", 989.0),
+    (r"H100.*PCIe", 756.0),
+    (r"H100", 989.0),
+    (r"A100", 312.0),
+    (r"L40S", 362.0),
+    (r"RTX A6000", 154.8),
+    (r"\bA10\b", 125.0),
+    (r"RTX 4090", 165.2),
+    (r"V100.*PCIe", 112.0),
+    (r"V100", 125.0),
+    (r"\bT4\b", 65.0),
+)
+
+
+def published_peak_tflops(device_name: str) -> float | None:
+    """The datasheet dense tensor peak of a CUDA device name, or None if the card is not known."""
+    for pattern, tflops in _PUBLISHED_PEAKS:
+        if re.search(pattern, device_name, re.IGNORECASE):
+            return tflops
+    return None
 
 
 def _seconds_per_call(fn: Callable[[], Any], sync: Callable[[], None], min_seconds: float) -> float:
@@ -109,7 +136,9 @@ def _cpu_name() -> str:
     return platform.processor() or "cpu"
 
 
-def _train_throughput(work: _Workload, precision: str, device: str) -> dict[str, float | None]:
+def _train_throughput(
+    work: _Workload, precision: str, device: str, peak_tflops: float | None
+) -> dict[str, float | None]:
     from harness.trainer import Trainer
 
     steps = 2 * work.interval_steps
@@ -134,7 +163,7 @@ def _train_throughput(work: _Workload, precision: str, device: str) -> dict[str,
         }
     )
     events: list[dict[str, Any]] = []
-    Trainer(config, emit=events.append).run()
+    Trainer(config, emit=events.append, peak_tflops=peak_tflops).run()
     steady = [e for e in events if e["event"] == "step"][-1]
     return {
         "train_samples_per_s": steady["samples_per_s"],
@@ -176,9 +205,13 @@ def run(*, precision: str = "auto", quick: bool = False, device: str = "auto") -
         "mem_bandwidth_gbs": _copy_gbs(work, dev, sync),
         "h2d_gbs": h2d_gbs,
     }
-    result.update(_train_throughput(work, plan.name, dev.type))
+    peak, source = peak_tflops_from_env(), "HARNESS_PEAK_TFLOPS"
+    if peak is None and use_cuda:
+        peak, source = published_peak_tflops(result["device_name"]), "datasheet"
+    result.update(_train_throughput(work, plan.name, dev.type, peak))
     result.update(
-        peak_tflops=peak_tflops_from_env(),
+        peak_tflops=peak,
+        peak_tflops_source=source if peak is not None else None,
         reference_model={
             **work.gpt,
             "seq_len": work.seq_len,

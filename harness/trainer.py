@@ -94,10 +94,19 @@ def build_optimizer(
 class Trainer:
     """Trains one config; ``run()`` returns the summary event (also emitted on rank 0)."""
 
-    def __init__(self, config: HarnessConfig, *, emit: Emit | None = None) -> None:
+    def __init__(
+        self,
+        config: HarnessConfig,
+        *,
+        emit: Emit | None = None,
+        peak_tflops: float | None = None,
+    ) -> None:
+        """``emit`` receives rank 0's events (default: JSON lines on stdout); ``peak_tflops``
+        replaces ``HARNESS_PEAK_TFLOPS`` as the per-GPU peak for MFU."""
         self.config = config
         self._emit = emit if emit is not None else JsonLines()
         self._stop_reason: str | None = None
+        self.peak_tflops = peak_tflops if peak_tflops is not None else peak_tflops_from_env()
 
     def request_stop(self, reason: str = "requested") -> None:
         """Stop after the current step, checkpoint and return (what SIGTERM does)."""
@@ -185,7 +194,7 @@ class _Run:
             seq_len=self.info.seq_len,
         ).to(ctx.device)
         self.model.activation_checkpointing = train.activation_checkpointing
-        self.peak_tflops = peak_tflops_from_env()
+        self.peak_tflops = self.trainer.peak_tflops
         # FLOPs only serve MFU, and counting them costs a second of imports at start.
         self.flops_per_sample = (
             flops_per_sample(self.config.model, self.info, self.model) if self.peak_tflops else None
@@ -323,8 +332,10 @@ class _Run:
 
         step = self.start_step
         loop_start = time.perf_counter()
-        interval_start, interval_paused, interval_steps = loop_start, 0.0, 0
-        interval_loss: Tensor | None = None
+        interval_start, interval_paused = loop_start, 0.0
+        # Step losses stay on the device until a step event reads them, so the loop queues work
+        # without waiting for it.
+        interval_losses: list[Tensor] = []
         last_checkpoint_time = time.monotonic()
         last_checkpoint: str | None = self.resumed_from
         last_eval: dict[str, Any] | None = None
@@ -332,46 +343,40 @@ class _Run:
         self.model.train()
 
         while step < train.steps:
-            loss = self._train_step(step)
-            interval_loss = loss if interval_loss is None else interval_loss + loss
+            interval_losses.append(self._train_step(step))
             step += 1
-            interval_steps += 1
-            time_due = (
-                ctx.is_primary
-                and self.ckpt_cfg.every_seconds > 0
-                and time.monotonic() - last_checkpoint_time >= self.ckpt_cfg.every_seconds
-            )
-            local_stop = self.trainer.stop_reason
-            *stops, time_due = agree_any(
-                ctx, [local_stop == reason for reason in STOP_REASONS] + [time_due]
-            )
-            stop_reason = next((r for r, s in zip(STOP_REASONS, stops, strict=True) if s), None)
+            stop_reason, time_due = self._poll(last_checkpoint_time)
             finished = step == train.steps
 
             if step % train.log_every == 0 or finished or stop_reason:
                 # Reading the loss waits for the queued device work, so the time after it is
                 # the true end of the interval.
-                self.last_loss = self._global_mean(interval_loss / interval_steps)
+                self.last_loss = self._global_mean(torch.stack(interval_losses).mean())
                 elapsed = time.perf_counter() - interval_start - interval_paused
-                self.trainer.emit(ctx, self._step_event(step, interval_steps, elapsed, peak))
+                event = self._step_event(step, len(interval_losses), elapsed, peak)
+                self.trainer.emit(ctx, event)
                 interval_start, interval_paused = time.perf_counter(), 0.0
-                interval_steps, interval_loss = 0, None
+                interval_losses = []
 
-            pause_start = time.perf_counter()
-            if train.eval_every and not stop_reason and (step % train.eval_every == 0 or finished):
-                last_eval = self._evaluate(step)
-                self.trainer.emit(ctx, {"event": "eval", **last_eval})
-            due = (
+            eval_due = (
+                train.eval_every and not stop_reason and (step % train.eval_every == 0 or finished)
+            )
+            checkpoint_due = self.ckpt_cfg.enabled and (
                 (self.ckpt_cfg.every_steps and step % self.ckpt_cfg.every_steps == 0)
                 or time_due
                 or finished
                 or stop_reason is not None
             )
-            if self.ckpt_cfg.enabled and due:
-                elapsed_total = self.elapsed_before + time.perf_counter() - loop_start
-                last_checkpoint = self._save(step, elapsed_total) or last_checkpoint
-                last_checkpoint_time = time.monotonic()
-            interval_paused += time.perf_counter() - pause_start
+            if eval_due or checkpoint_due:
+                pause_start = time.perf_counter()
+                if eval_due:
+                    last_eval = self._evaluate(step)
+                    self.trainer.emit(ctx, {"event": "eval", **last_eval})
+                if checkpoint_due:
+                    elapsed_total = self.elapsed_before + time.perf_counter() - loop_start
+                    last_checkpoint = self._save(step, elapsed_total) or last_checkpoint
+                    last_checkpoint_time = time.monotonic()
+                interval_paused += time.perf_counter() - pause_start
             if stop_reason:
                 break
 
@@ -397,6 +402,19 @@ class _Run:
         )
         self.trainer.emit(ctx, summary)
         return summary
+
+    def _poll(self, last_checkpoint_time: float) -> tuple[str | None, bool]:
+        """(why to stop now, or None; whether a time-based checkpoint is due), the same on every
+        rank: a signal may reach one rank only, and only rank 0's clock decides the time."""
+        ctx, every = self.ctx, self.ckpt_cfg.every_seconds
+        time_due = ctx.is_primary and every > 0 and time.monotonic() - last_checkpoint_time >= every
+        local_stop = self.trainer.stop_reason
+        if not ctx.distributed:
+            return local_stop, time_due
+        *stops, time_due = agree_any(
+            ctx, [local_stop == reason for reason in STOP_REASONS] + [time_due]
+        )
+        return next((r for r, s in zip(STOP_REASONS, stops, strict=True) if s), None), time_due
 
     # --- events --------------------------------------------------------------------------
 

@@ -34,3 +34,25 @@ def test_benchmark_function_in_bf16():
     assert result["precision"] == "bf16"
     assert set(result) >= KEYS
     assert all(result[key] > 0 for key in FIGURES)
+
+
+@pytest.mark.parametrize(
+    ("name", "tflops"),
+    [
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA A100 80GB PCIe", 312.0),
+        ("NVIDIA A10", 125.0),
+        ("NVIDIA L40S", 362.0),
+        ("NVIDIA RTX A6000", 154.8),
+        ("NVIDIA GeForce RTX 4090", 165.2),
+        ("Tesla V100-PCIE-32GB", 112.0),
+        ("Tesla V100-SXM2-16GB", 125.0),
+        ("Tesla T4", 65.0),
+        ("NVIDIA GeForce RTX 3090", None),  # not a datasheet figure in the catalog notes
+    ],
+)
+def test_published_peaks_match_device_names(name, tflops):
+    assert benchmark.published_peak_tflops(name) == tflops
