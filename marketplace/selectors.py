@@ -166,3 +166,39 @@ def rental_get(*, customer: User, rental_id) -> Rental | None:
         )
         .first()
     )
+
+
+def advisor_inputs(*, region: str | None) -> tuple[list, list]:
+    """The catalog and, per card, the cheapest nodes with free GPUs now (advisor input)."""
+    from marketplace.advisor import Card, Offer
+
+    cards = [
+        Card(
+            slug=m.slug,
+            name=m.name,
+            memory_gb=m.memory_gb,
+            tensor_tflops=float(m.tensor_tflops),
+            fp32_tflops=float(m.fp32_tflops),
+            bf16=m.bf16,
+            nvlink=m.nvlink_gbs > 0,
+        )
+        for m in GpuModel.objects.all()
+    ]
+    offers = []
+    for card in cards:
+        rows = offer_list(
+            filters=OfferFilters(gpu_models=(card.slug,), region=region), limit=64, offset=0
+        )
+        offers.extend(
+            Offer(
+                node_id=row["node_id"],
+                card=row["gpu_model"],
+                free_gpus=row["free_gpus"],
+                nvlink=row["nvlink"],
+                price_per_gpu_hour=row["price_per_gpu_hour"],
+                min_bid_per_gpu_hour=row["min_bid_per_gpu_hour"],
+                measured_tflops=row["measured_tflops"],
+            )
+            for row in rows
+        )
+    return cards, offers

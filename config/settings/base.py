@@ -180,6 +180,8 @@ GPUMARKET = {
     # Agents that have not heartbeaten for this long are marked OFFLINE.
     "NODE_SILENCE_TIMEOUT_S": env.int("NODE_SILENCE_TIMEOUT_S", default=60),
     "HEARTBEAT_INTERVAL_S": env.int("HEARTBEAT_INTERVAL_S", default=5),
+    # What the advisor books when the customer names no image: the training harness.
+    "HARNESS_IMAGE": env.str("HARNESS_IMAGE", default="gpumarket/harness:dev"),
     # What happens to a started rental whose node goes silent: "fail" or "requeue".
     "NODE_LOST_POLICY": env.str("NODE_LOST_POLICY", default="fail"),
 }

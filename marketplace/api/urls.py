@@ -11,6 +11,8 @@ urlpatterns = [
     path("tokens/", views.ApiTokenListCreateView.as_view(), name="token-list"),
     path("tokens/<int:token_id>/revoke/", views.ApiTokenRevokeView.as_view(), name="token-revoke"),
     path("me/", views.MeView.as_view(), name="me"),
+    path("advisor/", views.AdvisorView.as_view(), name="advisor"),
+    path("advisor/book/", views.AdvisorBookView.as_view(), name="advisor-book"),
     path("rentals/", views.RentalListCreateView.as_view(), name="rental-list"),
     path("rentals/<uuid:rental_id>/", views.RentalDetailView.as_view(), name="rental-detail"),
     path(
