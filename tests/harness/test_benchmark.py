@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
+import torch
 
 from harness import benchmark
+from tests.harness.helpers import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,3 +62,23 @@ def test_benchmark_function_in_bf16():
 )
 def test_published_peaks_match_device_names(name, tflops):
     assert benchmark.published_peak_tflops(name) == tflops
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_gpu_check_fails_clearly_without_cuda(clean_env):
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "bench" / "gpu_check.py")],
+        cwd=REPO_ROOT,
+        env=clean_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert json.loads(result.stdout) == {
+        "event": "gpu_check",
+        "ok": False,
+        "error": "no CUDA device visible to torch (CPU build, no driver, or no GPU)",
+    }
+    assert "cannot run" in result.stderr
