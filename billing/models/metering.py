@@ -12,11 +12,15 @@ class UsageSegment(models.Model):
     agent reports, so every billed second is backed by a confirmation; first/last seq and the
     report count trace it back to the reports."""
 
+    # The unique (rental, node, run_id) index serves lookups by rental; nodes are never deleted.
     rental = models.ForeignKey(
-        "marketplace.Rental", on_delete=models.PROTECT, related_name="usage_segments"
+        "marketplace.Rental",
+        on_delete=models.PROTECT,
+        related_name="usage_segments",
+        db_index=False,
     )
     node = models.ForeignKey(
-        "marketplace.Node", on_delete=models.PROTECT, related_name="usage_segments"
+        "marketplace.Node", on_delete=models.PROTECT, related_name="usage_segments", db_index=False
     )
     run_id = models.CharField(max_length=100)
     gpu_count = models.PositiveSmallIntegerField()
@@ -48,11 +52,13 @@ class UsageMeter(models.Model):
     so earnings follow the meter. usage_version moves with every applied report and
     rated_version records what the last rating saw, so a report racing a pass is never lost."""
 
+    # Few indexes on purpose: every report and every pass updates these rows, and with no
+    # indexed column changing (and free room on the page) PostgreSQL updates them in place.
     rental = models.ForeignKey(
-        "marketplace.Rental", on_delete=models.PROTECT, related_name="usage_meters"
+        "marketplace.Rental", on_delete=models.PROTECT, related_name="usage_meters", db_index=False
     )
     node = models.ForeignKey(
-        "marketplace.Node", on_delete=models.PROTECT, related_name="usage_meters"
+        "marketplace.Node", on_delete=models.PROTECT, related_name="usage_meters", db_index=False
     )
     fee_bps = models.PositiveSmallIntegerField(help_text="platform fee locked at the first report")
     usage_version = models.BigIntegerField(default=1)
@@ -76,18 +82,6 @@ class UsageMeter(models.Model):
             ),
             models.CheckConstraint(
                 condition=Q(rated_version__lte=F("usage_version")), name="meter_versions"
-            ),
-        ]
-        indexes = [
-            models.Index(
-                fields=["id"],
-                condition=Q(rated_version__lt=F("usage_version")),
-                name="meter_needs_rating",
-            ),
-            models.Index(
-                fields=["rental"],
-                condition=~Q(charge_micros=F("posted_charge_micros")),
-                name="meter_unposted",
             ),
         ]
 
@@ -121,7 +115,10 @@ class TelemetryMinute(models.Model):
     late or twice for the same minute fold into it exactly."""
 
     node = models.ForeignKey(
-        "marketplace.Node", on_delete=models.CASCADE, related_name="telemetry_minutes"
+        "marketplace.Node",
+        on_delete=models.CASCADE,
+        related_name="telemetry_minutes",
+        db_index=False,
     )
     gpu_index = models.PositiveSmallIntegerField()
     minute = models.DateTimeField()
@@ -131,6 +128,7 @@ class TelemetryMinute(models.Model):
         blank=True,
         on_delete=models.SET_NULL,
         related_name="telemetry_minutes",
+        db_index=False,
     )
     samples = models.PositiveIntegerField()
     util_sum = models.FloatField()

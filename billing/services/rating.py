@@ -1,7 +1,7 @@
 """The billing pass: rate usage, post charges to the ledger, warn and stop at zero balance.
 
-Each step is one set-based statement over every meter concerned, so a pass over 100,000
-running rentals costs a few statements, not 100,000 round trips:
+Rating and posting are one set-based statement over every meter concerned, so a pass over
+100,000 running rentals is a few statements, not 100,000 round trips:
 
 1. rate: for each meter with new reports, GPU-seconds to date = allocated GPUs x the union of
    its runs' confirmed spans clipped to the rental's window [scheduled_start, scheduled_end];
@@ -87,55 +87,29 @@ def advisory_lock(name: str) -> Iterator[bool]:
                 cursor.execute("SELECT pg_advisory_unlock(%s)", [key])
 
 
-_RATE_SQL = """
-WITH dirty AS (
-    SELECT m.id, m.rental_id, m.node_id, m.usage_version, r.price_per_gpu_hour,
-           r.gpus_per_node, r.scheduled_start, r.scheduled_end
-    FROM billing_usagemeter m
-    JOIN marketplace_rental r ON r.id = m.rental_id
-    WHERE m.rated_version < m.usage_version
-      -- A rental is rated only once booked: its price and window are locked then.
-      AND r.price_per_gpu_hour IS NOT NULL
-      AND r.scheduled_start IS NOT NULL AND r.scheduled_end IS NOT NULL
-),
-spans AS (
-    SELECT d.id, LEAST(s.gpu_count, d.gpus_per_node) AS gpus,
-           tstzrange(GREATEST(s.started_at, d.scheduled_start),
-                     LEAST(s.confirmed_until, d.scheduled_end)) AS span
-    FROM dirty d
-    JOIN billing_usagesegment s ON s.rental_id = d.rental_id AND s.node_id = d.node_id
-    WHERE GREATEST(s.started_at, d.scheduled_start) < LEAST(s.confirmed_until, d.scheduled_end)
-),
-used AS (
-    -- The union of the runs' spans: two runs that overlap (a restart confirmed late) never
-    -- bill the same second twice.
-    SELECT u.id, u.gpus * floor(extract(epoch FROM (
-               SELECT sum(upper(x) - lower(x)) FROM unnest(u.spans) AS x)))::bigint AS gpu_seconds
-    FROM (SELECT id, max(gpus) AS gpus, range_agg(span) AS spans FROM spans GROUP BY id) u
-)
-UPDATE billing_usagemeter m
-SET gpu_seconds = coalesce(used.gpu_seconds, 0),
-    charge_micros = div(coalesce(used.gpu_seconds, 0) * d.price_per_gpu_hour * 1000000,
-                        3600)::bigint,
-    rated_version = d.usage_version,
-    rated_at = %(now)s
-FROM dirty d LEFT JOIN used ON used.id = d.id
-WHERE m.id = d.id
-"""
-
-_ENSURE_ACCOUNTS_SQL = """
-WITH unposted AS (
-    SELECT r.customer_id, n.provider_id
+# Meters whose usage changed, or whose charge is not fully posted; everything below reads these.
+_CANDIDATES = """
+    SELECT m.id, m.rental_id, m.node_id, m.fee_bps, m.usage_version, m.gpu_seconds,
+           m.charge_micros, m.posting_seq, m.posted_gpu_seconds, m.posted_charge_micros,
+           m.posted_earning_micros, m.posted_at,
+           -- A rental is rated only once booked: its price and window are locked then.
+           (m.rated_version < m.usage_version AND r.price_per_gpu_hour IS NOT NULL
+            AND r.scheduled_start IS NOT NULL AND r.scheduled_end IS NOT NULL) AS dirty,
+           r.price_per_gpu_hour, r.gpus_per_node, r.scheduled_start, r.scheduled_end, r.status,
+           r.customer_id, n.provider_id
     FROM billing_usagemeter m
     JOIN marketplace_rental r ON r.id = m.rental_id
     JOIN marketplace_node n ON n.id = m.node_id
-    WHERE m.charge_micros <> m.posted_charge_micros
-),
+    WHERE m.rated_version < m.usage_version OR m.charge_micros <> m.posted_charge_micros
+"""
+
+_ENSURE_ACCOUNTS_SQL = f"""
+WITH c AS ({_CANDIDATES}),
 customers AS (
     INSERT INTO billing_account (kind, user_id, balance_micros, stripe_customer_id,
                                  stripe_connect_account_id, created_at)
     SELECT 'customer', u.customer_id, 0, '', '', %(now)s
-    FROM (SELECT DISTINCT customer_id FROM unposted) u
+    FROM (SELECT DISTINCT customer_id FROM c) u
     WHERE NOT EXISTS (SELECT 1 FROM billing_account a
                       WHERE a.kind = 'customer' AND a.user_id = u.customer_id)
     ON CONFLICT DO NOTHING
@@ -144,56 +118,90 @@ customers AS (
 INSERT INTO billing_account (kind, provider_id, balance_micros, stripe_customer_id,
                              stripe_connect_account_id, created_at)
 SELECT 'provider', p.provider_id, 0, '', '', %(now)s
-FROM (SELECT DISTINCT provider_id FROM unposted) p
+FROM (SELECT DISTINCT provider_id FROM c) p
 WHERE NOT EXISTS (SELECT 1 FROM billing_account a
                   WHERE a.kind = 'provider' AND a.provider_id = p.provider_id)
 ON CONFLICT DO NOTHING
-"""
+"""  # noqa: S608 - a constant fragment, no user text
 
-_POST_SQL = """
-WITH due AS (
-    SELECT m.id, m.rental_id, m.posting_seq + 1 AS seq,
-           m.gpu_seconds, m.charge_micros,
-           div(m.charge_micros::numeric * (10000 - m.fee_bps), 10000)::bigint AS earning_micros,
-           m.gpu_seconds - m.posted_gpu_seconds AS d_seconds,
-           m.charge_micros - m.posted_charge_micros AS d_charge,
-           div(m.charge_micros::numeric * (10000 - m.fee_bps), 10000)::bigint
-               - m.posted_earning_micros AS d_earning,
-           ca.id AS customer_account_id, pa.id AS provider_account_id
-    FROM billing_usagemeter m
-    JOIN marketplace_rental r ON r.id = m.rental_id
-    JOIN marketplace_node n ON n.id = m.node_id
-    JOIN billing_account ca ON ca.kind = 'customer' AND ca.user_id = r.customer_id
-    JOIN billing_account pa ON pa.kind = 'provider' AND pa.provider_id = n.provider_id
-    WHERE m.charge_micros <> m.posted_charge_micros
-      AND (m.posted_at IS NULL
-           OR m.posted_at <= %(cutoff)s
-           OR m.posted_at < %(month_start)s
-           OR r.status = ANY(%(terminal)s))
-    FOR UPDATE OF m
+_PASS_SQL = f"""
+WITH c AS ({_CANDIDATES}),
+spans AS (
+    SELECT c.id, LEAST(s.gpu_count, c.gpus_per_node) AS gpus,
+           tstzrange(GREATEST(s.started_at, c.scheduled_start),
+                     LEAST(s.confirmed_until, c.scheduled_end)) AS span
+    FROM c
+    JOIN billing_usagesegment s ON s.rental_id = c.rental_id AND s.node_id = c.node_id
+    WHERE c.dirty
+      AND GREATEST(s.started_at, c.scheduled_start) < LEAST(s.confirmed_until, c.scheduled_end)
+),
+used AS (
+    -- The union of the runs' spans: two runs that overlap (a restart confirmed late) never
+    -- bill the same second twice.
+    SELECT u.id, u.gpus * floor(extract(epoch FROM (
+               SELECT sum(upper(x) - lower(x)) FROM unnest(u.spans) AS x)))::bigint AS gpu_seconds
+    FROM (SELECT id, max(gpus) AS gpus, range_agg(span) AS spans FROM spans GROUP BY id) u
+),
+rated AS (
+    SELECT c.*, ca.id AS customer_account_id, pa.id AS provider_account_id,
+           CASE WHEN c.dirty THEN coalesce(used.gpu_seconds, 0) ELSE c.gpu_seconds END
+               AS new_seconds,
+           CASE WHEN c.dirty
+                THEN div(coalesce(used.gpu_seconds, 0) * c.price_per_gpu_hour * 1000000,
+                         3600)::bigint
+                ELSE c.charge_micros END AS new_charge
+    FROM c
+    LEFT JOIN used ON used.id = c.id
+    LEFT JOIN billing_account ca ON ca.kind = 'customer' AND ca.user_id = c.customer_id
+    LEFT JOIN billing_account pa ON pa.kind = 'provider' AND pa.provider_id = c.provider_id
+),
+decided AS (
+    SELECT r.*,
+           div(r.new_charge::numeric * (10000 - r.fee_bps), 10000)::bigint AS new_earning,
+           (r.new_charge <> r.posted_charge_micros
+            AND r.customer_account_id IS NOT NULL AND r.provider_account_id IS NOT NULL
+            AND (r.posted_at IS NULL
+                 OR r.posted_at <= %(cutoff)s
+                 OR r.posted_at < %(month_start)s
+                 OR r.status = ANY(%(terminal)s))) AS post
+    FROM rated r
 ),
 moved AS (
+    -- The pass is the only writer of these columns (one pass at a time), so the values read
+    -- above are still current; a report racing this statement only moves usage_version,
+    -- which stays ahead of rated_version and is rated next pass.
     UPDATE billing_usagemeter m
-    SET posting_seq = due.seq,
-        posted_gpu_seconds = due.gpu_seconds,
-        posted_charge_micros = due.charge_micros,
-        posted_earning_micros = due.earning_micros,
-        posted_at = %(now)s
-    FROM due WHERE m.id = due.id
+    SET gpu_seconds = d.new_seconds,
+        charge_micros = d.new_charge,
+        rated_version = CASE WHEN d.dirty THEN d.usage_version ELSE m.rated_version END,
+        rated_at = CASE WHEN d.dirty THEN %(now)s ELSE m.rated_at END,
+        posting_seq = d.posting_seq + d.post::int,
+        posted_gpu_seconds = CASE WHEN d.post THEN d.new_seconds ELSE d.posted_gpu_seconds END,
+        posted_charge_micros = CASE WHEN d.post THEN d.new_charge ELSE d.posted_charge_micros END,
+        posted_earning_micros = CASE WHEN d.post THEN d.new_earning
+                                     ELSE d.posted_earning_micros END,
+        posted_at = CASE WHEN d.post THEN %(now)s ELSE d.posted_at END
+    FROM decided d
+    WHERE m.id = d.id AND (d.dirty OR d.post)
     RETURNING m.id
 ),
 entries AS (
+    -- The deltas since the last posting, from totals: usage + earning + fee = 0.
     INSERT INTO billing_ledgerentry
         (account_id, kind, amount_micros, rental_id, meter_id, posting_seq, gpu_seconds, memo,
          created_at)
-    SELECT v.account_id, v.kind, v.amount, due.rental_id, due.id, due.seq, v.seconds, '',
+    SELECT v.account_id, v.kind, v.amount, d.rental_id, d.id, d.posting_seq + 1, v.seconds, '',
            %(now)s
-    FROM due CROSS JOIN LATERAL (VALUES
-        (due.customer_account_id, 'usage', -due.d_charge, due.d_seconds),
-        (due.provider_account_id, 'earning', due.d_earning, NULL::bigint),
-        (%(platform)s::bigint, 'platform_fee', due.d_charge - due.d_earning, NULL::bigint)
+    FROM decided d CROSS JOIN LATERAL (VALUES
+        (d.customer_account_id, 'usage', d.posted_charge_micros - d.new_charge,
+         d.new_seconds - d.posted_gpu_seconds),
+        (d.provider_account_id, 'earning', d.new_earning - d.posted_earning_micros,
+         NULL::bigint),
+        (%(platform)s::bigint, 'platform_fee',
+         (d.new_charge - d.posted_charge_micros) - (d.new_earning - d.posted_earning_micros),
+         NULL::bigint)
     ) AS v(account_id, kind, amount, seconds)
-    WHERE v.amount <> 0
+    WHERE d.post AND v.amount <> 0
     RETURNING account_id, amount_micros
 ),
 balances AS (
@@ -202,9 +210,9 @@ balances AS (
     WHERE a.id = t.account_id
     RETURNING a.id
 )
-SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM entries),
-       (SELECT count(*) FROM balances)
-"""
+SELECT (SELECT count(*) FROM decided WHERE dirty), (SELECT count(*) FROM decided WHERE post),
+       (SELECT count(*) FROM entries), (SELECT count(*) FROM balances), (SELECT count(*) FROM moved)
+"""  # noqa: S608 - a constant fragment, no user text
 
 # Customers with money at stake: a running rental, accrued usage, or a flag to clear.
 _POSITIONS_SQL = """
@@ -240,21 +248,15 @@ LEFT JOIN accrued ON accrued.customer_id = who.customer_id
 """
 
 
-def meters_rate(*, now: datetime) -> int:
-    """Step 1: rate every meter with reports not yet rated; returns how many."""
-    with transaction.atomic(), connection.cursor() as cursor:
-        cursor.execute(_RATE_SQL, {"now": now})
-        return cursor.rowcount
-
-
-def meters_post(*, now: datetime) -> tuple[int, int]:
-    """Step 2: post the deltas of the meters due; returns (meters posted, entries)."""
+def meters_rate_and_post(*, now: datetime) -> tuple[int, int, int]:
+    """Steps 1 and 2 in one statement: rate the meters with new reports, post those due.
+    Returns (meters rated, meters posted, ledger entries)."""
     platform = account_platform()
     month_start = now.astimezone(UTC).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
     with transaction.atomic(), connection.cursor() as cursor:
         cursor.execute(_ENSURE_ACCOUNTS_SQL, {"now": now})
         cursor.execute(
-            _POST_SQL,
+            _PASS_SQL,
             {
                 "now": now,
                 "cutoff": now - timedelta(seconds=conf.posting_interval_s()),
@@ -263,8 +265,8 @@ def meters_post(*, now: datetime) -> tuple[int, int]:
                 "platform": platform.pk,
             },
         )
-        posted, entries, _ = cursor.fetchone()
-    return posted, entries
+        rated, posted, entries, _, _ = cursor.fetchone()
+    return rated, posted, entries
 
 
 def _usd(micros: int) -> str:
@@ -378,12 +380,10 @@ def billing_pass_run(*, now: datetime | None = None) -> BillingPassResult:
         result.ran = True
         now = now or timezone.now()
         t0 = time.perf_counter()
-        result.meters_rated = meters_rate(now=now)
+        result.meters_rated, result.meters_posted, result.entries = meters_rate_and_post(now=now)
         t1 = time.perf_counter()
-        result.meters_posted, result.entries = meters_post(now=now)
-        t2 = time.perf_counter()
         balances_enforce(now=now, result=result)
-        t3 = time.perf_counter()
-        result.seconds = {"rate": t1 - t0, "post": t2 - t1, "enforce": t3 - t2}
+        t2 = time.perf_counter()
+        result.seconds = {"rate_and_post": t1 - t0, "enforce": t2 - t1}
     log.info("billing pass: %s", result)
     return result
