@@ -183,7 +183,10 @@ def cmd_up(port: int) -> int:
                 str(VAR / "dev" / "celerybeat-schedule"),
             ],
         }
-        agent = [sys.executable, "-m", "provisioning.agent", "--dev-local"]
+        agent = [
+            sys.executable, "-m", "provisioning.agent", "--dev-local",
+            "--server", f"http://127.0.0.1:{port}",
+        ]  # fmt: skip
         if (ROOT / "provisioning" / "agent" / "__main__.py").exists():
             commands["agent"] = agent
         for name, cmd in commands.items():

@@ -5,7 +5,7 @@ from django.http import JsonResponse
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from provisioning.api.urls import agent_urlpatterns, provider_urlpatterns
+from provisioning.api.urls import agent_urlpatterns, provider_urlpatterns, rental_urlpatterns
 
 
 def healthz(request):
@@ -21,6 +21,7 @@ urlpatterns = [
     path("api/v1/billing/", include("billing.api.urls")),
     path("billing/", include("billing.urls")),
     path("api/v1/providers/", include(provider_urlpatterns)),
+    path("api/v1/rentals/", include(rental_urlpatterns)),
     path("api/agent/v1/", include(agent_urlpatterns)),
     path("healthz", healthz),
 ]

@@ -56,10 +56,21 @@ def load_demo(*, var_dir: Path | None = None) -> dict[str, int]:
         ops = User.objects.create_superuser("ops", "ops@example.invalid", password)
         password_file.write_text(password + "\n")
         password_file.chmod(0o600)
-    if not User.objects.filter(username="demo").exists():
+    demo = User.objects.filter(username="demo").first()
+    if demo is None:
         password = secrets.token_urlsafe(12)
-        User.objects.create_user("demo", "demo@example.invalid", password)
+        demo = User.objects.create_user("demo", "demo@example.invalid", password)
         (var_dir / "demo_password").write_text(password + "\n")
+    from billing.services.ledger import account_adjust, account_for_customer
+
+    # Demo credit, once (the key makes a second load a no-op), so the demo customer can rent.
+    account_adjust(
+        account_id=account_for_customer(user=demo).pk,
+        amount_micros=100_000_000,
+        reason="demo credit",
+        actor=ops,
+        key="demo-credit",
+    )
     platform, _ = Provider.objects.get_or_create(
         is_platform=True, defaults={"name": "Platform", "owner": ops}
     )

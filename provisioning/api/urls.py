@@ -7,6 +7,10 @@ agent_urlpatterns = [
     path("heartbeat/", views.HeartbeatView.as_view(), name="agent-heartbeat"),
 ]
 
+rental_urlpatterns = [
+    path("<uuid:rental_id>/metrics/", views.RentalMetricsView.as_view(), name="rental-metrics"),
+]
+
 provider_urlpatterns = [
     path("join-tokens/", views.JoinTokenCreateView.as_view(), name="join-token-create"),
 ]

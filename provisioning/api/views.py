@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import exceptions, permissions, status
 from rest_framework.authentication import BaseAuthentication, get_authorization_header
 from rest_framework.request import Request
@@ -10,6 +10,7 @@ from rest_framework.response import Response
 from rest_framework.throttling import SimpleRateThrottle
 from rest_framework.views import APIView
 
+from marketplace.api.pagination import Pagination
 from marketplace.errors import NotFound
 from marketplace.models import Provider
 from provisioning import services
@@ -144,4 +145,34 @@ class JoinTokenCreateView(APIView):
         return Response(
             {"join_token": raw, "expires_at": token.expires_at, "region": token.region},
             status=status.HTTP_201_CREATED,
+        )
+
+
+class RentalMetricsView(APIView):
+    """The harness metrics of one of your rentals (step, loss, throughput, MFU), in order."""
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("event", str, description="start, step, eval, checkpoint, summary"),
+            OpenApiParameter("after_step", int),
+        ],
+        responses={200: dict},
+    )
+    def get(self, request: Request, rental_id) -> Response:
+        from marketplace.models import Rental
+        from provisioning.models import RunMetric
+
+        if not Rental.objects.filter(pk=rental_id, customer=request.user).exists():
+            raise NotFound("no such rental")
+        metrics = RunMetric.objects.filter(rental_id=rental_id).order_by("id")
+        if event := request.query_params.get("event"):
+            metrics = metrics.filter(event=event)
+        if (after := request.query_params.get("after_step")) is not None:
+            if not after.lstrip("-").isdigit():
+                raise exceptions.ValidationError({"after_step": ["must be an integer"]})
+            metrics = metrics.filter(step__gt=int(after))
+        paginator = Pagination()
+        page = paginator.paginate_queryset(metrics.values("data", "received_at"), request, self)
+        return paginator.get_paginated_response(
+            [{**row["data"], "received_at": row["received_at"]} for row in page]
         )

@@ -169,6 +169,13 @@ def test_a_run_goes_provisioning_running_stopping_completed(agent, rent):
     _beat(agent, containers=[{**run, "status": "running"}], metrics=[metric])  # replay
     assert RunMetric.objects.filter(rental=rental).count() == 1
     assert RunMetric.objects.get(rental=rental).data["loss"] == 2.5
+    owner = APIClient()
+    owner.force_authenticate(rental.customer)
+    shown = owner.get(f"/api/v1/rentals/{rental.pk}/metrics/", {"event": "step"}).json()
+    assert [(m["step"], m["loss"]) for m in shown["results"]] == [(1, 2.5)]
+    stranger = APIClient()
+    stranger.force_authenticate(agent.node.provider.owner)
+    assert stranger.get(f"/api/v1/rentals/{rental.pk}/metrics/").status_code == 404
     from marketplace.services.rentals import rental_stop
 
     rental_stop(customer=rental.customer, rental_id=rental.pk)
