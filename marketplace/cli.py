@@ -1,0 +1,186 @@
+"""`gpumarket`: the customer's command line, a thin client of the REST API (no Django import).
+
+    gpumarket --server URL --token TOKEN offers --gpu-family h100 --min-free-gpus 8
+    gpumarket advise --model llama-7b --tokens-b 1
+    gpumarket book --model llama-7b --tokens-b 1 --card h100-sxm5-80gb
+    gpumarket rent --gpus 4 --gpu-family a100 --region eu --hours 12 --image IMAGE -- CMD ...
+    gpumarket rentals | show ID | metrics ID | stop ID | cancel ID
+
+The server and token come from flags or GPUMARKET_SERVER_URL / GPUMARKET_TOKEN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import requests
+
+TIMEOUT_S = 30
+RETRIES = 3
+
+
+class CliError(Exception):
+    pass
+
+
+class Api:
+    def __init__(self, server: str, token: str | None) -> None:
+        self.base = server.rstrip("/")
+        self.session = requests.Session()
+        if token:
+            self.session.headers["Authorization"] = f"Bearer {token}"
+
+    def call(self, method: str, path: str, **kwargs: Any) -> Any:
+        """One request; connection errors and 5xx are retried with backoff, 4xx are shown."""
+        for attempt in range(RETRIES):
+            try:
+                r = self.session.request(method, self.base + path, timeout=TIMEOUT_S, **kwargs)
+            except requests.RequestException as exc:
+                if attempt == RETRIES - 1:
+                    raise CliError(f"cannot reach {self.base}: {exc}") from exc
+            else:
+                if r.status_code < 500:
+                    break
+                if attempt == RETRIES - 1:
+                    raise CliError(f"server error {r.status_code}")
+            time.sleep(0.5 * 2**attempt)
+        if r.status_code >= 400:
+            try:
+                body = r.json()
+            except ValueError:
+                body = r.text
+            raise CliError(
+                f"{r.status_code}: {json.dumps(body) if not isinstance(body, str) else body}"
+            )
+        return r.json() if r.content else None
+
+
+def _table(rows: list[dict], columns: list[str]) -> str:
+    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns}
+    lines = ["  ".join(c.upper().ljust(widths[c]) for c in columns)]
+    lines += ["  ".join(str(r.get(c, "")).ljust(widths[c]) for c in columns) for r in rows]
+    return "\n".join(lines)
+
+
+def _advisor_body(args: argparse.Namespace) -> dict:
+    body: dict[str, Any] = {"tokens_b": args.tokens_b, "precision": args.precision}
+    if args.model:
+        body["model"] = args.model
+    if args.params_b:
+        body["params_b"] = args.params_b
+    if args.region:
+        body["region"] = args.region
+    if args.interruptible:
+        body["interruptible"] = True
+    return body
+
+
+def run(args: argparse.Namespace, api: Api) -> str:
+    if args.command == "offers":
+        params = {k: v for k, v in {
+            "gpu_family": args.gpu_family, "gpu_model": args.gpu_model, "region": args.region,
+            "min_free_gpus": args.min_free_gpus, "max_price": args.max_price,
+            "ordering": args.sort, "limit": args.limit,
+        }.items() if v is not None}  # fmt: skip
+        rows = api.call("GET", "/api/v1/offers/", params=params)["results"]
+        columns = ["node_id", "hostname", "region", "gpu_name", "free_gpus"]
+        return _table(rows, [*columns, "price_per_gpu_hour", "price_per_tflop_hour", "reliability"])
+    if args.command == "advise":
+        rows = api.call("POST", "/api/v1/advisor/", json=_advisor_body(args))["options"]
+        return _table(rows, ["card", "gpus", "strategy", "hours", "price_per_gpu_hour", "cost"])
+    if args.command == "book":
+        body = {**_advisor_body(args), "card": args.card}
+        rental = api.call("POST", "/api/v1/advisor/book/", json=body)
+        return f"{rental['id']} {rental['status']}"
+    if args.command == "rent":
+        body = {
+            "gpus_per_node": args.gpus,
+            "node_count": args.nodes,
+            "duration_s": int(args.hours * 3600),
+            "runtime": {"image": args.image, "command": args.cmd},
+        }
+        for key in ("region",):
+            if getattr(args, key):
+                body[key] = getattr(args, key)
+        if args.gpu_family:
+            body["gpu_families"] = [args.gpu_family]
+        if args.max_price:
+            body["max_price_per_gpu_hour"] = args.max_price
+        if args.bid:
+            body.update(kind="interruptible", bid_per_gpu_hour=args.bid)
+        rental = api.call("POST", "/api/v1/rentals/", json=body)
+        return f"{rental['id']} {rental['status']}"
+    if args.command == "rentals":
+        rows = api.call("GET", "/api/v1/rentals/")["results"]
+        return _table(rows, ["id", "name", "status", "gpus_per_node", "node_count",
+                             "price_per_gpu_hour", "status_reason"])  # fmt: skip
+    if args.command == "show":
+        return json.dumps(api.call("GET", f"/api/v1/rentals/{args.id}/"), indent=2)
+    if args.command == "metrics":
+        rows = api.call("GET", f"/api/v1/rentals/{args.id}/metrics/", params={"event": "step"})
+        return _table(rows["results"], ["step", "loss", "samples_per_s", "mfu"])
+    if args.command in ("stop", "cancel"):
+        rental = api.call("POST", f"/api/v1/rentals/{args.id}/{args.command}/")
+        return f"{rental['id']} {rental['status']}"
+    raise CliError(f"unknown command {args.command}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpumarket", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--server", default=os.environ.get("GPUMARKET_SERVER_URL", "http://127.0.0.1:8000")
+    )
+    parser.add_argument("--token", default=os.environ.get("GPUMARKET_TOKEN"))
+    sub = parser.add_subparsers(dest="command", required=True)
+    offers = sub.add_parser("offers", help="GPUs free now")
+    offers.add_argument("--gpu-family")
+    offers.add_argument("--gpu-model")
+    offers.add_argument("--region")
+    offers.add_argument("--min-free-gpus", type=int)
+    offers.add_argument("--max-price")
+    offers.add_argument("--sort", default="price")
+    offers.add_argument("--limit", type=int, default=20)
+    for name in ("advise", "book"):
+        p = sub.add_parser(name, help="which card, how long, what cost" if name == "advise"
+                           else "book one of the advisor's options")  # fmt: skip
+        p.add_argument("--model", help="a preset: llama-7b, gpt2-small, ...")
+        p.add_argument("--params-b", type=float, help="parameters, in billions")
+        p.add_argument("--tokens-b", type=float, required=True, help="tokens, in billions")
+        p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
+        p.add_argument("--region")
+        p.add_argument("--interruptible", action="store_true")
+        if name == "book":
+            p.add_argument("--card", required=True)
+    rent = sub.add_parser("rent", help="rent GPUs for an image and command")
+    rent.add_argument("--gpus", type=int, required=True, help="GPUs per node")
+    rent.add_argument("--nodes", type=int, default=1)
+    rent.add_argument("--gpu-family")
+    rent.add_argument("--region")
+    rent.add_argument("--max-price")
+    rent.add_argument("--bid", help="interruptible, with this bid per GPU-hour")
+    rent.add_argument("--hours", type=float, default=1.0)
+    rent.add_argument("--image", required=True)
+    rent.add_argument("cmd", nargs="*", help="the command (after --)")
+    sub.add_parser("rentals", help="your rentals")
+    for name in ("show", "metrics", "stop", "cancel"):
+        sub.add_parser(name).add_argument("id")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        print(run(args, Api(args.server, args.token)))
+    except CliError as exc:
+        print(f"gpumarket: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""The command line against the live server over real HTTP."""
+
+import pytest
+
+from marketplace.cli import main
+from marketplace.models import Rental
+from marketplace.services import api_token_create
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def cli(live_server, user, capsys):
+    _, token = api_token_create(user=user, name="cli")
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        code = main(["--server", live_server.url, "--token", token, *argv])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
+
+
+def test_offers_advise_rent_show_and_cancel(cli, make_node):
+    make_node(card="h100-sxm5-80gb", price="2.50", nvlink=True, hostname="fra-1")
+    code, out, _ = cli("offers", "--gpu-family", "h100")
+    assert code == 0 and "fra-1" in out and "H100 SXM5 80 GB" in out
+    code, out, _ = cli("advise", "--model", "llama-7b", "--tokens-b", "1")
+    assert code == 0 and "h100-sxm5-80gb" in out and "70.57" in out
+    code, out, _ = cli("rent", "--gpus", "2", "--hours", "2", "--image", "img", "--", "train")
+    assert code == 0 and out.split()[1] == "pending"
+    rental = Rental.objects.get()
+    assert (rental.gpus_per_node, rental.duration_s, rental.command) == (2, 7200, ["train"])
+    code, out, _ = cli("rentals")
+    assert str(rental.pk) in out
+    code, out, _ = cli("cancel", str(rental.pk))
+    assert code == 0 and out.split()[1] == "cancelled"
+
+
+def test_errors_are_shown_with_the_field_and_a_non_zero_exit(cli):
+    code, _, err = cli("rent", "--gpus", "0", "--image", "img")
+    assert code == 1 and "gpus_per_node" in err
+    code, _, err = cli("show", "00000000-0000-0000-0000-000000000000")
+    assert code == 1 and "404" in err
