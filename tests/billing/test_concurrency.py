@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.db.models import Sum
 from django.test import Client
 
-from billing.models import Account, EntryKind, LedgerEntry, StripeEvent, TopUpStatus
+from billing.models import (
+    Account,
+    EntryKind,
+    LedgerEntry,
+    StripeEvent,
+    TopUpStatus,
+    UsageMeter,
+)
 from billing.services import account_for_customer, billing_pass_run, topup_create
 from tests.billing.conftest import signed, stripe_events
 
@@ -101,3 +109,48 @@ def test_concurrent_top_up_webhooks_and_charges_keep_the_balance_exact(
         assert other.balance_micros == (
             LedgerEntry.objects.filter(account=other).aggregate(s=Sum("amount_micros"))["s"] or 0
         )
+
+
+def _lock_waiters() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+        return cursor.fetchone()[0]
+
+
+def test_a_report_racing_a_pass_is_rated_by_the_next_pass(make_node, book):
+    # Given a meter with a report not yet rated
+    make_node(price="3.60")
+    booked = book(gpus=1, hours=3, hours_ago=3)
+    booked.report(seq=1, confirmed_s=600)
+    reported, go = threading.Event(), threading.Event()
+
+    def agent():
+        # A heartbeat's report whose transaction is still open when the pass reads the meters
+        with transaction.atomic():
+            booked.report(seq=2, confirmed_s=1200)
+            reported.set()
+            assert go.wait(30)
+
+    def billing():
+        assert reported.wait(30)
+        billing_pass_run()
+
+    def referee():
+        assert reported.wait(30)
+        deadline = time.monotonic() + 30
+        while _lock_waiters() == 0:  # the pass waits for the report's row lock
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        go.set()
+
+    # When the pass runs while the report commits
+    assert _run_threads([agent, billing, referee]) == []
+    # Then the pass rated what it saw, the report is not lost, and the next pass rates it
+    meter = UsageMeter.objects.get(rental=booked.rental)
+    assert (meter.gpu_seconds, meter.rated_version, meter.usage_version) == (600, 1, 2)
+    billing_pass_run()
+    meter.refresh_from_db()
+    assert (meter.gpu_seconds, meter.rated_version) == (1200, 2)
