@@ -16,6 +16,7 @@ from django.utils import timezone
 
 from billing import conf
 from billing.models import Account, AccountKind, EntryKind, Invoice, InvoiceLine, LedgerEntry
+from marketplace.errors import ValidationFailed
 
 _LINES_SQL = """
 SELECT e.rental_id, -sum(e.amount_micros)::bigint, coalesce(sum(e.gpu_seconds), 0)::bigint,
@@ -52,7 +53,7 @@ def invoice_issue(*, account_id: int, period_start: date) -> Invoice:
     period_end = month_after(period_start)
     begin, end = _at(period_start), _at(period_end)
     if end > timezone.now():
-        raise ValueError("a month is invoiced once it is over")
+        raise ValidationFailed("a month is invoiced once it is over", field="period_start")
     with transaction.atomic():
         account = Account.objects.select_for_update().get(pk=account_id)
         existing = Invoice.objects.filter(account=account, period_start=period_start).first()

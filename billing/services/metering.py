@@ -223,6 +223,7 @@ _SAMPLE_RANGES = {
     "temp_c": (-50.0, 200.0),
 }
 _MAX_MEM_MB = 2**31
+_MAX_EPOCH = 2**32  # the year 2106: anything later is a broken clock
 
 
 def _sample_error(sample: object, i: int) -> ValidationFailed:
@@ -234,9 +235,8 @@ def _sample_error(sample: object, i: int) -> ValidationFailed:
     if type(gpu_index) is not int or not 0 <= gpu_index < 256:
         return ValidationFailed("gpu_index must be 0 to 255", field=f"{where}.gpu_index")
     ts = sample.get("ts")
-    if not (type(ts) in (int, float) and math.isfinite(ts)) and not (
-        isinstance(ts, datetime) and ts.tzinfo is not None
-    ):
+    epoch = ts.timestamp() if isinstance(ts, datetime) and ts.tzinfo is not None else ts
+    if type(epoch) not in (int, float) or not 0 <= epoch < _MAX_EPOCH:
         return ValidationFailed("ts must be an epoch or an aware datetime", field=f"{where}.ts")
     for key, (low, high) in _SAMPLE_RANGES.items():
         value = sample.get(key)
@@ -289,7 +289,7 @@ def _rows_and_minutes(node_id: int, samples: list[dict]) -> tuple[list[tuple], d
             and p_low <= power <= p_high
             and type(temp) in (float, int)
             and t_low <= temp <= t_high
-            and math.isfinite(epoch)
+            and 0 <= epoch < _MAX_EPOCH
         ):
             raise _sample_error(sample, i)
         util, power, temp = float(util), float(power), float(temp)

@@ -11,6 +11,7 @@ from rest_framework.test import APIClient
 
 from billing.models import Invoice, InvoiceLine
 from billing.services import billing_pass_run, invoice_issue, invoices_issue_due
+from marketplace.errors import ValidationFailed
 from marketplace.models import GpuModel
 from marketplace.services import api_token_create
 from tests.factories import UserFactory
@@ -64,7 +65,7 @@ def test_the_current_month_cannot_be_invoiced_yet(user):
     from billing.services import account_for_customer
 
     account = account_for_customer(user=user)
-    with pytest.raises(ValueError, match="once it is over"):
+    with pytest.raises(ValidationFailed, match="once it is over"):
         invoice_issue(account_id=account.pk, period_start=timezone.now().date())
 
 

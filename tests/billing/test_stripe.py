@@ -357,9 +357,11 @@ def test_a_reversed_transfer_webhook_returns_the_payout_once(stripe_on, provider
 
 
 @pytest.mark.django_db(transaction=True)
-def test_localstripe_delivers_the_signed_webhook_to_the_live_server(stripe_on, live_server, user):
+def test_localstripe_delivers_the_signed_webhook_to_the_live_server(
+    stripe_on, settings, live_server, user
+):
     # Given localstripe sending payment_intent.succeeded to our endpoint, signed with our secret
-    hook = f"{stripe_on._requestor.base_addresses['api']}/_config/webhooks/gpumarket-test"
+    hook = f"{settings.STRIPE_API_BASE}/_config/webhooks/gpumarket-test"
     requests.post(
         hook,
         json={
@@ -394,3 +396,19 @@ def test_localstripe_delivers_the_signed_webhook_to_the_live_server(stripe_on, l
         )["s"]
         == 15_000_000
     )
+
+
+def test_the_top_up_page_confirms_cards_with_stripe_elements(stripe_on, settings, client, user):
+    client.force_login(user)
+    r = client.get("/billing/topup/")
+    assert r.status_code == 200
+    html = r.content.decode()
+    assert f"{settings.STRIPE_API_BASE}/js.stripe.com/v3/" in html
+    assert 'Stripe("pk_test_localstripe")' in html and "/api/v1/billing/topups/" in html
+
+
+def test_the_top_up_page_without_stripe_says_so(stripe_off, client, user):
+    client.force_login(user)
+    assert b"Card payments are not configured" in client.get("/billing/topup/").content
+    client.logout()
+    assert client.get("/billing/topup/").status_code == 302
