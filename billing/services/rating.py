@@ -270,11 +270,12 @@ def meters_rate_and_post(*, now: datetime, chunk: int = CHUNK) -> tuple[int, int
     with connection.cursor() as cursor:
         cursor.execute("SELECT coalesce(min(id), 0), coalesce(max(id), -1) FROM billing_usagemeter")
         low, high = cursor.fetchone()
+    with connection.cursor() as cursor:
+        cursor.execute(_ENSURE_ACCOUNTS_SQL, {**params, "first_id": low, "end_id": high + 1})
     rated = posted = entries = 0
     for first_id in range(low, high + 1, chunk):
         ids = {**params, "first_id": first_id, "end_id": first_id + chunk}
         with transaction.atomic(), connection.cursor() as cursor:
-            cursor.execute(_ENSURE_ACCOUNTS_SQL, ids)
             cursor.execute(_PASS_SQL, ids)
             r, p, e, _, _ = cursor.fetchone()
         rated, posted, entries = rated + r, posted + p, entries + e
