@@ -472,30 +472,36 @@ def _runs_request(*, node: Node, desired: list[dict]) -> None:
 
 
 def _usage_apply(*, node: Node, usage: list[dict]) -> int:
-    """Hand usage reports to billing (idempotent there); returns the highest seq applied."""
-    from billing.services import usage_report_apply
+    """Hand the heartbeat's usage reports to billing in one batch (idempotent there); returns
+    the highest seq handled. A report billing refuses (a host clock far ahead, say) is logged
+    and acknowledged: it must not block every later report of the node."""
+    from billing.services.metering import UsageReport, usage_reports_apply
 
-    ack = 0
-    for report in sorted(usage, key=lambda r: r["seq"]):
-        try:
-            usage_report_apply(
-                node_id=node.pk,
-                rental_id=report["rental_id"],
-                run_id=report["run_id"],
-                seq=report["seq"],
-                gpu_count=report["gpu_count"],
-                started_at=_dt(report["started_at"]),
-                confirmed_at=_dt(report["confirmed_at"]),
-                final=report.get("final", False),
+    reports = sorted(usage, key=lambda r: r["seq"])
+    result = usage_reports_apply(
+        node_id=node.pk,
+        reports=[
+            UsageReport(
+                rental_id=r["rental_id"],
+                run_id=r["run_id"],
+                seq=r["seq"],
+                gpu_count=r["gpu_count"],
+                started_at=_dt(r["started_at"]),
+                confirmed_at=_dt(r["confirmed_at"]),
+                final=r.get("final", False),
             )
-        except ValidationFailed as exc:
-            # One report the server can never accept (a host clock far ahead, say) must not
-            # block every later one: it is logged, acknowledged and not billed.
-            log.warning(
-                "usage report refused node=%s seq=%s: %s", node.pk, report["seq"], exc.message
-            )
-        ack = max(ack, report["seq"])
-    return ack
+            for r in reports
+        ],
+    )
+    for index, field_name, why in result.rejected:
+        log.warning(
+            "usage report refused node=%s seq=%s %s: %s",
+            node.pk,
+            reports[index]["seq"],
+            field_name,
+            why,
+        )
+    return reports[-1]["seq"]
 
 
 def _telemetry_apply(*, node: Node, samples: list[dict]) -> None:

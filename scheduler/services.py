@@ -7,11 +7,9 @@ the rental stays PENDING for the next cycle ("re-plan"), so a cycle is safe to k
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -21,6 +19,7 @@ from django.db import IntegrityError, connection, transaction
 from django.db.models import QuerySet
 from django.utils import timezone
 
+from marketplace.locks import advisory_lock
 from marketplace.models import (
     Allocation,
     Gpu,
@@ -205,25 +204,9 @@ class CycleResult:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-def _lock_key(pool: str) -> int:
-    digest = hashlib.blake2b(f"scheduler:{pool}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big", signed=True)
-
-
-@contextmanager
-def pool_lock(pool: str) -> Iterator[bool]:
-    """A session advisory lock: one cycle per pool cluster-wide; a killed worker's connection
-    drops and PostgreSQL releases the lock with it."""
-    key = _lock_key(pool)
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_try_advisory_lock(%s)", [key])
-        got = cursor.fetchone()[0]
-    try:
-        yield got
-    finally:
-        if got:
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT pg_advisory_unlock(%s)", [key])
+def pool_lock(pool: str):
+    """One cycle per pool cluster-wide."""
+    return advisory_lock(f"scheduler:{pool}")
 
 
 def _bind_chunk(placements: list[engine.Placement], now: datetime) -> list[engine.Placement]:

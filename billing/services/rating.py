@@ -19,11 +19,8 @@ running rentals is a handful of statements, not 100,000 round trips:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -34,6 +31,7 @@ from django.utils import timezone
 from billing import conf
 from billing.models import Account, AccountKind, BalanceNotice, NoticeKind
 from billing.services.ledger import account_platform
+from marketplace.locks import advisory_lock
 from marketplace.models import Rental, RentalEvent, RentalStatus
 from marketplace.models.rentals import TERMINAL_STATUSES
 from marketplace.services.rentals import rental_stop_by_system
@@ -64,27 +62,6 @@ class BillingPassResult:
     restored: int = 0
     rentals_stopped: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
-
-
-def _lock_key(name: str) -> int:
-    digest = hashlib.blake2b(name.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big", signed=True)
-
-
-@contextmanager
-def advisory_lock(name: str) -> Iterator[bool]:
-    """A session advisory lock: one holder cluster-wide; a killed worker's connection drops
-    and PostgreSQL releases the lock with it."""
-    key = _lock_key(name)
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_try_advisory_lock(%s)", [key])
-        got = cursor.fetchone()[0]
-    try:
-        yield got
-    finally:
-        if got:
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT pg_advisory_unlock(%s)", [key])
 
 
 # Meters whose usage changed, or whose charge is not fully posted; everything below reads these.

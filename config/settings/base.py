@@ -175,6 +175,18 @@ STRIPE_WEBHOOK_SECRET = env.str("STRIPE_WEBHOOK_SECRET", default="")
 STRIPE_API_BASE = env.str("STRIPE_API_BASE", default="")
 STRIPE_CONNECT_ENABLED = env.bool("STRIPE_CONNECT_ENABLED", default=False)
 STRIPE_TIMEOUT_S = env.float("STRIPE_TIMEOUT_S", default=10.0)
+STRIPE_MAX_NETWORK_RETRIES = env.int("STRIPE_MAX_NETWORK_RETRIES", default=2)
+
+# Billing: money in integer micro-dollars; see billing/conf.py for what each one means.
+BILLING_PLATFORM_FEE_BPS = env.int("BILLING_PLATFORM_FEE_BPS", default=2000)
+BILLING_POSTING_INTERVAL_S = env.int("BILLING_POSTING_INTERVAL_S", default=3600)
+BILLING_LOW_BALANCE_HOURS = env.int("BILLING_LOW_BALANCE_HOURS", default=1)
+BILLING_FUNDS_CHECK = env.bool("BILLING_FUNDS_CHECK", default=True)
+BILLING_CLOCK_SKEW_S = env.int("BILLING_CLOCK_SKEW_S", default=120)
+BILLING_TELEMETRY_RETENTION_DAYS = env.int("BILLING_TELEMETRY_RETENTION_DAYS", default=7)
+BILLING_CURRENCY = env.str("BILLING_CURRENCY", default="usd")
+BILLING_TOPUP_MIN_CENTS = env.int("BILLING_TOPUP_MIN_CENTS", default=500)
+BILLING_TOPUP_MAX_CENTS = env.int("BILLING_TOPUP_MAX_CENTS", default=1_000_000)
 
 GPUMARKET = {
     # Agents that have not heartbeaten for this long are marked OFFLINE.
