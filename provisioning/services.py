@@ -266,7 +266,11 @@ def desired_state(*, node: Node, now: datetime) -> list[dict]:
         if rental.harness_config is not None:
             env["HARNESS_CONFIG_JSON"] = json.dumps(rental.harness_config)
             if not command:
-                command = ["python", "-m", "harness", "--config-env", "HARNESS_CONFIG_JSON"]
+                # One command whatever the GPU count: DDP over every GPU the container sees.
+                command = [
+                    "python", "-m", "harness",
+                    "--config-env", "HARNESS_CONFIG_JSON", "--nproc", "auto",
+                ]  # fmt: skip
             env.setdefault("HARNESS_PEAK_TFLOPS", str(tensor_tflops))
         desired.append(
             {
