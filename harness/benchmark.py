@@ -9,7 +9,8 @@ lasts ``min_seconds`` (so the clock's resolution and launch latency do not domin
 * ``h2d_gbs``: host-to-device copy from pinned memory; null on CPU, where there is no device to
   copy to (``notes`` says so);
 * ``train_samples_per_s`` / ``train_tokens_per_s``: the harness's own training loop on a fixed
-  reference GPT with synthetic tokens, measured over the second half of the steps.
+  reference GPT with synthetic tokens, measured over the second half of the steps; ``train_mfu``
+  against ``HARNESS_PEAK_TFLOPS`` or, on a known CUDA card, its datasheet peak (else null).
 """
 
 from __future__ import annotations

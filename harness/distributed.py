@@ -70,9 +70,15 @@ def init_distributed(device_request: str) -> DistContext:
     return DistContext(rank, local_rank, world_size, device, control_group)
 
 
-def shutdown_distributed() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+def shutdown_distributed(ctx: DistContext, *, synchronize: bool) -> None:
+    """Leave the process group. ``synchronize`` waits for every rank first (after a clean run),
+    so no rank tears down its connections while a peer still uses them; after a failure it
+    would wait for a peer that may be gone."""
+    if not ctx.distributed or not dist.is_initialized():
+        return
+    if synchronize:
+        dist.barrier(group=ctx.control_group)
+    dist.destroy_process_group()
 
 
 def agree_any(ctx: DistContext, flags: list[bool]) -> list[bool]:

@@ -84,15 +84,11 @@ def launch_local(worker_args: list[str], nproc: int) -> int:
 def _supervise(workers: list[subprocess.Popen], stop_signal: list[int]) -> int:
     failure: int | None = None
     deadline: float | None = None
-    while True:
-        codes = [worker.poll() for worker in workers]
-        if all(code is not None for code in codes):
-            break
+    while any(worker.poll() is None for worker in workers):
         if failure is None:
-            failed = [code for code in codes if code not in (None, 0)]
-            if failed:
-                failure = _exit_status(failed[0])
-                log.error("launcher: a worker exited with status %d; stopping the others", failure)
+            failure = _first_failure(workers)
+            if failure is not None:
+                log.error("launcher: stopping the other workers")
                 for worker in workers:
                     if worker.poll() is None:
                         worker.send_signal(signal.SIGTERM)
@@ -107,7 +103,17 @@ def _supervise(workers: list[subprocess.Popen], stop_signal: list[int]) -> int:
                 worker.wait()
             return failure if failure is not None else 1
         time.sleep(0.1)
-    if failure is not None:
-        return failure
-    statuses = [_exit_status(worker.returncode) for worker in workers]
-    return next((status for status in statuses if status != 0), 0)
+    if failure is None:
+        failure = _first_failure(workers)
+    return failure if failure is not None else 0
+
+
+def _first_failure(workers: list[subprocess.Popen]) -> int | None:
+    """The exit status of the first (lowest-rank) worker that failed, logged; None if none."""
+    for rank, worker in enumerate(workers):
+        code = worker.poll()
+        if code not in (None, 0):
+            status = _exit_status(code)
+            log.error("launcher: rank %d exited with status %d", rank, status)
+            return status
+    return None

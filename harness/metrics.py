@@ -13,6 +13,8 @@ per GPU, set by the node agent from the catalog). Model FLOPs are:
   definition of MFU, activation recomputation is not counted as useful work.
 * image models: counted once at start by ``torch.utils.flop_counter.FlopCounterMode`` on a
   forward and backward pass of a meta-device copy (no memory, no compute).
+
+Without a peak there is no MFU, and the FLOPs are not computed at all.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ gloo group.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 import os
@@ -120,11 +121,18 @@ class Trainer:
             # cuBLAS needs this before its first handle exists to give reproducible results.
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         ctx = init_distributed(self.config.train.device)
+        completed = False
         try:
             with self._signal_handlers():
-                return _Run(self.config, ctx, self).execute()
+                summary = _Run(self.config, ctx, self).execute()
+            completed = True
+            return summary
         finally:
-            shutdown_distributed()
+            # The run's DDP reducer and optimizer sit in reference cycles; left to the garbage
+            # collector, they can outlive the process group and die during interpreter shutdown,
+            # where gloo aborts the process ("terminate called without an active exception").
+            gc.collect()
+            shutdown_distributed(ctx, synchronize=completed)
 
     def emit(self, ctx: DistContext, event: dict[str, Any]) -> None:
         if ctx.is_primary:
@@ -236,18 +244,21 @@ class _Run:
             self.train_model = torch.compile(self.train_model, options=options)
 
     def _resume(self) -> None:
-        if not (self.ckpt_cfg.enabled and self.ckpt_cfg.resume):
+        if not self.ckpt_cfg.enabled:
             return
+        state: dict[str, Any] | None = None
         chosen: str | None = None
         if self.ctx.is_primary:
             remove_stale_temporaries(self.ckpt_dir)
-            found = load_latest(self.ckpt_dir)
-            chosen = str(found[1]) if found else None
+            found = load_latest(self.ckpt_dir) if self.ckpt_cfg.resume else None
+            if found is not None:
+                state, chosen = found[0], str(found[1])
         # Rank 0 picks the file so that every rank resumes from the same one.
         chosen = broadcast_from_primary(self.ctx, chosen)
         if chosen is None:
             return
-        state = load_checkpoint(Path(chosen))
+        if state is None:
+            state = load_checkpoint(Path(chosen))
         saved_model = state["config"]["model"]
         if saved_model != self.config.to_dict()["model"]:
             raise ConfigError(
