@@ -98,7 +98,8 @@ def build_inventory(url: str, nodes: int, *, busy_node_fraction: float = 0.0, se
         node_rows = io.StringIO()
         node_models = [rng.choice(models)[0] for _ in range(nodes)]
         for i in range(nodes):
-            price = round(rng.uniform(0.2, 4.0), 4)
+            # Providers price in cents; 381 price points over 10,000 nodes.
+            price = round(rng.uniform(0.2, 4.0), 2)
             node_rows.write(
                 f"{provider_id}\t{node_models[i]}\t8\tnode{i:05d}\t{rng.choice(REGIONS)}\t"
                 "default\t64\t512\t4000\t"

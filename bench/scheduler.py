@@ -145,6 +145,14 @@ def offered_load(rate: float, seconds: float) -> dict:
     try:
         time.sleep(4)  # the worker connects before the load starts
         customer = User.objects.create_user("load", "load@example.invalid", "x")
+        from billing.services.ledger import account_adjust, account_for_customer
+
+        account_adjust(
+            account_id=account_for_customer(user=customer).pk,
+            amount_micros=1_000_000_000,
+            reason="benchmark credit",
+            actor=None,
+        )
         created: list[str] = []
         lag = 0.0
 
