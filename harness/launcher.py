@@ -109,11 +109,20 @@ def _supervise(workers: list[subprocess.Popen], stop_signal: list[int]) -> int:
 
 
 def _first_failure(workers: list[subprocess.Popen]) -> int | None:
-    """The exit status of the first (lowest-rank) worker that failed, logged; None if none."""
-    for rank, worker in enumerate(workers):
-        code = worker.poll()
-        if code not in (None, 0):
-            status = _exit_status(code)
-            log.error("launcher: rank %d exited with status %d", rank, status)
-            return status
-    return None
+    """The exit status of a failed worker, logged; None if none failed.
+
+    When several have failed by the time we look, a worker killed by a signal (the OOM killer,
+    a crash) is the likelier cause, the others' errors its consequence ("connection closed by
+    peer"), so it is reported first; otherwise the lowest rank.
+    """
+    failed = [
+        (rank, code)
+        for rank, code in enumerate(worker.poll() for worker in workers)
+        if code not in (None, 0)
+    ]
+    if not failed:
+        return None
+    rank, code = min(failed, key=lambda item: (item[1] >= 0, item[0]))
+    status = _exit_status(code)
+    log.error("launcher: rank %d exited with status %d", rank, status)
+    return status
