@@ -163,7 +163,7 @@ def build_inventory(url: str, nodes: int, *, busy_node_fraction: float = 0.0, se
 
 
 @contextmanager
-def gunicorn(*, workers: int = 2, extra_env: dict[str, str] | None = None):
+def gunicorn(*, workers: int = 2, threads: int = 4, extra_env: dict[str, str] | None = None):
     """The web app under gunicorn on a free loopback port, as production runs it; yields its URL."""
     import requests
 
@@ -174,7 +174,8 @@ def gunicorn(*, workers: int = 2, extra_env: dict[str, str] | None = None):
     env.update(extra_env or {})
     server = subprocess.Popen(
         [str(Path(sys.executable).parent / "gunicorn"), "config.wsgi",
-         "--bind", f"127.0.0.1:{port}", "--workers", str(workers), "--log-level", "warning"],
+         "--bind", f"127.0.0.1:{port}", "--workers", str(workers), "--threads", str(threads),
+         "--log-level", "warning"],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
