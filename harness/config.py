@@ -316,10 +316,7 @@ def _build_section(cls: type, raw: Any, path: str, problems: list, *, label: str
             converted = _convert(raw[name], hints[name], f.metadata, f"{path}.{name}", problems)
             if converted is not _INVALID:
                 values[name] = converted
-    try:
-        return cls(**values)
-    except TypeError:  # a required field missing; all fields have defaults today
-        return _INVALID
+    return cls(**values)
 
 
 def _build_variant(

@@ -88,10 +88,6 @@ class DatasetInfo:
     vocab_size: int
     seq_len: int
 
-    @property
-    def tokens_per_sample(self) -> int:
-        return self.seq_len if self.task == "lm" else 0
-
 
 class ByteTokenizer:
     """UTF-8 bytes as tokens: a fixed vocabulary of 256, lossless for any text."""

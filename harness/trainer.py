@@ -6,7 +6,7 @@ step in flight, agree to stop, write one checkpoint (rank 0) and return a summar
 ``exit_reason`` ``"sigterm"``: a stopped or preempted rental loses at most one checkpoint
 interval of work.
 
-The hot loop stays free of host-device synchronisation: the loss is accumulated on the device and
+The hot loop stays free of host-device synchronisation: step losses stay on the device and are
 read (``.item()``) only when a step event is due, and stop/checkpoint decisions travel over a CPU
 gloo group.
 """
