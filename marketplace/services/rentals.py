@@ -139,8 +139,11 @@ def _engine_request(req: RentalRequest, start: datetime, deadline: datetime) -> 
     )
 
 
-def _never_fits(req: RentalRequest, start: datetime, deadline: datetime) -> str | None:
-    """Why the request could never be placed, judged by the engine's own feasibility rules.
+def _never_fits(
+    req: RentalRequest, start: datetime, deadline: datetime
+) -> tuple[str | None, Decimal | None]:
+    """Why the request could never be placed, judged by the engine's own feasibility rules,
+    and, when it can be, the cheapest price per GPU-hour it could be placed at.
 
     The cheapest few nodes that meet every static constraint usually prove it fits (a cheap
     check on every create). Otherwise the candidate set widens one constraint at a time
@@ -176,11 +179,12 @@ def _never_fits(req: RentalRequest, start: datetime, deadline: datetime) -> str 
         if len(nodes) < req.node_count:
             continue
         reason = feasibility.never_fits(request, nodes)
-        if reason is None or i > 0:
-            return reason
-    return feasibility.never_fits(
-        request, engine_nodes(located.order_by("price_per_gpu_hour", "id")[:256])
-    )
+        if reason is None:
+            return None, nodes[0].price_per_gpu_hour
+        if i > 0:
+            return reason, None
+    located_nodes = engine_nodes(located.order_by("price_per_gpu_hour", "id")[:256])
+    return feasibility.never_fits(request, located_nodes), None
 
 
 def rental_create(*, customer: User, request: RentalRequest) -> Rental:
@@ -212,12 +216,14 @@ def rental_create(*, customer: User, request: RentalRequest) -> Rental:
         unknown = sorted(set(request.gpu_models) - known)
         if unknown:
             raise ValidationFailed(f"unknown GPU model: {', '.join(unknown)}", field="gpu_models")
-    reason = _never_fits(request, start, deadline)
+    reason, cheapest = _never_fits(request, start, deadline)
     if reason is not None:
         raise ValidationFailed(f"this request can never be placed: {reason}", field="non_field")
     from billing.services import funds_check  # billing imports marketplace: import at call
 
-    price = request.bid_per_gpu_hour or request.max_price_per_gpu_hour or Decimal(0)
+    # The first hour must be covered: at the bid, else the price cap, else the cheapest node
+    # that could take it.
+    price = request.bid_per_gpu_hour or request.max_price_per_gpu_hour or cheapest or Decimal(0)
     funds_check(
         customer=customer,
         hourly_cost=price * request.gpus_per_node * request.node_count,

@@ -159,3 +159,32 @@ def test_a_bad_harness_config_is_400_naming_the_key(auth_api, node):
     assert r.status_code == 400
     assert "train.lr" in str(r.json()["runtime"]["harness_config"])
     assert Rental.objects.count() == 0
+
+
+def test_the_first_hour_must_be_covered_at_the_cheapest_node_that_fits(
+    auth_api, user, make_node, settings
+):
+    from billing.services.ledger import account_adjust, account_for_customer
+
+    settings.BILLING_FUNDS_CHECK = True
+    make_node(card="a100-sxm4-80gb", price="1.50", region="eu-west")
+    make_node(card="a100-sxm4-80gb", price="1.00", region="eu-west")
+    account_adjust(
+        account_id=account_for_customer(user=user).pk,
+        amount_micros=7_990_000,
+        reason="test credit",
+        actor=None,
+    )
+    body = {"gpus_per_node": 8, "duration_s": 7200, "runtime": {"image": "img"}}
+    # 8 GPUs x $1.00 (the cheapest node that fits) = $8.00 for the first hour > $7.99.
+    r = auth_api.post("/api/v1/rentals/", body, format="json")
+    assert r.status_code == 402
+    assert "$8.00" in r.json()["detail"]
+    assert Rental.objects.count() == 0
+    account_adjust(
+        account_id=account_for_customer(user=user).pk,
+        amount_micros=10_000,
+        reason="one more cent",
+        actor=None,
+    )
+    assert auth_api.post("/api/v1/rentals/", body, format="json").status_code == 201
