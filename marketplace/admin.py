@@ -103,6 +103,7 @@ class NodeAdmin(admin.ModelAdmin):
         "region",
         "status",
         "gpu_summary",
+        "measured_tflops",
         "price_per_gpu_hour",
         "reliability",
         "simulated",
@@ -117,7 +118,17 @@ class NodeAdmin(admin.ModelAdmin):
         _node_action("drain", "Drain (no new rentals)"),
         _node_action("maintenance", "Put in maintenance"),
         _node_action("online", "Bring back online"),
+        "request_benchmark",
     ]
+
+    @admin.action(description="Benchmark again (the agent runs it at its next heartbeat)")
+    def request_benchmark(self, request, queryset):
+        from provisioning.services import node_request_benchmark
+
+        ids = list(queryset.values_list("pk", flat=True))
+        for node_id in ids:
+            node_request_benchmark(node_id=node_id)
+        self.message_user(request, f"benchmark requested on {len(ids)} node(s)", messages.SUCCESS)
 
     @admin.display(description="GPUs")
     def gpu_summary(self, obj: Node) -> str:

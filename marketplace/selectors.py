@@ -6,13 +6,12 @@ from dataclasses import dataclass
 from decimal import Decimal
 
 from django.db import connection
-from django.db.models import Prefetch, Q, QuerySet
+from django.db.models import Prefetch, QuerySet
 
 from marketplace.models import (
     Allocation,
     ApiToken,
     GpuModel,
-    Node,
     Rental,
     RentalEvent,
     User,
@@ -53,11 +52,6 @@ class OfferFilters:
 
 def gpu_model_list() -> QuerySet[GpuModel]:
     return GpuModel.objects.all()
-
-
-def region_q(region: str, field: str = "region") -> Q:
-    """`eu` matches `eu` and every `eu-*` region."""
-    return Q(**{field: region}) | Q(**{f"{field}__startswith": f"{region}-"})
 
 
 # The hot read of the marketplace. Written in SQL because it joins nodes to an aggregate of the
@@ -134,10 +128,6 @@ def offer_list(*, filters: OfferFilters, limit: int, offset: int) -> list[dict]:
         cursor.execute(sql, params)
         columns = [c.name for c in cursor.description]
         return [dict(zip(columns, row, strict=True)) for row in cursor.fetchall()]
-
-
-def node_list() -> QuerySet[Node]:
-    return Node.objects.select_related("provider")
 
 
 def api_token_list(*, user: User) -> QuerySet[ApiToken]:

@@ -68,3 +68,12 @@ def test_refused_action_changes_nothing(ops_client, make_node):
     node.refresh_from_db()
     assert node.status == NodeStatus.MAINTENANCE
     assert not NodeEvent.objects.filter(node=node).exists()
+
+
+def test_ops_can_ask_for_a_new_benchmark(ops_client, make_node):
+    client, _ = ops_client
+    node = make_node()
+    assert node.benchmark_requested is False
+    _act(client, "request_benchmark", [node])
+    node.refresh_from_db()
+    assert node.benchmark_requested is True

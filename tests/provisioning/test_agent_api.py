@@ -241,3 +241,21 @@ def test_a_benchmark_result_is_recorded_and_shown_in_offers(agent, api):
     [offer] = api.get("/api/v1/offers/").json()["results"]
     assert offer["measured_tflops"] == 250.0
     assert offer["price_per_measured_tflop_hour"] == "0.004800"
+
+
+def test_a_running_rental_is_asked_to_stop_when_its_booked_time_ends(agent, rent):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from provisioning.services import rentals_end_booked_time
+
+    rental = _schedule(rent, 1)
+    [desired] = _beat(agent).json()["desired"]
+    run = {"rental_id": str(rental.pk), "run_id": desired["run_id"], "started_at": 1.0e9}
+    _beat(agent, containers=[{**run, "status": "running"}])
+    assert rentals_end_booked_time() == 0
+    later = timezone.now() + timedelta(hours=2)
+    assert rentals_end_booked_time(now=later) == 1
+    rental.refresh_from_db()
+    assert (rental.status, rental.status_reason) == (RentalStatus.STOPPING, "booked time ended")
