@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 
 import psycopg
 from django.core.cache import cache
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, OperationalError, connection, transaction
 from django.db.models import QuerySet
 from django.utils import timezone
 
@@ -37,8 +37,19 @@ from scheduler.engine import types as engine
 log = logging.getLogger(__name__)
 
 BIND_CHUNK = 500
-# A bind that loses to another writer: Django's wrapper, or psycopg's own from COPY.
-_CONFLICT = (IntegrityError, psycopg.IntegrityError)
+# A bind that loses to another writer: the exclusion constraint refuses the rows, or, when two
+# binds insert conflicting rows at once, PostgreSQL aborts one of them as a deadlock. Django
+# wraps what its cursor raises; COPY runs on psycopg's cursor and raises psycopg's own.
+_DB_ERRORS = (IntegrityError, OperationalError, psycopg.Error)
+
+
+def _lost_race(exc: Exception) -> bool:
+    cause = exc if isinstance(exc, psycopg.Error) else exc.__cause__
+    return isinstance(exc, IntegrityError) or isinstance(
+        cause, psycopg.IntegrityError | psycopg.errors.DeadlockDetected
+    )
+
+
 # Statuses whose allocations still hold GPUs.
 _HOLDING = (
     RentalStatus.SCHEDULED,
@@ -284,12 +295,16 @@ def allocation_bind(
         try:
             with transaction.atomic():
                 bound.extend(_bind_chunk(chunk, now))
-        except _CONFLICT:
+        except _DB_ERRORS as exc:
+            if not _lost_race(exc):
+                raise
             for p in chunk:
                 try:
                     with transaction.atomic():
                         bound.extend(_bind_chunk([p], now))
-                except _CONFLICT:
+                except _DB_ERRORS as exc:
+                    if not _lost_race(exc):
+                        raise
                     conflicts.append(p)
     if conflicts:
         log.info("bind conflicts, re-planned next cycle: %d", len(conflicts))
