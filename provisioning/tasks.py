@@ -15,3 +15,8 @@ def mark_silent_nodes() -> None:
 @shared_task(name="provisioning.end_booked_time", ignore_result=True, time_limit=120)
 def end_booked_time() -> None:
     services.rentals_end_booked_time()
+
+
+@shared_task(name="provisioning.flush_telemetry", ignore_result=True, time_limit=120)
+def flush_telemetry() -> None:
+    services.telemetry_flush()

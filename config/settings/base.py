@@ -160,6 +160,7 @@ CELERY_BEAT_SCHEDULE: dict[str, dict] = {
     "scheduler-tick": {"task": "scheduler.tick", "schedule": timedelta(seconds=5)},
     "silent-nodes": {"task": "provisioning.mark_silent_nodes", "schedule": timedelta(seconds=15)},
     "booked-time": {"task": "provisioning.end_booked_time", "schedule": timedelta(seconds=15)},
+    "telemetry-flush": {"task": "provisioning.flush_telemetry", "schedule": timedelta(seconds=5)},
     "billing-pass": {"task": "billing.pass", "schedule": timedelta(seconds=60)},
     "billing-telemetry-prune": {"task": "billing.telemetry_prune", "schedule": timedelta(hours=1)},
     "billing-invoices-issue": {"task": "billing.invoices_issue", "schedule": timedelta(hours=1)},

@@ -259,3 +259,25 @@ def test_a_running_rental_is_asked_to_stop_when_its_booked_time_ends(agent, rent
     assert rentals_end_booked_time(now=later) == 1
     rental.refresh_from_db()
     assert (rental.status, rental.status_reason) == (RentalStatus.STOPPING, "booked time ended")
+
+
+def test_heartbeat_telemetry_is_buffered_then_stored_in_bulk(agent):
+    from billing.models import TelemetryMinute, TelemetrySample
+    from provisioning.services import TELEMETRY_BUFFER_KEY, _redis, telemetry_flush
+
+    _redis().delete(TELEMETRY_BUFFER_KEY)
+    samples = [
+        {"gpu_index": g, "ts": 1.8e9 + t, "util_pct": 50.0 + g, "mem_used_mb": 1000,
+         "power_w": 300.0, "temp_c": 60.0}
+        for t in (0, 1) for g in (0, 1)
+    ]  # fmt: skip
+    assert _beat(agent, telemetry=samples[:2]).status_code == 200
+    assert _beat(agent, telemetry=samples[2:]).status_code == 200
+    assert TelemetrySample.objects.count() == 0  # not on the heartbeat's path
+    assert telemetry_flush() == 4
+    rows = TelemetrySample.objects.filter(node_id=agent.node.pk)
+    assert sorted(rows.values_list("gpu_index", "util_pct")) == [
+        (0, 50.0), (0, 50.0), (1, 51.0), (1, 51.0),
+    ]  # fmt: skip
+    assert TelemetryMinute.objects.filter(node=agent.node).count() == 2
+    assert telemetry_flush() == 0
