@@ -19,6 +19,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+# Rentals written with COPY by the benchmarks, tab-separated in this column order.
+RENTAL_COPY = (
+    "COPY marketplace_rental (id, customer_id, name, status, status_reason, gpu_models,"
+    " gpu_families, min_memory_gb, min_tensor_tflops, gpus_per_node, node_count,"
+    " same_group, region, pool, max_price_per_gpu_hour, kind, bid_per_gpu_hour,"
+    " priority, start_at, start_deadline, duration_s, image, command, harness_config,"
+    " env, ports, price_per_gpu_hour, scheduled_start, scheduled_end, started_at,"
+    " ended_at, exit_code, log_tail, created_at, updated_at) FROM STDIN"
+)
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
@@ -142,14 +153,7 @@ def build_inventory(url: str, nodes: int, *, busy_node_fraction: float = 0.0, se
             )
             for gpu_id in gpu_ids[:4]:
                 alloc_rows.write(f"{rental_id}\t{gpu_id}\t{node_id}\t{held}\t\\N\tnow\n")
-        with conn.cursor().copy(
-            "COPY marketplace_rental (id, customer_id, name, status, status_reason, gpu_models,"
-            " gpu_families, min_memory_gb, min_tensor_tflops, gpus_per_node, node_count,"
-            " same_group, region, pool, max_price_per_gpu_hour, kind, bid_per_gpu_hour,"
-            " priority, start_at, start_deadline, duration_s, image, command, harness_config,"
-            " env, ports, price_per_gpu_hour, scheduled_start, scheduled_end, started_at,"
-            " ended_at, exit_code, log_tail, created_at, updated_at) FROM STDIN"
-        ) as copy:
+        with conn.cursor().copy(RENTAL_COPY) as copy:
             copy.write(rental_rows.getvalue())
         with conn.cursor().copy(
             "COPY marketplace_allocation (rental_id, gpu_id, node_id, during, released_at,"

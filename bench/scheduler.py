@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 
-from _common import ROOT, bench_database, build_inventory, emit, percentile
+from _common import RENTAL_COPY, ROOT, bench_database, build_inventory, emit, percentile
 
 # gpus per node, nodes, weight %: about 2.25 GPUs a rental, so 20,000 rentals ask ~45,000 of the
 # ~57,000 GPUs free, and how they are packed decides how many whole nodes stay free.
@@ -55,14 +55,7 @@ def insert_pending(url: str, count: int, seed: int = 11) -> int:
                 f"\t{rng.choice([3600, 7200, 14400, 28800])}\timg\t[]\t\\N\t{{}}\t{{}}\t\\N\t\\N"
                 f"\t\\N\t\\N\t\\N\t\\N\t\t{created}\t{created}\n"
             )
-        with conn.cursor().copy(
-            "COPY marketplace_rental (id, customer_id, name, status, status_reason, gpu_models,"
-            " gpu_families, min_memory_gb, min_tensor_tflops, gpus_per_node, node_count,"
-            " same_group, region, pool, max_price_per_gpu_hour, kind, bid_per_gpu_hour,"
-            " priority, start_at, start_deadline, duration_s, image, command, harness_config,"
-            " env, ports, price_per_gpu_hour, scheduled_start, scheduled_end, started_at,"
-            " ended_at, exit_code, log_tail, created_at, updated_at) FROM STDIN"
-        ) as copy:
+        with conn.cursor().copy(RENTAL_COPY) as copy:
             copy.write(rows.getvalue())
         conn.commit()
         conn.execute("ANALYZE marketplace_rental")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -35,6 +34,7 @@ from marketplace.models import (
 )
 from marketplace.models.rentals import ALLOWED_TRANSITIONS, TERMINAL_STATUSES
 from marketplace.services import GpuSpec, node_register, token_hash
+from marketplace.services.accounts import token_mint
 from marketplace.services.rentals import allocations_release, rental_transition
 from provisioning.models import ContainerRun, JoinToken, NodeBenchmark, NodeCredential, RunMetric
 
@@ -73,8 +73,7 @@ def join_token_create(
         raise ValidationFailed(
             "minimum bid must be positive and at most the price", field="min_bid_per_gpu_hour"
         )
-    prefix = secrets.token_hex(4)
-    raw = f"gpj_{prefix}_{secrets.token_urlsafe(32)}"
+    prefix, raw = token_mint("gpj")
     token = JoinToken.objects.create(
         provider=provider,
         key_hash=token_hash(raw),
@@ -191,7 +190,7 @@ def node_join(*, raw_join_token: str, host: HostFacts, gpus: list[ReportedGpu]) 
         node.last_seen_at = timezone.now()
         node.benchmark_requested = True  # measured, not declared: benchmark on join
         node.save(update_fields=["last_seen_at", "benchmark_requested"])
-        raw = f"gpn_{secrets.token_urlsafe(32)}"
+        _, raw = token_mint("gpn")
         NodeCredential.objects.create(node=node, key_hash=token_hash(raw))
         token.used_at = timezone.now()
         token.node = node

@@ -20,6 +20,15 @@ def token_hash(raw: str) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()
 
 
+def token_mint(kind: str) -> tuple[str, str]:
+    """A new secret `<kind>_<prefix>_<random>` and its public prefix; only its hash is stored.
+
+    Kinds: `gpm` API tokens, `gpj` join tokens, `gpn` node tokens.
+    """
+    prefix = secrets.token_hex(4)
+    return prefix, f"{kind}_{prefix}_{secrets.token_urlsafe(32)}"
+
+
 def api_token_create(
     *, user: User, name: str, expires_at: datetime | None = None
 ) -> tuple[ApiToken, str]:
@@ -29,8 +38,7 @@ def api_token_create(
         raise ValidationFailed("a token needs a name", field="name")
     if expires_at is not None and expires_at <= timezone.now():
         raise ValidationFailed("expires_at must be in the future", field="expires_at")
-    prefix = secrets.token_hex(4)
-    raw = f"{TOKEN_PREFIX}_{prefix}_{secrets.token_urlsafe(32)}"
+    prefix, raw = token_mint(TOKEN_PREFIX)
     token = ApiToken.objects.create(
         user=user, name=name, prefix=prefix, key_hash=token_hash(raw), expires_at=expires_at
     )
