@@ -89,16 +89,21 @@ allocated AS (
     WHERE a.node_id = %(node)s AND a.rental_id IN (SELECT rental_id FROM r)
 ),
 folded AS (
-    -- One row per run: a spooled batch may carry several reports of the same run.
+    -- One row per run: a spooled batch may carry several reports of the same run. Only the
+    -- reports that move the stored segment count: a replayed spool repeats reports that were
+    -- applied before their answer was lost, and those must not be counted twice.
     SELECT r.rental_id, r.run_id,
            min(r.seq) AS first_seq,
            (array_agg(r.seq ORDER BY r.confirmed_at DESC, r.seq DESC))[1] AS last_seq,
-           count(*) AS reports,
+           count(DISTINCT r.seq) AS reports,
            (array_agg(r.gpu_count ORDER BY r.seq))[1] AS gpu_count,
            (array_agg(r.started_at ORDER BY r.seq))[1] AS started_at,
            max(r.confirmed_at) AS confirmed_until,
            bool_or(r.final) AS final
     FROM r JOIN allocated USING (rental_id)
+    LEFT JOIN billing_usagesegment old
+           ON old.rental_id = r.rental_id AND old.node_id = %(node)s AND old.run_id = r.run_id
+    WHERE old.id IS NULL OR r.confirmed_at > old.confirmed_until OR (r.final AND NOT old.final)
     GROUP BY r.rental_id, r.run_id
 ),
 seg AS (

@@ -99,6 +99,40 @@ def test_a_batch_applies_like_the_same_reports_one_by_one(make_node, book):
     assert _meter(batched).gpu_seconds == _meter(one_by_one).gpu_seconds == 6010
 
 
+def test_a_replayed_spool_counts_each_report_once(make_node, book):
+    # Given reports 1-3 applied, and the answer to report 3 lost in a cut connection
+    make_node(price="1.00")
+    booked = book(gpus=1, hours=2, hours_ago=3)
+
+    def batch(seqs):
+        return usage_reports_apply(
+            node_id=booked.node_ids[0],
+            reports=[
+                UsageReport(
+                    rental_id=booked.rental.pk,
+                    run_id="run-1",
+                    seq=seq,
+                    gpu_count=1,
+                    started_at=booked.at(0),
+                    confirmed_at=booked.at(100 * seq),
+                )
+                for seq in seqs
+            ],
+        )
+
+    batch([1, 2, 3])
+    # When the agent replays its spool from report 3, with 4 and 5 written during the outage
+    batch([3, 4, 5, 5])
+    # Then every report counted once, and the segment reaches the last confirmation
+    segment = UsageSegment.objects.get(rental=booked.rental)
+    assert (segment.first_seq, segment.last_seq, segment.reports) == (1, 5, 5)
+    assert segment.confirmed_until == booked.at(500)
+    # And a replay of reports already applied changes nothing
+    batch([4, 5])
+    segment.refresh_from_db()
+    assert (segment.last_seq, segment.reports) == (5, 5)
+
+
 def test_an_agent_that_goes_silent_stops_billing_at_its_last_confirmation(make_node, book):
     make_node(price="2.00")
     booked = book(gpus=4, hours=6, hours_ago=5)
