@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 
 from harness.config import (
@@ -110,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
             return _report(error)
         return 0
 
+    # A stop can come while torch still loads (a rental stopped right after it started): note it
+    # now and act on it once the trainer or the launcher is ready, instead of dying with 143.
+    early: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: early.append(signum))
+
     if not args.config and not args.config_env:
         print("config error: --config FILE or --config-env NAME is required", file=sys.stderr)
         return CONFIG_ERROR_EXIT_CODE
@@ -133,11 +140,16 @@ def main(argv: list[str] | None = None) -> int:
             )
             for override in args.set:
                 worker_args += ["--set", override]
+            if early:
+                return 0  # stopped before any rank started: nothing to checkpoint
             return launch_local(worker_args, nproc)
         # torch loads only now, so a bad config fails fast and the launcher stays light.
         from harness.trainer import Trainer
 
-        Trainer(config).run()
+        trainer = Trainer(config)
+        if early:
+            trainer.request_stop("sigint" if early[0] == signal.SIGINT else "sigterm")
+        trainer.run()
     except ConfigError as error:
         return _report(error)
     return 0

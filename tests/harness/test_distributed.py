@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,30 @@ def test_a_dead_worker_fails_the_job_instead_of_hanging(start_harness, endless_c
     code = process.finish(timeout=60)
     assert code == 128 + signal.SIGKILL
     assert not of_kind(process.events, "summary")
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether the process has installed a handler for `signum` (SigCgt in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_sigterm_while_starting_is_a_clean_stop_not_a_kill(
+    start_harness, endless_config, clean_env, nproc
+):
+    # given a harness that has just started (its handler is in place, training has not begun)
+    process = start_harness(["--config", str(endless_config), "--nproc", str(nproc)], clean_env)
+    deadline = time.monotonic() + 30
+    while not _catches(process.proc.pid, signal.SIGTERM):
+        assert time.monotonic() < deadline, "the harness never installed its SIGTERM handler"
+        time.sleep(0.005)
+    # when a stop arrives at once (the customer stopped the rental as it started)
+    process.proc.send_signal(signal.SIGTERM)
+    code = process.finish(timeout=90)
+    # then it exits 0, as any stop does, never 143; a run that got as far as training says why
+    assert code == 0, process.stderr()
+    summaries = of_kind(process.events, "summary")
+    assert all(s["exit_reason"] == "sigterm" for s in summaries)
