@@ -1,4 +1,4 @@
-"""Web endpoints outside the REST API: Stripe's webhook and the card top-up page."""
+"""Web endpoints outside the REST API: Stripe's webhook, the billing page and card top-ups."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from django.shortcuts import render
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
-from billing import conf, services, stripe_adapter
+from billing import conf, selectors, services, stripe_adapter
 
 log = logging.getLogger(__name__)
 
@@ -53,5 +53,29 @@ def topup_page(request: HttpRequest) -> HttpResponse:
             "enabled": stripe_adapter.is_configured() and bool(settings.STRIPE_PUBLISHABLE_KEY),
             "min_usd": low / 100,
             "max_usd": high / 100,
+        },
+    )
+
+
+LEDGER_ROWS = 50
+
+
+@require_GET
+@login_required
+def account_page(request: HttpRequest) -> HttpResponse:
+    """Balance, what running rentals cost, statements and the latest ledger entries."""
+    summary = selectors.account_summary(user=request.user)
+    entries = list(selectors.ledger_list(user=request.user)[: LEDGER_ROWS + 1])
+    burn = summary.hourly_burn_micros
+    return render(
+        request,
+        "billing/account.html",
+        {
+            "summary": summary,
+            "runway_hours": max(0, summary.available_micros) / burn if burn > 0 else None,
+            "notices": selectors.notice_list(user=request.user)[:5],
+            "invoices": selectors.invoice_list(user=request.user)[:24],
+            "entries": entries[:LEDGER_ROWS],
+            "more_entries": len(entries) > LEDGER_ROWS,
         },
     )

@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,6 +50,26 @@ def _docker_engine(env: dict[str, str]) -> None:
     image_script = ROOT / "deploy" / "harness" / "build-offline.sh"
     if image_script.exists():
         subprocess.run(["bash", str(image_script)], cwd=ROOT, env=env, check=True)
+
+
+CHROMIUM_PACKAGES = ("chromium", "chromium-driver")
+
+
+def _chromium(env: dict[str, str]) -> None:
+    """Headless Chromium and ChromeDriver for the browser tests: Debian's packages, installed
+    when missing (a test tool's own browser download needs a network these machines lack)."""
+    browser = env.get("GPUMARKET_CHROMIUM") or shutil.which("chromium")
+    driver = env.get("GPUMARKET_CHROMEDRIVER") or shutil.which("chromedriver")
+    if not (browser and driver):
+        apt = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *CHROMIUM_PACKAGES]
+        apt_env = {**env, "DEBIAN_FRONTEND": "noninteractive"}
+        if subprocess.run(apt, env=apt_env, check=False).returncode != 0:
+            subprocess.run(["apt-get", "update", "-q"], env=apt_env, check=True, timeout=600)
+            subprocess.run(apt, env=apt_env, check=True, timeout=900)
+        browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (browser and driver):
+        raise RuntimeError("Chromium or ChromeDriver is missing after installing them")
+    env.update(GPUMARKET_CHROMIUM=browser, GPUMARKET_CHROMEDRIVER=driver)
 
 
 def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 30) -> None:
@@ -114,6 +135,8 @@ def cmd_test(pytest_args: list[str]) -> int:
                 return 1
         print("== docker engine and harness image", flush=True)
         _docker_engine(env)
+        print("== chromium for the browser tests", flush=True)
+        _chromium(env)
         print("== localstripe", flush=True)
         stripe_server = _localstripe(env)
         print("== pytest", flush=True)
@@ -196,6 +219,7 @@ def cmd_up(port: int) -> int:
             )
             print(f"started {name} (log: {logs / name}.log)", flush=True)
         print(f"\nGPU marketplace on http://127.0.0.1:{port}/", flush=True)
+        print("  web UI    log in as demo, see .var/dev/demo_password", flush=True)
         print(f"  API docs  http://127.0.0.1:{port}/api/docs/", flush=True)
         print(f"  admin     http://127.0.0.1:{port}/admin/  (user: ops, see .var/dev/ops_password)")
         print("Ctrl-C stops everything.", flush=True)

@@ -24,4 +24,5 @@ urlpatterns = [
     path("api/v1/rentals/", include(rental_urlpatterns)),
     path("api/agent/v1/", include(agent_urlpatterns)),
     path("healthz", healthz),
+    path("", include("marketplace.web.urls")),
 ]

@@ -50,6 +50,22 @@ class OfferFilters:
     ordering: str = "price"
 
 
+def offer_filters(data: dict) -> OfferFilters:
+    """OfferFilters from the validated offers query (API and web page alike)."""
+    return OfferFilters(
+        gpu_models=data.get("gpu_model", ()),
+        gpu_families=data.get("gpu_family", ()),
+        min_memory_gb=data.get("min_memory_gb"),
+        min_tensor_tflops=data.get("min_tensor_tflops"),
+        min_free_gpus=data.get("min_free_gpus"),
+        nvlink=data.get("nvlink"),
+        region=data.get("region"),
+        max_price=data.get("max_price"),
+        min_reliability=data.get("min_reliability"),
+        ordering=data["ordering"],
+    )
+
+
 def gpu_model_list() -> QuerySet[GpuModel]:
     return GpuModel.objects.all()
 

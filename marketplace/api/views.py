@@ -63,18 +63,7 @@ class OfferListView(APIView):
         query = OfferQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)
         data = query.validated_data
-        filters = selectors.OfferFilters(
-            gpu_models=data.get("gpu_model", ()),
-            gpu_families=data.get("gpu_family", ()),
-            min_memory_gb=data.get("min_memory_gb"),
-            min_tensor_tflops=data.get("min_tensor_tflops"),
-            min_free_gpus=data.get("min_free_gpus"),
-            nvlink=data.get("nvlink"),
-            region=data.get("region"),
-            max_price=data.get("max_price"),
-            min_reliability=data.get("min_reliability"),
-            ordering=data["ordering"],
-        )
+        filters = selectors.offer_filters(data)
         limit, offset = data["limit"], data["offset"]
         rows = selectors.offer_list(filters=filters, limit=limit + 1, offset=offset)
         return Response(

@@ -241,3 +241,32 @@ def start_agent(live_server, join_token, stack_env, tmp_path):
     yield start
     for agent in agents:
         agent.stop()
+
+
+@pytest.fixture
+def browser(tmp_path):
+    """Headless Chromium driven through ChromeDriver (Debian's packages; the test command
+    installs them). Fails, never skips, when they are missing."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    binary = os.environ.get("GPUMARKET_CHROMIUM", "/usr/bin/chromium")
+    driver_path = os.environ.get("GPUMARKET_CHROMEDRIVER", "/usr/bin/chromedriver")
+    for path in (binary, driver_path):
+        assert os.path.exists(path), f"{path} is missing: run the README's test command"
+    options = webdriver.ChromeOptions()
+    options.binary_location = binary
+    for flag in (
+        "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+        "--disable-quic", "--no-first-run", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--window-size=1400,1000",
+        f"--user-data-dir={tmp_path / 'chromium'}",
+    ):  # fmt: skip
+        options.add_argument(flag)
+    driver = webdriver.Chrome(
+        service=Service(executable_path=driver_path, log_output=str(tmp_path / "chromedriver.log")),
+        options=options,
+    )
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()

@@ -1,0 +1,1 @@
+"""The customer web UI: server-rendered pages whose actions call the REST API."""

@@ -1,0 +1,146 @@
+"""Customer pages. Reads go through the selectors; every action (advise, book, stop, tokens) is
+a call from the page to the REST API with the session, so the browser gets exactly the
+validation and the errors a program gets."""
+
+from __future__ import annotations
+
+from urllib.parse import urlencode
+
+from django.conf import settings
+from django.contrib.auth.decorators import login_required
+from django.core.paginator import Paginator
+from django.http import Http404, HttpRequest, HttpResponse
+from django.shortcuts import render
+from django.views.decorators.http import require_GET
+
+from marketplace import selectors
+from marketplace.advisor import PRESETS
+from marketplace.api.serializers import OfferQuerySerializer
+from marketplace.models import RentalStatus
+
+OFFER_PAGE = 50
+ORDERINGS = [
+    ("price", "price, lowest first"),
+    ("price_per_tflop", "$ per TFLOP-hour, lowest first"),
+    ("-tflops", "tensor TFLOPS, highest first"),
+    ("-memory", "memory, largest first"),
+    ("-free_gpus", "free GPUs, most first"),
+    ("-reliability", "reliability, highest first"),
+    ("-price", "price, highest first"),
+]
+ACTIVE = {
+    RentalStatus.PENDING,
+    RentalStatus.SCHEDULED,
+    RentalStatus.PROVISIONING,
+    RentalStatus.RUNNING,
+    RentalStatus.STOPPING,
+}
+
+
+@require_GET
+def offers(request: HttpRequest) -> HttpResponse:
+    """What is free right now, filtered like GET /api/v1/offers/ (the same validation)."""
+    # A form submits its empty fields; an empty field is no constraint.
+    query = {key: value for key, value in request.GET.items() if value.strip()}
+    form = OfferQuerySerializer(data=query)
+    context = {
+        "query": query,
+        "catalog": selectors.gpu_model_list(),
+        "orderings": ORDERINGS,
+        "ordering": query.get("ordering", "price"),
+        "rows": [],
+        "errors": [],
+    }
+    if not form.is_valid():
+        context["errors"] = [
+            f"{field}: {' '.join(str(m) for m in messages)}"
+            for field, messages in form.errors.items()
+        ]
+        return render(request, "web/offers.html", context, status=400)
+    data = form.validated_data
+    offset = data["offset"]
+    rows = selectors.offer_list(
+        filters=selectors.offer_filters(data), limit=OFFER_PAGE + 1, offset=offset
+    )
+    context["rows"] = rows[:OFFER_PAGE]
+    base = {k: v for k, v in query.items() if k != "offset"}
+    if len(rows) > OFFER_PAGE:
+        context["next_query"] = urlencode({**base, "offset": offset + OFFER_PAGE})
+    if offset:
+        context["previous_query"] = urlencode({**base, "offset": max(0, offset - OFFER_PAGE)})
+    return render(request, "web/offers.html", context)
+
+
+@require_GET
+def advisor(request: HttpRequest) -> HttpResponse:
+    """Which card to rent for a training run, and what it costs; each answer books in one step."""
+    return render(request, "web/advisor.html", {"presets": sorted(PRESETS, key=PRESETS.get)})
+
+
+@require_GET
+@login_required
+def rentals(request: HttpRequest) -> HttpResponse:
+    status = request.GET.get("status") or None
+    if status is not None and status not in RentalStatus.values:
+        return render(
+            request,
+            "web/rentals.html",
+            {"errors": [f"status: unknown status {status!r}"], "statuses": RentalStatus.values},
+            status=400,
+        )
+    page = Paginator(selectors.rental_list(customer=request.user, status=status), 50).get_page(
+        request.GET.get("page")
+    )
+    return render(
+        request,
+        "web/rentals.html",
+        {"page": page, "status": status, "statuses": RentalStatus.values, "errors": []},
+    )
+
+
+@require_GET
+@login_required
+def rental_new(request: HttpRequest) -> HttpResponse:
+    """A rental request with every constraint the API takes; prefilled from an offer's link."""
+    return render(
+        request,
+        "web/rental_new.html",
+        {
+            "catalog": selectors.gpu_model_list(),
+            "harness_image": settings.GPUMARKET["HARNESS_IMAGE"],
+            "initial": {
+                "gpu_model": request.GET.get("gpu_model", ""),
+                "gpus_per_node": request.GET.get("gpus", "1"),
+                "region": request.GET.get("region", ""),
+                "max_price": request.GET.get("max_price", ""),
+            },
+        },
+    )
+
+
+@require_GET
+@login_required
+def rental_detail(request: HttpRequest, rental_id) -> HttpResponse:
+    rental = selectors.rental_get(customer=request.user, rental_id=rental_id)
+    if rental is None:  # another account's rental is as absent as one that never existed
+        raise Http404("no such rental")
+    return render(
+        request,
+        "web/rental_detail.html",
+        {
+            "rental": rental,
+            "active": rental.status in ACTIVE,
+            "cancellable": rental.status in (RentalStatus.PENDING, RentalStatus.SCHEDULED),
+            "stoppable": rental.status in (RentalStatus.PROVISIONING, RentalStatus.RUNNING),
+        },
+    )
+
+
+@require_GET
+@login_required
+def tokens(request: HttpRequest) -> HttpResponse:
+    return render(
+        request,
+        "web/tokens.html",
+        {"tokens": selectors.api_token_list(user=request.user).order_by("-created_at")},
+    )

@@ -1,0 +1,208 @@
+"""The customer web UI in a real headless Chromium, against the live server, a real Celery
+worker and a real node agent running the rental as a Docker container."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import Select, WebDriverWait
+
+from marketplace.models import ApiToken, Node, NodeStatus, Rental, RentalStatus
+from marketplace.services import token_hash
+from provisioning.models import RunMetric
+from tests.e2e.conftest import managed_containers, wait_for
+from tests.factories import UserFactory
+
+pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+
+PASSWORD = "pw-not-secret"  # tests.factories.UserFactory's
+
+
+def _wait(driver, check, timeout: float = 30, what: str = ""):
+    return WebDriverWait(
+        driver,
+        timeout,
+        poll_frequency=0.2,
+        ignored_exceptions=(NoSuchElementException, StaleElementReferenceException),
+    ).until(check, what)
+
+
+def _text(driver, element_id: str) -> str:
+    return driver.find_element(By.ID, element_id).text
+
+
+def _log_in(driver, base: str, user, then: str) -> None:
+    driver.get(f"{base}/accounts/login/?next={then}")
+    driver.find_element(By.ID, "id_username").send_keys(user.username)
+    driver.find_element(By.ID, "id_password").send_keys(PASSWORD)
+    driver.find_element(By.CSS_SELECTOR, "main form button[type=submit]").click()
+    _wait(driver, lambda d: d.current_url.endswith(then), what=f"the login to land on {then}")
+
+
+def _status_badge(driver) -> str:
+    return driver.find_element(By.ID, "status").text
+
+
+@pytest.fixture
+def funded(settings, user):
+    """The real path: the funds check is on and the customer has credit from ops."""
+    from billing.services.ledger import account_adjust, account_for_customer
+
+    settings.BILLING_FUNDS_CHECK = True
+    account = account_for_customer(user=user)
+    account_adjust(account_id=account.pk, amount_micros=50_000_000, reason="e2e credit", actor=None)
+    return user
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_containers(request):
+    yield
+    if "docker_client" in request.fixturenames:
+        client = request.getfixturevalue("docker_client")
+        for container in managed_containers(client):
+            container.remove(force=True)
+
+
+def test_a_customer_finds_a_card_books_the_advice_and_stops_it_in_the_browser(
+    browser, live_server, funded, celery_worker, start_agent, docker_client
+):
+    base = live_server.url
+    # Given a provider's host joined through the real agent: two (simulated) RTX 4090 at $0.60
+    start_agent()
+    wait_for(
+        lambda: Node.objects.filter(region="e2e", status=NodeStatus.ONLINE).exists(),
+        90,
+        "the agent to join",
+    )
+
+    # The offers page lists it to anyone, and its filters narrow the list
+    browser.get(f"{base}/")
+    row = _wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, "#offers tbody tr"))
+    assert "RTX 4090" in row.text and "2 / 2" in row.text and "0.60" in row.text
+    browser.find_element(By.ID, "f-max_price").send_keys("0.10")
+    browser.find_element(By.CSS_SELECTOR, "#filters button[type=submit]").click()
+    _wait(browser, lambda d: d.find_element(By.ID, "no-offers").is_displayed())
+
+    # The advisor answers before login; booking needs an account
+    _log_in(browser, base, funded, "/advisor/")
+    Select(browser.find_element(By.ID, "a-model")).select_by_value("gpt2-small")
+    tokens = browser.find_element(By.ID, "a-tokens_b")
+    tokens.clear()
+    tokens.send_keys("0.0001")
+    browser.find_element(By.ID, "a-submit").click()
+    option = _wait(
+        browser,
+        lambda d: d.find_element(By.CSS_SELECTOR, "#options tr[data-card='rtx4090-24gb']"),
+        what="the advisor's RTX 4090 answer",
+    )
+    assert "$" in option.find_element(By.CSS_SELECTOR, "td.cost").text
+
+    # Book it in one step: the page of the new rental opens and follows it to RUNNING
+    option.find_element(By.CSS_SELECTOR, "button.book").click()
+    _wait(browser, lambda d: re.search(r"/rentals/[0-9a-f-]{36}/$", d.current_url), what="booking")
+    rental_id = re.search(r"/rentals/([0-9a-f-]{36})/$", browser.current_url).group(1)
+    rental = Rental.objects.get(pk=rental_id)
+    assert rental.customer == funded and rental.gpu_models == ["rtx4090-24gb"]
+    _wait(browser, lambda d: _status_badge(d) == "RUNNING", 180, "RUNNING on the page")
+    rental.refresh_from_db()
+    assert rental.status == RentalStatus.RUNNING
+    assert str(rental.price_per_gpu_hour) == "0.6000"  # locked at booking
+    assert "$0.6000/GPU-hour" in _text(browser, "price")
+    assert len(managed_containers(docker_client, rental_id)) == 1
+    gpus = browser.find_elements(By.CSS_SELECTOR, "#allocations tbody tr")
+    assert len(gpus) == rental.gpus_per_node
+
+    # Stop once it trains: the harness checkpoints, the rental completes, the container is gone
+    wait_for(
+        lambda: RunMetric.objects.filter(rental_id=rental_id, event="step").exists(),
+        120,
+        "the first training step",
+    )
+    browser.find_element(By.ID, "stop").click()
+    browser.switch_to.alert.accept()
+    _wait(browser, lambda d: _status_badge(d) == "COMPLETED", 180, "COMPLETED")
+    rental.refresh_from_db()
+    assert (rental.status, rental.exit_code) == (RentalStatus.COMPLETED, 0)
+    history = _text(browser, "events")
+    for step in ("SCHEDULED", "PROVISIONING", "RUNNING", "STOPPING", "COMPLETED"):
+        assert step in history
+    wait_for(lambda: not managed_containers(docker_client, rental_id), 60, "the container to go")
+    assert not browser.find_elements(By.ID, "stop")
+
+    # The list of rentals shows it, and another customer cannot see it at all
+    browser.get(f"{base}/rentals/")
+    assert "COMPLETED" in _text(browser, "rentals")
+    other = UserFactory()
+    browser.get(f"{base}/")
+    browser.find_element(By.CSS_SELECTOR, "header form button").click()  # log out
+    _log_in(browser, base, other, "/rentals/")
+    browser.get(f"{base}/rentals/{rental_id}/")
+    assert "Not Found" in browser.title or "Not Found" in browser.page_source
+    assert not browser.find_elements(By.ID, "status")
+
+
+def test_bad_input_is_named_in_the_page_and_stores_nothing(browser, live_server, user, make_node):
+    base = live_server.url
+    make_node(card="a100-sxm4-80gb", gpus=8, price="1.50")
+    # A filter that is not a number: the page names it and lists nothing
+    browser.get(f"{base}/?max_price=cheap")
+    assert "max_price" in _text(browser, "errors")
+    assert not browser.find_elements(By.ID, "offers")
+
+    _log_in(browser, base, user, "/rentals/new/")
+    # Zero GPUs: refused by the API, the page names the field, no rental row exists
+    count = browser.find_element(By.ID, "r-gpus_per_node")
+    count.clear()
+    count.send_keys("0")
+    browser.find_element(By.ID, "r-submit").click()
+    _wait(browser, lambda d: "gpus_per_node" in _text(d, "errors"), what="the field error")
+    # More GPUs per node than any node has: refused at create with the reason
+    count.clear()
+    count.send_keys("16")
+    browser.find_element(By.ID, "r-submit").click()
+    _wait(browser, lambda d: "16" in _text(d, "errors"), what="the never-fits reason")
+    assert Rental.objects.count() == 0
+
+    # A request that fits is created and opens its page
+    count.clear()
+    count.send_keys("2")
+    Select(browser.find_element(By.ID, "r-gpu_model")).select_by_value("a100-sxm4-80gb")
+    browser.find_element(By.ID, "r-submit").click()
+    _wait(browser, lambda d: "/rentals/new/" not in d.current_url, what="the rental page")
+    rental = Rental.objects.get()
+    assert (rental.customer, rental.gpus_per_node, rental.gpu_models) == (
+        user,
+        2,
+        ["a100-sxm4-80gb"],
+    )
+    assert _status_badge(browser).lower() in RentalStatus.values
+
+
+def test_an_api_token_is_shown_once_stored_hashed_and_revoked_in_the_browser(
+    browser, live_server, user
+):
+    base = live_server.url
+    _log_in(browser, base, user, "/tokens/")
+    browser.find_element(By.ID, "t-name").send_keys("laptop")
+    browser.find_element(By.CSS_SELECTOR, "#token-form button").click()
+    secret = _wait(browser, lambda d: _text(d, "secret"), what="the new token")
+    token = ApiToken.objects.get(user=user, name="laptop")
+    # Stored as a hash only; the page shows it once
+    assert token.key_hash == token_hash(secret) and secret not in token.key_hash
+    browser.refresh()
+    assert secret not in browser.page_source
+    assert token.prefix in _text(browser, "tokens")
+    # Bad input is named and stores nothing
+    browser.find_element(By.ID, "t-name").send_keys("ci")
+    browser.find_element(By.ID, "t-days").send_keys("soon")
+    browser.find_element(By.CSS_SELECTOR, "#token-form button").click()
+    _wait(browser, lambda d: "expires_in_days" in _text(d, "errors"))
+    assert not ApiToken.objects.filter(name="ci").exists()
+    # Revoke: the token stops working at once
+    browser.find_element(By.CSS_SELECTOR, f"tr[data-token='{token.pk}'] button.revoke").click()
+    _wait(browser, lambda d: "revoked" in _text(d, "tokens"))
+    token.refresh_from_db()
+    assert token.revoked_at is not None
