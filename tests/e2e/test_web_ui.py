@@ -121,6 +121,16 @@ def test_a_customer_finds_a_card_books_the_advice_and_stops_it_in_the_browser(
         120,
         "the first training step",
     )
+    # The page shows the harness's progress as it comes: step, loss, throughput, a loss chart
+    _wait(
+        browser,
+        lambda d: d.find_element(By.ID, "training").is_displayed() and int(_text(d, "m-step")) >= 1,
+        60,
+        "training progress on the page",
+    )
+    assert float(_text(browser, "m-loss")) > 0
+    assert "tokens/s" in _text(browser, "m-speed")
+    assert browser.find_element(By.CSS_SELECTOR, "#loss-chart polyline").get_attribute("points")
     browser.find_element(By.ID, "stop").click()
     browser.switch_to.alert.accept()
     _wait(browser, lambda d: _status_badge(d) == "COMPLETED", 180, "COMPLETED")
