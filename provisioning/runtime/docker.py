@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import random
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -163,6 +164,21 @@ def parse_docker_time_ns(value: str | None) -> int | None:
     return seconds * 1_000_000_000 + int((frac or "0")[:9].ljust(9, "0"))
 
 
+# Docker's log drivers store a line longer than 16 KiB as 16 KiB partial messages, each with its
+# own timestamp and no newline; read back with timestamps, the next chunk's stamp sits right after
+# each full chunk. That is where they are cut out to give the line back whole.
+_PARTIAL_BYTES = 16 * 1024
+_STAMP = re.compile(rb"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{1,9})?Z ")
+
+
+def _join_partials(text: bytes) -> bytes:
+    at = _PARTIAL_BYTES
+    while len(text) > at and (stamp := _STAMP.match(text, at)):
+        text = text[:at] + text[stamp.end() :]
+        at += _PARTIAL_BYTES
+    return text
+
+
 def _state_from_attrs(attrs: dict[str, Any]) -> ContainerState:
     labels = attrs.get("Config", {}).get("Labels") or {}
     state = attrs.get("State", {})
@@ -305,6 +321,7 @@ class DockerDriver:
         seen_at_cursor = 0
         for entry in raw.split(b"\n")[:-1]:  # the part after the last newline is incomplete
             stamp, _, text = entry.partition(b" ")
+            text = _join_partials(text)
             ns = parse_docker_time_ns(stamp.decode("ascii", errors="replace"))
             if ns is None or ns < cur_ns:
                 continue

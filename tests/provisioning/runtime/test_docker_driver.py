@@ -259,6 +259,23 @@ def test_output_cursor_is_exact_within_one_second(docker_driver, make_spec):
     assert first + second == [str(i) for i in range(100)]
 
 
+def test_a_line_longer_than_dockers_16_kib_chunks_comes_back_whole(docker_driver, make_spec):
+    # given a container printing lines Docker stores in 16 KiB partial chunks (each with its
+    # own timestamp), around short ones
+    spec = make_spec(
+        """
+        print("before", flush=True)
+        print("x" * 40000 + "end", flush=True)
+        print("y" * 16384, flush=True)
+        print("after", flush=True)
+        """
+    )
+    docker_driver.start(spec)
+    lines, _ = collect_output(docker_driver, spec.run_id, None, 4)
+    # then every line is whole, with no timestamp spliced into it
+    assert lines == ["before", "x" * 40000 + "end", "y" * 16384, "after"]
+
+
 def test_error_classification():
     assert isinstance(
         classify_docker_error(docker.errors.APIError("boom", explanation="daemon busy")),
