@@ -21,7 +21,6 @@ from django.utils import timezone
 
 from marketplace.locks import advisory_lock
 from marketplace.models import (
-    Allocation,
     Gpu,
     Node,
     NodeStatus,
@@ -121,14 +120,15 @@ def engine_nodes(nodes: QuerySet[Node] | Iterable[Node]) -> list[engine.Node]:
 
 
 def engine_request(row: dict) -> engine.Request:
+    """A pending rental row (its times as epoch seconds) as the engine's request."""
     return engine.Request(
         rental_id=row["id"],
-        created_at=_ts(row["created_at"]),
+        created_at=row["created_at"],
         gpus_per_node=row["gpus_per_node"],
         node_count=row["node_count"],
         duration=float(row["duration_s"]),
-        start=_ts(row["start_at"]),
-        start_deadline=_ts(row["start_deadline"]),
+        start=row["start_at"],
+        start_deadline=row["start_deadline"],
         priority=row["priority"],
         gpu_models=frozenset(row["gpu_models"]) or None,
         gpu_families=frozenset(row["gpu_families"]) or None,
@@ -143,62 +143,79 @@ def engine_request(row: dict) -> engine.Request:
     )
 
 
-_REQUEST_FIELDS = (
-    "id",
-    "created_at",
-    "gpus_per_node",
-    "node_count",
-    "duration_s",
-    "start_at",
-    "start_deadline",
-    "priority",
-    "gpu_models",
-    "gpu_families",
-    "min_memory_gb",
-    "min_tensor_tflops",
-    "same_group",
-    "region",
-    "pool",
-    "max_price_per_gpu_hour",
-    "kind",
-    "bid_per_gpu_hour",
-)
+# The snapshot's hot reads in SQL: times come back as epoch seconds (float8), which the engine
+# uses, instead of datetimes and ranges that cost more to parse than the rest of the snapshot.
+_BUSY_SQL = """
+SELECT a.gpu_id, a.rental_id,
+       extract(epoch FROM lower(a.during))::float8, extract(epoch FROM upper(a.during))::float8,
+       r.kind, r.price_per_gpu_hour, r.priority
+FROM marketplace_allocation a JOIN marketplace_rental r ON r.id = a.rental_id
+WHERE a.node_id = ANY(%(nodes)s) AND a.released_at IS NULL AND upper(a.during) > %(now)s
+"""
+_PENDING_SQL = """
+SELECT id, extract(epoch FROM created_at)::float8 AS created_at, gpus_per_node, node_count,
+       duration_s, extract(epoch FROM start_at)::float8 AS start_at,
+       extract(epoch FROM start_deadline)::float8 AS start_deadline, priority, gpu_models,
+       gpu_families, min_memory_gb, min_tensor_tflops, same_group, region, pool,
+       max_price_per_gpu_hour, kind, bid_per_gpu_hour
+FROM marketplace_rental
+WHERE pool = %(pool)s AND status = %(pending)s
+ORDER BY created_at
+"""
+# What the engine reads of a pool's online nodes and their GPUs, folded into one digest: while it
+# is unchanged, the nodes mapped last time are still exact and are not read again.
+_INVENTORY_DIGEST_SQL = """
+SELECT count(*), md5(string_agg(concat_ws(
+           ':', n.id, n.region, n.price_per_gpu_hour, n.min_bid_per_gpu_hour, n.reliability,
+           n.nvlink, m.slug, m.family, m.memory_gb, m.tensor_tflops, g.gpus),
+       ',' ORDER BY n.id))
+FROM marketplace_node n
+JOIN marketplace_gpumodel m ON m.id = n.gpu_model_id
+CROSS JOIN LATERAL (
+    SELECT string_agg(concat_ws('/', id, index, topology_group), ',' ORDER BY index) AS gpus
+    FROM marketplace_gpu WHERE node_id = n.id
+) g
+WHERE n.pool = %(pool)s AND n.status = %(online)s
+"""
+# pool -> (digest, nodes); per process (each worker keeps its own).
+_inventory: dict[str, tuple[tuple, tuple[engine.Node, ...]]] = {}
+
+
+def _pool_nodes(pool: str) -> tuple[engine.Node, ...]:
+    with connection.cursor() as cursor:
+        cursor.execute(_INVENTORY_DIGEST_SQL, {"pool": pool, "online": NodeStatus.ONLINE})
+        digest = tuple(cursor.fetchone())
+    cached = _inventory.get(pool)
+    if cached is not None and cached[0] == digest:
+        return cached[1]
+    nodes = tuple(
+        engine_nodes(Node.objects.filter(pool=pool, status=NodeStatus.ONLINE).order_by("id"))
+    )
+    _inventory[pool] = (digest, nodes)
+    return nodes
 
 
 def snapshot_take(*, pool: str, now: datetime) -> engine.Snapshot:
     """Free capacity of the pool's online nodes, what holds it, and the pending queue."""
-    nodes = engine_nodes(Node.objects.filter(pool=pool, status=NodeStatus.ONLINE).order_by("id"))
-    node_ids = [n.node_id for n in nodes]
-    busy = [
-        engine.Busy(
-            gpu_id=gpu_id,
-            rental_id=rental_id,
-            start=_ts(during.lower),
-            end=_ts(during.upper),
-            interruptible=kind == RentalKind.INTERRUPTIBLE,
-            price=price or 0,
-            priority=priority,
-        )
-        for gpu_id, rental_id, during, kind, price, priority in Allocation.objects.filter(
-            node_id__in=node_ids, released_at__isnull=True, during__endswith__gt=now
-        ).values_list(
-            "gpu_id",
-            "rental_id",
-            "during",
-            "rental__kind",
-            "rental__price_per_gpu_hour",
-            "rental__priority",
-        )
-    ]
-    pending = [
-        engine_request(row)
-        for row in Rental.objects.filter(pool=pool, status=RentalStatus.PENDING)
-        .order_by("created_at")
-        .values(*_REQUEST_FIELDS)
-    ]
-    return engine.Snapshot(
-        now=_ts(now), nodes=tuple(nodes), busy=tuple(busy), pending=tuple(pending)
-    )
+    nodes = _pool_nodes(pool)
+    with connection.cursor() as cursor:
+        cursor.execute(_BUSY_SQL, {"nodes": [n.node_id for n in nodes], "now": now})
+        busy = [
+            engine.Busy(
+                gpu_id=gpu_id,
+                rental_id=rental_id,
+                start=start,
+                end=end,
+                interruptible=kind == RentalKind.INTERRUPTIBLE,
+                price=price or 0,
+                priority=priority,
+            )
+            for gpu_id, rental_id, start, end, kind, price, priority in cursor.fetchall()
+        ]
+        cursor.execute(_PENDING_SQL, {"pool": pool, "pending": RentalStatus.PENDING})
+        columns = [c.name for c in cursor.description]
+        pending = [engine_request(dict(zip(columns, row, strict=True))) for row in cursor]
+    return engine.Snapshot(now=_ts(now), nodes=nodes, busy=tuple(busy), pending=tuple(pending))
 
 
 @dataclass
@@ -410,7 +427,7 @@ def scheduler_cycle_run(
             result.rounds += 1
             for name, secs in (("snapshot", t1 - t0), ("plan", t2 - t1), ("bind", t3 - t2)):
                 result.seconds[name] = result.seconds.get(name, 0.0) + secs
-            newest = max(_dt(r.created_at) for r in snapshot.pending)
+            newest = _dt(max(r.created_at for r in snapshot.pending))
             if not Rental.objects.filter(
                 pool=pool, status=RentalStatus.PENDING, created_at__gt=newest
             ).exists():
