@@ -6,20 +6,23 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from django.db import connection
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet, Sum
+from django.utils import timezone
 
 from billing.models import (
     Account,
     AccountKind,
     BalanceNotice,
+    EntryKind,
     Invoice,
     LedgerEntry,
+    Payout,
     TelemetryMinute,
     TopUp,
     UsageMeter,
     UsageSegment,
 )
-from marketplace.models import Rental, RentalStatus, User
+from marketplace.models import Provider, Rental, RentalStatus, User
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,3 +150,49 @@ def rental_segments(*, rental: Rental) -> QuerySet[UsageSegment]:
 
 def rental_meters(*, rental: Rental) -> QuerySet[UsageMeter]:
     return UsageMeter.objects.filter(rental=rental).select_related("node").order_by("node_id")
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderEarnings:
+    """What a provider has earned and been paid, in micro-dollars (its share, after the fee)."""
+
+    provider: Provider
+    balance_micros: int  # earned and not yet paid out
+    earned_this_month_micros: int
+    earned_total_micros: int
+    paid_out_micros: int
+    entries: list[LedgerEntry]
+    payouts: list[Payout]
+
+
+def provider_earnings(*, owner: User, entries: int = 50) -> list[ProviderEarnings]:
+    """Earnings of each provider the user owns, with the latest entries and payouts."""
+    month = timezone.now().replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    out = []
+    for provider in Provider.objects.filter(owner=owner).order_by("name"):
+        account = Account.objects.filter(kind=AccountKind.PROVIDER, provider=provider).first()
+        if account is None:
+            out.append(ProviderEarnings(provider, 0, 0, 0, 0, [], []))
+            continue
+        ledger = LedgerEntry.objects.filter(account=account)
+        sums = ledger.aggregate(
+            total=Sum("amount_micros", filter=Q(kind=EntryKind.EARNING)),
+            month=Sum("amount_micros", filter=Q(kind=EntryKind.EARNING, created_at__gte=month)),
+            paid=Sum(
+                "amount_micros", filter=Q(kind__in=[EntryKind.PAYOUT, EntryKind.PAYOUT_REVERSAL])
+            ),
+        )
+        out.append(
+            ProviderEarnings(
+                provider=provider,
+                balance_micros=account.balance_micros,
+                earned_this_month_micros=sums["month"] or 0,
+                earned_total_micros=sums["total"] or 0,
+                paid_out_micros=-(sums["paid"] or 0),
+                entries=list(
+                    ledger.select_related("rental").order_by("-created_at", "-id")[:entries]
+                ),
+                payouts=list(Payout.objects.filter(account=account).order_by("-created_at")[:20]),
+            )
+        )
+    return out

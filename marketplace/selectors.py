@@ -6,12 +6,16 @@ from dataclasses import dataclass
 from decimal import Decimal
 
 from django.db import connection
-from django.db.models import Prefetch, QuerySet
+from django.db.models import Count, OuterRef, Prefetch, QuerySet, Subquery
+from django.db.models.functions import Coalesce
+from django.utils import timezone
 
 from marketplace.models import (
     Allocation,
     ApiToken,
     GpuModel,
+    Node,
+    Provider,
     Rental,
     RentalEvent,
     User,
@@ -208,3 +212,32 @@ def advisor_inputs(*, region: str | None) -> tuple[list, list]:
             for row in rows
         )
     return cards, offers
+
+
+def provider_list(*, owner: User) -> QuerySet[Provider]:
+    return Provider.objects.filter(owner=owner).order_by("name")
+
+
+def _with_rented_gpus(nodes: QuerySet[Node]) -> QuerySet[Node]:
+    rented = (
+        Allocation.objects.filter(
+            node=OuterRef("pk"), released_at__isnull=True, during__contains=timezone.now()
+        )
+        .order_by()
+        .values("node")
+        .annotate(n=Count("gpu", distinct=True))
+        .values("n")
+    )
+    return nodes.select_related("gpu_model").annotate(rented_gpus=Coalesce(Subquery(rented), 0))
+
+
+def provider_nodes(*, owner: User, provider_id: int) -> QuerySet[Node] | None:
+    """The owner's provider's nodes with the GPUs rented now; another owner's provider: None."""
+    if not Provider.objects.filter(pk=provider_id, owner=owner).exists():
+        return None
+    return _with_rented_gpus(Node.objects.filter(provider_id=provider_id)).order_by("hostname")
+
+
+def provider_node(*, owner: User, node_id: int) -> Node | None:
+    """One of the owner's nodes with the GPUs rented now; another owner's node: None."""
+    return _with_rented_gpus(Node.objects.filter(pk=node_id, provider__owner=owner)).first()

@@ -14,6 +14,7 @@ from billing.models import (
     Invoice,
     InvoiceLine,
     LedgerEntry,
+    Payout,
     TelemetryMinute,
     TopUp,
     UsageMeter,
@@ -212,3 +213,20 @@ class RentalUsageSerializer(serializers.Serializer):
     )
     meters = UsageMeterSerializer(many=True)
     segments = UsageSegmentSerializer(many=True)
+
+
+class PayoutSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Payout
+        fields = ["id", "amount_micros", "method", "status", "created_at", "updated_at"]
+
+
+class ProviderEarningsSerializer(serializers.Serializer):
+    provider_id = serializers.IntegerField(source="provider.pk")
+    provider = serializers.CharField(source="provider.name")
+    balance_micros = serializers.IntegerField(help_text="earned and not yet paid out")
+    earned_this_month_micros = serializers.IntegerField()
+    earned_total_micros = serializers.IntegerField()
+    paid_out_micros = serializers.IntegerField()
+    entries = LedgerEntrySerializer(many=True)
+    payouts = PayoutSerializer(many=True)

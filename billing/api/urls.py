@@ -5,6 +5,7 @@ from billing.api import views
 urlpatterns = [
     path("account/", views.AccountView.as_view(), name="billing-account"),
     path("ledger/", views.LedgerListView.as_view(), name="billing-ledger"),
+    path("earnings/", views.EarningsView.as_view(), name="billing-earnings"),
     path("notices/", views.NoticeListView.as_view(), name="billing-notices"),
     path("topups/", views.TopUpListCreateView.as_view(), name="billing-topups"),
     path("invoices/", views.InvoiceListView.as_view(), name="billing-invoices"),

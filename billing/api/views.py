@@ -18,6 +18,7 @@ from billing.api.serializers import (
     InvoiceSerializer,
     LedgerEntrySerializer,
     NoticeSerializer,
+    ProviderEarningsSerializer,
     RentalUsageSerializer,
     TelemetryMinuteSerializer,
     TelemetryQuerySerializer,
@@ -162,3 +163,16 @@ class RentalUsageView(APIView):
             "segments": selectors.rental_segments(rental=rental),
         }
         return Response(RentalUsageSerializer(usage).data)
+
+
+class EarningsView(APIView):
+    """For provider owners: each provider's earnings (its share after the platform fee), what is
+    still to be paid out, the latest ledger entries and payouts."""
+
+    @extend_schema(responses=ProviderEarningsSerializer(many=True))
+    def get(self, request: Request) -> Response:
+        return Response(
+            ProviderEarningsSerializer(
+                selectors.provider_earnings(owner=request.user), many=True
+            ).data
+        )

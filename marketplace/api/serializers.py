@@ -357,3 +357,54 @@ class AdvisorOptionSerializer(serializers.Serializer):
     price_per_gpu_hour = serializers.DecimalField(max_digits=10, decimal_places=4)
     cost = serializers.DecimalField(max_digits=14, decimal_places=2)
     notes = serializers.ListField(child=serializers.CharField())
+
+
+class ProviderSerializer(serializers.Serializer):
+    id = serializers.IntegerField()
+    name = serializers.CharField()
+
+
+class ProviderNodeSerializer(serializers.Serializer):
+    """One of your nodes as its provider sees it: listing, state and how much of it is rented."""
+
+    id = serializers.IntegerField()
+    hostname = serializers.CharField()
+    region = serializers.CharField()
+    pool = serializers.CharField()
+    status = serializers.CharField()
+    gpu_model = serializers.CharField(source="gpu_model.slug")
+    gpu_name = serializers.CharField(source="gpu_model.name")
+    gpu_count = serializers.IntegerField()
+    rented_gpus = serializers.IntegerField()
+    price_per_gpu_hour = serializers.DecimalField(max_digits=10, decimal_places=4)
+    min_bid_per_gpu_hour = serializers.DecimalField(max_digits=10, decimal_places=4)
+    reliability = serializers.DecimalField(max_digits=5, decimal_places=4)
+    measured_tflops = serializers.FloatField(allow_null=True)
+    simulated = serializers.BooleanField()
+    last_seen_at = serializers.DateTimeField(allow_null=True)
+    driver_version = serializers.CharField()
+    cuda_version = serializers.CharField()
+
+
+class ProviderNodePriceSerializer(serializers.Serializer):
+    price_per_gpu_hour = serializers.DecimalField(
+        max_digits=10, decimal_places=4, min_value=Decimal("0.0001"), required=False
+    )
+    min_bid_per_gpu_hour = serializers.DecimalField(
+        max_digits=10, decimal_places=4, min_value=Decimal("0.0001"), required=False
+    )
+
+    def validate(self, attrs):
+        unknown = set(self.initial_data) - set(self.fields)
+        if unknown:
+            raise serializers.ValidationError({name: ["unknown field"] for name in sorted(unknown)})
+        if not attrs:
+            raise serializers.ValidationError(
+                {"price_per_gpu_hour": ["give price_per_gpu_hour or min_bid_per_gpu_hour"]}
+            )
+        return attrs
+
+
+class ProviderNodeActionSerializer(serializers.Serializer):
+    action = serializers.ChoiceField(choices=["drain", "maintenance", "online"])
+    reason = serializers.CharField(max_length=200, required=False, default="", allow_blank=True)

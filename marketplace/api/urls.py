@@ -19,5 +19,21 @@ urlpatterns = [
         "rentals/<uuid:rental_id>/cancel/", views.RentalCancelView.as_view(), name="rental-cancel"
     ),
     path("rentals/<uuid:rental_id>/stop/", views.RentalStopView.as_view(), name="rental-stop"),
+    path("providers/", views.ProviderListView.as_view(), name="provider-list"),
+    path(
+        "providers/<int:provider_id>/nodes/",
+        views.ProviderNodeListView.as_view(),
+        name="provider-nodes",
+    ),
+    path(
+        "providers/nodes/<int:node_id>/",
+        views.ProviderNodePriceView.as_view(),
+        name="provider-node",
+    ),
+    path(
+        "providers/nodes/<int:node_id>/action/",
+        views.ProviderNodeActionView.as_view(),
+        name="provider-node-action",
+    ),
     *router.urls,
 ]

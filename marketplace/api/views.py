@@ -23,6 +23,10 @@ from marketplace.api.serializers import (
     OfferPageSerializer,
     OfferQuerySerializer,
     OfferSerializer,
+    ProviderNodeActionSerializer,
+    ProviderNodePriceSerializer,
+    ProviderNodeSerializer,
+    ProviderSerializer,
     RentalCreateSerializer,
     RentalDetailSerializer,
     RentalSerializer,
@@ -268,3 +272,53 @@ class AdvisorBookView(APIView):
         )
         rental = selectors.rental_get(customer=request.user, rental_id=rental.pk)
         return Response(RentalDetailSerializer(rental).data, status=status.HTTP_201_CREATED)
+
+
+class ProviderListView(APIView):
+    """The providers you own (the side of the marketplace that lists GPU servers)."""
+
+    @extend_schema(responses=ProviderSerializer(many=True))
+    def get(self, request: Request) -> Response:
+        providers = selectors.provider_list(owner=request.user)
+        return Response(ProviderSerializer(providers, many=True).data)
+
+
+class ProviderNodeListView(APIView):
+    """One of your providers' nodes: status, prices and GPUs rented now; others' are 404."""
+
+    @extend_schema(responses=ProviderNodeSerializer(many=True))
+    def get(self, request: Request, provider_id: int) -> Response:
+        nodes = selectors.provider_nodes(owner=request.user, provider_id=provider_id)
+        if nodes is None:
+            raise NotFound("no such provider")
+        return Response(ProviderNodeSerializer(nodes, many=True).data)
+
+
+def _provider_node(request: Request, node_id: int) -> Response:
+    node = selectors.provider_node(owner=request.user, node_id=node_id)
+    if node is None:
+        raise NotFound("no such node")
+    return Response(ProviderNodeSerializer(node).data)
+
+
+class ProviderNodePriceView(APIView):
+    """Set your node's price and minimum bid for new bookings; booked rentals keep theirs."""
+
+    @extend_schema(request=ProviderNodePriceSerializer, responses=ProviderNodeSerializer)
+    def patch(self, request: Request, node_id: int) -> Response:
+        body = ProviderNodePriceSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        services.provider_node_price(owner=request.user, node_id=node_id, **body.validated_data)
+        return _provider_node(request, node_id)
+
+
+class ProviderNodeActionView(APIView):
+    """Drain your node (no new rentals; running ones finish), take it for maintenance, or list
+    it again."""
+
+    @extend_schema(request=ProviderNodeActionSerializer, responses=ProviderNodeSerializer)
+    def post(self, request: Request, node_id: int) -> Response:
+        body = ProviderNodeActionSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        services.provider_node_action(owner=request.user, node_id=node_id, **body.validated_data)
+        return _provider_node(request, node_id)

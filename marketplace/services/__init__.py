@@ -8,6 +8,8 @@ from marketplace.services.inventory import (
     node_register,
     node_set_maintenance,
     node_set_status,
+    provider_node_action,
+    provider_node_price,
 )
 
 __all__ = [
@@ -19,5 +21,7 @@ __all__ = [
     "node_register",
     "node_set_maintenance",
     "node_set_status",
+    "provider_node_action",
+    "provider_node_price",
     "token_hash",
 ]

@@ -136,3 +136,58 @@ def node_register(
             for g in gpus
         )
     return node
+
+
+# What a provider may do to its own nodes. Bringing an OFFLINE node online is the agent's to say
+# (by its heartbeat), so a provider relists only what it drained or took for maintenance.
+PROVIDER_ACTIONS: dict[str, frozenset[str]] = {
+    "drain": frozenset({NodeStatus.ONLINE}),
+    "maintenance": frozenset({NodeStatus.ONLINE, NodeStatus.DRAINING, NodeStatus.OFFLINE}),
+    "online": frozenset({NodeStatus.DRAINING, NodeStatus.MAINTENANCE}),
+}
+
+
+def _owned_node(*, owner: User, node_id: int) -> Node:
+    node = Node.objects.select_for_update().filter(pk=node_id, provider__owner=owner).first()
+    if node is None:  # another provider's node is as absent as one that never existed
+        raise NotFound("no such node")
+    return node
+
+
+def provider_node_action(*, owner: User, node_id: int, action: str, reason: str = "") -> Node:
+    """Drain (unlist: running rentals finish), maintenance, or relist one of the owner's nodes."""
+    if action not in PROVIDER_ACTIONS:
+        raise ValidationFailed(
+            f"action must be one of {', '.join(sorted(PROVIDER_ACTIONS))}", field="action"
+        )
+    with transaction.atomic():
+        node = _owned_node(owner=owner, node_id=node_id)
+        target = _NODE_ACTIONS[action][1]
+        if node.status != target and node.status not in PROVIDER_ACTIONS[action]:
+            raise Conflict(f"cannot {action} a node that is {node.status}", field="action")
+        return node_set_status(
+            node_id=node.pk, action=action, actor=owner, reason=reason or f"provider: {action}"
+        )
+
+
+def provider_node_price(
+    *,
+    owner: User,
+    node_id: int,
+    price_per_gpu_hour: Decimal | None = None,
+    min_bid_per_gpu_hour: Decimal | None = None,
+) -> Node:
+    """Set one of the owner's node prices for new bookings; booked rentals keep their price."""
+    with transaction.atomic():
+        node = _owned_node(owner=owner, node_id=node_id)
+        price = node.price_per_gpu_hour if price_per_gpu_hour is None else price_per_gpu_hour
+        bid = node.min_bid_per_gpu_hour if min_bid_per_gpu_hour is None else min_bid_per_gpu_hour
+        if price <= 0:
+            raise ValidationFailed("must be positive", field="price_per_gpu_hour")
+        if not 0 < bid <= price:
+            raise ValidationFailed(
+                "must be positive and at most the price", field="min_bid_per_gpu_hour"
+            )
+        node.price_per_gpu_hour, node.min_bid_per_gpu_hour = price, bid
+        node.save(update_fields=["price_per_gpu_hour", "min_bid_per_gpu_hour"])
+        return node

@@ -9,4 +9,5 @@ urlpatterns = [
     path("rentals/new/", views.rental_new, name="web-rental-new"),
     path("rentals/<uuid:rental_id>/", views.rental_detail, name="web-rental"),
     path("tokens/", views.tokens, name="web-tokens"),
+    path("provider/", views.provider, name="web-provider"),
 ]

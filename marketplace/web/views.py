@@ -144,3 +144,19 @@ def tokens(request: HttpRequest) -> HttpResponse:
         "web/tokens.html",
         {"tokens": selectors.api_token_list(user=request.user).order_by("-created_at")},
     )
+
+
+@require_GET
+@login_required
+def provider(request: HttpRequest) -> HttpResponse:
+    """For provider owners: each provider's nodes (prices, drain / relist), a join token for a
+    new host, and earnings."""
+    providers = [
+        (p, selectors.provider_nodes(owner=request.user, provider_id=p.pk))
+        for p in selectors.provider_list(owner=request.user)
+    ]
+    return render(
+        request,
+        "web/provider.html",
+        {"providers": providers, "server_url": request.build_absolute_uri("/").rstrip("/")},
+    )

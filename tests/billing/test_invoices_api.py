@@ -129,3 +129,34 @@ def test_a_top_up_amount_out_of_range_is_400_naming_the_field(auth_api):
     r = auth_api.post("/api/v1/billing/topups/", {"amount_cents": 5}, format="json")
     assert r.status_code == 400
     assert "amount_cents" in r.json()
+
+
+def test_a_provider_owner_sees_its_earnings_and_nobody_elses(make_node, book, provider):
+    from rest_framework.test import APIClient
+
+    from billing.models import EntryKind, LedgerEntry
+    from billing.services import billing_pass_run
+    from tests.factories import UserFactory
+
+    # Given one hour of 2 GPUs at $1.00 billed on the provider's node
+    make_node(price="1.00")
+    booked = book(gpus=2, hours=2, hours_ago=3)
+    booked.report(seq=1, confirmed_s=3600)
+    billing_pass_run()
+    earned = LedgerEntry.objects.get(kind=EntryKind.EARNING)
+    fee = LedgerEntry.objects.get(kind=EntryKind.PLATFORM_FEE)
+    assert earned.amount_micros + fee.amount_micros == 2_000_000  # the customer's charge
+
+    owner = APIClient()
+    owner.force_authenticate(user=provider.owner)
+    (row,) = owner.get("/api/v1/billing/earnings/").json()
+    assert row["provider_id"] == provider.pk
+    assert row["earned_total_micros"] == row["earned_this_month_micros"] == earned.amount_micros
+    assert row["balance_micros"] == earned.amount_micros and row["paid_out_micros"] == 0
+    assert [(e["kind"], e["rental"]) for e in row["entries"]] == [
+        ("earning", str(booked.rental.pk))
+    ]
+
+    stranger = APIClient()
+    stranger.force_authenticate(user=UserFactory())
+    assert stranger.get("/api/v1/billing/earnings/").json() == []

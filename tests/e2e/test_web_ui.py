@@ -4,6 +4,7 @@ worker and a real node agent running the rental as a Docker container."""
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 import pytest
 from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
@@ -216,3 +217,73 @@ def test_an_api_token_is_shown_once_stored_hashed_and_revoked_in_the_browser(
     _wait(browser, lambda d: "revoked" in _text(d, "tokens"))
     token.refresh_from_db()
     assert token.revoked_at is not None
+
+
+def test_a_provider_joins_a_host_prices_and_drains_it_in_the_browser(
+    browser, live_server, provider, make_node, stack_env, tmp_path
+):
+    from tests.e2e.conftest import AgentProcess
+
+    base = live_server.url
+    listed = make_node(hostname="listed-host", price="1.00", min_bid="0.50")
+    _log_in(browser, base, provider.owner, "/provider/")
+    row = browser.find_element(By.CSS_SELECTOR, f"tr[data-node='{listed.pk}']")
+    assert "listed-host" in row.text and "ONLINE" in row.text
+
+    # A bad price is named and changes nothing; a good one is saved
+    price = row.find_element(By.CSS_SELECTOR, "input.price")
+    price.clear()
+    price.send_keys("0")
+    row.find_element(By.CSS_SELECTOR, "button.save-price").click()
+    _wait(browser, lambda d: "price_per_gpu_hour" in _text(d, "errors"))
+    listed.refresh_from_db()
+    assert listed.price_per_gpu_hour == Decimal("1.0000")
+    row = browser.find_element(By.CSS_SELECTOR, f"tr[data-node='{listed.pk}']")
+    price = row.find_element(By.CSS_SELECTOR, "input.price")
+    price.clear()
+    price.send_keys("1.25")
+    row.find_element(By.CSS_SELECTOR, "button.save-price").click()
+    _wait(browser, lambda d: _node_price(listed) == Decimal("1.2500"), what="the new price")
+
+    # Drain: the host leaves the offers
+    row = _wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, f"tr[data-node='{listed.pk}']"))
+    row.find_element(By.CSS_SELECTOR, "button[data-action='drain']").click()
+    _wait(
+        browser,
+        lambda d: (
+            "DRAINING" in d.find_element(By.CSS_SELECTOR, f"tr[data-node='{listed.pk}']").text
+        ),
+    )
+    assert Node.objects.get(pk=listed.pk).status == NodeStatus.DRAINING
+
+    # A join token made on the page lets a real agent join the host
+    form = browser.find_element(By.CSS_SELECTOR, "form.join-form")
+    form.find_element(By.CSS_SELECTOR, ".j-region").send_keys("e2e")
+    form.find_element(By.CSS_SELECTOR, ".j-price").send_keys("0.70")
+    form.find_element(By.CSS_SELECTOR, ".j-bid").send_keys("0.30")
+    form.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+    command = _wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, ".join-command").text)
+    token = re.search(r"--join-token (\S+)", command).group(1)
+    assert f"--server {base}" in command
+    (tmp_path / "agent").mkdir()
+    agent = AgentProcess(
+        server=base, join_token=token, state=tmp_path / "agent", runtime="process", env=stack_env
+    ).start()
+    try:
+        joined = wait_for(
+            lambda: Node.objects.filter(region="e2e", status=NodeStatus.ONLINE).first(),
+            90,
+            "the agent to join with the page's token",
+        )
+        assert joined.provider == provider and joined.price_per_gpu_hour == Decimal("0.7000")
+        browser.refresh()
+        new_row = _wait(
+            browser, lambda d: d.find_element(By.CSS_SELECTOR, f"tr[data-node='{joined.pk}']")
+        )
+        assert "ONLINE" in new_row.text and "0 / 2" in new_row.text
+    finally:
+        agent.stop()
+
+
+def _node_price(node) -> Decimal:
+    return Node.objects.values_list("price_per_gpu_hour", flat=True).get(pk=node.pk)

@@ -50,7 +50,9 @@ def test_a_bad_offer_filter_is_400_naming_the_field(client, make_node, query, fi
     assert 'id="offers"' not in page.content.decode()
 
 
-@pytest.mark.parametrize("path", ["/rentals/", "/rentals/new/", "/tokens/", "/billing/"])
+@pytest.mark.parametrize(
+    "path", ["/rentals/", "/rentals/new/", "/tokens/", "/billing/", "/provider/"]
+)
 def test_account_pages_send_anonymous_visitors_to_log_in(client, path):
     page = client.get(path)
     assert page.status_code == 302
@@ -104,3 +106,15 @@ def test_the_billing_page_shows_the_balance_and_ledger(browser_client, user):
     assert page.status_code == 200
     html = page.content.decode()
     assert "$12.34" in html and "welcome credit" in html
+
+
+def test_the_provider_page_shows_only_the_owners_nodes(browser_client, make_node, provider):
+    from django.test import Client
+
+    make_node(hostname="owned-host")
+    owner = Client()
+    owner.force_login(provider.owner)
+    html = owner.get("/provider/").content.decode()
+    assert "owned-host" in html and provider.name in html
+    stranger = browser_client.get("/provider/").content.decode()
+    assert "owned-host" not in stranger and "do not own a provider" in stranger
