@@ -36,17 +36,19 @@ class Api:
             self.session.headers["Authorization"] = f"Bearer {token}"
 
     def call(self, method: str, path: str, **kwargs: Any) -> Any:
-        """One request; connection errors and 5xx are retried with backoff, 4xx are shown."""
-        for attempt in range(RETRIES):
+        """One request; 4xx are shown. Connection errors and 5xx are retried with backoff for
+        the methods that may repeat; a POST is sent once (it could create a second rental)."""
+        tries = RETRIES if method in ("GET", "PUT", "PATCH", "DELETE") else 1
+        for attempt in range(tries):
             try:
                 r = self.session.request(method, self.base + path, timeout=TIMEOUT_S, **kwargs)
             except requests.RequestException as exc:
-                if attempt == RETRIES - 1:
+                if attempt == tries - 1:
                     raise CliError(f"cannot reach {self.base}: {exc}") from exc
             else:
                 if r.status_code < 500:
                     break
-                if attempt == RETRIES - 1:
+                if attempt == tries - 1:
                     raise CliError(f"server error {r.status_code}")
             time.sleep(0.5 * 2**attempt)
         if r.status_code >= 400:
@@ -127,6 +129,48 @@ def run(args: argparse.Namespace, api: Api) -> str:
     if args.command in ("stop", "cancel"):
         rental = api.call("POST", f"/api/v1/rentals/{args.id}/{args.command}/")
         return f"{rental['id']} {rental['status']}"
+    if args.command == "balance":
+        account = api.call("GET", "/api/v1/billing/account/")
+        return "  ".join(
+            f"{key.removesuffix('_micros')} ${account[key] / 1e6:,.2f}"
+            for key in ("balance_micros", "available_micros", "hourly_burn_micros")
+        )
+    return _provider_run(args, api)
+
+
+def _provider_run(args: argparse.Namespace, api: Api) -> str:
+    """The commands of provider owners."""
+    if args.command == "nodes":
+        rows = [
+            row
+            for provider in api.call("GET", "/api/v1/providers/")
+            for row in api.call("GET", f"/api/v1/providers/{provider['id']}/nodes/")
+        ]
+        columns = ["id", "hostname", "region", "status", "gpu_model", "rented_gpus", "gpu_count"]
+        return _table(rows, [*columns, "price_per_gpu_hour", "min_bid_per_gpu_hour"])
+    if args.command == "price":
+        body = {k: v for k, v in (("price_per_gpu_hour", args.price),
+                                  ("min_bid_per_gpu_hour", args.min_bid)) if v}  # fmt: skip
+        node = api.call("PATCH", f"/api/v1/providers/nodes/{args.node}/", json=body)
+        return f"{node['hostname']} {node['price_per_gpu_hour']} {node['min_bid_per_gpu_hour']}"
+    if args.command in ("drain", "relist", "maintenance"):
+        action = "online" if args.command == "relist" else args.command
+        node = api.call(
+            "POST", f"/api/v1/providers/nodes/{args.node}/action/", json={"action": action}
+        )
+        return f"{node['hostname']} {node['status']}"
+    if args.command == "earnings":
+        rows = api.call("GET", "/api/v1/billing/earnings/")
+        for row in rows:
+            for key in [k for k in row if k.endswith("_micros")]:
+                row[key.removesuffix("_micros")] = f"{row.pop(key) / 1e6:,.2f}"
+        return _table(rows, ["provider", "earned_this_month", "earned_total", "balance",
+                             "paid_out"])  # fmt: skip
+    if args.command == "join-token":
+        body = {"provider": args.provider, "region": args.region,
+                "price_per_gpu_hour": args.price, "min_bid_per_gpu_hour": args.min_bid}  # fmt: skip
+        token = api.call("POST", "/api/v1/providers/join-tokens/", json=body)
+        return f"gpumarket-agent --server {api.base} --join-token {token['join_token']}"
     raise CliError(f"unknown command {args.command}")
 
 
@@ -169,6 +213,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("rentals", help="your rentals")
     for name in ("show", "metrics", "stop", "cancel"):
         sub.add_parser(name).add_argument("id")
+    sub.add_parser("balance", help="your credit, what is available, what running rentals cost")
+    sub.add_parser("nodes", help="providers: your nodes and what is rented")
+    price = sub.add_parser("price", help="providers: a node's prices for new bookings")
+    price.add_argument("node", type=int)
+    price.add_argument("--price", help="per GPU-hour")
+    price.add_argument("--min-bid", help="lowest interruptible bid per GPU-hour")
+    for name, text in (
+        ("drain", "no new rentals; running ones finish"),
+        ("maintenance", "take the node out"),
+        ("relist", "list it again"),
+    ):
+        sub.add_parser(name, help=f"providers: {text}").add_argument("node", type=int)
+    sub.add_parser("earnings", help="providers: earnings and payouts")
+    join = sub.add_parser("join-token", help="providers: a one-time token for a new host")
+    join.add_argument("--provider", required=True)
+    join.add_argument("--region", required=True)
+    join.add_argument("--price", required=True)
+    join.add_argument("--min-bid", required=True)
     return parser
 
 

@@ -42,3 +42,49 @@ def test_errors_are_shown_with_the_field_and_a_non_zero_exit(cli):
     assert code == 1 and "gpus_per_node" in err
     code, _, err = cli("show", "00000000-0000-0000-0000-000000000000")
     assert code == 1 and "404" in err
+
+
+def test_a_provider_lists_prices_drains_and_joins_hosts(live_server, provider, make_node, capsys):
+    from marketplace.models import Node, NodeStatus
+    from provisioning.models import JoinToken
+
+    _, token = api_token_create(user=provider.owner, name="cli")
+
+    def cli(*argv: str) -> tuple[int, str, str]:
+        code = main(["--server", live_server.url, "--token", token, *argv])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    node = make_node(hostname="ams-7", price="1.00", min_bid="0.40")
+    code, out, _ = cli("nodes")
+    assert code == 0 and "ams-7" in out and "online" in out
+    code, out, _ = cli("price", str(node.pk), "--price", "1.10")
+    assert code == 0 and out.split() == ["ams-7", "1.1000", "0.4000"]
+    code, _, err = cli("price", str(node.pk), "--min-bid", "9")
+    assert code == 1 and "min_bid_per_gpu_hour" in err
+    code, out, _ = cli("drain", str(node.pk))
+    assert code == 0 and out.split() == ["ams-7", "draining"]
+    assert Node.objects.get(pk=node.pk).status == NodeStatus.DRAINING
+    code, out, _ = cli("relist", str(node.pk))
+    assert code == 0 and out.split() == ["ams-7", "online"]
+    code, out, _ = cli("earnings")
+    assert code == 0 and provider.name in out
+    code, out, _ = cli(
+        "join-token", "--provider", provider.name, "--region", "eu", "--price", "2",
+        "--min-bid", "1",
+    )  # fmt: skip
+    assert code == 0 and out.startswith(f"gpumarket-agent --server {live_server.url}")
+    assert JoinToken.objects.filter(provider=provider, region="eu").count() == 1
+
+
+def test_balance_shows_the_customers_money(cli, user):
+    from billing.services.ledger import account_adjust, account_for_customer
+
+    account_adjust(
+        account_id=account_for_customer(user=user).pk,
+        amount_micros=7_500_000,
+        reason="credit",
+        actor=None,
+    )
+    code, out, _ = cli("balance")
+    assert code == 0 and "balance $7.50" in out and "available $7.50" in out
