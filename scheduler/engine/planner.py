@@ -4,28 +4,36 @@ Capacity is kept per GPU as a sorted list of time intervals (existing allocation
 made earlier in this plan, and backfill holds), so every check is a time-range check and a GPU
 can never be given out twice for overlapping times.
 
-To avoid scanning every node per request, nodes are grouped into classes of identical offer
-(pool, region, GPU kinds, size, largest topology group, price, minimum bid), so a request's
-constraints select whole classes. Within a class each node sits in a bucket by the number of
-its GPUs idle now, sorted by its static score (price, reliability), and each GPU count keeps
-the set of classes with a non-empty bucket. A request starting now only visits buckets with
-enough idle GPUs, in increasing order of what would be left over, and stops as soon as no
-remaining node can beat the best found. A second bucket index counts GPUs that preemption
-could free, sorted by the cheapest victim, so preemption only visits nodes running
-interruptible work and stops where victims get dearer than the best found.
+To avoid scanning every node per request, nodes are grouped into classes of identical hardware
+and location (pool, region, GPU kinds, size, largest topology group), so a request's hardware
+and location constraints select whole classes. Prices are set per node, so they are kept out of
+the class: within a class, nodes of one price and minimum bid form a tier, and a request's price
+constraint admits tiers (cheapest first, by bisection). A class some of whose tiers are priced
+out is still visited, and its nodes are checked one by one against the admitted tiers.
 
-A future window cannot use the idle-now buckets; it visits the matching classes' nodes and
-compares a bounded number that fit (`Policy.future_candidates`). Finding the earliest start of
-a blocked request sweeps interval boundaries over every matching node, which is why only
-`Policy.reserve_depth` requests per cycle get one.
+Within a class each node sits in a bucket by the number of its GPUs idle now, sorted by its
+static score (price, reliability), and each GPU count keeps the set of classes with a non-empty
+bucket. A request starting now only visits buckets with enough idle GPUs, in increasing order of
+what would be left over, and stops as soon as no remaining node can beat the best found, or, in
+a partly admitted class, once the static score passes that of the last admitted node. A second
+bucket index counts GPUs that preemption could free, sorted by the cheapest victim, so
+preemption only visits nodes running interruptible work and stops where victims get dearer than
+the best found.
+
+A future window cannot use the idle-now buckets; it visits the admitted tiers' nodes (tiers in
+order of price, or of first appearance when the request sets no price) and compares a bounded
+number that fit (`Policy.future_candidates`). Finding the earliest start of a blocked request
+sweeps interval boundaries over every admitted node, which is why only `Policy.reserve_depth`
+requests per cycle get one.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right, insort
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from decimal import Decimal
+from itertools import accumulate, islice
 from math import inf, nextafter
 from operator import attrgetter, itemgetter
 
@@ -90,7 +98,7 @@ class _Victim:
 
 
 class _Class:
-    """Nodes of identical offer (hardware, location, prices); the unit of matching a request."""
+    """Nodes of identical hardware and location; the unit of matching a request."""
 
     __slots__ = (
         "buckets",
@@ -98,9 +106,11 @@ class _Class:
         "entries",
         "example",
         "kinds",
+        "ladders",
         "max_group",
         "rbuckets",
         "size",
+        "tiers",
     )
 
     def __init__(self, cid: int, node: Node, kinds: frozenset[int], max_group: int) -> None:
@@ -109,11 +119,47 @@ class _Class:
         self.kinds = kinds
         self.max_group = max_group
         self.size = len(node.gpus)
+        # In order of first appearance, and by price (gate 0) and minimum bid (gate 1).
+        self.tiers: list[_Tier] = []
+        self.ladders: tuple[_Ladder, _Ladder]
         # (static score, node id), sorted: all nodes, and nodes by idle count.
         self.entries: list[tuple[int, int]] = []
         self.buckets: list[list[tuple[int, int]]] = [[] for _ in range(self.size + 1)]
         # (cheapest victim's cost, node id), sorted: nodes by reclaimable count.
         self.rbuckets: list[list[tuple[Decimal, int]]] = [[] for _ in range(self.size + 1)]
+
+
+class _Tier:
+    """The nodes of one class at one price and minimum bid."""
+
+    __slots__ = ("cls", "entries", "min_bid", "price", "ranks", "tid")
+
+    def __init__(self, tid: int, cls: _Class, node: Node) -> None:
+        self.tid = tid
+        self.cls = cls
+        self.price = node.price_per_gpu_hour
+        self.min_bid = node.min_bid
+        # (static score, node id), sorted.
+        self.entries: list[tuple[int, int]] = []
+        # Its place on the class's price and minimum-bid ladders.
+        self.ranks = [0, 0]
+
+
+class _Ladder:
+    """A class's tiers by one gate (price or minimum bid), cheapest first, ties by first
+    appearance, with running figures so that a cap admits a prefix found by one bisection."""
+
+    __slots__ = ("highest", "lowest", "nodes", "tiers", "values")
+
+    def __init__(self, tiers: list[_Tier], gate: int) -> None:
+        self.tiers = sorted(tiers, key=_GATE_ORDER[gate])
+        self.values = [_gate(tier, gate) for tier in self.tiers]
+        # Over the first i + 1 tiers: how many nodes, their lowest and highest static score.
+        self.nodes = list(accumulate(len(tier.entries) for tier in self.tiers))
+        self.lowest = list(accumulate((tier.entries[0][0] for tier in self.tiers), min))
+        self.highest = list(accumulate((tier.entries[-1][0] for tier in self.tiers), max))
+        for rank, tier in enumerate(self.tiers):
+            tier.ranks[gate] = rank
 
 
 class _Shape:
@@ -149,6 +195,7 @@ class _NodeState:
         "node",
         "node_id",
         "positions",
+        "ranks",
         "rentry",
         "rlevel",
         "static",
@@ -179,48 +226,104 @@ class _NodeState:
         self.min_spot: Decimal | None = None
         self.min_victim: Decimal | None = None
         self.cls: _Class
+        # Its tier's place on its class's price and minimum-bid ladders.
+        self.ranks: list[int]
 
     def matching(self, kinds: frozenset[int]) -> list[int]:
         return [p for p in self.positions if self.kind[p] in kinds]
 
 
 class _Match:
-    """Classes admitted by a set of constraints: first hardware and location (`views` then
-    narrows them by price), or hardware, location and price."""
+    """Nodes admitted by a set of constraints. Hardware and location admit whole classes (a
+    match); a price cap then admits, in each class, the first tiers of its ladder for the gate
+    the cap applies to (a view of the match, made by `priced`)."""
 
-    __slots__ = ("classes", "full", "ids", "kinds", "min_static", "nodes", "ranked", "views")
+    __slots__ = (
+        "base",
+        "classes",
+        "count",
+        "full",
+        "gate",
+        "ids",
+        "kinds",
+        "min_static",
+        "nodes",
+        "orders",
+        "partial",
+        "views",
+    )
 
-    def __init__(self, kinds: frozenset[int], classes: list[tuple[_Class, bool]]) -> None:
+    def __init__(
+        self,
+        kinds: frozenset[int],
+        classes: list[tuple[_Class, bool]],
+        base: _Match | None = None,
+        gate: int = 0,
+        cap: Decimal | None = None,
+    ) -> None:
         self.kinds = kinds
-        # (class, whether every GPU kind of the class matches), and the same by class id.
-        self.classes = classes
-        self.full = {cls.cid: full for cls, full in classes}
+        self.base = base
+        self.gate = gate
+        # (class, whether every GPU kind of the class matches) of the classes with a node
+        # admitted, and the same by class id.
+        self.classes: list[tuple[_Class, bool]] = []
+        # Classes only some of whose tiers are admitted: by class id, how many tiers of the
+        # ladder and the highest static score of their nodes (buckets are sorted by it).
+        self.partial: dict[int, tuple[int, int]] = {}
+        # Tiers and nodes admitted.
+        self.count = self.nodes = 0
+        lowest: list[int] = []
+        for cls, full in classes:
+            ladder = cls.ladders[gate]
+            n = len(ladder.tiers) if cap is None else bisect_right(ladder.values, cap)
+            if n == 0:
+                continue
+            if n < len(ladder.tiers):
+                self.partial[cls.cid] = (n, ladder.highest[n - 1])
+            self.count += n
+            self.nodes += ladder.nodes[n - 1]
+            lowest.append(ladder.lowest[n - 1])
+            self.classes.append((cls, full))
+        self.min_static = min(lowest, default=0)
+        self.full = {cls.cid: full for cls, full in self.classes}
         self.ids = set(self.full)
-        self.nodes = sum(len(cls.entries) for cls, _ in classes)
-        self.min_static = min((cls.entries[0][0] for cls, _ in classes), default=0)
-        self.views: dict[tuple[int, int], _Match] = {}
-        self.ranked: dict[int, tuple[list[tuple[_Class, bool]], list[Decimal]]] = {}
+        self.orders: dict[int | None, list[_Tier]] = {}
+        self.views: dict[tuple[int, Decimal], _Match] = {}
 
     def priced(self, gate: int, cap: Decimal | None) -> _Match:
-        """The classes whose price (gate 0) or minimum bid (gate 1) is within cap.
-
-        Views are cached by how many classes pass, so distinct caps admitting the same classes
-        share one."""
+        """The nodes whose price (gate 0) or minimum bid (gate 1) is within cap (cached)."""
         if cap is None:
             return self
-        ranked = self.ranked.get(gate)
-        if ranked is None:
-            order = sorted(self.classes, key=lambda item: (_gate(item[0], gate), item[0].cid))
-            ranked = self.ranked[gate] = (order, [_gate(cls, gate) for cls, _ in order])
-        n = bisect_right(ranked[1], cap)
-        view = self.views.get((gate, n))
+        view = self.views.get((gate, cap))
         if view is None:
-            view = self.views[gate, n] = _Match(self.kinds, ranked[0][:n])
+            view = self.views[gate, cap] = _Match(self.kinds, self.classes, self, gate, cap)
         return view
 
+    def tiers(self) -> Iterable[_Tier]:
+        """The admitted tiers: a view's cheapest first by its gate (a prefix of the match's
+        tiers in that order), a match's in order of first appearance; ties in order of first
+        appearance."""
+        if self.base is None:
+            return self.ordered(None)
+        return islice(self.base.ordered(self.gate), self.count)
 
-def _gate(cls: _Class, gate: int) -> Decimal:
-    return cls.example.min_bid if gate else cls.example.price_per_gpu_hour
+    def ordered(self, gate: int | None) -> list[_Tier]:
+        """Every tier of the match by a gate, or by first appearance (None); sorted on first
+        use, as only future windows and reservations need it."""
+        order = self.orders.get(gate)
+        if order is None:
+            key = _TIER_ORDER if gate is None else _GATE_ORDER[gate]
+            tiers = (tier for cls, _ in self.classes for tier in cls.tiers)
+            order = self.orders[gate] = sorted(tiers, key=key)
+        return order
+
+
+def _gate(tier: _Tier, gate: int) -> Decimal:
+    return tier.min_bid if gate else tier.price
+
+
+_TIER_ORDER = attrgetter("tid")
+_GATE_ORDER = (attrgetter("price", "tid"), attrgetter("min_bid", "tid"))
 
 
 class _Ask:
@@ -413,9 +516,10 @@ class _Planner:
         self.nodes: dict[int, _NodeState] = {}
         self.classes: dict[tuple, _Class] = {}
         self.class_list: list[_Class] = []
+        self.tiers: dict[tuple, _Tier] = {}
         self.victims: dict[RentalId, _Victim] = {}
         # Request constraints repeat, so what they admit is cached at three levels: GPU kinds,
-        # classes by location, and classes by both.
+        # classes by location, and classes by both (each match keeps its views by price cap).
         self.kinds_cache: dict[tuple, frozenset[int]] = {}
         self.located: dict[tuple[str | None, str], list[_Class]] = {}
         self.matches: dict[tuple, _Match] = {}
@@ -460,7 +564,7 @@ class _Planner:
             if static is None:
                 static = statics[static_key] = self._static_score(node)
             ns = _NodeState(node, gpus, shape, static)
-            class_key = (
+            tier_key = (
                 node.pool,
                 node.region,
                 shape.kinds,
@@ -469,16 +573,28 @@ class _Planner:
                 node.price_per_gpu_hour,
                 node.min_bid,
             )
-            cls = self.classes.get(class_key)
-            if cls is None:
-                cls = _Class(len(self.class_list), node, shape.kinds, shape.max_group)
-                self.classes[class_key] = cls
-                self.class_list.append(cls)
-            ns.cls = cls
-            cls.entries.append((ns.static, ns.node_id))
+            tier = self.tiers.get(tier_key)
+            if tier is None:
+                class_key = tier_key[:5]
+                cls = self.classes.get(class_key)
+                if cls is None:
+                    cls = _Class(len(self.class_list), node, shape.kinds, shape.max_group)
+                    self.classes[class_key] = cls
+                    self.class_list.append(cls)
+                tier = self.tiers[tier_key] = _Tier(len(self.tiers), cls, node)
+                cls.tiers.append(tier)
+            cls = tier.cls
+            ns.cls, ns.ranks = cls, tier.ranks
+            entry = (static, ns.node_id)
+            cls.entries.append(entry)
+            tier.entries.append(entry)
             self.nodes[ns.node_id] = ns
             for position, gpu in enumerate(gpus):
                 where[gpu.gpu_id] = (ns, position)
+        for tier in self.tiers.values():
+            tier.entries.sort()
+        for cls in self.class_list:
+            cls.ladders = (_Ladder(cls.tiers, 0), _Ladder(cls.tiers, 1))
         return where
 
     def _kind_id(self, gpu: Gpu) -> int:
@@ -708,7 +824,7 @@ class _Planner:
 
     def _search_now(self, ask: _Ask, t1: float) -> list[_Choice]:
         k, m, same_group = ask.k, ask.m, ask.same_group
-        match, classes = ask.match, self.class_list
+        match, classes, gate = ask.match, self.class_list, ask.match.gate
         pack, topo, nodes = self.pack, self.topo, self.nodes
         best: list[tuple[int, int, _NodeState, bool]] = []
         worst: tuple[int, int] | None = None
@@ -725,11 +841,16 @@ class _Planner:
                 if worst is not None and (base + bucket[0][0], bucket[0][1]) >= worst:
                     continue
                 full = match.full[cid]
+                partial = match.partial.get(cid)
                 floor = base + topo * ((k - 1) // classes[cid].max_group)
                 for static, node_id in bucket:
                     if worst is not None and (floor + static, node_id) >= worst:
                         break
                     ns = nodes[node_id]
+                    if partial is not None and ns.ranks[gate] >= partial[0]:
+                        if static > partial[1]:
+                            break
+                        continue
                     if full and t1 <= ns.idle_until:
                         # Every idle GPU is usable, so the score follows from the idle counts
                         # per group; the GPUs are chosen only if the node wins.
@@ -772,9 +893,11 @@ class _Planner:
         budget = max(self.policy.future_candidates, m)
         best: list[_Choice] = []
         worst: tuple[int, int] | None = None
-        for cls, full in ask.match.classes:
-            floor = topo * ((k - 1) // cls.max_group)
-            for static, node_id in cls.entries:
+        full_of = ask.match.full
+        for tier in ask.match.tiers():
+            full = full_of[tier.cls.cid]
+            floor = topo * ((k - 1) // tier.cls.max_group)
+            for static, node_id in tier.entries:
                 if worst is not None and (floor + static, node_id) >= worst:
                     break
                 ns = nodes[node_id]
@@ -845,6 +968,7 @@ class _Planner:
         for level in range(k, self.max_level + 1):
             for cid in self.rlive[level] & match.ids:
                 full = match.full[cid]
+                partial = match.partial.get(cid)
                 for cheapest, node_id in self.class_list[cid].rbuckets[level]:
                     # Every node left needs a victim, which costs at least the node's
                     # cheapest, and the bucket is sorted by that.
@@ -853,6 +977,8 @@ class _Planner:
                     if node_id in free_ids:
                         continue
                     ns = self.nodes[node_id]
+                    if partial is not None and ns.ranks[match.gate] >= partial[0]:
+                        continue
                     if ns.level < k and ns.min_spot is not None:
                         # At least k - level GPUs must be freed, each at a bid of min_spot or
                         # more; an interruptible request can only stop lower bids.
@@ -992,8 +1118,10 @@ class _Planner:
         m = ask.m
         first: float | None = None
         events: list[tuple[float, int]] = []
-        for cls, full in ask.match.classes:
-            for _, node_id in cls.entries:
+        full_of = ask.match.full
+        for tier in ask.match.tiers():
+            full = full_of[tier.cls.cid]
+            for _, node_id in tier.entries:
                 ns = self.nodes[node_id]
                 ranges = _start_ranges(ns, ask.positions(ns, full), ask, start, limit)
                 if not ranges:
@@ -1015,12 +1143,12 @@ class _Planner:
     @staticmethod
     def _priced_out(req: Request, match: _Match) -> str:
         if req.interruptible:
-            lowest = min(cls.example.min_bid for cls, _ in match.classes)
+            lowest = min(cls.ladders[1].values[0] for cls, _ in match.classes)
             return (
                 f"bid: ${req.bid:.2f} is below every matching node's minimum bid "
                 f"(lowest ${lowest:.2f})"
             )
-        cheapest = min(cls.example.price_per_gpu_hour for cls, _ in match.classes)
+        cheapest = min(cls.ladders[0].values[0] for cls, _ in match.classes)
         return f"price: cheapest matching node is ${cheapest:.2f} > max ${req.max_price:.2f}"
 
     def _no_capacity(self, ask: _Ask, start: float, found: int) -> str:
