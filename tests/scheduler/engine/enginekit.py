@@ -10,7 +10,7 @@ from collections import defaultdict
 from decimal import Decimal
 from itertools import pairwise
 
-from scheduler.engine import Busy, Gpu, Node, Plan, Policy, Request, Snapshot
+from scheduler.engine import DEFAULT_POLICY, Busy, Gpu, Node, Plan, Policy, Request, Snapshot, plan
 from scheduler.engine.feasibility import gpu_matches, location_ok
 
 NOW = 1_767_225_600.0
@@ -188,6 +188,17 @@ def plan_violations(snap: Snapshot, plan: Plan, policy: Policy) -> list[str]:
         if req.start_deadline is None or req.start_deadline > now:
             errors.append(f"{e.rental_id} expired before its deadline")
     return errors
+
+
+def decide(snap: Snapshot, policy: Policy = DEFAULT_POLICY) -> Plan:
+    """Plan, and fail on any broken invariant before the test looks at the decisions."""
+    result = plan(snap, policy)
+    assert plan_violations(snap, result, policy) == []
+    return result
+
+
+def reason_of(result: Plan, rental_id) -> str:
+    return next(w.reason for w in result.waiting if w.rental_id == rental_id)
 
 
 def _placement_violations(req, p, nodes, gpus, now, policy) -> list[str]:

@@ -15,10 +15,19 @@ from dataclasses import replace
 from decimal import Decimal
 
 import pytest
-from enginekit import HOUR, NOW, make_busy, make_node, make_request, plan_violations, snapshot
+from enginekit import (
+    HOUR,
+    NOW,
+    decide,
+    make_busy,
+    make_node,
+    make_request,
+    plan_violations,
+    reason_of,
+    snapshot,
+)
 
 from scheduler.engine import (
-    DEFAULT_POLICY,
     Placement,
     Plan,
     Policy,
@@ -28,16 +37,6 @@ from scheduler.engine import (
     plan,
 )
 from scheduler.engine.bench_support import synthetic_busy, synthetic_nodes, synthetic_requests
-
-
-def decide(snap, policy=DEFAULT_POLICY):
-    result = plan(snap, policy)
-    assert plan_violations(snap, result, policy) == []
-    return result
-
-
-def reason_of(result, rental_id):
-    return next(w.reason for w in result.waiting if w.rental_id == rental_id)
 
 
 def one_class(prices, min_bids=None):

@@ -7,39 +7,28 @@ from decimal import Decimal
 from enginekit import (
     HOUR,
     NOW,
+    decide,
     make_busy,
     make_node,
     make_request,
-    plan_violations,
+    reason_of,
     snapshot,
 )
 
 from scheduler.engine import (
-    DEFAULT_POLICY,
     Expired,
     Placement,
     Policy,
     Preemption,
     Reservation,
     effective_priority,
-    plan,
 )
 
 SPLIT = ["g0"] * 4 + ["g1"] * 4
 
 
-def decide(snap, policy=DEFAULT_POLICY):
-    result = plan(snap, policy)
-    assert plan_violations(snap, result, policy) == []
-    return result
-
-
 def placed_on(result, rental_id):
     return next(p.nodes for p in result.placements if p.rental_id == rental_id)
-
-
-def reason_of(result, rental_id):
-    return next(w.reason for w in result.waiting if w.rental_id == rental_id)
 
 
 # -- packing ------------------------------------------------------------------------------------
