@@ -275,7 +275,8 @@ def main() -> None:
             "pg_insert_rows_per_s": round(ceiling),
             "best_fit_whole_free_nodes": eng["best_whole"],
             "first_fit_whole_free_nodes": eng["first_whole"],
-            "offered_rentals_per_s": round(load["achieved"], 1),
+            "offered_rentals_per_s": load["offered"],
+            "achieved_rentals_per_s": round(load["achieved"], 1),
         }
     )
 
