@@ -514,7 +514,8 @@ TELEMETRY_BUFFER_KEY = "provisioning:telemetry"
 TELEMETRY_FLUSH_BATCH = 5000
 
 
-def _redis():
+def redis_client():
+    """The process's Redis client (its pool is shared by threads)."""
     import redis
 
     global _REDIS
@@ -530,7 +531,7 @@ _REDIS = None
 
 def telemetry_buffer(*, node_id: int, samples: list[dict]) -> None:
     """Queue a heartbeat's GPU samples for the next flush."""
-    _redis().rpush(TELEMETRY_BUFFER_KEY, json.dumps({"node": node_id, "samples": samples}))
+    redis_client().rpush(TELEMETRY_BUFFER_KEY, json.dumps({"node": node_id, "samples": samples}))
 
 
 def telemetry_flush(*, batch: int = TELEMETRY_FLUSH_BATCH) -> int:
@@ -539,7 +540,7 @@ def telemetry_flush(*, batch: int = TELEMETRY_FLUSH_BATCH) -> int:
 
     stored = 0
     while True:
-        pipe = _redis().pipeline(transaction=True)
+        pipe = redis_client().pipeline(transaction=True)
         pipe.lrange(TELEMETRY_BUFFER_KEY, 0, batch - 1)
         pipe.ltrim(TELEMETRY_BUFFER_KEY, batch, -1)
         entries, _ = pipe.execute()

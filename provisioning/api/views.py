@@ -7,7 +7,7 @@ from rest_framework import exceptions, permissions, status
 from rest_framework.authentication import BaseAuthentication, get_authorization_header
 from rest_framework.request import Request
 from rest_framework.response import Response
-from rest_framework.throttling import SimpleRateThrottle
+from rest_framework.throttling import BaseThrottle, SimpleRateThrottle
 from rest_framework.views import APIView
 
 from marketplace.api.pagination import Pagination
@@ -51,13 +51,24 @@ class IsNode(permissions.BasePermission):
         return isinstance(request.user, Node)
 
 
-class NodeThrottle(SimpleRateThrottle):
+class NodeThrottle(BaseThrottle):
     """Per-node request rate: a runaway agent cannot starve the others."""
 
-    scope = "agent"
+    def allow_request(self, request, view) -> bool:
+        from django.conf import settings
 
-    def get_cache_key(self, request, view):
-        return self.cache_format % {"scope": self.scope, "ident": f"node-{request.user.pk}"}
+        from provisioning import ratelimit
+
+        self._wait = ratelimit.hit(
+            services.redis_client(),
+            scope="agent",
+            ident=f"node-{request.user.pk}",
+            rate=settings.REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"]["agent"],
+        )
+        return self._wait is None
+
+    def wait(self) -> float | None:
+        return self._wait
 
 
 class JoinThrottle(SimpleRateThrottle):

@@ -263,9 +263,9 @@ def test_a_running_rental_is_asked_to_stop_when_its_booked_time_ends(agent, rent
 
 def test_heartbeat_telemetry_is_buffered_then_stored_in_bulk(agent):
     from billing.models import TelemetryMinute, TelemetrySample
-    from provisioning.services import TELEMETRY_BUFFER_KEY, _redis, telemetry_flush
+    from provisioning.services import TELEMETRY_BUFFER_KEY, redis_client, telemetry_flush
 
-    _redis().delete(TELEMETRY_BUFFER_KEY)
+    redis_client().delete(TELEMETRY_BUFFER_KEY)
     samples = [
         {"gpu_index": g, "ts": 1.8e9 + t, "util_pct": 50.0 + g, "mem_used_mb": 1000,
          "power_w": 300.0, "temp_c": 60.0}
@@ -281,3 +281,75 @@ def test_heartbeat_telemetry_is_buffered_then_stored_in_bulk(agent):
     ]  # fmt: skip
     assert TelemetryMinute.objects.filter(node=agent.node).count() == 2
     assert telemetry_flush() == 0
+
+
+@pytest.fixture
+def agent_rate(settings):
+    from provisioning.services import redis_client
+
+    # Node ids start again in every test database; counts of an earlier run are not theirs.
+    client = redis_client()
+    for key in client.scan_iter("gpumarket:rate:agent:*"):
+        client.delete(key)
+
+    def set_rate(rate: str) -> None:
+        settings.REST_FRAMEWORK = {
+            **settings.REST_FRAMEWORK,
+            "DEFAULT_THROTTLE_RATES": {**settings.REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"],
+                                       "agent": rate},
+        }  # fmt: skip
+
+    return set_rate
+
+
+def test_a_node_over_its_rate_gets_429_with_retry_after_and_nothing_applied(
+    agent, agent_rate, api, provider
+):
+    agent_rate("3/hour")
+    for _ in range(3):
+        assert _beat(agent).status_code == 200
+    seen = Node.objects.get(pk=agent.node.pk).last_seen_at
+    r = _beat(agent)
+    assert r.status_code == 429
+    assert 0 < int(r["Retry-After"]) <= 3600
+    assert Node.objects.get(pk=agent.node.pk).last_seen_at == seen  # the heartbeat was not applied
+    # Another node has its own budget
+    _, raw = join_token_create(
+        provider=provider, created_by=provider.owner, region="eu-west",
+        price_per_gpu_hour=Decimal("1.20"), min_bid_per_gpu_hour=Decimal("0.40"),
+    )  # fmt: skip
+    r = api.post(
+        "/api/agent/v1/join/",
+        {"join_token": raw, "hostname": "gpu-host-2", "host": HOST,
+         "gpus": [{**g, "uuid": f"{g['uuid']}-2"} for g in _gpus()]},
+        format="json",
+    )  # fmt: skip
+    assert r.status_code == 201, r.content
+    other = APIClient()
+    other.credentials(HTTP_AUTHORIZATION=f"Bearer {r.json()['node_token']}")
+    assert _beat(other).status_code == 200
+
+
+def test_the_rate_limiter_lets_heartbeats_through_when_redis_is_down(agent, agent_rate, settings):
+    from provisioning import services
+
+    agent_rate("1/hour")
+    assert _beat(agent).status_code == 200
+    saved = services._REDIS
+    services._REDIS = __import__("redis").Redis(
+        host="127.0.0.1", port=1, socket_connect_timeout=0.2
+    )  # nothing listens on port 1
+    try:
+        from provisioning import ratelimit
+
+        assert ratelimit.hit(services._REDIS, scope="agent", ident="x", rate="1/hour") is None
+    finally:
+        services._REDIS = saved
+
+
+@pytest.mark.parametrize("rate", ["600", "600/fortnight", "x/min", "/min"])
+def test_a_bad_rate_setting_is_refused(rate):
+    from provisioning.ratelimit import parse_rate
+
+    with pytest.raises(ValueError, match="bad rate"):
+        parse_rate(rate)

@@ -1,0 +1,46 @@
+"""Fixed-window request counting in Redis for the agent API: one round trip per request.
+
+DRF's cache throttle reads and rewrites a list of timestamps through Django's cache (two round
+trips, a new Redis client object each, and a race between them); at 200 heartbeats a second
+that was a tenth of a heartbeat's server time. Here a counter per (scope, node, window) is
+INCRemented and given its expiry in one pipeline. When Redis does not answer, requests are let
+through: an outage of the limiter must not stop every node's heartbeats.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import redis
+
+log = logging.getLogger(__name__)
+
+_PERIODS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_rate(rate: str) -> tuple[int, int]:
+    """ "600/min" -> (600, 60): requests allowed per window of seconds."""
+    count, _, period = rate.partition("/")
+    if not count.isdigit() or not period or period[0] not in _PERIODS:
+        raise ValueError(f"bad rate {rate!r}: write N/s, N/min, N/hour or N/day")
+    return int(count), _PERIODS[period[0]]
+
+
+def hit(client: redis.Redis, *, scope: str, ident: str, rate: str) -> float | None:
+    """Count one request; None when it is allowed, else the seconds until the window ends."""
+    limit, period = parse_rate(rate)
+    now = time.time()
+    window = int(now // period)
+    key = f"gpumarket:rate:{scope}:{ident}:{window}"
+    try:
+        pipe = client.pipeline(transaction=False)
+        pipe.incr(key)
+        pipe.expire(key, period + 1)
+        count, _ = pipe.execute()
+    except redis.RedisError as exc:
+        log.warning("rate limiter unavailable, request allowed: %s", exc)
+        return None
+    if count <= limit:
+        return None
+    return (window + 1) * period - now
