@@ -530,8 +530,17 @@ _REDIS = None
 
 
 def telemetry_buffer(*, node_id: int, samples: list[dict]) -> None:
-    """Queue a heartbeat's GPU samples for the next flush."""
-    redis_client().rpush(TELEMETRY_BUFFER_KEY, json.dumps({"node": node_id, "samples": samples}))
+    """Queue a heartbeat's GPU samples for the next flush. Without Redis they are dropped (and
+    logged): billing never reads them, and a heartbeat must not fail for them, or a Redis
+    outage would turn every node silent."""
+    import redis
+
+    try:
+        redis_client().rpush(
+            TELEMETRY_BUFFER_KEY, json.dumps({"node": node_id, "samples": samples})
+        )
+    except redis.RedisError as exc:
+        log.warning("telemetry of node %s dropped, Redis unavailable: %s", node_id, exc)
 
 
 def telemetry_flush(*, batch: int = TELEMETRY_FLUSH_BATCH) -> int:
