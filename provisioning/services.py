@@ -15,7 +15,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
@@ -205,13 +205,28 @@ def node_credential_revoke(*, node_id: int, actor: User | None) -> int:
     )
 
 
+# The two reads of every heartbeat, in SQL: building them through the ORM cost more server time
+# than running them (they were a third of a heartbeat).
+_NODE_BY_TOKEN_SQL = """
+SELECT n.* FROM marketplace_node n
+JOIN provisioning_nodecredential c ON c.node_id = n.id
+WHERE c.key_hash = %s AND c.revoked_at IS NULL
+LIMIT 1
+"""
+_HELD_SQL = """
+SELECT a.rental_id, g.index, g.uuid
+FROM marketplace_allocation a
+JOIN marketplace_gpu g ON g.id = a.gpu_id
+JOIN marketplace_rental r ON r.id = a.rental_id
+WHERE a.node_id = %s AND a.released_at IS NULL AND a.during @> %s::timestamptz
+  AND r.status = ANY(%s)
+ORDER BY a.rental_id, g.index
+"""
+
+
 def node_authenticate(raw_token: str) -> Node | None:
-    cred = (
-        NodeCredential.objects.select_related("node")
-        .filter(key_hash=token_hash(raw_token), revoked_at__isnull=True)
-        .first()
-    )
-    return None if cred is None else cred.node
+    """The node of a valid, unrevoked node token; None otherwise."""
+    return next(iter(Node.objects.raw(_NODE_BY_TOKEN_SQL, [token_hash(raw_token)])), None)
 
 
 def run_id_for(rental_id, node_id: int) -> str:
@@ -238,16 +253,9 @@ def _cpu_and_memory(node: Node, gpus: int) -> tuple[float, int]:
 
 def desired_state(*, node: Node, now: datetime) -> list[dict]:
     """The containers that should run on the node now, from its active allocations."""
-    held = list(
-        Allocation.objects.filter(
-            node=node,
-            released_at__isnull=True,
-            during__contains=now,
-            rental__status__in=_WANTED,
-        )
-        .order_by("rental_id", "gpu__index")
-        .values_list("rental_id", "gpu__index", "gpu__uuid")
-    )
+    with connection.cursor() as cursor:
+        cursor.execute(_HELD_SQL, [node.pk, now, [str(s) for s in _WANTED]])
+        held = cursor.fetchall()
     if not held:
         return []  # an idle node, the common case: one light query per heartbeat
     rentals = Rental.objects.in_bulk({rental_id for rental_id, _, _ in held})
