@@ -138,24 +138,36 @@ def node_register(
     return node
 
 
-# What a provider may do to its own nodes. Bringing an OFFLINE node online is the agent's to say
-# (by its heartbeat), so a provider relists only what it drained or took for maintenance.
+# What a provider may do to its own nodes. OFFLINE is the agent's to end (by its heartbeat), so a
+# provider neither relists nor takes for maintenance a node whose agent is silent.
 PROVIDER_ACTIONS: dict[str, frozenset[str]] = {
     "drain": frozenset({NodeStatus.ONLINE}),
-    "maintenance": frozenset({NodeStatus.ONLINE, NodeStatus.DRAINING, NodeStatus.OFFLINE}),
+    "maintenance": frozenset({NodeStatus.ONLINE, NodeStatus.DRAINING}),
     "online": frozenset({NodeStatus.DRAINING, NodeStatus.MAINTENANCE}),
 }
 
 
 def _owned_node(*, owner: User, node_id: int) -> Node:
-    node = Node.objects.select_for_update().filter(pk=node_id, provider__owner=owner).first()
+    node = (
+        Node.objects.select_for_update(of=("self",))
+        .filter(pk=node_id, provider__owner=owner)
+        .first()
+    )
     if node is None:  # another provider's node is as absent as one that never existed
         raise NotFound("no such node")
     return node
 
 
 def provider_node_action(*, owner: User, node_id: int, action: str, reason: str = "") -> Node:
-    """Drain (unlist: running rentals finish), maintenance, or relist one of the owner's nodes."""
+    """Drain (unlist: running rentals finish), maintenance, or relist one of the owner's nodes.
+
+    Maintenance takes a node out at once, so it is refused while rentals hold GPUs on it (drain
+    first); relisting needs the node's agent heard from within the silence timeout."""
+    from django.conf import settings
+    from django.utils import timezone
+
+    from marketplace.models import Allocation
+
     if action not in PROVIDER_ACTIONS:
         raise ValidationFailed(
             f"action must be one of {', '.join(sorted(PROVIDER_ACTIONS))}", field="action"
@@ -163,8 +175,31 @@ def provider_node_action(*, owner: User, node_id: int, action: str, reason: str 
     with transaction.atomic():
         node = _owned_node(owner=owner, node_id=node_id)
         target = _NODE_ACTIONS[action][1]
-        if node.status != target and node.status not in PROVIDER_ACTIONS[action]:
+        if node.status == target:
+            return node
+        if node.status not in PROVIDER_ACTIONS[action]:
             raise Conflict(f"cannot {action} a node that is {node.status}", field="action")
+        now = timezone.now()
+        if (
+            action == "maintenance"
+            and Allocation.objects.filter(
+                node=node, released_at__isnull=True, during__endswith__gt=now
+            ).exists()
+        ):
+            raise Conflict(
+                "rentals hold GPUs on this node: drain it, and take it for maintenance once "
+                "they have ended",
+                field="action",
+            )
+        silence = settings.GPUMARKET["NODE_SILENCE_TIMEOUT_S"]
+        if action == "online" and (
+            node.last_seen_at is None or (now - node.last_seen_at).total_seconds() > silence
+        ):
+            raise Conflict(
+                "the node's agent has not been heard from: start it, and the node comes back "
+                "by itself",
+                field="action",
+            )
         return node_set_status(
             node_id=node.pk, action=action, actor=owner, reason=reason or f"provider: {action}"
         )
@@ -185,6 +220,10 @@ def provider_node_price(
         if price <= 0:
             raise ValidationFailed("must be positive", field="price_per_gpu_hour")
         if not 0 < bid <= price:
+            if min_bid_per_gpu_hour is None:  # only the price was given: it fell below the bid
+                raise ValidationFailed(
+                    f"must be at least the minimum bid ({bid})", field="price_per_gpu_hour"
+                )
             raise ValidationFailed(
                 "must be positive and at most the price", field="min_bid_per_gpu_hour"
             )

@@ -45,6 +45,8 @@ def test_errors_are_shown_with_the_field_and_a_non_zero_exit(cli):
 
 
 def test_a_provider_lists_prices_drains_and_joins_hosts(live_server, provider, make_node, capsys):
+    from django.utils import timezone
+
     from marketplace.models import Node, NodeStatus
     from provisioning.models import JoinToken
 
@@ -56,6 +58,7 @@ def test_a_provider_lists_prices_drains_and_joins_hosts(live_server, provider, m
         return code, out.out, out.err
 
     node = make_node(hostname="ams-7", price="1.00", min_bid="0.40")
+    Node.objects.filter(pk=node.pk).update(last_seen_at=timezone.now())  # its agent heartbeats
     code, out, _ = cli("nodes")
     assert code == 0 and "ams-7" in out and "online" in out
     code, out, _ = cli("price", str(node.pk), "--price", "1.10")

@@ -78,6 +78,7 @@ def test_a_new_price_applies_to_new_bookings_and_booked_rentals_keep_theirs(
         ({"price_per_gpu_hour": "0"}, "price_per_gpu_hour"),
         ({"price_per_gpu_hour": "cheap"}, "price_per_gpu_hour"),
         ({"min_bid_per_gpu_hour": "5.00"}, "min_bid_per_gpu_hour"),  # above the price
+        ({"price_per_gpu_hour": "0.50"}, "price_per_gpu_hour"),  # below the minimum bid
         ({"colour": "red"}, "colour"),
         ({}, "price_per_gpu_hour"),
     ],
@@ -107,8 +108,15 @@ def test_another_owners_node_is_404_and_unchanged(stranger_api, make_node):
     assert (node.price_per_gpu_hour, node.status) == (Decimal("2.0000"), NodeStatus.ONLINE)
 
 
+def _heard_from(node) -> None:
+    from django.utils import timezone
+
+    Node.objects.filter(pk=node.pk).update(last_seen_at=timezone.now())
+
+
 def test_drain_unlists_the_node_and_online_lists_it_again(owner_api, api, provider, make_node):
     node = make_node(hostname="gpu-b")
+    _heard_from(node)
 
     def listed() -> bool:
         return any(o["node_id"] == node.pk for o in api.get("/api/v1/offers/").json()["results"])
@@ -134,15 +142,39 @@ def test_drain_unlists_the_node_and_online_lists_it_again(owner_api, api, provid
     assert listed()
 
 
+def _act(client, node, action):
+    return client.post(
+        f"/api/v1/providers/nodes/{node.pk}/action/", {"action": action}, format="json"
+    )
+
+
 def test_only_the_agent_brings_an_offline_node_online(owner_api, make_node):
     node = make_node(status=NodeStatus.OFFLINE)
     events = NodeEvent.objects.count()
-    r = owner_api.post(
-        f"/api/v1/providers/nodes/{node.pk}/action/", {"action": "online"}, format="json"
-    )
-    assert r.status_code == 409 and "action" in r.json()
+    # neither directly, nor by way of maintenance
+    for action in ("online", "maintenance"):
+        r = _act(owner_api, node, action)
+        assert r.status_code == 409 and "action" in r.json()
     assert Node.objects.get(pk=node.pk).status == NodeStatus.OFFLINE
     assert NodeEvent.objects.count() == events
+
+
+def test_a_drained_node_whose_agent_is_silent_is_not_listed_again(owner_api, make_node):
+    node = make_node()
+    assert _act(owner_api, node, "drain").status_code == 200  # never heard from
+    r = _act(owner_api, node, "online")
+    assert r.status_code == 409 and "not been heard from" in r.json()["action"][0]
+    assert Node.objects.get(pk=node.pk).status == NodeStatus.DRAINING
+
+
+def test_maintenance_waits_for_the_rentals_on_the_node(owner_api, make_node, rent):
+    node = make_node(gpus=2)
+    rent(1)
+    scheduler_cycle_run()
+    r = _act(owner_api, node, "maintenance")
+    assert r.status_code == 409 and "drain" in r.json()["action"][0]
+    assert Node.objects.get(pk=node.pk).status == NodeStatus.ONLINE
+    assert _act(owner_api, node, "drain").status_code == 200
     r = owner_api.post(
         f"/api/v1/providers/nodes/{node.pk}/action/", {"action": "reboot"}, format="json"
     )
