@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import redis
 
@@ -27,9 +28,19 @@ def parse_rate(rate: str) -> tuple[int, int]:
     return int(count), _PERIODS[period[0]]
 
 
-def hit(client: redis.Redis, *, scope: str, ident: str, rate: str) -> float | None:
-    """Count one request; None when it is allowed, else the seconds until the window ends."""
+def hit(
+    client: redis.Redis | None,
+    *,
+    scope: str,
+    ident: str,
+    rate: str,
+    on_error: Callable[[Exception], None] | None = None,
+) -> float | None:
+    """Count one request; None when it is allowed, else the seconds until the window ends.
+    Without a client (Redis paused) or when Redis fails, the request is allowed."""
     limit, period = parse_rate(rate)
+    if client is None:
+        return None
     now = time.time()
     window = int(now // period)
     key = f"gpumarket:rate:{scope}:{ident}:{window}"
@@ -40,6 +51,8 @@ def hit(client: redis.Redis, *, scope: str, ident: str, rate: str) -> float | No
         count, _ = pipe.execute()
     except redis.RedisError as exc:
         log.warning("rate limiter unavailable, request allowed: %s", exc)
+        if on_error is not None:
+            on_error(exc)
         return None
     if count <= limit:
         return None

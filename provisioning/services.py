@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -213,6 +214,7 @@ JOIN provisioning_nodecredential c ON c.node_id = n.id
 WHERE c.key_hash = %s AND c.revoked_at IS NULL
 LIMIT 1
 """
+_SEEN_SQL = "UPDATE marketplace_node SET last_seen_at = %s WHERE id = %s"
 _HELD_SQL = """
 SELECT a.rental_id, g.index, g.uuid
 FROM marketplace_allocation a
@@ -422,17 +424,22 @@ def node_heartbeat(
     if node.status == NodeStatus.OFFLINE:
         with transaction.atomic():
             locked = Node.objects.select_for_update().get(pk=node.pk)
+            update: dict = {"last_seen_at": now}
             if locked.status == NodeStatus.OFFLINE:
+                # Only an OFFLINE node comes back: a status set meanwhile (maintenance by its
+                # provider, say) is not overwritten.
                 NodeEvent.objects.create(
                     node=locked,
                     from_status=NodeStatus.OFFLINE,
                     to_status=NodeStatus.ONLINE,
                     reason="agent heartbeat",
                 )
-            Node.objects.filter(pk=node.pk).update(last_seen_at=now, status=NodeStatus.ONLINE)
+                update["status"] = NodeStatus.ONLINE
+            Node.objects.filter(pk=node.pk).update(**update)
     else:
         # The common case is one UPDATE: 200 agents a second must stay cheap.
-        Node.objects.filter(pk=node.pk).update(last_seen_at=now)
+        with connection.cursor() as cursor:
+            cursor.execute(_SEEN_SQL, [now, node.pk])
     for report in sorted(containers, key=lambda c: c.run_id):
         with transaction.atomic():
             _apply_container(node, report, now)
@@ -523,7 +530,7 @@ TELEMETRY_FLUSH_BATCH = 5000
 
 
 def redis_client():
-    """The process's Redis client (its pool is shared by threads)."""
+    """The process's Redis client for background work (its pool is shared by threads)."""
     import redis
 
     global _REDIS
@@ -536,6 +543,40 @@ def redis_client():
 
 _REDIS = None
 
+# The heartbeat's own Redis calls (rate limit, telemetry buffer) must never hold a heartbeat up:
+# short timeouts, no retry, and after a failure Redis is left alone for a few seconds, so a hung
+# Redis costs a heartbeat at most one short timeout, then nothing.
+HOT_REDIS_TIMEOUT_S = 0.1
+HOT_REDIS_PAUSE_S = 5.0
+_HOT_REDIS = None
+_hot_paused_until = 0.0
+
+
+def hot_redis():
+    """The heartbeat path's Redis client, or None while Redis is paused after a failure."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    global _HOT_REDIS
+    if time.monotonic() < _hot_paused_until:
+        return None
+    if _HOT_REDIS is None:
+        _HOT_REDIS = redis.Redis.from_url(
+            settings.REDIS_URL,
+            socket_timeout=HOT_REDIS_TIMEOUT_S,
+            socket_connect_timeout=HOT_REDIS_TIMEOUT_S,
+            retry=Retry(NoBackoff(), 0),
+        )
+    return _HOT_REDIS
+
+
+def hot_redis_failed(exc: Exception) -> None:
+    global _hot_paused_until
+    _hot_paused_until = time.monotonic() + HOT_REDIS_PAUSE_S
+    log.warning("Redis failed on the heartbeat path, left alone for %.0f s: %s",
+                HOT_REDIS_PAUSE_S, exc)  # fmt: skip
+
 
 def telemetry_buffer(*, node_id: int, samples: list[dict]) -> None:
     """Queue a heartbeat's GPU samples for the next flush. Without Redis they are dropped (and
@@ -543,12 +584,13 @@ def telemetry_buffer(*, node_id: int, samples: list[dict]) -> None:
     outage would turn every node silent."""
     import redis
 
+    client = hot_redis()
+    if client is None:
+        return
     try:
-        redis_client().rpush(
-            TELEMETRY_BUFFER_KEY, json.dumps({"node": node_id, "samples": samples})
-        )
+        client.rpush(TELEMETRY_BUFFER_KEY, json.dumps({"node": node_id, "samples": samples}))
     except redis.RedisError as exc:
-        log.warning("telemetry of node %s dropped, Redis unavailable: %s", node_id, exc)
+        hot_redis_failed(exc)
 
 
 def telemetry_flush(*, batch: int = TELEMETRY_FLUSH_BATCH) -> int:

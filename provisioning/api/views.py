@@ -60,10 +60,11 @@ class NodeThrottle(BaseThrottle):
         from provisioning import ratelimit
 
         self._wait = ratelimit.hit(
-            services.redis_client(),
+            services.hot_redis(),
             scope="agent",
             ident=f"node-{request.user.pk}",
             rate=settings.REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"]["agent"],
+            on_error=services.hot_redis_failed,
         )
         return self._wait is None
 

@@ -330,26 +330,48 @@ def test_a_node_over_its_rate_gets_429_with_retry_after_and_nothing_applied(
     assert _beat(other).status_code == 200
 
 
-def test_heartbeats_go_on_when_redis_is_down(agent, agent_rate):
+@pytest.fixture
+def hung_redis():
+    """A Redis address that accepts connections and never answers."""
+    import socket
+
+    import redis
+
+    from provisioning import services
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    saved = services._HOT_REDIS, services._hot_paused_until
+    services._HOT_REDIS = redis.Redis(
+        host="127.0.0.1",
+        port=listener.getsockname()[1],
+        socket_timeout=services.HOT_REDIS_TIMEOUT_S,
+        socket_connect_timeout=services.HOT_REDIS_TIMEOUT_S,
+        retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0),
+    )
+    services._hot_paused_until = 0.0
+    yield
+    services._HOT_REDIS, services._hot_paused_until = saved
+    listener.close()
+
+
+def test_heartbeats_go_on_when_redis_hangs_and_redis_is_then_left_alone(
+    agent, agent_rate, hung_redis
+):
     from provisioning import services
 
     agent_rate("1/hour")
-    assert _beat(agent).status_code == 200
-    saved = services._REDIS
-    # nothing listens on port 1: the rate limiter and the telemetry buffer cannot reach Redis
-    services._REDIS = __import__("redis").Redis(
-        host="127.0.0.1", port=1, socket_connect_timeout=0.2
-    )
-    try:
-        telemetry = [{"gpu_index": 0, "ts": 1.0, "util_pct": 5.0, "mem_used_mb": 1,
-                      "power_w": 1.0, "temp_c": 30.0}]  # fmt: skip
+    telemetry = [{"gpu_index": 0, "ts": 1.0, "util_pct": 5.0, "mem_used_mb": 1,
+                  "power_w": 1.0, "temp_c": 30.0}]  # fmt: skip
+    assert services.hot_redis() is not None
+    for _ in range(3):
+        # over its rate of 1/hour, but let through: the limiter cannot count
         r = _beat(agent, telemetry=telemetry)
-    finally:
-        services._REDIS = saved
-    # over its rate of 1/hour, but let through; the node stays seen and online
-    assert r.status_code == 200, r.content
-    node = Node.objects.get(pk=agent.node.pk)
-    assert node.status == NodeStatus.ONLINE
+        assert r.status_code == 200, r.content
+        # after the first timeout the heartbeat path does not ask Redis for a while
+        assert services.hot_redis() is None
+    assert Node.objects.get(pk=agent.node.pk).status == NodeStatus.ONLINE
 
 
 @pytest.mark.parametrize("rate", ["600", "600/fortnight", "x/min", "/min"])
@@ -358,3 +380,12 @@ def test_a_bad_rate_setting_is_refused(rate):
 
     with pytest.raises(ValueError, match="bad rate"):
         parse_rate(rate)
+
+
+def test_a_bad_agent_rate_fails_the_start_up_check(settings, agent_rate):
+    from django.core import checks
+
+    agent_rate("lots")
+    assert [e.id for e in checks.run_checks()] == ["provisioning.E001"]
+    agent_rate("600/min")
+    assert checks.run_checks() == []
