@@ -181,18 +181,35 @@ WHERE n.pool = %(pool)s AND n.status = %(online)s
 _inventory: dict[str, tuple[tuple, tuple[engine.Node, ...]]] = {}
 
 
-def _pool_nodes(pool: str) -> tuple[engine.Node, ...]:
+def _inventory_digest(pool: str) -> tuple:
     with connection.cursor() as cursor:
         cursor.execute(_INVENTORY_DIGEST_SQL, {"pool": pool, "online": NodeStatus.ONLINE})
-        digest = tuple(cursor.fetchone())
+        return tuple(cursor.fetchone())
+
+
+def _pool_nodes(pool: str) -> tuple[engine.Node, ...]:
+    digest = _inventory_digest(pool)
     cached = _inventory.get(pool)
     if cached is not None and cached[0] == digest:
         return cached[1]
-    nodes = tuple(
-        engine_nodes(Node.objects.filter(pool=pool, status=NodeStatus.ONLINE).order_by("id"))
-    )
+    if connection.in_atomic_block:
+        # Inside a caller's transaction the isolation is the caller's: read, use, keep nothing.
+        _inventory.pop(pool, None)
+        return _read_pool_nodes(pool)
+    # The digest kept must describe exactly the rows kept: read both in one snapshot.
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        digest = _inventory_digest(pool)
+        nodes = _read_pool_nodes(pool)
     _inventory[pool] = (digest, nodes)
     return nodes
+
+
+def _read_pool_nodes(pool: str) -> tuple[engine.Node, ...]:
+    return tuple(
+        engine_nodes(Node.objects.filter(pool=pool, status=NodeStatus.ONLINE).order_by("id"))
+    )
 
 
 def snapshot_take(*, pool: str, now: datetime) -> engine.Snapshot:

@@ -38,10 +38,13 @@ def test_the_snapshot_holds_nodes_busy_gpus_and_the_queue_with_epoch_times(make_
     assert request.start_deadline == pytest.approx(waiting.start_deadline.timestamp(), abs=1e-5)
 
 
+# Committed writes, as in production: outside a transaction the worker keeps the inventory.
+@pytest.mark.django_db(transaction=True)
 def test_every_change_the_engine_reads_reaches_the_next_snapshot(make_node):
     node = make_node(gpus=2, price="1.00")
     other = make_node(gpus=2, price="2.00")
     assert [n.price_per_gpu_hour for n in _take().nodes] == [Decimal("1.00"), Decimal("2.00")]
+    assert _take().nodes is _take().nodes  # unchanged: the kept inventory, not read again
     # a price
     Node.objects.filter(pk=node.pk).update(price_per_gpu_hour=Decimal("0.90"))
     assert _take().nodes[0].price_per_gpu_hour == Decimal("0.90")
