@@ -6,6 +6,7 @@ from decimal import Decimal
 
 from rest_framework import serializers
 
+from marketplace.api.pagination import MAX_OFFSET
 from marketplace.models import ApiToken, GpuModel
 from marketplace.selectors import OFFER_ORDERINGS
 
@@ -74,7 +75,7 @@ class OfferQuerySerializer(serializers.Serializer):
     )
 
     limit = serializers.IntegerField(required=False, min_value=1, max_value=500, default=50)
-    offset = serializers.IntegerField(required=False, min_value=0, default=0)
+    offset = serializers.IntegerField(required=False, min_value=0, max_value=MAX_OFFSET, default=0)
 
     PASS_THROUGH = frozenset({"format"})
 

@@ -118,3 +118,12 @@ def test_the_provider_page_shows_only_the_owners_nodes(browser_client, make_node
     assert "owned-host" in html and provider.name in html
     stranger = browser_client.get("/provider/").content.decode()
     assert "owned-host" not in stranger and "do not own a provider" in stranger
+
+
+@pytest.mark.parametrize(
+    "path", ["/", "/api/v1/offers/", "/api/v1/rentals/", "/api/v1/billing/ledger/"]
+)
+def test_an_offset_past_any_page_is_400_naming_it(browser_client, path):
+    r = browser_client.get(path, {"offset": "99999999999999999999"})
+    assert r.status_code == 400
+    assert "offset" in r.content.decode()
