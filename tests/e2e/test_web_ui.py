@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import re
 from decimal import Decimal
+from urllib.parse import urlsplit
 
 import pytest
-from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+from selenium.common.exceptions import (
+    NoSuchElementException,
+    StaleElementReferenceException,
+    TimeoutException,
+    WebDriverException,
+)
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
@@ -23,12 +29,24 @@ PASSWORD = "pw-not-secret"  # tests.factories.UserFactory's
 
 
 def _wait(driver, check, timeout: float = 30, what: str = ""):
-    return WebDriverWait(
-        driver,
-        timeout,
-        poll_frequency=0.2,
-        ignored_exceptions=(NoSuchElementException, StaleElementReferenceException),
-    ).until(check, what)
+    """Poll `check` while the page may be reloading under it (the rental page reloads itself when
+    the state changes): an element gone with the old document is looked up again."""
+    try:
+        return WebDriverWait(
+            driver,
+            timeout,
+            poll_frequency=0.2,
+            ignored_exceptions=(
+                NoSuchElementException,
+                StaleElementReferenceException,
+                WebDriverException,  # "node does not belong to the document" mid-reload
+            ),
+        ).until(check, what)
+    except TimeoutException as exc:
+        raise AssertionError(
+            f"timed out waiting for {what or check}; at {driver.current_url}: "
+            f"{driver.page_source[:600]}"
+        ) from exc
 
 
 def _text(driver, element_id: str) -> str:
@@ -37,10 +55,24 @@ def _text(driver, element_id: str) -> str:
 
 def _log_in(driver, base: str, user, then: str) -> None:
     driver.get(f"{base}/accounts/login/?next={then}")
+    _wait(driver, lambda d: d.find_element(By.ID, "id_username"), what="the login form")
     driver.find_element(By.ID, "id_username").send_keys(user.username)
     driver.find_element(By.ID, "id_password").send_keys(PASSWORD)
     driver.find_element(By.CSS_SELECTOR, "main form button[type=submit]").click()
-    _wait(driver, lambda d: d.current_url.endswith(then), what=f"the login to land on {then}")
+    _landed(driver, then)
+
+
+def _landed(driver, path: str) -> None:
+    """Wait until a navigation that a click started has loaded `path`: a get() issued while it
+    is still under way can lose to it."""
+    _wait(
+        driver,
+        lambda d: (
+            urlsplit(d.current_url).path == path
+            and d.execute_script("return document.readyState") == "complete"
+        ),
+        what=f"the page {path}",
+    )
 
 
 def _status_badge(driver) -> str:
@@ -149,8 +181,10 @@ def test_a_customer_finds_a_card_books_the_advice_and_stops_it_in_the_browser(
     other = UserFactory()
     browser.get(f"{base}/")
     browser.find_element(By.CSS_SELECTOR, "header form button").click()  # log out
+    _landed(browser, "/")
     _log_in(browser, base, other, "/rentals/")
     browser.get(f"{base}/rentals/{rental_id}/")
+    _landed(browser, f"/rentals/{rental_id}/")
     assert "Not Found" in browser.title or "Not Found" in browser.page_source
     assert not browser.find_elements(By.ID, "status")
 
@@ -189,7 +223,7 @@ def test_bad_input_is_named_in_the_page_and_stores_nothing(browser, live_server,
         2,
         ["a100-sxm4-80gb"],
     )
-    assert _status_badge(browser).lower() in RentalStatus.values
+    _wait(browser, lambda d: _status_badge(d).lower() in RentalStatus.values, what="its status")
 
 
 def test_an_api_token_is_shown_once_stored_hashed_and_revoked_in_the_browser(
@@ -244,6 +278,13 @@ def test_a_provider_joins_a_host_prices_and_drains_it_in_the_browser(
     price.send_keys("1.25")
     row.find_element(By.CSS_SELECTOR, "button.save-price").click()
     _wait(browser, lambda d: _node_price(listed) == Decimal("1.2500"), what="the new price")
+    # the page is drawn again with the stored price (a click on the old one could be lost)
+    price_input = f"tr[data-node='{listed.pk}'] input.price"
+    _wait(
+        browser,
+        lambda d: d.find_element(By.CSS_SELECTOR, price_input).get_attribute("value") == "1.2500",
+        what="the page with the new price",
+    )
 
     # Drain: the host leaves the offers
     row = _wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, f"tr[data-node='{listed.pk}']"))
