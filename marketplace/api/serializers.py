@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from decimal import Decimal
 
 from rest_framework import serializers
@@ -9,6 +10,16 @@ from rest_framework import serializers
 from marketplace.api.pagination import MAX_OFFSET
 from marketplace.models import ApiToken, GpuModel
 from marketplace.selectors import OFFER_ORDERINGS
+
+
+def refuse_unknown(
+    serializer: serializers.Serializer, *, also: Iterable[str] = (), why: str = "unknown field"
+) -> None:
+    """A request naming a field the serializer does not take is refused, naming it: a typo must
+    not silently become the default."""
+    unknown = set(serializer.initial_data) - set(serializer.fields) - set(also)
+    if unknown:
+        raise serializers.ValidationError({name: [why] for name in sorted(unknown)})
 
 
 class GpuModelSerializer(serializers.ModelSerializer):
@@ -80,11 +91,7 @@ class OfferQuerySerializer(serializers.Serializer):
     PASS_THROUGH = frozenset({"format"})
 
     def validate(self, attrs):
-        unknown = set(self.initial_data) - set(self.fields) - self.PASS_THROUGH
-        if unknown:
-            raise serializers.ValidationError(
-                {name: ["unknown filter"] for name in sorted(unknown)}
-            )
+        refuse_unknown(self, also=self.PASS_THROUGH, why="unknown filter")
         return attrs
 
 
@@ -233,9 +240,7 @@ class RentalCreateSerializer(serializers.Serializer):
     runtime = RuntimeSerializer()
 
     def validate(self, attrs):
-        unknown = set(self.initial_data) - set(self.fields)
-        if unknown:
-            raise serializers.ValidationError({name: ["unknown field"] for name in sorted(unknown)})
+        refuse_unknown(self)
         if ("duration_s" in attrs) == ("end_at" in attrs):
             raise serializers.ValidationError({"duration_s": ["give duration_s or end_at"]})
         if "end_at" in attrs:
@@ -330,9 +335,7 @@ class AdvisorQuerySerializer(serializers.Serializer):
         self.fields["model"].choices = sorted(PRESETS)
 
     def validate(self, attrs):
-        unknown = set(self.initial_data) - set(self.fields) - {"card", "runtime", "name"}
-        if unknown:
-            raise serializers.ValidationError({name: ["unknown field"] for name in sorted(unknown)})
+        refuse_unknown(self, also={"card", "runtime", "name"})
         if ("model" in attrs) == ("params_b" in attrs):
             raise serializers.ValidationError({"model": ["give a preset model or params_b"]})
         return attrs
@@ -396,9 +399,7 @@ class ProviderNodePriceSerializer(serializers.Serializer):
     )
 
     def validate(self, attrs):
-        unknown = set(self.initial_data) - set(self.fields)
-        if unknown:
-            raise serializers.ValidationError({name: ["unknown field"] for name in sorted(unknown)})
+        refuse_unknown(self)
         if not attrs:
             raise serializers.ValidationError(
                 {"price_per_gpu_hour": ["give price_per_gpu_hour or min_bid_per_gpu_hour"]}
