@@ -244,6 +244,7 @@ class ReportedContainer:
     started_at: float | None = None
     finished_at: float | None = None
     log_tail: str = ""
+    error: str = ""
 
 
 def _cpu_and_memory(node: Node, gpus: int) -> tuple[float, int]:
@@ -334,8 +335,15 @@ def _apply_container(node: Node, report: ReportedContainer, now: datetime) -> No
     if report.status not in (ContainerRun.Status.EXITED, ContainerRun.Status.MISSING):
         return
     code = report.exit_code
+    ended_at = run.finished_at or now
     if rental.status == RentalStatus.STOPPING:
         to, reason = RentalStatus.COMPLETED, "stopped"
+    elif rental.scheduled_end is not None and ended_at >= rental.scheduled_end:
+        # The agent stops a run when its allocation ends, maybe before the booked-time sweep
+        # asked for the stop: the customer got what was booked, whatever the exit code.
+        to, reason = RentalStatus.COMPLETED, "booked time ended"
+    elif report.error:
+        to, reason = RentalStatus.FAILED, f"cannot start on {node.hostname}: {report.error}"
     elif code == 0:
         to, reason = RentalStatus.COMPLETED, "finished"
     elif code is not None:
@@ -350,7 +358,7 @@ def _apply_container(node: Node, report: ReportedContainer, now: datetime) -> No
         to_status=to,
         actor_kind=A.AGENT,
         reason=reason,
-        ended_at=run.finished_at or now,
+        ended_at=ended_at,
         exit_code=code,
         log_tail=run.log_tail,
     )

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from decimal import Decimal
 
+from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
@@ -115,6 +116,19 @@ def allocations_release(*, rental: Rental, at: datetime) -> int:
             alloc.save(update_fields=["during", "released_at"])
         released += 1
     return released
+
+
+def _harness_config(runtime: RuntimeSpec) -> dict | None:
+    """The harness image asked for with neither a command nor a config trains the harness's
+    default config: every runtime then gets the same explicit harness command, including the
+    local-process one, which has no image entrypoint to fall back on."""
+    if (
+        runtime.harness_config is None
+        and not runtime.command
+        and runtime.image == settings.GPUMARKET["HARNESS_IMAGE"]
+    ):
+        return {}
+    return runtime.harness_config
 
 
 def _engine_request(req: RentalRequest, start: datetime, deadline: datetime) -> engine.Request:
@@ -251,7 +265,7 @@ def rental_create(*, customer: User, request: RentalRequest) -> Rental:
             duration_s=request.duration_s,
             image=request.runtime.image,
             command=request.runtime.command,
-            harness_config=request.runtime.harness_config,
+            harness_config=_harness_config(request.runtime),
             env=request.runtime.env,
             ports=request.runtime.ports,
             status_reason="waiting for the scheduler",

@@ -154,6 +154,7 @@ def _missing_report(rental_id: str, run_id: str, error: str) -> dict[str, Any]:
         "started_at": None,
         "finished_at": None,
         "log_tail": trim_log_tail(f"cannot start: {error}\n"),
+        "error": error[:500],
     }
 
 

@@ -39,6 +39,8 @@ class ContainerReportSerializer(serializers.Serializer):
     started_at = serializers.FloatField(allow_null=True, required=False, default=None)
     finished_at = serializers.FloatField(allow_null=True, required=False, default=None)
     log_tail = serializers.CharField(max_length=8192, allow_blank=True, required=False, default="")
+    # Why the agent could not start the run at all (bad image, a runtime that cannot run it).
+    error = serializers.CharField(max_length=500, allow_blank=True, required=False, default="")
 
 
 class UsageReportSerializer(serializers.Serializer):
