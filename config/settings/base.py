@@ -151,23 +151,37 @@ CELERY_RESULT_BACKEND = None
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
+# Every task names its own time_limit and soft_time_limit (a global soft limit above a task's own
+# hard limit made Celery refuse to send that task); these defaults only cover Celery's own.
 CELERY_TASK_TIME_LIMIT = 300
 CELERY_TASK_SOFT_TIME_LIMIT = 240
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BROKER_TRANSPORT_OPTIONS = {"socket_timeout": 10, "socket_connect_timeout": 5}
 CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=False)
-CELERY_BEAT_SCHEDULE: dict[str, dict] = {
-    "scheduler-tick": {"task": "scheduler.tick", "schedule": timedelta(seconds=5)},
-    "silent-nodes": {"task": "provisioning.mark_silent_nodes", "schedule": timedelta(seconds=15)},
-    "booked-time": {"task": "provisioning.end_booked_time", "schedule": timedelta(seconds=15)},
-    "telemetry-flush": {"task": "provisioning.flush_telemetry", "schedule": timedelta(seconds=5)},
-    "billing-pass": {"task": "billing.pass", "schedule": timedelta(seconds=60)},
-    "billing-telemetry-prune": {"task": "billing.telemetry_prune", "schedule": timedelta(hours=1)},
-    "billing-invoices-issue": {"task": "billing.invoices_issue", "schedule": timedelta(hours=1)},
-    "billing-payments-retry": {"task": "billing.payments_retry", "schedule": timedelta(minutes=5)},
+# The periodic work, defined here once: name -> (task, every). Nothing depends on a message
+# getting through: each periodic task re-reads its work from PostgreSQL, so a lost message, a
+# broker restart or a killed worker delays that work by one interval at most.
+# BEAT_MAX_INTERVAL_S caps every interval (the end-to-end tests run beat in seconds).
+PERIODIC_TASKS: dict[str, tuple[str, timedelta]] = {
+    "scheduler-tick": ("scheduler.tick", timedelta(seconds=5)),
+    "silent-nodes": ("provisioning.mark_silent_nodes", timedelta(seconds=15)),
+    "booked-time": ("provisioning.end_booked_time", timedelta(seconds=15)),
+    "telemetry-flush": ("provisioning.flush_telemetry", timedelta(seconds=5)),
+    "billing-pass": ("billing.pass", timedelta(seconds=60)),
+    "billing-telemetry-prune": ("billing.telemetry_prune", timedelta(hours=1)),
+    "billing-invoices-issue": ("billing.invoices_issue", timedelta(hours=1)),
+    "billing-payments-retry": ("billing.payments_retry", timedelta(minutes=5)),
 }
-CELERY_BEAT_SCHEDULE_INTERVAL = timedelta(seconds=5)
+_beat_cap = env.float("BEAT_MAX_INTERVAL_S", default=0.0)
+CELERY_BEAT_SCHEDULE: dict[str, dict] = {
+    name: {
+        "task": task,
+        "schedule": min(every, timedelta(seconds=_beat_cap)) if _beat_cap > 0 else every,
+    }
+    for name, (task, every) in PERIODIC_TASKS.items()
+}
+CELERY_BEAT_MAX_LOOP_INTERVAL = min(5.0, _beat_cap) if _beat_cap > 0 else 5.0
 
 # Stripe: without a secret key everything but card payments works (ops credit accounts by hand).
 STRIPE_SECRET_KEY = env.str("STRIPE_SECRET_KEY", default="")

@@ -6,7 +6,6 @@ through the one table of allowed transitions and record every change as an event
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -278,11 +277,10 @@ def rental_create(*, customer: User, request: RentalRequest) -> Rental:
             actor=customer,
             reason="created",
         )
-        from scheduler.tasks import scheduler_cycle
+        from scheduler.tasks import scheduler_cycle_soon
 
         pool = rental.pool
-        # The time is taken after commit: any cycle that snapshots later sees this rental.
-        transaction.on_commit(lambda: scheduler_cycle.delay(pool, time.time()))
+        transaction.on_commit(lambda: scheduler_cycle_soon(pool))
     return rental
 
 

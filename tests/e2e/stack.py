@@ -1,0 +1,118 @@
+"""The whole stack as `dev.py up` runs it, for tests that kill its parts: gunicorn, a Celery
+worker, Celery beat and one node agent under the real supervisor, on the test database and a
+Redis of their own (so a test can restart it without touching the suite's)."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import requests
+
+from config.embedded import _free_port, start_redis
+from config.supervisor import Supervisor
+from tests.e2e.conftest import ROOT, wait_for
+
+BIN = Path(sys.executable).parent
+
+
+class Stack:
+    """web + worker + beat + agent under a Supervisor polled by a background thread."""
+
+    def __init__(self, *, env: dict[str, str], tmp: Path, join_token: str, agent: list[str]):
+        self.tmp = tmp
+        self.redis_dir = tmp / "redis"
+        self.redis_port = _free_port()
+        self.redis: subprocess.Popen | None = None
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {**env, "BEAT_MAX_INTERVAL_S": "1", "NODE_SILENCE_TIMEOUT_S": "10"}
+        self.messages: list[str] = []
+        self.supervisor = Supervisor(
+            env=self.env, cwd=ROOT, say=self.messages.append, backoff_initial=0.5
+        )
+        self._join_token = join_token
+        self._agent = agent
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._supervise, daemon=True)
+
+    def start_redis(self) -> None:
+        url, self.redis = start_redis(self.redis_dir, port=self.redis_port)
+        self.env.update(REDIS_URL=url, CELERY_BROKER_URL=url)
+
+    def stop_redis(self) -> None:
+        assert self.redis is not None
+        self.redis.terminate()
+        self.redis.wait(15)
+
+    def start(self) -> Stack:
+        self.start_redis()
+        celery = str(BIN / "celery")
+        subprocess.run(
+            [celery, "-A", "config", "purge", "-f"], env=self.env, cwd=ROOT, check=False,
+            capture_output=True, timeout=60,
+        )  # fmt: skip
+        logs = self.tmp / "logs"
+        commands = {
+            "web": [
+                str(BIN / "gunicorn"), "config.wsgi", "--bind", f"127.0.0.1:{self.port}",
+                "--workers", "1", "--threads", "4",
+            ],
+            "worker": [celery, "-A", "config", "worker", "-l", "info", "-c", "1"],
+            "beat": [
+                celery, "-A", "config", "beat", "-l", "info",
+                "-s", str(self.tmp / "celerybeat-schedule"),
+            ],
+            "agent": [*self._agent, "--server", self.url, "--join-token", self._join_token],
+        }  # fmt: skip
+        for name, cmd in commands.items():
+            self.supervisor.add(name, cmd, logs / f"{name}.log")
+        self.supervisor.start_all()
+        self._thread.start()
+        wait_for(self._web_answers, 60, "gunicorn to answer")
+        wait_for(lambda: b"ready" in self.log_bytes("worker"), 90, "the Celery worker")
+        return self
+
+    def _web_answers(self) -> bool:
+        try:
+            return requests.get(f"{self.url}/api/schema/", timeout=5).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def _supervise(self) -> None:
+        while not self._stop.is_set():
+            self.supervisor.poll()
+            time.sleep(0.2)
+
+    def pid(self, name: str) -> int:
+        return wait_for(lambda: self.supervisor.children[name].pid, 60, f"{name} to run")
+
+    def log_bytes(self, name: str) -> bytes:
+        path = self.tmp / "logs" / f"{name}.log"
+        return path.read_bytes() if path.exists() else b""
+
+    def log(self, name: str) -> str:
+        return self.log_bytes(name).decode(errors="replace")
+
+    def stop(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(RuntimeError):
+            self._thread.join(10)
+        self.supervisor.stop()
+        if self.redis is not None and self.redis.poll() is None:
+            self.stop_redis()
+
+
+def agent_command(*, state: Path, runtime: str, gpus: int, hostname: str) -> list[str]:
+    """The node agent as a provider runs it, with simulated GPUs and no real device access."""
+    return [
+        sys.executable, "-m", "provisioning.agent",
+        "--runtime", runtime, "--gpu-mode", "none", "--telemetry", "simulated",
+        "--simulate-gpus", f"rtx4090-24gb:{gpus}", "--hostname", hostname,
+        "--state-dir", str(state / "state"), "--volume-root", str(state / "volumes"),
+        "--process-dir", str(state / "runs"), "--interval", "1",
+    ]  # fmt: skip
