@@ -270,3 +270,26 @@ def browser(tmp_path):
     driver.set_page_load_timeout(60)
     yield driver
     driver.quit()
+
+
+@pytest.fixture
+def start_stack(stack_env, provider, tmp_path):
+    """The stack as `dev.py up` runs it (tests/e2e/stack.py), its agent joined in `region`."""
+    from provisioning.services import join_token_create
+    from tests.e2e.stack import Stack, agent_command
+
+    stacks = []
+
+    def start(*, runtime: str, gpus: int, region: str = "e2e"):
+        _, token = join_token_create(
+            provider=provider, created_by=provider.owner, region=region,
+            price_per_gpu_hour=Decimal("0.60"), min_bid_per_gpu_hour=Decimal("0.20"),
+        )  # fmt: skip
+        agent = agent_command(state=tmp_path / "agent", runtime=runtime, gpus=gpus, hostname="cp-1")
+        stack = Stack(env=stack_env, tmp=tmp_path, join_token=token, agent=agent)
+        stacks.append(stack)
+        return stack.start()
+
+    yield start
+    for stack in stacks:
+        stack.stop()

@@ -24,26 +24,11 @@ from marketplace.services import GpuSpec, api_token_create, node_register
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 from provisioning.models import ContainerRun
 from tests.e2e.conftest import HARNESS_IMAGE, managed_containers, wait_for
-from tests.e2e.stack import Stack, agent_command
+from tests.e2e.stack import Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 PLACED = {RentalStatus.SCHEDULED, RentalStatus.PROVISIONING, RentalStatus.RUNNING}
-
-
-@pytest.fixture
-def start_stack(stack_env, join_token, tmp_path):
-    stacks: list[Stack] = []
-
-    def start(*, runtime: str, gpus: int) -> Stack:
-        agent = agent_command(state=tmp_path / "agent", runtime=runtime, gpus=gpus, hostname="cp-1")
-        stack = Stack(env=stack_env, tmp=tmp_path, join_token=join_token, agent=agent)
-        stacks.append(stack)
-        return stack.start()
-
-    yield start
-    for stack in stacks:
-        stack.stop()
 
 
 @pytest.fixture(autouse=True)
