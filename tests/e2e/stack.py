@@ -5,6 +5,8 @@ Redis of their own (so a test can restart it without touching the suite's)."""
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -105,6 +107,18 @@ class Stack:
         self.supervisor.stop()
         if self.redis is not None and self.redis.poll() is None:
             self.stop_redis()
+        self._kill_runs()
+
+    def _kill_runs(self) -> None:
+        """The local-process runtime's runs outlive their agent by design (a restarted agent
+        adopts them): end the ones this stack started."""
+        import psutil
+
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            cmdline = " ".join(proc.info["cmdline"] or [])
+            if "_process_wrapper.py" in cmdline and str(self.tmp) in cmdline:
+                with contextlib.suppress(psutil.Error, ProcessLookupError):
+                    os.killpg(proc.info["pid"], signal.SIGKILL)
 
 
 def agent_command(*, state: Path, runtime: str, gpus: int, hostname: str) -> list[str]:
