@@ -204,7 +204,7 @@ def scheduled_to_running(base: str) -> tuple[float, str]:
             RentalEvent.objects.filter(rental=rental).values_list("to_status", "created_at")
         )
         seconds = (events["running"] - events["scheduled"]).total_seconds()
-        from marketplace.services.rentals import rental_stop
+        from marketplace.lifecycle import rental_stop
 
         rental_stop(customer=customer, rental_id=rental.pk)
         deadline = time.monotonic() + 60

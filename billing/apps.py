@@ -4,3 +4,11 @@ from django.apps import AppConfig
 class BillingConfig(AppConfig):
     name = "billing"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        # Models are loaded only now. The marketplace cannot import billing (billing depends
+        # on it), so billing hands it the balance check that guards every new rental.
+        from billing.services import funds_check
+        from marketplace.services.rentals import funds_check_register
+
+        funds_check_register(funds_check)

@@ -22,7 +22,8 @@ from billing.models import (
     UsageMeter,
     UsageSegment,
 )
-from marketplace.models import Provider, Rental, RentalStatus, User
+from marketplace import lifecycle
+from marketplace.models import Provider, Rental, User
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +65,7 @@ def customer_hourly_burn_micros(*, customer_id: int) -> int:
             FROM marketplace_rental
             WHERE customer_id = %s AND status = ANY(%s) AND price_per_gpu_hour IS NOT NULL
             """,
-            [customer_id, [RentalStatus.PROVISIONING, RentalStatus.RUNNING]],
+            [customer_id, [str(s) for s in lifecycle.BURNING]],
         )
         return int(cursor.fetchone()[0])
 

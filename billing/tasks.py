@@ -13,13 +13,17 @@ def billing_pass() -> None:
     services.billing_pass_run()
 
 
-@shared_task(name="billing.telemetry_prune", ignore_result=True, time_limit=1800, soft_time_limit=1700)
+@shared_task(
+    name="billing.telemetry_prune", ignore_result=True, time_limit=1800, soft_time_limit=1700
+)
 def telemetry_prune() -> None:
     """Beat: delete raw telemetry past its retention; per-minute rollups stay."""
     services.telemetry_prune()
 
 
-@shared_task(name="billing.invoices_issue", ignore_result=True, time_limit=1800, soft_time_limit=1700)
+@shared_task(
+    name="billing.invoices_issue", ignore_result=True, time_limit=1800, soft_time_limit=1700
+)
 def invoices_issue() -> None:
     """Beat: issue last month's statements that do not exist yet."""
     services.invoices_issue_due()

@@ -122,6 +122,7 @@ def cmd_test(pytest_args: list[str]) -> int:
         steps: list[tuple[str, list[str]]] = [
             ("ruff lint", [str(BIN / "ruff"), "check", "."]),
             ("ruff format", [str(BIN / "ruff"), "format", "--check", "."]),
+            ("import contracts", [str(BIN / "lint-imports"), "--no-cache"]),
             ("django check", [sys.executable, "manage.py", "check", "--fail-level", "WARNING"]),
             (
                 "migrations are up to date",

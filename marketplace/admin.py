@@ -123,11 +123,9 @@ class NodeAdmin(admin.ModelAdmin):
 
     @admin.action(description="Benchmark again (the agent runs it at its next heartbeat)")
     def request_benchmark(self, request, queryset):
-        from provisioning.services import node_request_benchmark
-
         ids = list(queryset.values_list("pk", flat=True))
         for node_id in ids:
-            node_request_benchmark(node_id=node_id)
+            services.node_request_benchmark(node_id=node_id)
         self.message_user(request, f"benchmark requested on {len(ids)} node(s)", messages.SUCCESS)
 
     @admin.display(description="GPUs")

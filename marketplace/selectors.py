@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from decimal import Decimal
 
@@ -13,6 +14,7 @@ from django.utils import timezone
 from marketplace.models import (
     Allocation,
     ApiToken,
+    Gpu,
     GpuModel,
     Node,
     Provider,
@@ -20,6 +22,7 @@ from marketplace.models import (
     RentalEvent,
     User,
 )
+from scheduler.engine import types as engine
 
 # ordering name -> SQL ORDER BY (whitelisted: never interpolate user text into SQL).
 OFFER_ORDERINGS = {
@@ -241,3 +244,56 @@ def provider_nodes(*, owner: User, provider_id: int) -> QuerySet[Node] | None:
 def provider_node(*, owner: User, node_id: int) -> Node | None:
     """One of the owner's nodes with the GPUs rented now; another owner's node: None."""
     return _with_rented_gpus(Node.objects.filter(pk=node_id, provider__owner=owner)).first()
+
+
+def engine_nodes(nodes: QuerySet[Node] | Iterable[Node]) -> list[engine.Node]:
+    """Map node rows (with their GPUs) to the engine's value types, in two queries."""
+    rows = list(
+        nodes.values(
+            "id",
+            "region",
+            "pool",
+            "price_per_gpu_hour",
+            "min_bid_per_gpu_hour",
+            "reliability",
+            "nvlink",
+            "gpu_model__slug",
+            "gpu_model__family",
+            "gpu_model__memory_gb",
+            "gpu_model__tensor_tflops",
+        )
+        if isinstance(nodes, QuerySet)
+        else nodes
+    )
+    by_node: dict[int, list[engine.Gpu]] = {r["id"]: [] for r in rows}
+    info = {r["id"]: r for r in rows}
+    gpus = Gpu.objects.filter(node_id__in=list(by_node)).order_by("node_id", "index")
+    for gpu_id, node_id, index, group in gpus.values_list(
+        "id", "node_id", "index", "topology_group"
+    ):
+        r = info[node_id]
+        by_node[node_id].append(
+            engine.Gpu(
+                gpu_id=gpu_id,
+                node_id=node_id,
+                index=index,
+                model=r["gpu_model__slug"],
+                family=r["gpu_model__family"],
+                memory_gb=r["gpu_model__memory_gb"],
+                tensor_tflops=float(r["gpu_model__tensor_tflops"]),
+                group=group,
+                nvlink=r["nvlink"],
+            )
+        )
+    return [
+        engine.Node(
+            node_id=r["id"],
+            region=r["region"],
+            price_per_gpu_hour=r["price_per_gpu_hour"],
+            min_bid=r["min_bid_per_gpu_hour"],
+            reliability=float(r["reliability"]),
+            gpus=tuple(by_node[r["id"]]),
+            pool=r["pool"],
+        )
+        for r in rows
+    ]

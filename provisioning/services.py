@@ -20,7 +20,10 @@ from django.db import IntegrityError, connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from marketplace.errors import Conflict, ValidationFailed
+from billing.services import telemetry_ingest
+from billing.services.metering import UsageReport, usage_reports_apply
+from marketplace import lifecycle
+from marketplace.errors import ValidationFailed
 from marketplace.models import (
     Allocation,
     GpuModel,
@@ -29,28 +32,18 @@ from marketplace.models import (
     NodeStatus,
     Provider,
     Rental,
-    RentalEvent,
-    RentalStatus,
     User,
 )
-from marketplace.models.rentals import ALLOWED_TRANSITIONS, TERMINAL_STATUSES
 from marketplace.services import GpuSpec, node_register, token_hash
 from marketplace.services.accounts import token_mint
-from marketplace.services.rentals import allocations_release, rental_transition
 from provisioning.models import ContainerRun, JoinToken, NodeBenchmark, NodeCredential, RunMetric
 
 log = logging.getLogger(__name__)
-
-A = RentalEvent.Actor
 
 
 def heartbeat_interval_s() -> int:
     """How often agents report; the server says so in every answer."""
     return settings.GPUMARKET.get("HEARTBEAT_INTERVAL_S", 5)
-
-
-# Statuses in which a rental's container should be running on its nodes.
-_WANTED = (RentalStatus.SCHEDULED, RentalStatus.PROVISIONING, RentalStatus.RUNNING)
 
 
 def _dt(epoch: float | None) -> datetime | None:
@@ -257,7 +250,7 @@ def _cpu_and_memory(node: Node, gpus: int) -> tuple[float, int]:
 def desired_state(*, node: Node, now: datetime) -> list[dict]:
     """The containers that should run on the node now, from its active allocations."""
     with connection.cursor() as cursor:
-        cursor.execute(_HELD_SQL, [node.pk, now, [str(s) for s in _WANTED]])
+        cursor.execute(_HELD_SQL, [node.pk, now, [str(s) for s in lifecycle.CONTAINER_WANTED]])
         held = cursor.fetchall()
     if not held:
         return []  # an idle node, the common case: one light query per heartbeat
@@ -319,49 +312,20 @@ def _apply_container(node: Node, report: ReportedContainer, now: datetime) -> No
         run.log_tail = report.log_tail[-8192:]
     run.last_report_at = now
     run.save()
-    if rental.status in TERMINAL_STATUSES:
-        return
-    ran = report.status in (ContainerRun.Status.RUNNING, ContainerRun.Status.EXITED)
-    if ran and rental.status == RentalStatus.SCHEDULED:
-        rental_transition(rental=rental, to_status=RentalStatus.PROVISIONING, actor_kind=A.AGENT)
-    if ran and rental.status == RentalStatus.PROVISIONING:
-        rental_transition(
-            rental=rental,
-            to_status=RentalStatus.RUNNING,
-            actor_kind=A.AGENT,
-            reason=f"container running on {node.hostname}",
-            started_at=run.started_at or now,
+    if report.status in (ContainerRun.Status.RUNNING, ContainerRun.Status.EXITED):
+        lifecycle.rental_mark_container_started(
+            rental=rental, hostname=node.hostname, started_at=run.started_at or now
         )
-    if report.status not in (ContainerRun.Status.EXITED, ContainerRun.Status.MISSING):
-        return
-    code = report.exit_code
-    ended_at = run.finished_at or now
-    if rental.status == RentalStatus.STOPPING:
-        to, reason = RentalStatus.COMPLETED, "stopped"
-    elif rental.scheduled_end is not None and ended_at >= rental.scheduled_end:
-        # The agent stops a run when its allocation ends, maybe before the booked-time sweep
-        # asked for the stop: the customer got what was booked, whatever the exit code.
-        to, reason = RentalStatus.COMPLETED, "booked time ended"
-    elif report.error:
-        to, reason = RentalStatus.FAILED, f"cannot start on {node.hostname}: {report.error}"
-    elif code == 0:
-        to, reason = RentalStatus.COMPLETED, "finished"
-    elif code is not None:
-        to, reason = RentalStatus.FAILED, f"container exited with code {code}"
-    else:
-        to, reason = RentalStatus.FAILED, "container disappeared from the node"
-    if to not in ALLOWED_TRANSITIONS[rental.status]:
-        return
-    allocations_release(rental=rental, at=now)
-    rental_transition(
-        rental=rental,
-        to_status=to,
-        actor_kind=A.AGENT,
-        reason=reason,
-        ended_at=ended_at,
-        exit_code=code,
-        log_tail=run.log_tail,
-    )
+    if report.status in (ContainerRun.Status.EXITED, ContainerRun.Status.MISSING):
+        lifecycle.rental_mark_container_ended(
+            rental=rental,
+            hostname=node.hostname,
+            exit_code=report.exit_code,
+            error=report.error,
+            ended_at=run.finished_at or now,
+            log_tail=run.log_tail,
+            at=now,
+        )
 
 
 def metrics_store(*, node: Node, lines: list[tuple[str, str, str]]) -> int:
@@ -486,13 +450,7 @@ def _runs_request(*, node: Node, desired: list[dict]) -> None:
                 if not created:
                     continue
                 rental = Rental.objects.select_for_update().get(pk=entry["rental_id"])
-                if rental.status == RentalStatus.SCHEDULED:
-                    rental_transition(
-                        rental=rental,
-                        to_status=RentalStatus.PROVISIONING,
-                        actor_kind=A.AGENT,
-                        reason=f"starting on {node.hostname}",
-                    )
+                lifecycle.rental_mark_provisioning(rental=rental, hostname=node.hostname)
         except IntegrityError:
             continue  # a concurrent heartbeat recorded it first
 
@@ -501,8 +459,6 @@ def _usage_apply(*, node: Node, usage: list[dict]) -> int:
     """Hand the heartbeat's usage reports to billing in one batch (idempotent there); returns
     the highest seq handled. A report billing refuses (a host clock far ahead, say) is logged
     and acknowledged: it must not block every later report of the node."""
-    from billing.services.metering import UsageReport, usage_reports_apply
-
     reports = sorted(usage, key=lambda r: r["seq"])
     result = usage_reports_apply(
         node_id=node.pk,
@@ -603,8 +559,6 @@ def telemetry_buffer(*, node_id: int, samples: list[dict]) -> None:
 
 def telemetry_flush(*, batch: int = TELEMETRY_FLUSH_BATCH) -> int:
     """Store the buffered samples, node by node, in bulk; returns how many were stored."""
-    from billing.services import telemetry_ingest
-
     stored = 0
     while True:
         pipe = redis_client().pipeline(transaction=True)
@@ -662,32 +616,10 @@ def nodes_mark_silent(*, now: datetime | None = None) -> list[int]:
 
 
 def _node_lost(rental: Rental, node: Node, now: datetime, policy: str) -> None:
-    if rental.status in TERMINAL_STATUSES:
-        return
-    reason = f"node {node.hostname} went silent"
-    allocations_release(rental=rental, at=now)
-    ContainerRun.objects.filter(rental=rental, node=node).delete()
-    started = rental.status in (RentalStatus.RUNNING, RentalStatus.STOPPING)
-    if rental.status == RentalStatus.STOPPING:
-        rental_transition(
-            rental=rental, to_status=RentalStatus.COMPLETED, actor_kind=A.SYSTEM, reason=reason,
-            ended_at=now,
-        )  # fmt: skip
-    elif started and policy != "requeue":
-        rental_transition(
-            rental=rental, to_status=RentalStatus.FAILED, actor_kind=A.SYSTEM, reason=reason,
-            ended_at=now,
-        )  # fmt: skip
-    else:
-        rental_transition(
-            rental=rental,
-            to_status=RentalStatus.PENDING,
-            actor_kind=A.SYSTEM,
-            reason=f"{reason}; re-queued",
-            scheduled_start=None,
-            scheduled_end=None,
-            price_per_gpu_hour=None,
-        )
+    if lifecycle.rental_mark_node_lost(
+        rental=rental, hostname=node.hostname, at=now, requeue=policy == "requeue"
+    ):
+        ContainerRun.objects.filter(rental=rental, node=node).delete()
 
 
 def rentals_end_booked_time(*, now: datetime | None = None) -> int:
@@ -695,25 +627,13 @@ def rentals_end_booked_time(*, now: datetime | None = None) -> int:
     now = now or timezone.now()
     ended = 0
     ids = list(
-        Rental.objects.filter(
-            status__in=[RentalStatus.RUNNING, RentalStatus.PROVISIONING], scheduled_end__lte=now
-        ).values_list("pk", flat=True)
+        Rental.objects.filter(status__in=lifecycle.BURNING, scheduled_end__lte=now).values_list(
+            "pk", flat=True
+        )
     )
     for rental_id in ids:
         with transaction.atomic():
             rental = Rental.objects.select_for_update().get(pk=rental_id)
-            if rental.status not in (RentalStatus.RUNNING, RentalStatus.PROVISIONING):
-                continue
-            rental_transition(
-                rental=rental,
-                to_status=RentalStatus.STOPPING,
-                actor_kind=A.SYSTEM,
-                reason="booked time ended",
-            )
-            ended += 1
+            if lifecycle.rental_mark_booked_time_ended(rental=rental):
+                ended += 1
     return ended
-
-
-def node_request_benchmark(*, node_id: int) -> None:
-    if not Node.objects.filter(pk=node_id).update(benchmark_requested=True):
-        raise Conflict("no such node")

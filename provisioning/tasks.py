@@ -7,16 +7,22 @@ from celery import shared_task
 from provisioning import services
 
 
-@shared_task(name="provisioning.mark_silent_nodes", ignore_result=True, time_limit=120, soft_time_limit=100)
+@shared_task(
+    name="provisioning.mark_silent_nodes", ignore_result=True, time_limit=120, soft_time_limit=100
+)
 def mark_silent_nodes() -> None:
     services.nodes_mark_silent()
 
 
-@shared_task(name="provisioning.end_booked_time", ignore_result=True, time_limit=120, soft_time_limit=100)
+@shared_task(
+    name="provisioning.end_booked_time", ignore_result=True, time_limit=120, soft_time_limit=100
+)
 def end_booked_time() -> None:
     services.rentals_end_booked_time()
 
 
-@shared_task(name="provisioning.flush_telemetry", ignore_result=True, time_limit=120, soft_time_limit=100)
+@shared_task(
+    name="provisioning.flush_telemetry", ignore_result=True, time_limit=120, soft_time_limit=100
+)
 def flush_telemetry() -> None:
     services.telemetry_flush()

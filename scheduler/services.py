@@ -9,27 +9,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import psycopg
 from django.core.cache import cache
 from django.db import IntegrityError, OperationalError, connection, transaction
-from django.db.models import QuerySet
 from django.utils import timezone
 
+from marketplace import lifecycle
 from marketplace.locks import advisory_lock
-from marketplace.models import (
-    Gpu,
-    Node,
-    NodeStatus,
-    Rental,
-    RentalEvent,
-    RentalKind,
-    RentalStatus,
-)
-from marketplace.services.rentals import allocations_release, rental_transition
+from marketplace.models import Node, NodeStatus, Rental, RentalKind, RentalStatus
+from marketplace.selectors import engine_nodes
 from scheduler.engine import planner
 from scheduler.engine import types as engine
 
@@ -49,74 +40,12 @@ def _lost_race(exc: Exception) -> bool:
     )
 
 
-# Statuses whose allocations still hold GPUs.
-_HOLDING = (
-    RentalStatus.SCHEDULED,
-    RentalStatus.PROVISIONING,
-    RentalStatus.RUNNING,
-    RentalStatus.STOPPING,
-)
-
-
 def _ts(value: datetime) -> float:
     return value.timestamp()
 
 
 def _dt(value: float) -> datetime:
     return datetime.fromtimestamp(value, tz=UTC)
-
-
-def engine_nodes(nodes: QuerySet[Node] | Iterable[Node]) -> list[engine.Node]:
-    """Map node rows (with their GPUs) to the engine's value types, in two queries."""
-    rows = list(
-        nodes.values(
-            "id",
-            "region",
-            "pool",
-            "price_per_gpu_hour",
-            "min_bid_per_gpu_hour",
-            "reliability",
-            "nvlink",
-            "gpu_model__slug",
-            "gpu_model__family",
-            "gpu_model__memory_gb",
-            "gpu_model__tensor_tflops",
-        )
-        if isinstance(nodes, QuerySet)
-        else nodes
-    )
-    by_node: dict[int, list[engine.Gpu]] = {r["id"]: [] for r in rows}
-    info = {r["id"]: r for r in rows}
-    gpus = Gpu.objects.filter(node_id__in=list(by_node)).order_by("node_id", "index")
-    for gpu_id, node_id, index, group in gpus.values_list(
-        "id", "node_id", "index", "topology_group"
-    ):
-        r = info[node_id]
-        by_node[node_id].append(
-            engine.Gpu(
-                gpu_id=gpu_id,
-                node_id=node_id,
-                index=index,
-                model=r["gpu_model__slug"],
-                family=r["gpu_model__family"],
-                memory_gb=r["gpu_model__memory_gb"],
-                tensor_tflops=float(r["gpu_model__tensor_tflops"]),
-                group=group,
-                nvlink=r["nvlink"],
-            )
-        )
-    return [
-        engine.Node(
-            node_id=r["id"],
-            region=r["region"],
-            price_per_gpu_hour=r["price_per_gpu_hour"],
-            min_bid=r["min_bid_per_gpu_hour"],
-            reliability=float(r["reliability"]),
-            gpus=tuple(by_node[r["id"]]),
-            pool=r["pool"],
-        )
-        for r in rows
-    ]
 
 
 def engine_request(row: dict) -> engine.Request:
@@ -260,24 +189,20 @@ def _bind_chunk(placements: list[engine.Placement], now: datetime) -> list[engin
     `now` is the cycle's planning instant; the events carry the time of the bind itself.
     """
     bound_at = timezone.now()
-    values = []
-    params: list = []
-    for p in placements:
-        values.append("(%s::uuid, %s::numeric, %s::timestamptz, %s::timestamptz)")
-        params.extend([str(p.rental_id), p.price_per_gpu_hour, _dt(p.start), _dt(p.end)])
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"""
-            UPDATE marketplace_rental r
-            SET status = %s, status_reason = %s, price_per_gpu_hour = v.price,
-                scheduled_start = v.s, scheduled_end = v.e, updated_at = %s
-            FROM (VALUES {", ".join(values)}) AS v(id, price, s, e)
-            WHERE r.id = v.id AND r.status = %s
-            RETURNING r.id
-            """,  # noqa: S608 - only placeholders are interpolated
-            [RentalStatus.SCHEDULED, "placed", bound_at, *params, RentalStatus.PENDING],
-        )
-        bound_ids = {str(row[0]) for row in cursor.fetchall()}
+    bound_ids = lifecycle.rentals_mark_placed(
+        placements=[
+            lifecycle.PlacedRental(
+                rental_id=str(p.rental_id),
+                price_per_gpu_hour=p.price_per_gpu_hour,
+                start=_dt(p.start),
+                end=_dt(p.end),
+                reason=f"placed on node(s) {', '.join(str(n) for n, _ in p.nodes)}"
+                f" at ${p.price_per_gpu_hour}/GPU-hour",
+            )
+            for p in placements
+        ],
+        at=bound_at,
+    )
     bound = [p for p in placements if str(p.rental_id) in bound_ids]
     if not bound:
         return []
@@ -294,22 +219,6 @@ def _bind_chunk(placements: list[engine.Placement], now: datetime) -> list[engin
                 for node_id, gpu_ids in p.nodes:
                     for gpu_id in gpu_ids:
                         copy.write_row((str(p.rental_id), gpu_id, node_id, during, bound_at))
-        with raw.copy(
-            "COPY marketplace_rentalevent (rental_id, from_status, to_status, actor_kind,"
-            " reason, created_at) FROM STDIN"
-        ) as copy:
-            for p in bound:
-                hosts = ", ".join(str(n) for n, _ in p.nodes)
-                copy.write_row(
-                    (
-                        str(p.rental_id),
-                        RentalStatus.PENDING.value,
-                        RentalStatus.SCHEDULED.value,
-                        RentalEvent.Actor.SCHEDULER.value,
-                        f"placed on node(s) {hosts} at ${p.price_per_gpu_hour}/GPU-hour",
-                        bound_at,
-                    )
-                )
     return bound
 
 
@@ -350,17 +259,10 @@ def _apply_preemptions(preemptions: tuple[engine.Preemption, ...], now: datetime
     for pre in preemptions:
         with transaction.atomic():
             rental = Rental.objects.select_for_update().filter(pk=pre.victim_rental_id).first()
-            if rental is None or rental.status not in _HOLDING:
-                continue
-            allocations_release(rental=rental, at=now)
-            rental_transition(
-                rental=rental,
-                to_status=RentalStatus.PREEMPTED,
-                actor_kind=RentalEvent.Actor.SCHEDULER,
-                reason=pre.reason,
-                ended_at=now,
-            )
-            done += 1
+            if rental is not None and lifecycle.rental_preempt(
+                rental=rental, reason=pre.reason, at=now
+            ):
+                done += 1
     return done
 
 
@@ -375,13 +277,7 @@ def _apply_expiry(expired: tuple[engine.Expired, ...], now: datetime) -> int:
             )
             if rental is None:
                 continue
-            rental_transition(
-                rental=rental,
-                to_status=RentalStatus.EXPIRED,
-                actor_kind=RentalEvent.Actor.SCHEDULER,
-                reason=exp.reason,
-                ended_at=now,
-            )
+            lifecycle.rental_expire(rental=rental, reason=exp.reason, at=now)
             done += 1
     return done
 

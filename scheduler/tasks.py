@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import logging
-import time
-
 from celery import shared_task
 
 from scheduler import services
-
-log = logging.getLogger(__name__)
 
 
 @shared_task(name="scheduler.cycle", ignore_result=True, time_limit=300, soft_time_limit=240)
@@ -28,14 +23,3 @@ def scheduler_tick() -> None:
     when no new rental arrives."""
     for pool in services.pools_with_pending():
         scheduler_cycle.delay(pool)
-
-
-def scheduler_cycle_soon(pool: str) -> None:
-    """Ask for a cycle now, after the caller's commit. Best effort: when the broker is down the
-    request is logged and dropped, and beat's tick (or a worker's start) places the rental, so a
-    committed create never turns into an error for the customer."""
-    try:
-        # The time is taken after commit: any cycle that snapshots later sees the new rows.
-        scheduler_cycle.delay(pool, time.time())
-    except Exception:
-        log.warning("scheduler cycle not queued (broker unreachable); the tick will place it")

@@ -31,22 +31,11 @@ from django.utils import timezone
 from billing import conf
 from billing.models import Account, AccountKind, BalanceNotice, NoticeKind
 from billing.services.ledger import account_platform
+from marketplace import lifecycle
 from marketplace.locks import advisory_lock
-from marketplace.models import Rental, RentalEvent, RentalStatus
-from marketplace.models.rentals import TERMINAL_STATUSES
-from marketplace.services.rentals import rental_stop_by_system
+from marketplace.models import Rental
 
 log = logging.getLogger(__name__)
-
-# Rentals that still hold (or will hold) GPUs and can be stopped at zero balance.
-_STOPPABLE = (
-    RentalStatus.PENDING,
-    RentalStatus.SCHEDULED,
-    RentalStatus.PROVISIONING,
-    RentalStatus.RUNNING,
-)
-# Rentals whose GPUs are burning money now.
-_BURNING = (RentalStatus.PROVISIONING, RentalStatus.RUNNING)
 
 
 @dataclass
@@ -241,7 +230,7 @@ def meters_rate_and_post(*, now: datetime, chunk: int = CHUNK) -> tuple[int, int
         "month_start": now.astimezone(UTC).replace(
             day=1, hour=0, minute=0, second=0, microsecond=0
         ),
-        "terminal": [str(s) for s in TERMINAL_STATUSES],
+        "terminal": [str(s) for s in lifecycle.TERMINAL],
         "platform": platform.pk,
     }
     with connection.cursor() as cursor:
@@ -266,7 +255,7 @@ def _usd(micros: int) -> str:
 def balances_enforce(*, now: datetime, result: BillingPassResult) -> None:
     """Step 3: low-balance notices, and at zero stop the customer's rentals."""
     with connection.cursor() as cursor:
-        cursor.execute(_POSITIONS_SQL, {"burning": list(_BURNING)})
+        cursor.execute(_POSITIONS_SQL, {"burning": [str(s) for s in lifecycle.BURNING]})
         positions = cursor.fetchall()
     hours = conf.low_balance_hours()
     for customer_id, account_id, available, burn, was_low, was_depleted in positions:
@@ -350,13 +339,11 @@ def _rentals_stop(*, customer_id: int, available: int) -> int:
     stopped = 0
     reason = f"balance exhausted (available {_usd(available)}): top up to rent again"
     for rental_id in (
-        Rental.objects.filter(customer_id=customer_id, status__in=_STOPPABLE)
+        Rental.objects.filter(customer_id=customer_id, status__in=lifecycle.STOPPABLE)
         .order_by("created_at")
         .values_list("pk", flat=True)
     ):
-        if rental_stop_by_system(
-            rental_id=rental_id, actor_kind=RentalEvent.Actor.BILLING, reason=reason
-        ):
+        if lifecycle.rental_stop_for_funds(rental_id=rental_id, reason=reason):
             stopped += 1
     return stopped
 

@@ -32,14 +32,9 @@ from marketplace.api.serializers import (
     RentalSerializer,
 )
 from marketplace.errors import Conflict, NotFound
+from marketplace.lifecycle import rental_cancel, rental_stop
 from marketplace.models import RentalStatus
-from marketplace.services.rentals import (
-    RentalRequest,
-    RuntimeSpec,
-    rental_cancel,
-    rental_create,
-    rental_stop,
-)
+from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 
 
 class GpuModelViewSet(viewsets.ReadOnlyModelViewSet):

@@ -22,59 +22,6 @@ class RentalStatus(models.TextChoices):
     EXPIRED = "expired", "Expired"
 
 
-TERMINAL_STATUSES = frozenset(
-    {
-        RentalStatus.COMPLETED,
-        RentalStatus.FAILED,
-        RentalStatus.CANCELLED,
-        RentalStatus.PREEMPTED,
-        RentalStatus.EXPIRED,
-    }
-)
-
-# The one table of allowed transitions; services refuse anything else.
-ALLOWED_TRANSITIONS: dict[str, frozenset[str]] = {
-    RentalStatus.PENDING: frozenset(
-        {RentalStatus.SCHEDULED, RentalStatus.CANCELLED, RentalStatus.EXPIRED}
-    ),
-    RentalStatus.SCHEDULED: frozenset(
-        {
-            RentalStatus.PROVISIONING,
-            RentalStatus.PENDING,  # node lost before start: re-queued
-            RentalStatus.CANCELLED,
-            RentalStatus.PREEMPTED,
-            RentalStatus.FAILED,
-        }
-    ),
-    RentalStatus.PROVISIONING: frozenset(
-        {
-            RentalStatus.RUNNING,
-            RentalStatus.STOPPING,
-            RentalStatus.FAILED,
-            RentalStatus.PENDING,
-            RentalStatus.PREEMPTED,
-        }
-    ),
-    RentalStatus.RUNNING: frozenset(
-        {
-            RentalStatus.STOPPING,
-            RentalStatus.COMPLETED,
-            RentalStatus.FAILED,
-            RentalStatus.PREEMPTED,
-            RentalStatus.PENDING,
-        }
-    ),
-    RentalStatus.STOPPING: frozenset(
-        {RentalStatus.COMPLETED, RentalStatus.FAILED, RentalStatus.PREEMPTED}
-    ),
-    RentalStatus.COMPLETED: frozenset(),
-    RentalStatus.FAILED: frozenset(),
-    RentalStatus.CANCELLED: frozenset(),
-    RentalStatus.PREEMPTED: frozenset(),
-    RentalStatus.EXPIRED: frozenset(),
-}
-
-
 class RentalKind(models.TextChoices):
     ON_DEMAND = "on_demand", "On-demand"
     INTERRUPTIBLE = "interruptible", "Interruptible"

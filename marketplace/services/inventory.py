@@ -24,6 +24,12 @@ _NODE_ACTIONS: dict[str, tuple[frozenset[str], str]] = {
 }
 
 
+def node_request_benchmark(*, node_id: int) -> None:
+    """Ask the node's agent to benchmark again at its next heartbeat."""
+    if not Node.objects.filter(pk=node_id).update(benchmark_requested=True):
+        raise Conflict("no such node")
+
+
 def node_set_status(*, node_id: int, action: str, actor: User | None, reason: str = "") -> Node:
     """Apply an ops action (drain, maintenance, online) and record who did it and when."""
     if action not in _NODE_ACTIONS:

@@ -1,7 +1,7 @@
-"""Rental writes: create (validated; refused when it can never fit), state changes, cancel, stop.
+"""Rental writes: validate a request (refused when it can never fit) and submit it.
 
-Placement itself is the scheduler's (scheduler.services); these functions only move a rental
-through the one table of allowed transitions and record every change as an event row.
+Placement itself is the scheduler's (scheduler.services); every state change after that is
+the lifecycle's (marketplace.lifecycle).
 """
 
 from __future__ import annotations
@@ -9,24 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from decimal import Decimal
+from typing import Protocol
 
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from marketplace.errors import Conflict, NotFound, ValidationFailed
-from marketplace.models import (
-    Allocation,
-    GpuModel,
-    Node,
-    Rental,
-    RentalEvent,
-    RentalKind,
-    RentalStatus,
-    User,
-)
-from marketplace.models.rentals import ALLOWED_TRANSITIONS, TERMINAL_STATUSES
+from marketplace.errors import ValidationFailed
+from marketplace.lifecycle import rental_submit
+from marketplace.models import GpuModel, Node, Rental, RentalKind, User
+from marketplace.selectors import engine_nodes
 from scheduler.engine import feasibility
 from scheduler.engine import types as engine
 
@@ -69,52 +62,6 @@ class RentalRequest:
     start_at: datetime | None = None
     start_deadline: datetime | None = None
     priority: int = 0
-
-
-def rental_transition(
-    *,
-    rental: Rental,
-    to_status: str,
-    actor_kind: str,
-    actor: User | None = None,
-    reason: str = "",
-    **fields,
-) -> Rental:
-    """Move a locked rental along one allowed edge and record the event; call inside atomic()."""
-    if to_status not in ALLOWED_TRANSITIONS[rental.status]:
-        raise Conflict(f"a {rental.status} rental cannot become {to_status}")
-    RentalEvent.objects.create(
-        rental=rental,
-        from_status=rental.status,
-        to_status=to_status,
-        actor_kind=actor_kind,
-        actor=actor,
-        reason=reason[:500],
-    )
-    rental.status = to_status
-    rental.status_reason = reason[:500]
-    for name, value in fields.items():
-        setattr(rental, name, value)
-    rental.save(update_fields=["status", "status_reason", "updated_at", *fields])
-    return rental
-
-
-def allocations_release(*, rental: Rental, at: datetime) -> int:
-    """Free the rental's GPUs from `at` on: ranges are cut at `at`, future ones dropped."""
-    released = 0
-    for alloc in Allocation.objects.filter(rental=rental, released_at__isnull=True):
-        lower, upper = alloc.during.lower, alloc.during.upper
-        if upper is not None and upper <= at:
-            alloc.released_at = at
-            alloc.save(update_fields=["released_at"])
-        elif lower >= at:
-            alloc.delete()
-        else:
-            alloc.during = type(alloc.during)(lower, at)
-            alloc.released_at = at
-            alloc.save(update_fields=["during", "released_at"])
-        released += 1
-    return released
 
 
 def _harness_config(runtime: RuntimeSpec) -> dict | None:
@@ -163,8 +110,6 @@ def _never_fits(
     (price, size, hardware, location), cheapest first, so the reason names the first
     constraint no node meets.
     """
-    from scheduler.services import engine_nodes  # the binding owns the row -> engine mapping
-
     located = Node.objects.filter(pool=req.pool)
     if req.region:
         located = located.filter(Q(region=req.region) | Q(region__startswith=f"{req.region}-"))
@@ -200,6 +145,22 @@ def _never_fits(
     return feasibility.never_fits(request, located_nodes), None
 
 
+class FundsCheck(Protocol):
+    """Refuses (raises) a new rental the customer's balance cannot cover."""
+
+    def __call__(self, *, customer: User, hourly_cost: Decimal, duration_s: int) -> None: ...
+
+
+_funds_check: FundsCheck | None = None
+
+
+def funds_check_register(check: FundsCheck) -> None:
+    """Billing, which depends on the marketplace and not the reverse, hands its balance check
+    to rental_create when its app is ready."""
+    global _funds_check
+    _funds_check = check
+
+
 def rental_create(*, customer: User, request: RentalRequest) -> Rental:
     """Validate and store a PENDING rental, then queue a scheduler cycle after commit.
 
@@ -232,18 +193,17 @@ def rental_create(*, customer: User, request: RentalRequest) -> Rental:
     reason, cheapest = _never_fits(request, start, deadline)
     if reason is not None:
         raise ValidationFailed(f"this request can never be placed: {reason}", field="non_field")
-    from billing.services import funds_check  # billing imports marketplace: import at call
-
-    # The first hour must be covered: at the bid, else the price cap, else the cheapest node
-    # that could take it.
-    price = request.bid_per_gpu_hour or request.max_price_per_gpu_hour or cheapest or Decimal(0)
-    funds_check(
-        customer=customer,
-        hourly_cost=price * request.gpus_per_node * request.node_count,
-        duration_s=request.duration_s,
-    )
+    if _funds_check is not None:
+        # The first hour must be covered: at the bid, else the price cap, else the cheapest
+        # node that could take it.
+        price = request.bid_per_gpu_hour or request.max_price_per_gpu_hour or cheapest or Decimal(0)
+        _funds_check(
+            customer=customer,
+            hourly_cost=price * request.gpus_per_node * request.node_count,
+            duration_s=request.duration_s,
+        )
     with transaction.atomic():
-        rental = Rental.objects.create(
+        return rental_submit(
             customer=customer,
             name=request.name,
             gpu_models=list(request.gpu_models),
@@ -267,88 +227,4 @@ def rental_create(*, customer: User, request: RentalRequest) -> Rental:
             harness_config=_harness_config(request.runtime),
             env=request.runtime.env,
             ports=request.runtime.ports,
-            status_reason="waiting for the scheduler",
-        )
-        RentalEvent.objects.create(
-            rental=rental,
-            from_status="",
-            to_status=RentalStatus.PENDING,
-            actor_kind=RentalEvent.Actor.CUSTOMER,
-            actor=customer,
-            reason="created",
-        )
-        from scheduler.tasks import scheduler_cycle_soon
-
-        pool = rental.pool
-        transaction.on_commit(lambda: scheduler_cycle_soon(pool))
-    return rental
-
-
-def _locked_own_rental(*, customer: User, rental_id) -> Rental:
-    rental = Rental.objects.select_for_update().filter(pk=rental_id, customer=customer).first()
-    if rental is None:
-        raise NotFound("no such rental")
-    return rental
-
-
-def rental_cancel(
-    *, customer: User, rental_id, reason: str = "cancelled by the customer"
-) -> Rental:
-    """Cancel a rental that has not started running; its GPUs are freed at once."""
-    with transaction.atomic():
-        rental = _locked_own_rental(customer=customer, rental_id=rental_id)
-        if rental.status not in (RentalStatus.PENDING, RentalStatus.SCHEDULED):
-            raise Conflict(f"a {rental.status} rental cannot be cancelled; stop it instead")
-        now = timezone.now()
-        allocations_release(rental=rental, at=now)
-        return rental_transition(
-            rental=rental,
-            to_status=RentalStatus.CANCELLED,
-            actor_kind=RentalEvent.Actor.CUSTOMER,
-            actor=customer,
-            reason=reason,
-            ended_at=now,
-        )
-
-
-def rental_stop_by_system(*, rental_id, actor_kind: str, reason: str) -> Rental | None:
-    """Stop (or cancel, if not started) a rental for the platform: billing at zero balance,
-    ops, a lost node. Returns None when the rental is already over."""
-    with transaction.atomic():
-        rental = Rental.objects.select_for_update().filter(pk=rental_id).first()
-        if rental is None or rental.status in TERMINAL_STATUSES:
-            return None
-        if rental.status == RentalStatus.STOPPING:
-            return rental
-        if rental.status in (RentalStatus.PENDING, RentalStatus.SCHEDULED):
-            now = timezone.now()
-            allocations_release(rental=rental, at=now)
-            return rental_transition(
-                rental=rental,
-                to_status=RentalStatus.CANCELLED,
-                actor_kind=actor_kind,
-                reason=reason,
-                ended_at=now,
-            )
-        return rental_transition(
-            rental=rental, to_status=RentalStatus.STOPPING, actor_kind=actor_kind, reason=reason
-        )
-
-
-def rental_stop(*, customer: User, rental_id, reason: str = "stopped by the customer") -> Rental:
-    """Ask a running rental to stop: the agent checkpoints (SIGTERM), stops and reports."""
-    with transaction.atomic():
-        rental = _locked_own_rental(customer=customer, rental_id=rental_id)
-        if rental.status in (RentalStatus.PENDING, RentalStatus.SCHEDULED):
-            return rental_cancel(customer=customer, rental_id=rental_id, reason=reason)
-        if rental.status == RentalStatus.STOPPING:
-            return rental
-        if rental.status in TERMINAL_STATUSES:
-            raise Conflict(f"the rental is already {rental.status}")
-        return rental_transition(
-            rental=rental,
-            to_status=RentalStatus.STOPPING,
-            actor_kind=RentalEvent.Actor.CUSTOMER,
-            actor=customer,
-            reason=reason,
         )

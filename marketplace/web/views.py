@@ -13,7 +13,7 @@ from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
-from marketplace import selectors
+from marketplace import lifecycle, selectors
 from marketplace.advisor import PRESETS
 from marketplace.api.serializers import OfferQuerySerializer
 from marketplace.models import RentalStatus
@@ -28,13 +28,6 @@ ORDERINGS = [
     ("-reliability", "reliability, highest first"),
     ("-price", "price, highest first"),
 ]
-ACTIVE = {
-    RentalStatus.PENDING,
-    RentalStatus.SCHEDULED,
-    RentalStatus.PROVISIONING,
-    RentalStatus.RUNNING,
-    RentalStatus.STOPPING,
-}
 
 
 @require_GET
@@ -129,9 +122,9 @@ def rental_detail(request: HttpRequest, rental_id) -> HttpResponse:
         "web/rental_detail.html",
         {
             "rental": rental,
-            "active": rental.status in ACTIVE,
-            "cancellable": rental.status in (RentalStatus.PENDING, RentalStatus.SCHEDULED),
-            "stoppable": rental.status in (RentalStatus.PROVISIONING, RentalStatus.RUNNING),
+            "active": rental.status in lifecycle.ACTIVE,
+            "cancellable": rental.status in lifecycle.CANCELLABLE,
+            "stoppable": rental.status in lifecycle.BURNING,
         },
     )
 

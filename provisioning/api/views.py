@@ -12,13 +12,14 @@ from rest_framework.views import APIView
 
 from marketplace.api.pagination import Pagination
 from marketplace.errors import NotFound
-from marketplace.models import Provider
+from marketplace.models import Node, Provider, Rental
 from provisioning import services
 from provisioning.api.serializers import (
     HeartbeatSerializer,
     JoinSerializer,
     JoinTokenCreateSerializer,
 )
+from provisioning.models import RunMetric
 
 # A heartbeat carries at most a few hundred small records; anything bigger is not an agent.
 MAX_BODY_BYTES = 1 << 20
@@ -46,8 +47,6 @@ class NodeAuthentication(BaseAuthentication):
 
 class IsNode(permissions.BasePermission):
     def has_permission(self, request, view) -> bool:
-        from marketplace.models import Node
-
         return isinstance(request.user, Node)
 
 
@@ -171,9 +170,6 @@ class RentalMetricsView(APIView):
         responses={200: dict},
     )
     def get(self, request: Request, rental_id) -> Response:
-        from marketplace.models import Rental
-        from provisioning.models import RunMetric
-
         if not Rental.objects.filter(pk=rental_id, customer=request.user).exists():
             raise NotFound("no such rental")
         metrics = RunMetric.objects.filter(rental_id=rental_id).order_by("id")

@@ -17,17 +17,14 @@ from pathlib import Path
 
 import pytest
 import stripe
+from django.db import transaction
 from django.utils import timezone
 
 from billing.conf import MICROS_PER_USD
 from billing.services import account_adjust, account_for_customer, usage_report_apply
+from marketplace.lifecycle import rental_transition
 from marketplace.models import Allocation, Rental, RentalEvent, RentalStatus
-from marketplace.services.rentals import (
-    RentalRequest,
-    RuntimeSpec,
-    rental_create,
-    rental_transition,
-)
+from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 from scheduler.services import scheduler_cycle_run
 
 WEBHOOK_SECRET = "whsec_test_localstripe"
@@ -192,10 +189,14 @@ def book_many(user, fund):
                 scheduled_start=start, scheduled_end=start + timedelta(seconds=rental.duration_s)
             )
             rental.refresh_from_db()
-            for to in (RentalStatus.PROVISIONING, RentalStatus.RUNNING):
-                rental = rental_transition(
-                    rental=rental, to_status=to, actor_kind=RentalEvent.Actor.AGENT, reason="test"
-                )
+            with transaction.atomic():
+                for to in (RentalStatus.PROVISIONING, RentalStatus.RUNNING):
+                    rental = rental_transition(
+                        rental=rental,
+                        to_status=to,
+                        actor_kind=RentalEvent.Actor.AGENT,
+                        reason="test",
+                    )
             node_ids = sorted(
                 set(Allocation.objects.filter(rental=rental).values_list("node_id", flat=True))
             )

@@ -28,8 +28,8 @@ from billing.services import (
     billing_pass_run,
     usage_reports_apply,
 )
+from marketplace.lifecycle import rental_transition
 from marketplace.models import Rental, RentalEvent, RentalStatus
-from marketplace.services.rentals import rental_transition
 from tests.billing.conftest import usd
 from tests.factories import UserFactory
 

@@ -135,7 +135,7 @@ def test_cancel_frees_the_gpus_and_records_the_event(auth_api, node):
 def test_stop_of_a_running_rental_asks_the_agent_to_stop(auth_api, node):
     from django.db import transaction
 
-    from marketplace.services.rentals import rental_transition
+    from marketplace.lifecycle import rental_transition
 
     rental_id = auth_api.post("/api/v1/rentals/", BODY, format="json").json()["id"]
     scheduler_cycle_run()

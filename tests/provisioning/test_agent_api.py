@@ -176,7 +176,7 @@ def test_a_run_goes_provisioning_running_stopping_completed(agent, rent):
     stranger = APIClient()
     stranger.force_authenticate(agent.node.provider.owner)
     assert stranger.get(f"/api/v1/rentals/{rental.pk}/metrics/").status_code == 404
-    from marketplace.services.rentals import rental_stop
+    from marketplace.lifecycle import rental_stop
 
     rental_stop(customer=rental.customer, rental_id=rental.pk)
     assert _beat(agent, containers=[{**run, "status": "running"}]).json()["desired"] == []

@@ -1,6 +1,6 @@
 from django.core.management.base import BaseCommand
 
-from marketplace.demo import load_demo
+from provisioning.demo import load_demo
 
 
 class Command(BaseCommand):

@@ -11,8 +11,10 @@ from pathlib import Path
 from django.conf import settings
 from django.db import transaction
 
+from billing.services.ledger import account_adjust, account_for_customer
 from marketplace.models import Node, NodeStatus, Provider, User
 from marketplace.services import GpuSpec, node_register
+from provisioning.services import join_token_create
 
 # hostname, region, card, GPUs, NVLink groups, $/GPU-hour, reliability
 DEMO_NODES = [
@@ -61,8 +63,6 @@ def load_demo(*, var_dir: Path | None = None) -> dict[str, int]:
         password = secrets.token_urlsafe(12)
         demo = User.objects.create_user("demo", "demo@example.invalid", password)
         (var_dir / "demo_password").write_text(password + "\n")
-    from billing.services.ledger import account_adjust, account_for_customer
-
     # Demo credit, once (the key makes a second load a no-op), so the demo customer can rent.
     account_adjust(
         account_id=account_for_customer(user=demo).pk,
@@ -107,8 +107,6 @@ def _local_agent_env(platform: Provider, ops: User, var_dir: Path) -> None:
     """A join token for the stack's own agent (simulated GPUs, local processes), written where
     `python -m provisioning.agent --dev-local` reads it. Once the agent has joined, it keeps its
     node token and the file is left alone."""
-    from provisioning.services import join_token_create
-
     env_file = var_dir / "agent.env"
     if env_file.exists():
         return

@@ -1,0 +1,409 @@
+"""The rental lifecycle: the only code that writes a rental's status and its event rows.
+
+Every state change is one edge of ALLOWED_TRANSITIONS, recorded as a RentalEvent in the same
+transaction. Each thing that can happen to a rental is a named function here; the scheduler,
+provisioning and billing call them and this module calls none of them (a scheduler cycle is
+queued by task name, after commit).
+
+Two kinds of function, as in Zulip's `zerver/actions/`:
+- outer actions (`rental_cancel`, `rental_stop`, `rental_stop_for_funds`) own a durable
+  transaction and lock the rental themselves;
+- composable ones take a rental the caller has locked (`select_for_update`) and must run in the
+  caller's transaction, which holds that lock: they refuse to run outside one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+
+from celery import current_app
+from django.db import connection, transaction
+from django.db.transaction import TransactionManagementError
+from django.utils import timezone
+
+from marketplace.errors import Conflict, NotFound
+from marketplace.models import Allocation, Rental, RentalEvent, RentalStatus, User
+
+S = RentalStatus
+A = RentalEvent.Actor
+
+# The one table of allowed transitions; nothing else moves a rental.
+ALLOWED_TRANSITIONS: dict[str, frozenset[str]] = {
+    S.PENDING: frozenset({S.SCHEDULED, S.CANCELLED, S.EXPIRED}),
+    S.SCHEDULED: frozenset(
+        {
+            S.PROVISIONING,
+            S.PENDING,  # node lost before start: re-queued
+            S.CANCELLED,
+            S.PREEMPTED,
+            S.FAILED,
+        }
+    ),
+    S.PROVISIONING: frozenset({S.RUNNING, S.STOPPING, S.FAILED, S.PENDING, S.PREEMPTED}),
+    S.RUNNING: frozenset({S.STOPPING, S.COMPLETED, S.FAILED, S.PREEMPTED, S.PENDING}),
+    S.STOPPING: frozenset({S.COMPLETED, S.FAILED, S.PREEMPTED}),
+    S.COMPLETED: frozenset(),
+    S.FAILED: frozenset(),
+    S.CANCELLED: frozenset(),
+    S.PREEMPTED: frozenset(),
+    S.EXPIRED: frozenset(),
+}
+
+# The status groupings, each defined once here.
+TERMINAL = frozenset(s for s, targets in ALLOWED_TRANSITIONS.items() if not targets)
+ACTIVE = frozenset(ALLOWED_TRANSITIONS) - TERMINAL
+# Not started: a cancel frees the GPUs at once.
+CANCELLABLE = frozenset({S.PENDING, S.SCHEDULED})
+# The GPUs are billed now; a stop asks the agent to checkpoint and exit.
+BURNING = frozenset({S.PROVISIONING, S.RUNNING})
+# Still holds (or will hold) GPUs and is not yet asked to stop.
+STOPPABLE = CANCELLABLE | BURNING
+# The allocations still hold the GPUs.
+HOLDS_GPUS = frozenset({S.SCHEDULED, S.PROVISIONING, S.RUNNING, S.STOPPING})
+# The rental's container should be running on its nodes.
+CONTAINER_WANTED = frozenset({S.SCHEDULED, S.PROVISIONING, S.RUNNING})
+
+# The placement edge has one source in the table, so the set-based bind knows every event's
+# from_status without reading it back (unpacking fails loudly if the table ever gains another).
+(_PLACED_FROM,) = (s for s, targets in ALLOWED_TRANSITIONS.items() if S.SCHEDULED in targets)
+
+# The scheduler's Celery task, by name: the lifecycle does not import the scheduler.
+SCHEDULER_CYCLE_TASK = "scheduler.cycle"
+
+log = logging.getLogger(__name__)
+
+
+def _require_transaction() -> None:
+    if not connection.in_atomic_block:
+        raise TransactionManagementError(
+            "a rental transition runs inside the transaction that holds the rental's row lock"
+        )
+
+
+def rental_transition(
+    *,
+    rental: Rental,
+    to_status: str,
+    actor_kind: str,
+    actor: User | None = None,
+    reason: str = "",
+    **fields,
+) -> Rental:
+    """Move a locked rental along one allowed edge and record the event."""
+    _require_transaction()
+    if to_status not in ALLOWED_TRANSITIONS[rental.status]:
+        raise Conflict(f"a {rental.status} rental cannot become {to_status}")
+    RentalEvent.objects.create(
+        rental=rental,
+        from_status=rental.status,
+        to_status=to_status,
+        actor_kind=actor_kind,
+        actor=actor,
+        reason=reason[:500],
+    )
+    rental.status = to_status
+    rental.status_reason = reason[:500]
+    for name, value in fields.items():
+        setattr(rental, name, value)
+    rental.save(update_fields=["status", "status_reason", "updated_at", *fields])
+    return rental
+
+
+def _allocations_release(*, rental: Rental, at: datetime) -> int:
+    """Free the rental's GPUs from `at` on: ranges are cut at `at`, future ones dropped."""
+    released = 0
+    for alloc in Allocation.objects.filter(rental=rental, released_at__isnull=True):
+        lower, upper = alloc.during.lower, alloc.during.upper
+        if upper is not None and upper <= at:
+            alloc.released_at = at
+            alloc.save(update_fields=["released_at"])
+        elif lower >= at:
+            alloc.delete()
+        else:
+            alloc.during = type(alloc.during)(lower, at)
+            alloc.released_at = at
+            alloc.save(update_fields=["during", "released_at"])
+        released += 1
+    return released
+
+
+def rental_submit(*, customer: User, **fields) -> Rental:
+    """Store a validated request as a PENDING rental with its first event; a scheduler cycle
+    for its pool is queued after commit."""
+    _require_transaction()
+    rental = Rental.objects.create(
+        customer=customer,
+        status=S.PENDING,
+        status_reason="waiting for the scheduler",
+        **fields,
+    )
+    RentalEvent.objects.create(
+        rental=rental,
+        from_status="",
+        to_status=S.PENDING,
+        actor_kind=A.CUSTOMER,
+        actor=customer,
+        reason="created",
+    )
+    pool = rental.pool
+    transaction.on_commit(lambda: _cycle_soon(pool))
+    return rental
+
+
+def _cycle_soon(pool: str) -> None:
+    """Ask for a cycle of the pool. Best effort: with the broker down the request is logged and
+    dropped, and beat's tick (or a worker's start) places the rental, so a committed create never
+    turns into an error for the customer."""
+    try:
+        # The time is taken after commit: any cycle that snapshots later sees this rental.
+        current_app.send_task(SCHEDULER_CYCLE_TASK, args=(pool, time.time()))
+    except Exception:
+        log.warning("scheduler cycle not queued (broker unreachable); the tick will place it")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlacedRental:
+    """One rental the scheduler placed: its locked price, its booked window, the event text."""
+
+    rental_id: str
+    price_per_gpu_hour: Decimal
+    start: datetime
+    end: datetime
+    reason: str
+
+
+def rentals_mark_placed(*, placements: Sequence[PlacedRental], at: datetime) -> set[str]:
+    """PENDING -> SCHEDULED for a batch, set-based: one UPDATE guarded by the table's source
+    status, one COPY of the events. Returns the ids moved; a rental that is no longer PENDING
+    (cancelled, placed by another cycle) is left alone."""
+    _require_transaction()
+    values = []
+    params: list = []
+    for p in placements:
+        values.append("(%s::uuid, %s::numeric, %s::timestamptz, %s::timestamptz)")
+        params.extend([p.rental_id, p.price_per_gpu_hour, p.start, p.end])
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"""
+            UPDATE marketplace_rental r
+            SET status = %s, status_reason = %s, price_per_gpu_hour = v.price,
+                scheduled_start = v.s, scheduled_end = v.e, updated_at = %s
+            FROM (VALUES {", ".join(values)}) AS v(id, price, s, e)
+            WHERE r.id = v.id AND r.status = %s
+            RETURNING r.id
+            """,  # noqa: S608 - only placeholders are interpolated
+            [S.SCHEDULED, "placed", at, *params, _PLACED_FROM],
+        )
+        placed = {str(row[0]) for row in cursor.fetchall()}
+    if not placed:
+        return placed
+    # COPY: the bind is the scheduler's hot write.
+    with (
+        connection.cursor() as cursor,
+        cursor.cursor.copy(
+            "COPY marketplace_rentalevent (rental_id, from_status, to_status, actor_kind,"
+            " reason, created_at) FROM STDIN"
+        ) as copy,
+    ):
+        for p in placements:
+            if p.rental_id in placed:
+                copy.write_row(
+                    (p.rental_id, _PLACED_FROM.value, S.SCHEDULED.value, A.SCHEDULER.value,
+                     p.reason, at)
+                )  # fmt: skip
+    return placed
+
+
+def rental_mark_provisioning(*, rental: Rental, hostname: str) -> None:
+    """The run was handed to the node's agent: a SCHEDULED rental starts provisioning."""
+    if rental.status == S.SCHEDULED:
+        rental_transition(
+            rental=rental,
+            to_status=S.PROVISIONING,
+            actor_kind=A.AGENT,
+            reason=f"starting on {hostname}",
+        )
+
+
+def rental_mark_container_started(*, rental: Rental, hostname: str, started_at: datetime) -> None:
+    """The agent reports the rental's container ran: the rental is RUNNING from `started_at`."""
+    if rental.status == S.SCHEDULED:
+        rental_transition(rental=rental, to_status=S.PROVISIONING, actor_kind=A.AGENT)
+    if rental.status == S.PROVISIONING:
+        rental_transition(
+            rental=rental,
+            to_status=S.RUNNING,
+            actor_kind=A.AGENT,
+            reason=f"container running on {hostname}",
+            started_at=started_at,
+        )
+
+
+def rental_mark_container_ended(
+    *,
+    rental: Rental,
+    hostname: str,
+    exit_code: int | None,
+    error: str,
+    ended_at: datetime,
+    log_tail: str,
+    at: datetime,
+) -> None:
+    """The agent reports the container gone (exited, failed to start, or missing): the rental
+    ends, its GPUs freed at `at`. How it ends depends on why the container stopped."""
+    if rental.status in TERMINAL:
+        return
+    if rental.status == S.STOPPING:
+        to, reason = S.COMPLETED, "stopped"
+    elif rental.scheduled_end is not None and ended_at >= rental.scheduled_end:
+        # The agent stops a run when its allocation ends, maybe before the booked-time sweep
+        # asked for the stop: the customer got what was booked, whatever the exit code.
+        to, reason = S.COMPLETED, "booked time ended"
+    elif error:
+        to, reason = S.FAILED, f"cannot start on {hostname}: {error}"
+    elif exit_code == 0:
+        to, reason = S.COMPLETED, "finished"
+    elif exit_code is not None:
+        to, reason = S.FAILED, f"container exited with code {exit_code}"
+    else:
+        to, reason = S.FAILED, "container disappeared from the node"
+    if to not in ALLOWED_TRANSITIONS[rental.status]:
+        return
+    _allocations_release(rental=rental, at=at)
+    rental_transition(
+        rental=rental,
+        to_status=to,
+        actor_kind=A.AGENT,
+        reason=reason,
+        ended_at=ended_at,
+        exit_code=exit_code,
+        log_tail=log_tail,
+    )
+
+
+def rental_mark_node_lost(*, rental: Rental, hostname: str, at: datetime, requeue: bool) -> bool:
+    """A node of the rental went silent; its GPUs are freed. Not yet started -> back to
+    PENDING; started -> FAILED (its state is on the lost host) unless `requeue`; stopping ->
+    COMPLETED. Returns False when the rental was already over."""
+    if rental.status in TERMINAL:
+        return False
+    reason = f"node {hostname} went silent"
+    _allocations_release(rental=rental, at=at)
+    started = rental.status in (S.RUNNING, S.STOPPING)
+    if rental.status == S.STOPPING:
+        rental_transition(
+            rental=rental, to_status=S.COMPLETED, actor_kind=A.SYSTEM, reason=reason, ended_at=at
+        )
+    elif started and not requeue:
+        rental_transition(
+            rental=rental, to_status=S.FAILED, actor_kind=A.SYSTEM, reason=reason, ended_at=at
+        )
+    else:
+        rental_transition(
+            rental=rental,
+            to_status=S.PENDING,
+            actor_kind=A.SYSTEM,
+            reason=f"{reason}; re-queued",
+            scheduled_start=None,
+            scheduled_end=None,
+            price_per_gpu_hour=None,
+        )
+    return True
+
+
+def rental_mark_booked_time_ended(*, rental: Rental) -> bool:
+    """The booked window is over: a provisioning or running rental is asked to stop
+    (checkpoint, exit). Returns whether it was."""
+    if rental.status not in BURNING:
+        return False
+    rental_transition(
+        rental=rental, to_status=S.STOPPING, actor_kind=A.SYSTEM, reason="booked time ended"
+    )
+    return True
+
+
+def rental_preempt(*, rental: Rental, reason: str, at: datetime) -> bool:
+    """The scheduler takes an interruptible rental's GPUs for a higher bid or priority; they
+    are freed at `at`. Returns False when the rental no longer holds GPUs."""
+    if rental.status not in HOLDS_GPUS:
+        return False
+    _allocations_release(rental=rental, at=at)
+    rental_transition(
+        rental=rental, to_status=S.PREEMPTED, actor_kind=A.SCHEDULER, reason=reason, ended_at=at
+    )
+    return True
+
+
+def rental_expire(*, rental: Rental, reason: str, at: datetime) -> None:
+    """A PENDING rental passed its start deadline without being placed."""
+    rental_transition(
+        rental=rental, to_status=S.EXPIRED, actor_kind=A.SCHEDULER, reason=reason, ended_at=at
+    )
+
+
+def _cancel(*, rental: Rental, actor_kind: str, actor: User | None, reason: str) -> Rental:
+    now = timezone.now()
+    _allocations_release(rental=rental, at=now)
+    return rental_transition(
+        rental=rental,
+        to_status=S.CANCELLED,
+        actor_kind=actor_kind,
+        actor=actor,
+        reason=reason,
+        ended_at=now,
+    )
+
+
+def _locked_own_rental(*, customer: User, rental_id) -> Rental:
+    rental = Rental.objects.select_for_update().filter(pk=rental_id, customer=customer).first()
+    if rental is None:
+        raise NotFound("no such rental")
+    return rental
+
+
+@transaction.atomic(durable=True)
+def rental_cancel(
+    *, customer: User, rental_id, reason: str = "cancelled by the customer"
+) -> Rental:
+    """Cancel a rental that has not started running; its GPUs are freed at once."""
+    rental = _locked_own_rental(customer=customer, rental_id=rental_id)
+    if rental.status not in CANCELLABLE:
+        raise Conflict(f"a {rental.status} rental cannot be cancelled; stop it instead")
+    return _cancel(rental=rental, actor_kind=A.CUSTOMER, actor=customer, reason=reason)
+
+
+@transaction.atomic(durable=True)
+def rental_stop(*, customer: User, rental_id, reason: str = "stopped by the customer") -> Rental:
+    """Ask a running rental to stop: the agent checkpoints (SIGTERM), stops and reports. One
+    not yet started is cancelled."""
+    rental = _locked_own_rental(customer=customer, rental_id=rental_id)
+    if rental.status in CANCELLABLE:
+        return _cancel(rental=rental, actor_kind=A.CUSTOMER, actor=customer, reason=reason)
+    if rental.status == S.STOPPING:
+        return rental
+    if rental.status in TERMINAL:
+        raise Conflict(f"the rental is already {rental.status}")
+    return rental_transition(
+        rental=rental, to_status=S.STOPPING, actor_kind=A.CUSTOMER, actor=customer, reason=reason
+    )
+
+
+@transaction.atomic(durable=True)
+def rental_stop_for_funds(*, rental_id, reason: str) -> Rental | None:
+    """Billing found the balance exhausted: stop the rental (or cancel it, if not started).
+    Returns None when the rental is already over."""
+    rental = Rental.objects.select_for_update().filter(pk=rental_id).first()
+    if rental is None or rental.status in TERMINAL:
+        return None
+    if rental.status == S.STOPPING:
+        return rental
+    if rental.status in CANCELLABLE:
+        return _cancel(rental=rental, actor_kind=A.BILLING, actor=None, reason=reason)
+    return rental_transition(
+        rental=rental, to_status=S.STOPPING, actor_kind=A.BILLING, reason=reason
+    )
