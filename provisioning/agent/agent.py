@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -38,6 +39,18 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
+from agentprotocol import (
+    ContainerReport,
+    ContainerStatus,
+    DesiredRun,
+    GpuSample,
+    Heartbeat,
+    HeartbeatAnswer,
+    JoinAnswer,
+    MetricLine,
+    ProtocolError,
+    UsageReport,
+)
 from provisioning.agent import hostinfo
 from provisioning.agent.benchmark import BenchmarkRunner, benchmark_env
 from provisioning.agent.client import (
@@ -49,14 +62,10 @@ from provisioning.agent.client import (
     backoff_delay,
 )
 from provisioning.agent.config import AgentConfig, ConfigError
-from provisioning.agent.reconcile import DesiredRun, plan_reconcile
+from provisioning.agent.reconcile import plan_reconcile
 from provisioning.agent.spool import RunLedger, RunRecord, UsageSpool, write_atomic
 from provisioning.runtime import create_driver
 from provisioning.runtime.base import (
-    STATUS_CREATED,
-    STATUS_EXITED,
-    STATUS_MISSING,
-    STATUS_RUNNING,
     ContainerSpec,
     ContainerState,
     PermanentRuntimeError,
@@ -145,17 +154,14 @@ def trim_log_tail(text: str) -> str:
     return data[-LOG_TAIL_MAX_BYTES:].decode(errors="ignore")
 
 
-def _missing_report(rental_id: str, run_id: str, error: str) -> dict[str, Any]:
-    return {
-        "rental_id": rental_id,
-        "run_id": run_id,
-        "status": STATUS_MISSING,
-        "exit_code": None,
-        "started_at": None,
-        "finished_at": None,
-        "log_tail": trim_log_tail(f"cannot start: {error}\n"),
-        "error": error[:500],
-    }
+def _missing_report(rental_id: str, run_id: str, error: str) -> ContainerReport:
+    return ContainerReport(
+        rental_id=rental_id,
+        run_id=run_id,
+        status=ContainerStatus.MISSING,
+        log_tail=trim_log_tail(f"cannot start: {error}\n"),
+        error=error[:500],
+    )
 
 
 @dataclass(slots=True)
@@ -341,14 +347,13 @@ class Agent:
                 if self._stopping.wait(delay):
                     return None
         try:
-            credentials = Credentials(
-                node_id=int(answer["node_id"]), node_token=str(answer["node_token"])
-            )
-        except (KeyError, TypeError, ValueError) as exc:
+            joined = JoinAnswer.from_payload(answer)
+        except ProtocolError as exc:
             # The join token is spent by now: retrying cannot help, a person has to look.
-            raise AgentApiError(f"join answer without node_id/node_token: {answer!r}") from exc
+            raise AgentApiError(f"{exc}: {answer!r}"[:500]) from exc
+        credentials = Credentials(node_id=joined.node_id, node_token=joined.node_token)
         save_credentials(self.config.state_dir, credentials, server_url=self.config.server_url)
-        self._set_interval(answer.get("heartbeat_interval_s"))
+        self._set_interval(joined.heartbeat_interval_s)
         logger.info(
             "joined",
             extra={"node_id": credentials.node_id, "gpus": len(payload["gpus"])},
@@ -393,32 +398,37 @@ class Agent:
         for state in actual:
             live = self._live.setdefault(state.run_id, _Live())
             live.rental_id = state.rental_id
-            if state.status == STATUS_RUNNING:
+            if state.status == ContainerStatus.RUNNING:
                 live.last_seen_running = now
         self._spool_usage(actual, now)
         self._read_output(actual)
 
         metrics, taken = self._take_metrics()
-        payload: dict[str, Any] = {
-            "agent_version": AGENT_VERSION,
-            "sent_at": self._clock(),
-            "telemetry": self._telemetry_samples(actual),
-            "containers": self._container_reports(actual),
-            "usage": self.spool.pending(USAGE_PER_HEARTBEAT),
-            "metrics": metrics,
-        }
         benchmark = self._benchmark.result()
-        if benchmark is not None:
-            payload["benchmark"] = benchmark
-        answer = self._client.heartbeat(payload, token=self._credentials.node_token)
+        heartbeat = Heartbeat(
+            agent_version=AGENT_VERSION,
+            sent_at=self._clock(),
+            telemetry=tuple(self._telemetry_samples(actual)),
+            containers=tuple(self._container_reports(actual)),
+            usage=tuple(
+                UsageReport.from_payload(r) for r in self.spool.pending(USAGE_PER_HEARTBEAT)
+            ),
+            metrics=tuple(metrics),
+            benchmark=benchmark,
+        )
+        payload = self._client.heartbeat(heartbeat.to_payload(), token=self._credentials.node_token)
+        try:
+            answer = HeartbeatAnswer.from_payload(payload, on_bad_run=self._bad_run)
+        except ProtocolError as exc:
+            raise TransientApiError(str(exc)) from exc
 
         self._after_delivery(answer, actual, taken, benchmark_sent=benchmark is not None)
-        desired = self._parse_desired(answer.get("desired"))
+        desired = answer.desired
         self._remember(desired)
         self._forget(desired, actual)
         self.ledger.flush()
         self._reconcile(desired, actual, now)
-        if answer.get("run_benchmark"):
+        if answer.run_benchmark:
             if self.config.once:
                 logger.info("benchmark requested; not run with --once")
             else:
@@ -428,7 +438,7 @@ class Agent:
             extra={
                 "runs": len(actual),
                 "desired": len(desired),
-                "usage_sent": len(payload["usage"]),
+                "usage_sent": len(heartbeat.usage),
                 "spooled": len(self.spool),
                 "metrics": len(metrics),
             },
@@ -442,9 +452,9 @@ class Agent:
             # honest to report; the server bills from the reports it gets.
             if record is None or not record.gpu_indices or state.started_at is None:
                 continue
-            if state.status == STATUS_RUNNING:
+            if state.status == ContainerStatus.RUNNING:
                 confirmed, final = now, False
-            elif state.status == STATUS_EXITED and not record.final_spooled:
+            elif state.status == ContainerStatus.EXITED and not record.final_spooled:
                 last_seen = self._live[state.run_id].last_seen_running
                 confirmed, final = last_seen or state.started_at, True
                 finals.append(state.run_id)
@@ -468,7 +478,7 @@ class Agent:
     def _read_output(self, actual: Sequence[ContainerState]) -> None:
         assert self._driver is not None
         for state in actual:
-            if state.status not in (STATUS_RUNNING, STATUS_EXITED):
+            if state.status not in (ContainerStatus.RUNNING, ContainerStatus.EXITED):
                 continue
             live = self._live[state.run_id]
             if len(live.buffer) >= RUN_BUFFER_LINES:
@@ -490,13 +500,13 @@ class Agent:
             live.read_cursor = read_cursor
             if not live.buffer:
                 live.base_cursor, live.base_skip = read_cursor, 0
-            if state.status == STATUS_EXITED:
+            if state.status == ContainerStatus.EXITED:
                 live.read_after_exit = True
 
-    def _take_metrics(self) -> tuple[list[dict[str, str]], dict[str, int]]:
+    def _take_metrics(self) -> tuple[list[MetricLine], dict[str, int]]:
         """Up to the per-heartbeat limits, round robin over runs (none starves the others)."""
         order = sorted(run_id for run_id, live in self._live.items() if live.buffer)
-        metrics: list[dict[str, str]] = []
+        metrics: list[MetricLine] = []
         taken = dict.fromkeys(order, 0)
         size = 0
         progressed = True
@@ -511,36 +521,36 @@ class Agent:
                 size += len(json.dumps(line)) + len(run_id) + 100
                 if size > METRICS_BYTES_PER_HEARTBEAT:
                     return metrics, taken
-                metrics.append({"rental_id": live.rental_id, "run_id": run_id, "line": line})
+                metrics.append(MetricLine(rental_id=live.rental_id, run_id=run_id, line=line))
                 taken[run_id] += 1
                 progressed = True
         return metrics, taken
 
-    def _telemetry_samples(self, actual: Sequence[ContainerState]) -> list[dict[str, Any]]:
+    def _telemetry_samples(self, actual: Sequence[ContainerState]) -> list[GpuSample]:
         assert self._watchdog is not None
         busy: set[int] = set()
         for state in actual:
             record = self.ledger.get(state.run_id)
-            if state.status == STATUS_RUNNING and record is not None:
+            if state.status == ContainerStatus.RUNNING and record is not None:
                 busy.update(record.gpu_indices)
-        return [sample.to_payload() for sample in self._watchdog.sample(busy)]
+        return self._watchdog.sample(busy)
 
-    def _container_reports(self, actual: Sequence[ContainerState]) -> list[dict[str, Any]]:
+    def _container_reports(self, actual: Sequence[ContainerState]) -> list[ContainerReport]:
         assert self._driver is not None
         reports = []
         for state in actual:
             if not state.rental_id:
                 continue  # damaged run metadata: a report without its rental would be refused
             live = self._live[state.run_id]
-            report: dict[str, Any] = {
-                "rental_id": state.rental_id,
-                "run_id": state.run_id,
-                "status": state.status,
-                "exit_code": state.exit_code,
-                "started_at": state.started_at,
-                "finished_at": state.finished_at,
-            }
-            if state.status == STATUS_EXITED:
+            report = ContainerReport(
+                rental_id=state.rental_id,
+                run_id=state.run_id,
+                status=state.status,
+                exit_code=state.exit_code,
+                started_at=state.started_at,
+                finished_at=state.finished_at,
+            )
+            if state.status == ContainerStatus.EXITED:
                 if live.log_tail is None:
                     try:
                         tail = self._driver.logs_tail(state.run_id, LOG_TAIL_LINES)
@@ -549,9 +559,9 @@ class Agent:
                         logger.warning(
                             "no log tail", extra={"run_id": state.run_id, "error": str(exc)}
                         )
-                report["log_tail"] = live.log_tail or ""
-            elif state.status == STATUS_CREATED and live.start_error is not None:
-                report.update(_missing_report(state.rental_id, state.run_id, live.start_error))
+                report = dataclasses.replace(report, log_tail=live.log_tail or "")
+            elif state.status == ContainerStatus.CREATED and live.start_error is not None:
+                report = _missing_report(state.rental_id, state.run_id, live.start_error)
             reports.append(report)
         # Desired runs that cannot be started are "missing", with the reason in the log tail:
         # the server decides what becomes of the rental instead of waiting for it forever.
@@ -563,17 +573,14 @@ class Agent:
 
     def _after_delivery(
         self,
-        answer: dict[str, Any],
+        answer: HeartbeatAnswer,
         actual: Sequence[ContainerState],
         taken: dict[str, int],
         *,
         benchmark_sent: bool,
     ) -> None:
         """The server took the heartbeat (200): trim what it has received."""
-        try:
-            self.spool.ack(int(answer.get("ack_usage_seq") or 0))
-        except (TypeError, ValueError):
-            logger.warning("bad ack_usage_seq", extra={"value": answer.get("ack_usage_seq")})
+        self.spool.ack(answer.ack_usage_seq)
         for run_id, count in taken.items():
             live = self._live[run_id]
             del live.buffer[:count]
@@ -586,22 +593,15 @@ class Agent:
                 live.base_cursor, live.base_skip = live.read_cursor, 0
             if state.run_id in self.ledger:
                 self.ledger.update(state.run_id, cursor=live.base_cursor, skip=live.base_skip)
-            if state.status == STATUS_EXITED and live.read_after_exit and not live.buffer:
+            if state.status == ContainerStatus.EXITED and live.read_after_exit and not live.buffer:
                 live.delivered = True
         if benchmark_sent:
             self._benchmark.delivered()
-        self._set_interval(answer.get("heartbeat_interval_s"))
+        self._set_interval(answer.heartbeat_interval_s)
 
-    def _parse_desired(self, entries: Any) -> list[DesiredRun]:
-        if not isinstance(entries, list):
-            raise TransientApiError(f"heartbeat answer without a desired list: {entries!r}"[:300])
-        desired = []
-        for entry in entries:
-            try:
-                desired.append(DesiredRun.from_payload(entry))
-            except (ValueError, AttributeError) as exc:
-                logger.error("ignoring a desired entry", extra={"error": str(exc)})
-        return desired
+    @staticmethod
+    def _bad_run(error: ProtocolError) -> None:
+        logger.error("ignoring a desired entry", extra={"error": str(error)})
 
     def _remember(self, desired: Sequence[DesiredRun]) -> None:
         for entry in desired:
@@ -677,20 +677,11 @@ class Agent:
             checkpoints = "/workspace/checkpoints"
         else:
             checkpoints = os.path.join(volume_dir, "checkpoints")
-        return ContainerSpec(
-            rental_id=entry.rental_id,
-            run_id=entry.run_id,
+        return ContainerSpec.place(
+            entry,
             node_id=str(self._credentials.node_id),
-            image=entry.image,
-            command=entry.command,
-            env={**entry.env, "HARNESS_CHECKPOINT_DIR": checkpoints},
-            gpu_indices=entry.gpu_indices,
-            gpu_uuids=entry.gpu_uuids,
-            cpu_limit=entry.cpu_limit,
-            memory_limit_mb=entry.memory_limit_mb,
-            ports=entry.ports,
             volume_dir=volume_dir,
-            stop_grace_s=entry.stop_grace_s,
+            env={"HARNESS_CHECKPOINT_DIR": checkpoints},
         )
 
     def _harvest(self, now: float) -> None:
@@ -702,7 +693,7 @@ class Agent:
                 if kind == "start":
                     live.start_error, live.start_failures, live.next_start_at = None, 0, 0.0
                     state, seen_at = future.result()
-                    if state.status == STATUS_RUNNING:
+                    if state.status == ContainerStatus.RUNNING:
                         live.last_seen_running = seen_at
                 continue
             logger.error(f"{kind} failed", extra={"run_id": run_id, "error": repr(error)})

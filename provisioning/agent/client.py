@@ -17,10 +17,9 @@ from typing import Any
 
 import requests
 
-logger = logging.getLogger(__name__)
+from agentprotocol import HEARTBEAT_PATH, JOIN_PATH
 
-JOIN_PATH = "/api/agent/v1/join/"
-HEARTBEAT_PATH = "/api/agent/v1/heartbeat/"
+logger = logging.getLogger(__name__)
 
 _CONNECT_TIMEOUT_S = 5.0
 

@@ -20,63 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
-from typing import Any
 
-from provisioning.runtime.base import (
-    STATUS_CREATED,
-    STATUS_EXITED,
-    STATUS_RUNNING,
-    ContainerState,
-)
-
-DEFAULT_STOP_GRACE_S = 30.0
-
-
-@dataclass(frozen=True, slots=True)
-class DesiredRun:
-    """One entry of the heartbeat answer's `desired` list."""
-
-    rental_id: str
-    run_id: str
-    image: str
-    command: tuple[str, ...]
-    env: Mapping[str, str]
-    gpu_indices: tuple[int, ...]
-    gpu_uuids: tuple[str, ...]
-    cpu_limit: float
-    memory_limit_mb: int
-    ports: tuple[int, ...]
-    stop_grace_s: float = DEFAULT_STOP_GRACE_S
-
-    @classmethod
-    def from_payload(cls, entry: Mapping[str, Any]) -> DesiredRun:
-        """Parse and type-check one entry; ValueError names what is wrong."""
-        try:
-            env = entry.get("env") or {}
-            if not isinstance(env, Mapping):
-                raise TypeError("env must be an object")
-            grace = entry.get("stop_grace_s")
-            return cls(
-                rental_id=_text(entry["rental_id"]),
-                run_id=_text(entry["run_id"]),
-                image=_text(entry.get("image") or ""),
-                command=tuple(_text(arg) for arg in entry.get("command") or ()),
-                env={_text(k): _text(v) for k, v in env.items()},
-                gpu_indices=tuple(int(i) for i in entry.get("gpu_indices") or ()),
-                gpu_uuids=tuple(_text(u) for u in entry.get("gpu_uuids") or ()),
-                cpu_limit=float(entry["cpu_limit"]),
-                memory_limit_mb=int(entry["memory_limit_mb"]),
-                ports=tuple(int(p) for p in entry.get("ports") or ()),
-                stop_grace_s=DEFAULT_STOP_GRACE_S if grace is None else float(grace),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"bad desired entry ({exc!r}): {dict(entry)!r}"[:500]) from exc
-
-
-def _text(value: Any) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"expected a string, got {type(value).__name__}")
-    return value
+from agentprotocol import DEFAULT_STOP_GRACE_S, ContainerStatus, DesiredRun
+from provisioning.runtime.base import ContainerState
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,15 +63,15 @@ def plan_reconcile(
     for state in sorted(actual, key=lambda s: s.run_id):
         if state.run_id in wanted:
             continue
-        if state.status == STATUS_RUNNING:
+        if state.status == ContainerStatus.RUNNING:
             gpus = gpus_of.get(state.run_id)
             leaving.append(None if gpus is None else frozenset(gpus))
             if state.run_id not in hold:
                 stop.append((state.run_id, grace_of.get(state.run_id, DEFAULT_STOP_GRACE_S)))
         elif state.run_id in hold:
             continue
-        elif state.status == STATUS_CREATED or (
-            state.status == STATUS_EXITED and state.run_id in delivered
+        elif state.status == ContainerStatus.CREATED or (
+            state.status == ContainerStatus.EXITED and state.run_id in delivered
         ):
             remove.append(state.run_id)
 
@@ -137,7 +83,7 @@ def plan_reconcile(
             continue
         seen.add(entry.run_id)
         state = by_run.get(entry.run_id)
-        if state is not None and state.status != STATUS_CREATED:
+        if state is not None and state.status != ContainerStatus.CREATED:
             continue
         if any(gpus is None or gpus & set(entry.gpu_indices) for gpus in leaving):
             waiting.append(entry.run_id)

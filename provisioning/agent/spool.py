@@ -27,6 +27,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from agentprotocol import UsageReport
+
 logger = logging.getLogger(__name__)
 
 
@@ -73,7 +75,9 @@ class UsageSpool:
         if not reports:
             return []
         first = self._last_seq + 1
-        records = [{"seq": first + i, **report} for i, report in enumerate(reports)]
+        records = [
+            UsageReport(seq=first + i, **report).to_payload() for i, report in enumerate(reports)
+        ]
         self._store_seq(first + len(records) - 1)
         with open(self._path, "a") as f:
             f.write("".join(json.dumps(record) + "\n" for record in records))
@@ -132,9 +136,7 @@ class UsageSpool:
         records = []
         for line in complete.split(b"\n") if complete else []:
             try:
-                record = json.loads(line)
-                if not isinstance(record, dict) or not isinstance(record.get("seq"), int):
-                    raise ValueError("not a usage record")
+                record = UsageReport.from_payload(json.loads(line)).to_payload()
             except ValueError:
                 logger.warning(
                     "skipping an unreadable usage spool line", extra={"line": line[:200]}

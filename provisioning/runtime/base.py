@@ -9,20 +9,18 @@ No Django import here: the agent runs on GPU hosts without the web stack.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Self, runtime_checkable
+
+from agentprotocol import ContainerStatus, DesiredRun
 
 LABEL_MANAGED = "gpumarket.managed"
 LABEL_RENTAL = "gpumarket.rental"
 LABEL_RUN = "gpumarket.run"
 LABEL_NODE = "gpumarket.node"
-
-STATUS_RUNNING = "running"
-STATUS_EXITED = "exited"
-STATUS_CREATED = "created"
-STATUS_MISSING = "missing"
 
 # Docker's container-name grammar; the process driver uses run_id as a directory name, so the
 # same restriction keeps both safe (no "/" or "..").
@@ -49,24 +47,23 @@ class RunNotFoundError(PermanentRuntimeError):
     """No container/process exists for the run id (never started, or removed)."""
 
 
-@dataclass(frozen=True, slots=True)
-class ContainerSpec:
-    """Everything needed to run one container run of a rental on the allocated GPUs."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ContainerSpec(DesiredRun):
+    """Everything needed to run one container run of a rental on the allocated GPUs: the
+    server's desired run, placed on this node."""
 
-    rental_id: str
-    run_id: str
     node_id: str
-    image: str
-    command: tuple[str, ...]
-    env: Mapping[str, str]
-    gpu_indices: tuple[int, ...]
-    gpu_uuids: tuple[str, ...]
-    cpu_limit: float
-    memory_limit_mb: int
-    ports: tuple[int, ...]
     volume_dir: str
-    stop_grace_s: float = 30
     labels: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def place(
+        cls, run: DesiredRun, *, node_id: str, volume_dir: str, env: Mapping[str, str]
+    ) -> Self:
+        """The spec of a desired run on this node; `env` is added to the run's own."""
+        fields = {f.name: getattr(run, f.name) for f in dataclasses.fields(DesiredRun)}
+        fields["env"] = {**run.env, **env}
+        return cls(**fields, node_id=node_id, volume_dir=volume_dir)
 
     def __post_init__(self) -> None:
         if not _RUN_ID_RE.match(self.run_id):
@@ -99,7 +96,7 @@ class ContainerState:
 
     rental_id: str
     run_id: str
-    status: str  # "running" | "exited" | "created" | "missing"
+    status: ContainerStatus
     exit_code: int | None
     started_at: float | None  # unix time
     finished_at: float | None
@@ -112,7 +109,7 @@ class ContainerState:
         return cls(
             rental_id=rental_id,
             run_id=run_id,
-            status=STATUS_MISSING,
+            status=ContainerStatus.MISSING,
             exit_code=None,
             started_at=None,
             finished_at=None,

@@ -28,14 +28,12 @@ from docker.models.containers import Container
 from docker.types import DeviceRequest, LogConfig, Mount, Ulimit
 from docker.utils import parse_repository_tag
 
+from agentprotocol import ContainerStatus
 from provisioning.runtime.base import (
     LABEL_MANAGED,
     LABEL_NODE,
     LABEL_RENTAL,
     LABEL_RUN,
-    STATUS_CREATED,
-    STATUS_EXITED,
-    STATUS_RUNNING,
     ContainerSpec,
     ContainerState,
     ImageNotFoundError,
@@ -53,13 +51,13 @@ T = TypeVar("T")
 WORKSPACE = "/workspace"
 
 _STATUS_MAP = {
-    "running": STATUS_RUNNING,
-    "paused": STATUS_RUNNING,
-    "restarting": STATUS_RUNNING,
-    "created": STATUS_CREATED,
-    "exited": STATUS_EXITED,
-    "dead": STATUS_EXITED,
-    "removing": STATUS_EXITED,
+    "running": ContainerStatus.RUNNING,
+    "paused": ContainerStatus.RUNNING,
+    "restarting": ContainerStatus.RUNNING,
+    "created": ContainerStatus.CREATED,
+    "exited": ContainerStatus.EXITED,
+    "dead": ContainerStatus.EXITED,
+    "removing": ContainerStatus.EXITED,
 }
 
 # 5xx answers that retrying cannot fix: the runtime refused the container's configuration.
@@ -182,7 +180,7 @@ def _join_partials(text: bytes) -> bytes:
 def _state_from_attrs(attrs: dict[str, Any]) -> ContainerState:
     labels = attrs.get("Config", {}).get("Labels") or {}
     state = attrs.get("State", {})
-    status = _STATUS_MAP.get(state.get("Status", ""), STATUS_EXITED)
+    status = _STATUS_MAP.get(state.get("Status", ""), ContainerStatus.EXITED)
     ports: dict[int, int] = {}
     for key, bindings in ((attrs.get("NetworkSettings") or {}).get("Ports") or {}).items():
         port, _, proto = key.partition("/")
@@ -192,10 +190,10 @@ def _state_from_attrs(attrs: dict[str, Any]) -> ContainerState:
         rental_id=labels.get(LABEL_RENTAL, ""),
         run_id=labels.get(LABEL_RUN, ""),
         status=status,
-        exit_code=int(state.get("ExitCode", 0)) if status == STATUS_EXITED else None,
+        exit_code=int(state.get("ExitCode", 0)) if status == ContainerStatus.EXITED else None,
         started_at=parse_docker_time(state.get("StartedAt")),
         finished_at=(
-            parse_docker_time(state.get("FinishedAt")) if status == STATUS_EXITED else None
+            parse_docker_time(state.get("FinishedAt")) if status == ContainerStatus.EXITED else None
         ),
         ports=ports,
         node_id=labels.get(LABEL_NODE),

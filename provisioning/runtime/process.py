@@ -38,12 +38,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from agentprotocol import ContainerStatus
 from provisioning.runtime._process_wrapper import proc_stat, write_json_atomic
 from provisioning.runtime.base import (
     LABEL_MANAGED,
-    STATUS_CREATED,
-    STATUS_EXITED,
-    STATUS_RUNNING,
     ContainerSpec,
     ContainerState,
     PermanentRuntimeError,
@@ -140,7 +138,7 @@ class LocalProcessDriver:
             meta = self._meta(spec.run_id)
             if meta is not None:
                 state = self._state_from_dir(spec.run_id, meta)
-                if state.status != STATUS_CREATED:
+                if state.status != ContainerStatus.CREATED:
                     logger.info("run exists, adopting it", extra=log_extra)
                     return state
                 # A previous start died before the supervisor came up: start it now.
@@ -328,19 +326,21 @@ class LocalProcessDriver:
         run_dir = self._run_dir(run_id)
         child = _read_json(os.path.join(run_dir, "child.json"))
         exit_info = _read_json(os.path.join(run_dir, "exit.json"))
-        status = STATUS_EXITED
+        status = ContainerStatus.EXITED
         if exit_info is None:
             if child is not None and _process_alive(child["pid"], child["start_ticks"]):
-                status = STATUS_RUNNING
+                status = ContainerStatus.RUNNING
             elif self._supervisor_alive(run_dir):
-                status = STATUS_RUNNING  # starting up, or recording the exit right now
+                status = ContainerStatus.RUNNING  # starting up, or recording the exit right now
             else:
                 # The supervisor may have recorded the exit and gone since we first looked.
                 exit_info = _read_json(os.path.join(run_dir, "exit.json"))
                 if exit_info is None and "supervisor_pid" not in meta:
-                    status = STATUS_CREATED
+                    status = ContainerStatus.CREATED
         ports = tuple(meta.get("spec", {}).get("ports", ()))
-        finished = exit_info["finished_at"] if exit_info and status == STATUS_EXITED else None
+        finished = (
+            exit_info["finished_at"] if exit_info and status == ContainerStatus.EXITED else None
+        )
         return ContainerState(
             rental_id=meta.get("rental_id", ""),
             run_id=run_id,
@@ -349,7 +349,7 @@ class LocalProcessDriver:
             exit_code=exit_info["exit_code"] if exit_info else None,
             started_at=child["started_at"] if child else None,
             finished_at=finished,
-            ports={p: p for p in ports} if status == STATUS_RUNNING else {},
+            ports={p: p for p in ports} if status == ContainerStatus.RUNNING else {},
             node_id=meta.get("node_id"),
         )
 

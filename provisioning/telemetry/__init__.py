@@ -7,9 +7,7 @@ Two sources behind `TelemetrySource`: `NvmlSource` (real NVIDIA GPUs through NVM
 from __future__ import annotations
 
 from provisioning.telemetry.base import (
-    GpuInfo,
     GpuInventory,
-    GpuSample,
     PermanentTelemetryError,
     RetryableTelemetryError,
     SampleWatchdog,
@@ -35,9 +33,7 @@ def create_source(kind: str, *, hostname: str, simulate_gpus: str | None = None)
 
 
 __all__ = [
-    "GpuInfo",
     "GpuInventory",
-    "GpuSample",
     "PermanentTelemetryError",
     "RetryableTelemetryError",
     "SampleWatchdog",

@@ -11,8 +11,10 @@ import threading
 from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import asdict, dataclass
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from agentprotocol import GpuInfo, GpuSample
 
 logger = logging.getLogger(__name__)
 
@@ -30,46 +32,12 @@ class PermanentTelemetryError(TelemetryError):
 
 
 @dataclass(frozen=True, slots=True)
-class GpuInfo:
-    """One GPU as the join payload describes it."""
-
-    index: int
-    uuid: str
-    name: str  # NVML's device name, or the catalog slug for simulated GPUs
-    memory_mb: int
-    # GPUs sharing a non-empty group are connected by NVLink (directly or through NVSwitch);
-    # "" means the GPU has no NVLink peer.
-    topology_group: str
-
-    def to_payload(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True, slots=True)
 class GpuInventory:
     """What discovery finds on the host: driver facts and the GPUs."""
 
     driver_version: str
     cuda_version: str
     gpus: tuple[GpuInfo, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class GpuSample:
-    """One reading of one GPU, as the heartbeat's `telemetry` entries carry it."""
-
-    gpu_index: int
-    ts: float
-    util_pct: float
-    mem_used_mb: int
-    power_w: float
-    temp_c: float
-    ecc_errors: int  # volatile (since driver load) uncorrected ECC errors
-    xid_errors: int  # critical Xid events seen since the agent started
-    healthy: bool
-
-    def to_payload(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @runtime_checkable

@@ -28,10 +28,9 @@ from typing import Any, TypeVar
 
 import pynvml
 
+from agentprotocol import GpuInfo, GpuSample
 from provisioning.telemetry.base import (
-    GpuInfo,
     GpuInventory,
-    GpuSample,
     PermanentTelemetryError,
     RetryableTelemetryError,
     TelemetryError,

@@ -15,10 +15,9 @@ import time
 import uuid
 from collections.abc import Callable, Collection
 
+from agentprotocol import GpuInfo, GpuSample
 from provisioning.telemetry.base import (
-    GpuInfo,
     GpuInventory,
-    GpuSample,
     PermanentTelemetryError,
 )
 

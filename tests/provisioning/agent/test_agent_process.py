@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from provisioning.agent.client import HEARTBEAT_PATH, JOIN_PATH
+from agentprotocol import HEARTBEAT_PATH, JOIN_PATH, DesiredRun, HeartbeatAnswer, JoinAnswer
 from provisioning.runtime.process import LocalProcessDriver, ProcessDriverConfig
 from provisioning.telemetry.simulated import simulated_gpu_uuid
 
@@ -37,7 +37,7 @@ class Server:
 
     def __init__(self, fake_server: Any) -> None:
         self.fake = fake_server
-        self.desired: list[dict[str, Any]] = []
+        self.desired: list[DesiredRun] = []
         self.token = NODE_TOKEN
         self.run_benchmark = False
         self.heartbeat_status = 200
@@ -48,7 +48,8 @@ class Server:
     def join(self, request: Any) -> tuple[int, Any]:
         if request.body.get("join_token") != JOIN_TOKEN:
             return 400, {"join_token": ["invalid, used or expired join token"], "code": "invalid"}
-        return 201, {"node_id": NODE_ID, "node_token": NODE_TOKEN, "heartbeat_interval_s": 1}
+        answer = JoinAnswer(node_id=NODE_ID, node_token=NODE_TOKEN, heartbeat_interval_s=1)
+        return 201, answer.to_payload()
 
     def heartbeat(self, request: Any) -> tuple[int, Any]:
         if request.headers.get("Authorization") != f"Bearer {self.token}":
@@ -56,33 +57,33 @@ class Server:
         if self.heartbeat_status != 200:
             return self.heartbeat_status, {"detail": "down for maintenance"}
         self.acked = max([self.acked] + [u["seq"] for u in request.body["usage"]])
-        return 200, {
-            "desired": self.desired,
-            "ack_usage_seq": self.acked,
-            "heartbeat_interval_s": 1,
-            "run_benchmark": self.run_benchmark,
-        }
+        answer = HeartbeatAnswer(
+            desired=tuple(self.desired),
+            ack_usage_seq=self.acked,
+            heartbeat_interval_s=1,
+            run_benchmark=self.run_benchmark,
+        )
+        return 200, answer.to_payload()
 
     def heartbeats(self) -> list[dict[str, Any]]:
         return self.fake.bodies(HEARTBEAT_PATH)
 
 
-def desired_entry(rental_id: str, script: str = SCRIPT, **overrides: Any) -> dict[str, Any]:
-    entry = {
+def desired_entry(rental_id: str, script: str = SCRIPT, **overrides: Any) -> DesiredRun:
+    fields: dict[str, Any] = {
         "rental_id": rental_id,
         "run_id": f"r{uuid.UUID(rental_id).hex}-n{NODE_ID}",
         "image": "gpumarket/harness:dev",
-        "command": ["python", "-c", script],
+        "command": ("python", "-c", script),
         "env": {"HARNESS_SEED": "3"},
-        "gpu_indices": [1],
-        "gpu_uuids": [simulated_gpu_uuid("test-host", 1)],
+        "gpu_indices": (1,),
+        "gpu_uuids": (simulated_gpu_uuid("test-host", 1),),
         "cpu_limit": 1.0,
         "memory_limit_mb": 512,
-        "ports": [],
+        "ports": (),
         "stop_grace_s": 5.0,
     }
-    entry.update(overrides)
-    return entry
+    return DesiredRun(**{**fields, **overrides})
 
 
 @pytest.fixture
@@ -183,7 +184,7 @@ def wait_for_output(driver: LocalProcessDriver, run_id: str) -> None:
 def test_lifecycle_start_adopt_metrics_usage_stop_remove(server, agent, driver, dirs):
     rental_id = str(uuid.uuid4())
     entry = desired_entry(rental_id)
-    run_id = entry["run_id"]
+    run_id = entry.run_id
     server.desired = [entry]
 
     # 1. first start: join, one heartbeat, then the desired run is started
@@ -303,7 +304,7 @@ def test_metrics_beyond_one_heartbeat_are_delivered_once_in_order_across_restart
     server.desired = [entry]
     assert agent().returncode == 0
     deadline = time.monotonic() + 15
-    while len(driver.output_since(entry["run_id"], None)[0]) < 2400:
+    while len(driver.output_since(entry.run_id, None)[0]) < 2400:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     # when the agent restarts for every heartbeat
@@ -341,7 +342,7 @@ def test_a_run_that_exits_on_its_own_is_reported_not_restarted(server, agent, dr
     server.desired = [entry]
     assert agent().returncode == 0
     deadline = time.monotonic() + 15
-    while driver.state(entry["run_id"]).status != "exited":
+    while driver.state(entry.run_id).status != "exited":
         assert time.monotonic() < deadline
         time.sleep(0.05)
     # still desired (the server has not seen the exit yet)
@@ -350,7 +351,7 @@ def test_a_run_that_exits_on_its_own_is_reported_not_restarted(server, agent, dr
     (report,) = hb["containers"]
     assert (report["status"], report["exit_code"]) == ("exited", 3)
     assert hb["metrics"] == [
-        {"rental_id": entry["rental_id"], "run_id": entry["run_id"], "line": '{"loss": 0.5}'}
+        {"rental_id": entry.rental_id, "run_id": entry.run_id, "line": '{"loss": 0.5}'}
     ]
     assert [u["final"] for u in hb["usage"]] == [True]
     # not restarted, and not removed while the server still lists it
@@ -359,7 +360,7 @@ def test_a_run_that_exits_on_its_own_is_reported_not_restarted(server, agent, dr
 
 
 def test_a_run_that_cannot_start_is_reported_missing(server, agent_loop, driver):
-    entry = desired_entry(str(uuid.uuid4()), command=[])  # the process driver needs a command
+    entry = desired_entry(str(uuid.uuid4()), command=())  # the process driver needs a command
     server.desired = [entry]
 
     def missing_reported() -> bool:
@@ -372,7 +373,7 @@ def test_a_run_that_cannot_start_is_reported_missing(server, agent_loop, driver)
     report = next(
         c for hb in server.heartbeats() for c in hb["containers"] if c["status"] == "missing"
     )
-    assert report["run_id"] == entry["run_id"] and report["rental_id"] == entry["rental_id"]
+    assert report["run_id"] == entry.run_id and report["rental_id"] == entry.rental_id
     assert "needs a command" in report["log_tail"]
 
 

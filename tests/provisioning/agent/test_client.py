@@ -7,9 +7,8 @@ import time
 
 import pytest
 
+from agentprotocol import HEARTBEAT_PATH, JOIN_PATH, HeartbeatAnswer, JoinAnswer
 from provisioning.agent.client import (
-    HEARTBEAT_PATH,
-    JOIN_PATH,
     AgentApiClient,
     AuthRejectedError,
     RequestRejectedError,
@@ -17,7 +16,9 @@ from provisioning.agent.client import (
     backoff_delay,
 )
 
-DESIRED = {"desired": [], "ack_usage_seq": 0, "heartbeat_interval_s": 5, "run_benchmark": False}
+DESIRED = HeartbeatAnswer(
+    desired=(), ack_usage_seq=0, heartbeat_interval_s=5, run_benchmark=False
+).to_payload()
 
 
 def client_for(server, **options) -> AgentApiClient:
@@ -73,7 +74,7 @@ def test_other_4xx_carries_the_servers_message_and_is_not_retried(fake_server):
 
 
 def test_join_returns_the_servers_answer(fake_server):
-    answer = {"node_id": 4, "node_token": "gpn_abc", "heartbeat_interval_s": 5}
+    answer = JoinAnswer(node_id=4, node_token="gpn_abc", heartbeat_interval_s=5).to_payload()
     fake_server.on(JOIN_PATH, lambda request: (201, answer))
     assert client_for(fake_server).join({"join_token": "gpj_x"}) == answer
     assert "Authorization" not in fake_server.requests[0].headers

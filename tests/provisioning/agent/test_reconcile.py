@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
-from provisioning.agent.reconcile import DEFAULT_STOP_GRACE_S, DesiredRun, Plan, plan_reconcile
+from agentprotocol import DEFAULT_STOP_GRACE_S, DesiredRun
+from provisioning.agent.reconcile import Plan, plan_reconcile
 from provisioning.runtime.base import ContainerState
 
 
@@ -170,50 +169,3 @@ def test_mixed_round():
         grace_of={"gone": 5.0},
     )
     assert plan == Plan(start=(new,), stop=(("gone", 5.0),), remove=("old",))
-
-
-def test_desired_entry_parses_the_server_payload():
-    entry = {
-        "rental_id": "9b2c",
-        "run_id": "r9b2c-n1",
-        "image": "gpumarket/harness:1",
-        "command": ["python", "-m", "harness"],
-        "env": {"A": "1"},
-        "gpu_indices": [0, 1],
-        "gpu_uuids": ["GPU-a", "GPU-b"],
-        "cpu_limit": 4.0,
-        "memory_limit_mb": 8192,
-        "ports": [8888],
-        "stop_grace_s": 30.0,
-    }
-    run = DesiredRun.from_payload(entry)
-    assert run == DesiredRun(
-        rental_id="9b2c",
-        run_id="r9b2c-n1",
-        image="gpumarket/harness:1",
-        command=("python", "-m", "harness"),
-        env={"A": "1"},
-        gpu_indices=(0, 1),
-        gpu_uuids=("GPU-a", "GPU-b"),
-        cpu_limit=4.0,
-        memory_limit_mb=8192,
-        ports=(8888,),
-        stop_grace_s=30.0,
-    )
-    # and stop_grace_s defaults to 30 s when the server leaves it out
-    del entry["stop_grace_s"]
-    assert DesiredRun.from_payload(entry).stop_grace_s == 30.0
-
-
-@pytest.mark.parametrize(
-    "broken",
-    [
-        {"run_id": "x", "cpu_limit": 1, "memory_limit_mb": 1},  # no rental_id
-        {"rental_id": "r", "run_id": 5, "cpu_limit": 1, "memory_limit_mb": 1},
-        {"rental_id": "r", "run_id": "x", "cpu_limit": "many", "memory_limit_mb": 1},
-        {"rental_id": "r", "run_id": "x", "cpu_limit": 1, "memory_limit_mb": 1, "env": ["A=1"]},
-    ],
-)
-def test_desired_entry_rejects_malformed_payloads(broken):
-    with pytest.raises(ValueError, match="bad desired entry"):
-        DesiredRun.from_payload(broken)

@@ -9,9 +9,9 @@ from collections.abc import Collection
 
 import pytest
 
+from agentprotocol import GpuSample
 from provisioning.telemetry import (
     GpuInventory,
-    GpuSample,
     PermanentTelemetryError,
     RetryableTelemetryError,
     SampleWatchdog,
