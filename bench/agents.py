@@ -7,7 +7,7 @@ one-time token, then sends a heartbeat every second carrying telemetry for its 2
 the payload shape the real agent sends. Printed beside the figures: the offered rate, and the
 server's own CPU time per heartbeat (psutil on the gunicorn processes).
 
-Then one real agent (`python -m provisioning.agent`, Docker runtime when an engine answers,
+Then one real agent (`python -m nodeagent`, Docker runtime when an engine answers,
 else the local-process runtime) gets a rental, and the time from SCHEDULED to RUNNING is read
 from the rental's event rows.
 
@@ -159,7 +159,7 @@ def scheduled_to_running(base: str) -> tuple[float, str]:
     )  # fmt: skip
     state = Path(tempfile.mkdtemp(prefix="bench-agent-"))
     agent = subprocess.Popen(
-        [sys.executable, "-m", "provisioning.agent", "--server", base, "--join-token", token,
+        [sys.executable, "-m", "nodeagent", "--server", base, "--join-token", token,
          "--runtime", runtime, "--gpu-mode", "none", "--telemetry", "simulated",
          "--simulate-gpus", "rtx4090-24gb:1", "--hostname", "bench-real",
          "--state-dir", str(state / "s"), "--volume-root", str(state / "v"),

@@ -207,7 +207,7 @@ def cmd_up(port: int) -> int:
             ],
         }
         agent = [
-            sys.executable, "-m", "provisioning.agent", "--dev-local",
+            sys.executable, "-m", "nodeagent", "--dev-local",
             "--server", f"http://127.0.0.1:{port}",
         ]  # fmt: skip
         if (ROOT / "provisioning" / "agent" / "__main__.py").exists():

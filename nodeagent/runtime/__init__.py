@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from provisioning.runtime.base import (
+from nodeagent.runtime.base import (
     LABEL_MANAGED,
     LABEL_NODE,
     LABEL_RENTAL,
@@ -29,11 +29,11 @@ def create_driver(kind: str, **options: Any) -> RuntimeDriver:
     (options of ProcessDriverConfig; state_dir required)."""
     # Imported here: hosts using the process driver need not have the docker SDK importable.
     if kind == "docker":
-        from provisioning.runtime.docker import DockerDriver, DockerDriverConfig
+        from nodeagent.runtime.docker import DockerDriver, DockerDriverConfig
 
         return DockerDriver(DockerDriverConfig(**options))
     if kind == "process":
-        from provisioning.runtime.process import LocalProcessDriver, ProcessDriverConfig
+        from nodeagent.runtime.process import LocalProcessDriver, ProcessDriverConfig
 
         return LocalProcessDriver(ProcessDriverConfig(**options))
     raise ValueError(f"unknown runtime driver {kind!r} (docker, process)")

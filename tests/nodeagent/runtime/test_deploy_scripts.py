@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import subprocess
 
-from tests.provisioning.runtime.conftest import REPO
+import pytest
+
+from tests.nodeagent.runtime.conftest import REPO
+
+pytestmark = pytest.mark.docker
 
 
 def run_script(*path: str) -> subprocess.CompletedProcess[str]:

@@ -6,7 +6,7 @@ Two sources behind `TelemetrySource`: `NvmlSource` (real NVIDIA GPUs through NVM
 
 from __future__ import annotations
 
-from provisioning.telemetry.base import (
+from nodeagent.telemetry.base import (
     GpuInventory,
     PermanentTelemetryError,
     RetryableTelemetryError,
@@ -14,14 +14,14 @@ from provisioning.telemetry.base import (
     TelemetryError,
     TelemetrySource,
 )
-from provisioning.telemetry.simulated import SimulatedSource, parse_simulate_gpus
+from nodeagent.telemetry.simulated import SimulatedSource, parse_simulate_gpus
 
 
 def create_source(kind: str, *, hostname: str, simulate_gpus: str | None = None) -> TelemetrySource:
     """ "nvml" (the host's GPUs) or "simulated" (simulate_gpus: "MODEL-SLUG:COUNT")."""
     if kind == "nvml":
         # Imported here: pynvml loads libnvidia-ml lazily, but keep simulated hosts free of it.
-        from provisioning.telemetry.nvml import NvmlSource
+        from nodeagent.telemetry.nvml import NvmlSource
 
         return NvmlSource()
     if kind == "simulated":

@@ -13,7 +13,7 @@ from pathlib import Path
 import docker
 import pytest
 
-from provisioning.runtime.base import (
+from nodeagent.runtime.base import (
     LABEL_MANAGED,
     LABEL_NODE,
     LABEL_RENTAL,
@@ -22,9 +22,9 @@ from provisioning.runtime.base import (
     RunNotFoundError,
     RuntimeDriver,
 )
-from provisioning.runtime.docker import container_name
-from provisioning.runtime.process import LocalProcessDriver
-from tests.provisioning.runtime.conftest import REPO, collect_output, wait_exited
+from nodeagent.runtime.docker import container_name
+from nodeagent.runtime.process import LocalProcessDriver
+from tests.nodeagent.runtime.conftest import REPO, collect_output, wait_exited
 
 TRAP_SIGTERM = """
     import signal, sys, time
@@ -345,6 +345,7 @@ def test_spec_rejects_unsafe_run_ids(make_spec):
             make_spec(run_id=bad)
 
 
+@pytest.mark.harness
 def test_the_harness_trains_reports_metrics_and_checkpoints_on_stop(
     driver_kind, make_driver, make_spec
 ):

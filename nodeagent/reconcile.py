@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
 from agentprotocol import DEFAULT_STOP_GRACE_S, ContainerStatus, DesiredRun
-from provisioning.runtime.base import ContainerState
+from nodeagent.runtime.base import ContainerState
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,13 +9,13 @@ import sys
 import textwrap
 from pathlib import Path
 
-from provisioning.runtime.process import LocalProcessDriver, ProcessDriverConfig
-from tests.provisioning.runtime.conftest import REPO, collect_output, wait_exited
+from nodeagent.runtime.process import LocalProcessDriver, ProcessDriverConfig
+from tests.nodeagent.runtime.conftest import REPO, collect_output, wait_exited
 
 AGENT = """
 import sys
-from provisioning.runtime.base import ContainerSpec
-from provisioning.runtime.process import LocalProcessDriver, ProcessDriverConfig
+from nodeagent.runtime.base import ContainerSpec
+from nodeagent.runtime.process import LocalProcessDriver, ProcessDriverConfig
 
 state_dir, run_id, volume_dir, script = sys.argv[1:5]
 driver = LocalProcessDriver(ProcessDriverConfig(state_dir=state_dir, node_id="n1"))

@@ -29,7 +29,7 @@ from docker.types import DeviceRequest, LogConfig, Mount, Ulimit
 from docker.utils import parse_repository_tag
 
 from agentprotocol import ContainerStatus
-from provisioning.runtime.base import (
+from nodeagent.runtime.base import (
     LABEL_MANAGED,
     LABEL_NODE,
     LABEL_RENTAL,

@@ -6,7 +6,7 @@ import json
 import os
 import stat
 
-from provisioning.agent.spool import RunLedger, RunRecord, UsageSpool
+from nodeagent.spool import RunLedger, RunRecord, UsageSpool
 
 
 def report(run_id: str = "run-1", confirmed_at: float = 110.0, final: bool = False) -> dict:

@@ -51,9 +51,9 @@ from agentprotocol import (
     ProtocolError,
     UsageReport,
 )
-from provisioning.agent import hostinfo
-from provisioning.agent.benchmark import BenchmarkRunner, benchmark_env
-from provisioning.agent.client import (
+from nodeagent import hostinfo
+from nodeagent.benchmark import BenchmarkRunner, benchmark_env
+from nodeagent.client import (
     AgentApiClient,
     AgentApiError,
     AuthRejectedError,
@@ -61,18 +61,18 @@ from provisioning.agent.client import (
     TransientApiError,
     backoff_delay,
 )
-from provisioning.agent.config import AgentConfig, ConfigError
-from provisioning.agent.reconcile import plan_reconcile
-from provisioning.agent.spool import RunLedger, RunRecord, UsageSpool, write_atomic
-from provisioning.runtime import create_driver
-from provisioning.runtime.base import (
+from nodeagent.config import AgentConfig, ConfigError
+from nodeagent.reconcile import plan_reconcile
+from nodeagent.runtime import create_driver
+from nodeagent.runtime.base import (
     ContainerSpec,
     ContainerState,
     PermanentRuntimeError,
     RuntimeDriver,
     RuntimeDriverError,
 )
-from provisioning.telemetry import SampleWatchdog, TelemetryError, TelemetrySource, create_source
+from nodeagent.spool import RunLedger, RunRecord, UsageSpool, write_atomic
+from nodeagent.telemetry import SampleWatchdog, TelemetryError, TelemetrySource, create_source
 
 logger = logging.getLogger(__name__)
 

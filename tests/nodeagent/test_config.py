@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from provisioning.agent.config import ConfigError, load_config, read_env_file
+from nodeagent.config import ConfigError, load_config, read_env_file
 
 SIMULATED = ["--telemetry", "simulated", "--gpu-mode", "none", "--simulate-gpus", "t4-16gb:1"]
 

@@ -39,8 +39,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from agentprotocol import ContainerStatus
-from provisioning.runtime._process_wrapper import proc_stat, write_json_atomic
-from provisioning.runtime.base import (
+from nodeagent.runtime._process_wrapper import proc_stat, write_json_atomic
+from nodeagent.runtime.base import (
     LABEL_MANAGED,
     ContainerSpec,
     ContainerState,

@@ -10,7 +10,7 @@ from collections.abc import Collection
 import pytest
 
 from agentprotocol import GpuSample
-from provisioning.telemetry import (
+from nodeagent.telemetry import (
     GpuInventory,
     PermanentTelemetryError,
     RetryableTelemetryError,
@@ -20,7 +20,7 @@ from provisioning.telemetry import (
     create_source,
     parse_simulate_gpus,
 )
-from provisioning.telemetry.nvml import NvmlSource, cuda_version_text
+from nodeagent.telemetry.nvml import NvmlSource, cuda_version_text
 
 
 def test_parse_simulate_gpus():

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable, Collection
 
 from agentprotocol import GpuInfo, GpuSample
-from provisioning.telemetry.base import (
+from nodeagent.telemetry.base import (
     GpuInventory,
     PermanentTelemetryError,
 )

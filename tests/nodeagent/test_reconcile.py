@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from agentprotocol import DEFAULT_STOP_GRACE_S, DesiredRun
-from provisioning.agent.reconcile import Plan, plan_reconcile
-from provisioning.runtime.base import ContainerState
+from nodeagent.reconcile import Plan, plan_reconcile
+from nodeagent.runtime.base import ContainerState
 
 
 def desired(run_id: str, gpus: tuple[int, ...] = (0,), **overrides: Any) -> DesiredRun:

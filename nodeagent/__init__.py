@@ -1,4 +1,4 @@
-"""The node agent: the program on each GPU host (`python -m provisioning.agent`, `gpumarket-agent`).
+"""The node agent: the program on each GPU host (`python -m nodeagent`, `gpumarket-agent`).
 
 It joins the server once with a provider's join token, then heartbeats: telemetry, the state of its
 runs, usage and metrics go up; the desired state comes back, and the agent reconciles the runtime

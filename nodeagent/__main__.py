@@ -1,4 +1,4 @@
-"""Entry point: `python -m provisioning.agent [flags]` or the `gpumarket-agent` console script."""
+"""Entry point: `python -m nodeagent [flags]` or the `gpumarket-agent` console script."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from provisioning.agent.agent import EXIT_ERROR, Agent
-from provisioning.agent.config import ConfigError, load_config
-from provisioning.agent.logs import configure_logging
+from nodeagent.agent import EXIT_ERROR, Agent
+from nodeagent.config import ConfigError, load_config
+from nodeagent.logs import configure_logging
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -17,15 +17,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(argv)
     except ConfigError as exc:
         configure_logging()
-        logging.getLogger("provisioning.agent").error(
-            "bad configuration", extra={"error": str(exc)}
-        )
+        logging.getLogger("nodeagent").error("bad configuration", extra={"error": str(exc)})
         return EXIT_ERROR
     configure_logging(config.log_level)
     try:
         agent = Agent(config)
     except OSError as exc:  # the state directory cannot be created or read
-        logging.getLogger("provisioning.agent").error("cannot start", extra={"error": str(exc)})
+        logging.getLogger("nodeagent").error("cannot start", extra={"error": str(exc)})
         return EXIT_ERROR
     return agent.run()
 

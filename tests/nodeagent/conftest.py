@@ -2,6 +2,19 @@
 
 Each test scripts the answers per path with a function of the request; every request is
 recorded (path, headers, parsed JSON body) so tests can assert what the agent sent.
+
+The agent needs no Django, and neither do its tests: nothing under tests/nodeagent/ (nor
+tests/agentprotocol/) may import Django or the server's apps. Run from the repository root with
+pyproject.toml, they are part of the whole suite. On a host with only `gpumarket[agent]` and
+pytest (a GPU host, the agent's CI job, tests/nodeagent/test_standalone.py), run them without
+the repository's pytest settings and without tests/conftest.py, which loads Django:
+
+    python -m pytest -c /dev/null --rootdir . --confcutdir tests/nodeagent -p no:django \
+        -m "not docker and not harness and not e2e" tests/agentprotocol tests/nodeagent
+
+(`--confcutdir` stops pytest from loading conftest.py files above tests/nodeagent/; tests
+marked `docker` need a Docker Engine, `harness` ones torch, `e2e` ones are the slow
+end-to-end checks.)
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from agentprotocol import HEARTBEAT_PATH, JOIN_PATH, HeartbeatAnswer, JoinAnswer
-from provisioning.agent.client import (
+from nodeagent.client import (
     AgentApiClient,
     AuthRejectedError,
     RequestRejectedError,

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from provisioning.agent import hostinfo
-from provisioning.agent.agent import (
+from nodeagent import hostinfo
+from nodeagent.agent import (
     LOG_TAIL_MAX_BYTES,
     Credentials,
     is_metric_line,
@@ -17,9 +17,9 @@ from provisioning.agent.agent import (
     save_credentials,
     trim_log_tail,
 )
-from provisioning.agent.benchmark import BenchmarkRunner, benchmark_env, parse_result
-from provisioning.agent.config import ConfigError
-from provisioning.agent.logs import KeyValueFormatter
+from nodeagent.benchmark import BenchmarkRunner, benchmark_env, parse_result
+from nodeagent.config import ConfigError
+from nodeagent.logs import KeyValueFormatter
 
 
 def test_host_facts(tmp_path):
@@ -98,10 +98,10 @@ def test_failed_benchmark_is_not_sent_and_cools_down():
 
 
 def test_key_value_log_lines():
-    record = logging.LogRecord("provisioning.agent", logging.INFO, "", 0, "stopping run", (), None)
+    record = logging.LogRecord("nodeagent", logging.INFO, "", 0, "stopping run", (), None)
     record.run_id = "r1-n2"
     record.error = 'bad "quote"\nnext'
     line = KeyValueFormatter().format(record)
     assert line.startswith("ts=")
-    assert ' level=info logger=provisioning.agent msg="stopping run" run_id=r1-n2 ' in line
+    assert ' level=info logger=nodeagent msg="stopping run" run_id=r1-n2 ' in line
     assert line.endswith(r'error="bad \"quote\"\nnext"')

@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 
 from agentprotocol import HEARTBEAT_PATH, JOIN_PATH, DesiredRun, HeartbeatAnswer, JoinAnswer
-from provisioning.runtime.process import LocalProcessDriver, ProcessDriverConfig
-from provisioning.telemetry.simulated import simulated_gpu_uuid
+from nodeagent.runtime.process import LocalProcessDriver, ProcessDriverConfig
+from nodeagent.telemetry.simulated import simulated_gpu_uuid
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 NODE_ID = 7
 NODE_TOKEN = "gpn_test-node-token"
 JOIN_TOKEN = "gpj_test_join"
@@ -109,7 +109,7 @@ def driver(dirs: dict[str, Path]) -> Iterator[LocalProcessDriver]:
 
 def agent_args(server: Server, dirs: dict[str, Path], *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "provisioning.agent",
+        sys.executable, "-m", "nodeagent",
         "--server", server.fake.url,
         "--join-token", JOIN_TOKEN,
         "--state-dir", str(dirs["state"]),

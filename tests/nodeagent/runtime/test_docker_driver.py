@@ -8,22 +8,24 @@ import subprocess
 import docker
 import pytest
 
-from provisioning.runtime.base import (
+from nodeagent.runtime.base import (
     LABEL_RUN,
     ImageNotFoundError,
     PermanentRuntimeError,
     RetryableRuntimeError,
 )
-from provisioning.runtime.docker import (
+from nodeagent.runtime.docker import (
     DockerDriver,
     DockerDriverConfig,
     classify_docker_error,
     container_name,
     parse_docker_time_ns,
 )
-from tests.provisioning.runtime.conftest import collect_output, wait_exited
+from tests.nodeagent.runtime.conftest import collect_output, wait_exited
 
 MiB = 1024 * 1024
+
+pytestmark = pytest.mark.docker
 
 
 def containers_of_run(run_id: str) -> list[str]:

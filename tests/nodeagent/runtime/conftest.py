@@ -18,9 +18,9 @@ from typing import Any
 import docker
 import pytest
 
-from provisioning.runtime.base import ContainerSpec, RuntimeDriver
-from provisioning.runtime.docker import DockerDriver, DockerDriverConfig
-from provisioning.runtime.process import LocalProcessDriver, ProcessDriverConfig
+from nodeagent.runtime.base import ContainerSpec, RuntimeDriver
+from nodeagent.runtime.docker import DockerDriver, DockerDriverConfig
+from nodeagent.runtime.process import LocalProcessDriver, ProcessDriverConfig
 
 REPO = Path(__file__).resolve().parents[3]
 IMAGE = os.environ.get("GPUMARKET_HARNESS_IMAGE", "gpumarket/harness:dev")
@@ -70,7 +70,7 @@ def node_id() -> str:
     return f"test-node-{uuid.uuid4().hex[:8]}"
 
 
-@pytest.fixture(params=["docker", "process"])
+@pytest.fixture(params=[pytest.param("docker", marks=pytest.mark.docker), "process"])
 def driver_kind(request: pytest.FixtureRequest) -> str:
     return request.param
 

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import pynvml
 
 from agentprotocol import GpuInfo, GpuSample
-from provisioning.telemetry.base import (
+from nodeagent.telemetry.base import (
     GpuInventory,
     PermanentTelemetryError,
     RetryableTelemetryError,

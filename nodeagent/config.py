@@ -15,7 +15,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from provisioning.agent.benchmark import DEFAULT_COMMAND
+from nodeagent.benchmark import DEFAULT_COMMAND
 
 DEV_ENV_FILE = os.path.join(".var", "dev", "agent.env")
 DEV_PRESETS = {
