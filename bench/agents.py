@@ -7,7 +7,7 @@ one-time token, then sends a heartbeat every second carrying telemetry for its 2
 the payload shape the real agent sends. Printed beside the figures: the offered rate, and the
 server's own CPU time per heartbeat (psutil on the gunicorn processes).
 
-Then one real agent (`python -m provisioning.agent`, Docker runtime when an engine answers,
+Then one real agent (`python -m nodeagent`, Docker runtime when an engine answers,
 else the local-process runtime) gets a rental, and the time from SCHEDULED to RUNNING is read
 from the rental's event rows.
 
@@ -64,6 +64,8 @@ def join_tokens(n: int) -> list[str]:
 async def run_agents(base: str, tokens: list[str], seconds: float) -> tuple[list[float], int]:
     import aiohttp
 
+    from agentprotocol import HEARTBEAT_PATH, JOIN_PATH, GpuSample, Heartbeat
+
     latencies: list[float] = []
     errors = 0
     timeout = aiohttp.ClientTimeout(total=10)
@@ -86,7 +88,7 @@ async def run_agents(base: str, tokens: list[str], seconds: float) -> tuple[list
                 ],
                 "simulated": True,
             }
-            async with session.post(f"{base}/api/agent/v1/join/", json=body) as r:
+            async with session.post(base + JOIN_PATH, json=body) as r:
                 assert r.status == 201, await r.text()
                 node_tokens.append((await r.json())["node_token"])
 
@@ -100,29 +102,24 @@ async def run_agents(base: str, tokens: list[str], seconds: float) -> tuple[list
             rng = random.Random(token)
             while time.monotonic() < deadline:
                 now = time.time()
-                body = {
-                    "agent_version": "bench",
-                    "sent_at": now,
-                    "telemetry": [
-                        {
-                            "gpu_index": g,
-                            "ts": now,
-                            "util_pct": rng.uniform(0, 100),
-                            "mem_used_mb": rng.randint(0, 24000),
-                            "power_w": rng.uniform(50, 450),
-                            "temp_c": rng.uniform(30, 80),
-                        }
+                body = Heartbeat(
+                    agent_version="bench",
+                    sent_at=now,
+                    telemetry=tuple(
+                        GpuSample(
+                            gpu_index=g,
+                            ts=now,
+                            util_pct=rng.uniform(0, 100),
+                            mem_used_mb=rng.randint(0, 24000),
+                            power_w=rng.uniform(50, 450),
+                            temp_c=rng.uniform(30, 80),
+                        )
                         for g in range(2)
-                    ],
-                    "containers": [],
-                    "usage": [],
-                    "metrics": [],
-                }
+                    ),
+                ).to_payload()
                 t0 = time.perf_counter()
                 try:
-                    async with session.post(
-                        f"{base}/api/agent/v1/heartbeat/", json=body, headers=headers
-                    ) as r:
+                    async with session.post(base + HEARTBEAT_PATH, json=body, headers=headers) as r:
                         await r.read()
                         if r.status != 200:
                             errors += 1
@@ -159,7 +156,7 @@ def scheduled_to_running(base: str) -> tuple[float, str]:
     )  # fmt: skip
     state = Path(tempfile.mkdtemp(prefix="bench-agent-"))
     agent = subprocess.Popen(
-        [sys.executable, "-m", "provisioning.agent", "--server", base, "--join-token", token,
+        [sys.executable, "-m", "nodeagent", "--server", base, "--join-token", token,
          "--runtime", runtime, "--gpu-mode", "none", "--telemetry", "simulated",
          "--simulate-gpus", "rtx4090-24gb:1", "--hostname", "bench-real",
          "--state-dir", str(state / "s"), "--volume-root", str(state / "v"),

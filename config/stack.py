@@ -211,7 +211,7 @@ def stack_commands(*, port: int, beat_schedule: Path) -> list[tuple[str, list[st
     worker = [str(BIN / "celery"), "-A", "config", "worker", "-l", "info", "-c", "2"]
     beat = [str(BIN / "celery"), "-A", "config", "beat", "-l", "info", "-s", str(beat_schedule)]
     agent = [
-        sys.executable, "-m", "provisioning.agent", "--dev-local",
+        sys.executable, "-m", "nodeagent", "--dev-local",
         "--server", f"http://127.0.0.1:{port}",
     ]  # fmt: skip
     return [("web", gunicorn), ("worker", worker), ("beat", beat), ("agent", agent)]

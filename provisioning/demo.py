@@ -105,7 +105,7 @@ def load_demo(*, var_dir: Path | None = None) -> dict[str, int]:
 
 def _local_agent_env(platform: Provider, ops: User, var_dir: Path) -> None:
     """A join token for the stack's own agent (simulated GPUs, local processes), written where
-    `python -m provisioning.agent --dev-local` reads it. Once the agent has joined, it keeps its
+    `python -m nodeagent --dev-local` reads it. Once the agent has joined, it keeps its
     node token and the file is left alone."""
     env_file = var_dir / "agent.env"
     if env_file.exists():

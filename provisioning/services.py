@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -20,8 +21,17 @@ from django.db import IntegrityError, connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from agentprotocol import (
+    ContainerReport,
+    ContainerStatus,
+    DesiredRun,
+    GpuInfo,
+    HeartbeatAnswer,
+    UsageReport,
+)
 from billing.services import telemetry_ingest
-from billing.services.metering import UsageReport, usage_reports_apply
+from billing.services.metering import UsageReport as MeteredUsage
+from billing.services.metering import usage_reports_apply
 from marketplace import lifecycle
 from marketplace.errors import ValidationFailed
 from marketplace.models import (
@@ -130,16 +140,7 @@ class HostFacts:
     simulated: bool = False
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ReportedGpu:
-    index: int
-    uuid: str
-    name: str
-    memory_mb: int
-    topology_group: str = ""
-
-
-def node_join(*, raw_join_token: str, host: HostFacts, gpus: list[ReportedGpu]) -> tuple[Node, str]:
+def node_join(*, raw_join_token: str, host: HostFacts, gpus: list[GpuInfo]) -> tuple[Node, str]:
     """Turn a one-time join token into a listed node and a node token (stored hashed)."""
     if not gpus:
         raise ValidationFailed("a node needs at least one GPU", field="gpus")
@@ -228,18 +229,6 @@ def run_id_for(rental_id, node_id: int) -> str:
     return f"r{rental_id.hex}-n{node_id}"
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ReportedContainer:
-    rental_id: str
-    run_id: str
-    status: str
-    exit_code: int | None = None
-    started_at: float | None = None
-    finished_at: float | None = None
-    log_tail: str = ""
-    error: str = ""
-
-
 def _cpu_and_memory(node: Node, gpus: int) -> tuple[float, int]:
     """CPU and memory in proportion to the share of the node's GPUs the rental takes."""
     share = gpus / node.gpu_count
@@ -247,7 +236,7 @@ def _cpu_and_memory(node: Node, gpus: int) -> tuple[float, int]:
     return max(1.0, round(node.cpu_cores * share, 2)), max(2048, int(node.ram_gb * 1024 * share))
 
 
-def desired_state(*, node: Node, now: datetime) -> list[dict]:
+def desired_state(*, node: Node, now: datetime) -> list[DesiredRun]:
     """The containers that should run on the node now, from its active allocations."""
     with connection.cursor() as cursor:
         cursor.execute(_HELD_SQL, [node.pk, now, [str(s) for s in lifecycle.CONTAINER_WANTED]])
@@ -256,8 +245,8 @@ def desired_state(*, node: Node, now: datetime) -> list[dict]:
         return []  # an idle node, the common case: one light query per heartbeat
     rentals = Rental.objects.in_bulk({rental_id for rental_id, _, _ in held})
     by_rental: dict = {}
-    for rental_id, index, uuid in held:
-        by_rental.setdefault(rental_id, (rentals[rental_id], []))[1].append((index, uuid))
+    for rental_id, index, gpu_uuid in held:
+        by_rental.setdefault(rental_id, (rentals[rental_id], []))[1].append((index, gpu_uuid))
     tensor_tflops = GpuModel.objects.values_list("tensor_tflops", flat=True).get(
         pk=node.gpu_model_id
     )
@@ -276,24 +265,23 @@ def desired_state(*, node: Node, now: datetime) -> list[dict]:
                 ]  # fmt: skip
             env.setdefault("HARNESS_PEAK_TFLOPS", str(tensor_tflops))
         desired.append(
-            {
-                "rental_id": str(rental.pk),
-                "run_id": run_id_for(rental.pk, node.pk),
-                "image": rental.image,
-                "command": command,
-                "env": env,
-                "gpu_indices": [index for index, _ in gpus],
-                "gpu_uuids": [uuid for _, uuid in gpus],
-                "cpu_limit": cpu,
-                "memory_limit_mb": memory_mb,
-                "ports": list(rental.ports),
-                "stop_grace_s": 30.0,
-            }
+            DesiredRun(
+                rental_id=str(rental.pk),
+                run_id=run_id_for(rental.pk, node.pk),
+                image=rental.image,
+                command=tuple(command),
+                env=env,
+                gpu_indices=tuple(index for index, _ in gpus),
+                gpu_uuids=tuple(gpu_uuid for _, gpu_uuid in gpus),
+                cpu_limit=cpu,
+                memory_limit_mb=memory_mb,
+                ports=tuple(rental.ports),
+            )
         )
     return desired
 
 
-def _apply_container(node: Node, report: ReportedContainer, now: datetime) -> None:
+def _apply_container(node: Node, report: ContainerReport, now: datetime) -> None:
     """Fold one reported container into its run row and the rental's state machine."""
     run = (
         ContainerRun.objects.select_for_update()
@@ -312,11 +300,11 @@ def _apply_container(node: Node, report: ReportedContainer, now: datetime) -> No
         run.log_tail = report.log_tail[-8192:]
     run.last_report_at = now
     run.save()
-    if report.status in (ContainerRun.Status.RUNNING, ContainerRun.Status.EXITED):
+    if report.status in (ContainerStatus.RUNNING, ContainerStatus.EXITED):
         lifecycle.rental_mark_container_started(
             rental=rental, hostname=node.hostname, started_at=run.started_at or now
         )
-    if report.status in (ContainerRun.Status.EXITED, ContainerRun.Status.MISSING):
+    if report.status in (ContainerStatus.EXITED, ContainerStatus.MISSING):
         lifecycle.rental_mark_container_ended(
             rental=rental,
             hostname=node.hostname,
@@ -385,12 +373,12 @@ def benchmark_record(*, node: Node, result: dict) -> NodeBenchmark:
 def node_heartbeat(
     *,
     node: Node,
-    containers: list[ReportedContainer],
-    usage: list[dict],
+    containers: list[ContainerReport],
+    usage: list[UsageReport],
     telemetry: list[dict],
     metrics: list[tuple[str, str, str]],
     benchmark: dict | None = None,
-) -> dict:
+) -> HeartbeatAnswer:
     """Apply one heartbeat and answer with the desired state."""
     now = timezone.now()
     if node.status == NodeStatus.OFFLINE:
@@ -430,47 +418,47 @@ def node_heartbeat(
     desired = desired_state(node=node, now=now)
     if desired:
         _runs_request(node=node, desired=desired)
-    return {
-        "desired": desired,
-        "ack_usage_seq": ack,
-        "heartbeat_interval_s": heartbeat_interval_s(),
-        "run_benchmark": run_benchmark,
-    }
+    return HeartbeatAnswer(
+        desired=tuple(desired),
+        ack_usage_seq=ack,
+        heartbeat_interval_s=heartbeat_interval_s(),
+        run_benchmark=run_benchmark,
+    )
 
 
-def _runs_request(*, node: Node, desired: list[dict]) -> None:
+def _runs_request(*, node: Node, desired: list[DesiredRun]) -> None:
     """Record the runs handed to the agent; the first hand-over moves SCHEDULED->PROVISIONING."""
     for entry in desired:
         try:
             with transaction.atomic():
                 _, created = ContainerRun.objects.get_or_create(
-                    run_id=entry["run_id"],
-                    defaults={"rental_id": entry["rental_id"], "node": node},
+                    run_id=entry.run_id,
+                    defaults={"rental_id": entry.rental_id, "node": node},
                 )
                 if not created:
                     continue
-                rental = Rental.objects.select_for_update().get(pk=entry["rental_id"])
+                rental = Rental.objects.select_for_update().get(pk=entry.rental_id)
                 lifecycle.rental_mark_provisioning(rental=rental, hostname=node.hostname)
         except IntegrityError:
             continue  # a concurrent heartbeat recorded it first
 
 
-def _usage_apply(*, node: Node, usage: list[dict]) -> int:
+def _usage_apply(*, node: Node, usage: list[UsageReport]) -> int:
     """Hand the heartbeat's usage reports to billing in one batch (idempotent there); returns
     the highest seq handled. A report billing refuses (a host clock far ahead, say) is logged
     and acknowledged: it must not block every later report of the node."""
-    reports = sorted(usage, key=lambda r: r["seq"])
+    reports = sorted(usage, key=lambda r: r.seq)
     result = usage_reports_apply(
         node_id=node.pk,
         reports=[
-            UsageReport(
-                rental_id=r["rental_id"],
-                run_id=r["run_id"],
-                seq=r["seq"],
-                gpu_count=r["gpu_count"],
-                started_at=_dt(r["started_at"]),
-                confirmed_at=_dt(r["confirmed_at"]),
-                final=r.get("final", False),
+            MeteredUsage(
+                rental_id=uuid.UUID(r.rental_id),
+                run_id=r.run_id,
+                seq=r.seq,
+                gpu_count=r.gpu_count,
+                started_at=_dt(r.started_at),
+                confirmed_at=_dt(r.confirmed_at),
+                final=r.final,
             )
             for r in reports
         ],
@@ -479,11 +467,11 @@ def _usage_apply(*, node: Node, usage: list[dict]) -> int:
         log.warning(
             "usage report refused node=%s seq=%s %s: %s",
             node.pk,
-            reports[index]["seq"],
+            reports[index].seq,
             field_name,
             why,
         )
-    return reports[-1]["seq"]
+    return reports[-1].seq
 
 
 # Telemetry is buffered in Redis by the heartbeat (one round trip) and stored in bulk by a

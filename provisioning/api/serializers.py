@@ -1,8 +1,15 @@
-"""The agent protocol's shapes, with the size limits a public endpoint needs."""
+"""The agent protocol's shapes, with the size limits a public endpoint needs.
+
+The messages themselves are defined once, in `agentprotocol`; these serializers add the limits
+and document the shapes in the OpenAPI schema. tests/provisioning/test_agent_schema.py keeps
+their fields equal to the messages' fields.
+"""
 
 from __future__ import annotations
 
 from rest_framework import serializers
+
+from agentprotocol import ContainerStatus
 
 MAX_GPUS = 64
 
@@ -34,7 +41,7 @@ class JoinSerializer(serializers.Serializer):
 class ContainerReportSerializer(serializers.Serializer):
     rental_id = serializers.UUIDField()
     run_id = serializers.CharField(max_length=128)
-    status = serializers.ChoiceField(choices=["running", "exited", "created", "missing"])
+    status = serializers.ChoiceField(choices=[status.value for status in ContainerStatus])
     exit_code = serializers.IntegerField(allow_null=True, required=False, default=None)
     started_at = serializers.FloatField(allow_null=True, required=False, default=None)
     finished_at = serializers.FloatField(allow_null=True, required=False, default=None)
@@ -86,6 +93,33 @@ class HeartbeatSerializer(serializers.Serializer):
     usage = UsageReportSerializer(many=True, max_length=5000, required=False, default=list)
     metrics = MetricLineSerializer(many=True, max_length=500, required=False, default=list)
     benchmark = serializers.DictField(required=False, allow_null=True, default=None)
+
+
+class JoinAnswerSerializer(serializers.Serializer):
+    node_id = serializers.IntegerField()
+    node_token = serializers.CharField(help_text="shown this once")
+    heartbeat_interval_s = serializers.FloatField()
+
+
+class DesiredRunSerializer(serializers.Serializer):
+    rental_id = serializers.UUIDField()
+    run_id = serializers.CharField()
+    image = serializers.CharField()
+    command = serializers.ListField(child=serializers.CharField())
+    env = serializers.DictField(child=serializers.CharField())
+    gpu_indices = serializers.ListField(child=serializers.IntegerField())
+    gpu_uuids = serializers.ListField(child=serializers.CharField())
+    cpu_limit = serializers.FloatField()
+    memory_limit_mb = serializers.IntegerField()
+    ports = serializers.ListField(child=serializers.IntegerField())
+    stop_grace_s = serializers.FloatField()
+
+
+class HeartbeatAnswerSerializer(serializers.Serializer):
+    desired = DesiredRunSerializer(many=True)
+    ack_usage_seq = serializers.IntegerField()
+    heartbeat_interval_s = serializers.FloatField()
+    run_benchmark = serializers.BooleanField()
 
 
 class JoinTokenCreateSerializer(serializers.Serializer):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import exceptions, permissions, status
 from rest_framework.authentication import BaseAuthentication, get_authorization_header
@@ -10,16 +14,21 @@ from rest_framework.response import Response
 from rest_framework.throttling import BaseThrottle, SimpleRateThrottle
 from rest_framework.views import APIView
 
+from agentprotocol import ContainerReport, GpuInfo, JoinAnswer, Message, UsageReport
 from marketplace.api.pagination import Pagination
 from marketplace.errors import NotFound
 from marketplace.models import Node, Provider, Rental
 from provisioning import services
 from provisioning.api.serializers import (
+    HeartbeatAnswerSerializer,
     HeartbeatSerializer,
+    JoinAnswerSerializer,
     JoinSerializer,
     JoinTokenCreateSerializer,
 )
 from provisioning.models import RunMetric
+
+M = TypeVar("M", bound=Message)
 
 # A heartbeat carries at most a few hundred small records; anything bigger is not an agent.
 MAX_BODY_BYTES = 1 << 20
@@ -78,6 +87,13 @@ class JoinThrottle(SimpleRateThrottle):
         return self.cache_format % {"scope": "join", "ident": self.get_ident(request)}
 
 
+def _message(cls: type[M], validated: Mapping[str, Any]) -> M:
+    """A protocol message from a serializer's validated data (ids back to their wire text)."""
+    return cls.from_payload(
+        {k: str(v) if isinstance(v, uuid.UUID) else v for k, v in validated.items()}
+    )
+
+
 def _check_size(request: Request) -> None:
     length = int(request.META.get("CONTENT_LENGTH") or 0)
     if length > MAX_BODY_BYTES:
@@ -91,7 +107,7 @@ class JoinView(APIView):
     permission_classes = [permissions.AllowAny]
     throttle_classes = [JoinThrottle]
 
-    @extend_schema(request=JoinSerializer, responses={201: dict})
+    @extend_schema(request=JoinSerializer, responses={201: JoinAnswerSerializer})
     def post(self, request: Request) -> Response:
         _check_size(request)
         body = JoinSerializer(data=request.data)
@@ -102,16 +118,12 @@ class JoinView(APIView):
             host=services.HostFacts(
                 hostname=data["hostname"], simulated=data["simulated"], **data["host"]
             ),
-            gpus=[services.ReportedGpu(**g) for g in data["gpus"]],
+            gpus=[_message(GpuInfo, g) for g in data["gpus"]],
         )
-        return Response(
-            {
-                "node_id": node.pk,
-                "node_token": raw,
-                "heartbeat_interval_s": services.heartbeat_interval_s(),
-            },
-            status=status.HTTP_201_CREATED,
+        answer = JoinAnswer(
+            node_id=node.pk, node_token=raw, heartbeat_interval_s=services.heartbeat_interval_s()
         )
+        return Response(answer.to_payload(), status=status.HTTP_201_CREATED)
 
 
 class HeartbeatView(APIView):
@@ -121,7 +133,7 @@ class HeartbeatView(APIView):
     permission_classes = [IsNode]
     throttle_classes = [NodeThrottle]
 
-    @extend_schema(request=HeartbeatSerializer, responses={200: dict})
+    @extend_schema(request=HeartbeatSerializer, responses={200: HeartbeatAnswerSerializer})
     def post(self, request: Request) -> Response:
         _check_size(request)
         body = HeartbeatSerializer(data=request.data)
@@ -129,16 +141,13 @@ class HeartbeatView(APIView):
         data = body.validated_data
         answer = services.node_heartbeat(
             node=request.user,
-            containers=[
-                services.ReportedContainer(**{**c, "rental_id": str(c["rental_id"])})
-                for c in data["containers"]
-            ],
-            usage=data["usage"],
+            containers=[_message(ContainerReport, c) for c in data["containers"]],
+            usage=[_message(UsageReport, u) for u in data["usage"]],
             telemetry=data["telemetry"],
             metrics=[(str(m["rental_id"]), m["run_id"], m["line"]) for m in data["metrics"]],
             benchmark=data["benchmark"],
         )
-        return Response(answer)
+        return Response(answer.to_payload())
 
 
 class JoinTokenCreateView(APIView):

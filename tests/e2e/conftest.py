@@ -168,11 +168,11 @@ class TcpProxy:
 
 
 class AgentProcess:
-    """`python -m provisioning.agent` as a provider would run it, in its own state dir."""
+    """`python -m nodeagent` as a provider would run it, in its own state dir."""
 
     def __init__(self, *, server: str, join_token: str, state: Path, runtime: str, env: dict):
         self.args = [
-            sys.executable, "-m", "provisioning.agent",
+            sys.executable, "-m", "nodeagent",
             "--server", server, "--join-token", join_token,
             "--runtime", runtime, "--gpu-mode", "none", "--telemetry", "simulated",
             "--simulate-gpus", "rtx4090-24gb:2", "--hostname", f"e2e-{state.name}",

@@ -124,7 +124,7 @@ class Stack:
 def agent_command(*, state: Path, runtime: str, gpus: int, hostname: str) -> list[str]:
     """The node agent as a provider runs it, with simulated GPUs and no real device access."""
     return [
-        sys.executable, "-m", "provisioning.agent",
+        sys.executable, "-m", "nodeagent",
         "--runtime", runtime, "--gpu-mode", "none", "--telemetry", "simulated",
         "--simulate-gpus", f"rtx4090-24gb:{gpus}", "--hostname", hostname,
         "--state-dir", str(state / "state"), "--volume-root", str(state / "volumes"),

@@ -1,0 +1,711 @@
+"""The node agent: join once, then heartbeat and reconcile, like a kubelet.
+
+Each round (`Agent.tick`):
+
+1. observe: the runtime's managed runs (`driver.list_managed()`), in any state;
+2. spool usage: one report per running run (confirmed_at = now) and one final report per run
+   that has exited (confirmed_at = when this agent last saw it running), appended durably to the
+   spool before anything is sent;
+3. read output: new stdout lines of each run since its cursor; JSON-object lines (at most 4 KB)
+   are forwarded as metrics, at most 500 per heartbeat;
+4. heartbeat: telemetry, the runs' states (with the log tail of exited ones), the unacknowledged
+   spool (oldest first), metrics and a finished benchmark; the answer is the desired state;
+5. on that answer: drop acknowledged usage, record how far metrics went, mark exited runs as
+   delivered, and reconcile (`plan_reconcile`): starts, stops and removals run in worker
+   threads, so a stop's grace period never holds up the heartbeats.
+
+The runtime is the source of truth for what runs (labels, so a restarted agent adopts its runs);
+the spool directory only keeps what billing and metrics need across restarts (see `spool`).
+
+If the server is unreachable, rounds go on with growing delays (bounded exponential backoff with
+jitter): runs keep running, usage keeps being spooled and is replayed later. A 401 means the node
+token was revoked: the agent logs it and exits non-zero instead of retrying forever.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+from agentprotocol import (
+    ContainerReport,
+    ContainerStatus,
+    DesiredRun,
+    GpuSample,
+    Heartbeat,
+    HeartbeatAnswer,
+    JoinAnswer,
+    MetricLine,
+    ProtocolError,
+    UsageReport,
+)
+from nodeagent import hostinfo
+from nodeagent.benchmark import BenchmarkRunner, benchmark_env
+from nodeagent.client import (
+    AgentApiClient,
+    AgentApiError,
+    AuthRejectedError,
+    RequestRejectedError,
+    TransientApiError,
+    backoff_delay,
+)
+from nodeagent.config import AgentConfig, ConfigError
+from nodeagent.reconcile import plan_reconcile
+from nodeagent.runtime import create_driver
+from nodeagent.runtime.base import (
+    ContainerSpec,
+    ContainerState,
+    PermanentRuntimeError,
+    RuntimeDriver,
+    RuntimeDriverError,
+)
+from nodeagent.spool import RunLedger, RunRecord, UsageSpool, write_atomic
+from nodeagent.telemetry import SampleWatchdog, TelemetryError, TelemetrySource, create_source
+
+logger = logging.getLogger(__name__)
+
+try:
+    AGENT_VERSION = metadata.version("gpumarket")
+except metadata.PackageNotFoundError:  # running from a checkout that was never installed
+    AGENT_VERSION = "dev"
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_REJECTED = 3  # the server refused us: join token refused, node token revoked
+
+TOKEN_FILE = "node_token.json"
+SPOOL_DIR = "spool"
+
+USAGE_PER_HEARTBEAT = 1000
+METRICS_PER_HEARTBEAT = 500
+METRIC_LINE_MAX_BYTES = 4096
+# The server refuses bodies over 1 MiB; metrics get half of that.
+METRICS_BYTES_PER_HEARTBEAT = 512 * 1024
+# A run's unsent lines: past this, its output waits in the runtime's log instead of in memory.
+RUN_BUFFER_LINES = 2 * METRICS_PER_HEARTBEAT
+LOG_TAIL_LINES = 50
+LOG_TAIL_MAX_BYTES = 8192
+MIN_INTERVAL_S, MAX_INTERVAL_S = 1.0, 300.0
+MAX_RETRY_DELAY_S = 60.0
+START_RETRY_BASE_S, START_RETRY_MAX_S = 10.0, 300.0
+TELEMETRY_TIMEOUT_S = 5.0
+OP_WORKERS = 16
+
+# Rental ids name the volume directory: no separators, no "..".
+_SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+@dataclass(frozen=True, slots=True)
+class Credentials:
+    node_id: int
+    node_token: str
+
+
+def load_credentials(state_dir: str) -> Credentials | None:
+    path = os.path.join(state_dir, TOKEN_FILE)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return Credentials(node_id=int(data["node_id"]), node_token=str(data["node_token"]))
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{path} is damaged ({exc}); remove it and join again") from None
+
+
+def save_credentials(state_dir: str, credentials: Credentials, *, server_url: str) -> None:
+    data = {
+        "node_id": credentials.node_id,
+        "node_token": credentials.node_token,
+        "server_url": server_url,
+        "joined_at": time.time(),
+    }
+    write_atomic(os.path.join(state_dir, TOKEN_FILE), json.dumps(data) + "\n")
+
+
+def is_metric_line(line: str) -> bool:
+    """A JSON object of at most METRIC_LINE_MAX_BYTES: what the harness prints as metrics."""
+    if not line.startswith("{") or len(line.encode()) > METRIC_LINE_MAX_BYTES:
+        return False
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
+def trim_log_tail(text: str) -> str:
+    """The last LOG_TAIL_LINES lines, at most LOG_TAIL_MAX_BYTES (cut at a character)."""
+    text = "".join(text.splitlines(keepends=True)[-LOG_TAIL_LINES:])
+    data = text.encode()
+    if len(data) <= LOG_TAIL_MAX_BYTES:
+        return text
+    return data[-LOG_TAIL_MAX_BYTES:].decode(errors="ignore")
+
+
+def _missing_report(rental_id: str, run_id: str, error: str) -> ContainerReport:
+    return ContainerReport(
+        rental_id=rental_id,
+        run_id=run_id,
+        status=ContainerStatus.MISSING,
+        log_tail=trim_log_tail(f"cannot start: {error}\n"),
+        error=error[:500],
+    )
+
+
+@dataclass(slots=True)
+class _Live:
+    """In-memory state of one run (what need not survive a restart)."""
+
+    rental_id: str = ""
+    buffer: list[str] = field(default_factory=list)  # metrics lines read, not yet delivered
+    # Where delivery stands: reading from base_cursor and skipping base_skip metric lines gives
+    # buffer[0]. Persisted after each delivery, so a restart resends nothing and loses nothing.
+    base_cursor: str | None = None
+    base_skip: int = 0
+    read_cursor: str | None = None  # after the last read; None: not read since the start
+    read_after_exit: bool = False  # the output was read after the run had exited: it is all
+    delivered: bool = False  # exited state and all output reached the server
+    last_seen_running: float | None = None
+    log_tail: str | None = None
+    start_error: str | None = None  # a permanent start failure, reported as "missing"
+    start_failures: int = 0
+    next_start_at: float = 0.0
+
+
+class _Operations:
+    """Starts, stops and removals in worker threads, at most one in flight per run."""
+
+    def __init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(OP_WORKERS, thread_name_prefix="run-op")
+        self._ops: dict[str, tuple[str, concurrent.futures.Future[Any]]] = {}
+
+    def in_flight(self) -> set[str]:
+        return set(self._ops)
+
+    def submit(self, run_id: str, kind: str, fn: Callable[[], Any]) -> None:
+        self._ops[run_id] = (kind, self._pool.submit(fn))
+
+    def harvest(self) -> list[tuple[str, str, concurrent.futures.Future[Any]]]:
+        done = [(run_id, kind, f) for run_id, (kind, f) in self._ops.items() if f.done()]
+        for run_id, _, _ in done:
+            del self._ops[run_id]
+        return done
+
+    def wait(self) -> None:
+        concurrent.futures.wait([f for _, f in self._ops.values()])
+
+    def shutdown(self) -> None:
+        # Stops already running finish (their grace is bounded); queued ones are dropped and
+        # redone by the next agent.
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Agent:
+    """One node's agent; `run()` is the whole program."""
+
+    def __init__(self, config: AgentConfig, *, clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self._clock = clock
+        self.interval_s = config.interval_s
+        self._client = AgentApiClient(config.server_url, timeout_s=config.request_timeout_s)
+        os.makedirs(config.state_dir, mode=0o700, exist_ok=True)
+        spool_dir = os.path.join(config.state_dir, SPOOL_DIR)
+        self.spool = UsageSpool(spool_dir)
+        self.ledger = RunLedger(spool_dir)
+        self._benchmark = BenchmarkRunner(
+            config.benchmark_command,
+            env=benchmark_env(gpu_mode=config.gpu_mode),
+            timeout_s=config.benchmark_timeout_s,
+        )
+        self._ops = _Operations()
+        self._live: dict[str, _Live] = {}
+        self._stopping = threading.Event()
+        # Set when a run has just started: the next heartbeat goes out at once, so the server
+        # learns RUNNING without waiting a whole interval.
+        self._wake = threading.Event()
+        self._telemetry: TelemetrySource | None = None
+        self._watchdog: SampleWatchdog | None = None
+        self._driver: RuntimeDriver | None = None
+        self._credentials: Credentials | None = None
+
+    # -- the program ---------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Join if needed, then loop (or one round with --once); returns the exit status."""
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(signum, lambda *_: (self._stopping.set(), self._wake.set()))
+        try:
+            self._telemetry = create_source(
+                self.config.telemetry,
+                hostname=self.config.hostname,
+                simulate_gpus=self.config.simulate_gpus,
+            )
+            self._watchdog = SampleWatchdog(self._telemetry, TELEMETRY_TIMEOUT_S)
+            credentials = self._credentials_or_join()
+            if credentials is None:
+                return EXIT_OK  # asked to stop while waiting for the server
+            self._credentials = credentials
+            self._driver = self._create_driver(credentials.node_id)
+            return self._loop()
+        except RequestRejectedError as exc:
+            logger.error(
+                "server refused the agent", extra={"status": exc.status, "error": exc.message}
+            )
+            return EXIT_REJECTED
+        except (
+            ConfigError,
+            TelemetryError,
+            AgentApiError,
+            RuntimeDriverError,
+            OSError,
+            ValueError,
+        ) as exc:
+            logger.error("agent cannot continue", extra={"error": str(exc)})
+            return EXIT_ERROR
+        finally:
+            self._close()
+
+    def _loop(self) -> int:
+        failures = 0
+        while not self._stopping.is_set():
+            began = time.monotonic()
+            try:
+                self.tick()
+                failures = 0
+                delay = self.interval_s - (time.monotonic() - began)
+            except AuthRejectedError as exc:
+                path = os.path.join(self.config.state_dir, TOKEN_FILE)
+                logger.error(
+                    "node token rejected (revoked?); to join again, remove the token file and "
+                    "start with a new join token",
+                    extra={"status": exc.status, "error": exc.message, "token_file": path},
+                )
+                return EXIT_REJECTED
+            except (AgentApiError, RuntimeDriverError) as exc:
+                # Unreachable server, a refused heartbeat, a runtime that does not answer: the
+                # runs go on and usage keeps being spooled; retry with growing delays.
+                delay = backoff_delay(failures, base_s=self.interval_s, max_s=MAX_RETRY_DELAY_S)
+                failures += 1
+                logger.warning(
+                    "round failed",
+                    extra={"error": str(exc), "failures": failures, "retry_in_s": round(delay, 1)},
+                )
+                if self.config.once:
+                    return EXIT_ERROR
+            if self.config.once:
+                self._ops.wait()
+                self._harvest(self._clock())
+                return EXIT_OK
+            self._wake.wait(max(0.0, delay))
+            self._wake.clear()
+        logger.info("agent stopping")
+        return EXIT_OK
+
+    def _close(self) -> None:
+        self._ops.shutdown()
+        if self._watchdog is not None:
+            self._watchdog.close()
+        self._client.close()
+        self.ledger.flush()
+
+    # -- joining -------------------------------------------------------------------------------
+
+    def _credentials_or_join(self) -> Credentials | None:
+        stored = load_credentials(self.config.state_dir)
+        if stored is not None:
+            logger.info("using the stored node token", extra={"node_id": stored.node_id})
+            return stored
+        if not self.config.join_token:
+            raise ConfigError("not joined yet: pass --join-token or set GPUMARKET_JOIN_TOKEN")
+        payload = self.join_payload()
+        failures = 0
+        while True:
+            try:
+                answer = self._client.join(payload)
+                break
+            except TransientApiError as exc:
+                if self.config.once:
+                    raise
+                delay = backoff_delay(failures, base_s=self.interval_s, max_s=MAX_RETRY_DELAY_S)
+                failures += 1
+                logger.warning(
+                    "join failed, retrying", extra={"error": str(exc), "retry_in_s": delay}
+                )
+                if self._stopping.wait(delay):
+                    return None
+        try:
+            joined = JoinAnswer.from_payload(answer)
+        except ProtocolError as exc:
+            # The join token is spent by now: retrying cannot help, a person has to look.
+            raise AgentApiError(f"{exc}: {answer!r}"[:500]) from exc
+        credentials = Credentials(node_id=joined.node_id, node_token=joined.node_token)
+        save_credentials(self.config.state_dir, credentials, server_url=self.config.server_url)
+        self._set_interval(joined.heartbeat_interval_s)
+        logger.info(
+            "joined",
+            extra={"node_id": credentials.node_id, "gpus": len(payload["gpus"])},
+        )
+        return credentials
+
+    def join_payload(self) -> dict[str, Any]:
+        assert self._telemetry is not None
+        inventory = self._telemetry.discover()
+        return {
+            "join_token": self.config.join_token,
+            "hostname": self.config.hostname,
+            "host": {
+                "cpu_cores": hostinfo.cpu_cores(),
+                "ram_gb": hostinfo.ram_gb(),
+                "disk_gb": hostinfo.disk_gb(self.config.volume_root),
+                "driver_version": inventory.driver_version,
+                "cuda_version": inventory.cuda_version,
+            },
+            "gpus": [gpu.to_payload() for gpu in inventory.gpus],
+            "simulated": self._telemetry.simulated,
+        }
+
+    def _create_driver(self, node_id: int) -> RuntimeDriver:
+        if self.config.runtime == "process":
+            return create_driver(
+                "process",
+                state_dir=self.config.process_dir,
+                gpu_mode=self.config.gpu_mode,
+                node_id=str(node_id),
+            )
+        return create_driver("docker", gpu_mode=self.config.gpu_mode, node_id=str(node_id))
+
+    # -- one round -----------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Observe, spool, heartbeat, reconcile (see the module docstring)."""
+        assert self._driver is not None and self._credentials is not None
+        now = self._clock()
+        self._harvest(now)
+        actual = self._driver.list_managed()
+        for state in actual:
+            live = self._live.setdefault(state.run_id, _Live())
+            live.rental_id = state.rental_id
+            if state.status == ContainerStatus.RUNNING:
+                live.last_seen_running = now
+        self._spool_usage(actual, now)
+        self._read_output(actual)
+
+        metrics, taken = self._take_metrics()
+        benchmark = self._benchmark.result()
+        heartbeat = Heartbeat(
+            agent_version=AGENT_VERSION,
+            sent_at=self._clock(),
+            telemetry=tuple(self._telemetry_samples(actual)),
+            containers=tuple(self._container_reports(actual)),
+            usage=tuple(
+                UsageReport.from_payload(r) for r in self.spool.pending(USAGE_PER_HEARTBEAT)
+            ),
+            metrics=tuple(metrics),
+            benchmark=benchmark,
+        )
+        payload = self._client.heartbeat(heartbeat.to_payload(), token=self._credentials.node_token)
+        try:
+            answer = HeartbeatAnswer.from_payload(payload, on_bad_run=self._bad_run)
+        except ProtocolError as exc:
+            raise TransientApiError(str(exc)) from exc
+
+        self._after_delivery(answer, actual, taken, benchmark_sent=benchmark is not None)
+        desired = answer.desired
+        self._remember(desired)
+        self._forget(desired, actual)
+        self.ledger.flush()
+        self._reconcile(desired, actual, now)
+        if answer.run_benchmark:
+            if self.config.once:
+                logger.info("benchmark requested; not run with --once")
+            else:
+                self._benchmark.request()
+        logger.debug(
+            "heartbeat",
+            extra={
+                "runs": len(actual),
+                "desired": len(desired),
+                "usage_sent": len(heartbeat.usage),
+                "spooled": len(self.spool),
+                "metrics": len(metrics),
+            },
+        )
+
+    def _spool_usage(self, actual: Sequence[ContainerState], now: float) -> None:
+        reports, finals = [], []
+        for state in actual:
+            record = self.ledger.get(state.run_id)
+            # Without the GPU count (a run this agent has never seen desired) there is nothing
+            # honest to report; the server bills from the reports it gets.
+            if record is None or not record.gpu_indices or state.started_at is None:
+                continue
+            if state.status == ContainerStatus.RUNNING:
+                confirmed, final = now, False
+            elif state.status == ContainerStatus.EXITED and not record.final_spooled:
+                last_seen = self._live[state.run_id].last_seen_running
+                confirmed, final = last_seen or state.started_at, True
+                finals.append(state.run_id)
+            else:
+                continue
+            reports.append(
+                {
+                    "rental_id": state.rental_id or record.rental_id,
+                    "run_id": state.run_id,
+                    "gpu_count": len(record.gpu_indices),
+                    "started_at": state.started_at,
+                    "confirmed_at": max(confirmed, state.started_at),
+                    "final": final,
+                }
+            )
+        self.spool.append(reports)
+        for run_id in finals:
+            self.ledger.update(run_id, final_spooled=True)
+        self.ledger.flush()
+
+    def _read_output(self, actual: Sequence[ContainerState]) -> None:
+        assert self._driver is not None
+        for state in actual:
+            if state.status not in (ContainerStatus.RUNNING, ContainerStatus.EXITED):
+                continue
+            live = self._live[state.run_id]
+            if len(live.buffer) >= RUN_BUFFER_LINES:
+                continue
+            first_read = live.read_cursor is None
+            record = self.ledger.get(state.run_id)
+            if first_read and record is not None:
+                live.base_cursor, live.base_skip = record.cursor, record.skip
+            cursor = live.base_cursor if first_read else live.read_cursor
+            try:
+                lines, read_cursor = self._driver.output_since(state.run_id, cursor)
+            except RuntimeDriverError as exc:
+                logger.warning(
+                    "cannot read output", extra={"run_id": state.run_id, "error": str(exc)}
+                )
+                continue
+            metrics = [line for line in lines if is_metric_line(line)]
+            live.buffer.extend(metrics[live.base_skip :] if first_read else metrics)
+            live.read_cursor = read_cursor
+            if not live.buffer:
+                live.base_cursor, live.base_skip = read_cursor, 0
+            if state.status == ContainerStatus.EXITED:
+                live.read_after_exit = True
+
+    def _take_metrics(self) -> tuple[list[MetricLine], dict[str, int]]:
+        """Up to the per-heartbeat limits, round robin over runs (none starves the others)."""
+        order = sorted(run_id for run_id, live in self._live.items() if live.buffer)
+        metrics: list[MetricLine] = []
+        taken = dict.fromkeys(order, 0)
+        size = 0
+        progressed = True
+        while progressed and len(metrics) < METRICS_PER_HEARTBEAT:
+            progressed = False
+            for run_id in order:
+                live = self._live[run_id]
+                if taken[run_id] >= len(live.buffer) or len(metrics) >= METRICS_PER_HEARTBEAT:
+                    continue
+                line = live.buffer[taken[run_id]]
+                # As it goes on the wire (escaped inside a JSON string), plus keys and ids.
+                size += len(json.dumps(line)) + len(run_id) + 100
+                if size > METRICS_BYTES_PER_HEARTBEAT:
+                    return metrics, taken
+                metrics.append(MetricLine(rental_id=live.rental_id, run_id=run_id, line=line))
+                taken[run_id] += 1
+                progressed = True
+        return metrics, taken
+
+    def _telemetry_samples(self, actual: Sequence[ContainerState]) -> list[GpuSample]:
+        assert self._watchdog is not None
+        busy: set[int] = set()
+        for state in actual:
+            record = self.ledger.get(state.run_id)
+            if state.status == ContainerStatus.RUNNING and record is not None:
+                busy.update(record.gpu_indices)
+        return self._watchdog.sample(busy)
+
+    def _container_reports(self, actual: Sequence[ContainerState]) -> list[ContainerReport]:
+        assert self._driver is not None
+        reports = []
+        for state in actual:
+            if not state.rental_id:
+                continue  # damaged run metadata: a report without its rental would be refused
+            live = self._live[state.run_id]
+            report = ContainerReport(
+                rental_id=state.rental_id,
+                run_id=state.run_id,
+                status=state.status,
+                exit_code=state.exit_code,
+                started_at=state.started_at,
+                finished_at=state.finished_at,
+            )
+            if state.status == ContainerStatus.EXITED:
+                if live.log_tail is None:
+                    try:
+                        tail = self._driver.logs_tail(state.run_id, LOG_TAIL_LINES)
+                        live.log_tail = trim_log_tail(tail)
+                    except RuntimeDriverError as exc:
+                        logger.warning(
+                            "no log tail", extra={"run_id": state.run_id, "error": str(exc)}
+                        )
+                report = dataclasses.replace(report, log_tail=live.log_tail or "")
+            elif state.status == ContainerStatus.CREATED and live.start_error is not None:
+                report = _missing_report(state.rental_id, state.run_id, live.start_error)
+            reports.append(report)
+        # Desired runs that cannot be started are "missing", with the reason in the log tail:
+        # the server decides what becomes of the rental instead of waiting for it forever.
+        present = {state.run_id for state in actual}
+        for run_id, live in sorted(self._live.items()):
+            if live.start_error is not None and run_id not in present and live.rental_id:
+                reports.append(_missing_report(live.rental_id, run_id, live.start_error))
+        return reports
+
+    def _after_delivery(
+        self,
+        answer: HeartbeatAnswer,
+        actual: Sequence[ContainerState],
+        taken: dict[str, int],
+        *,
+        benchmark_sent: bool,
+    ) -> None:
+        """The server took the heartbeat (200): trim what it has received."""
+        self.spool.ack(answer.ack_usage_seq)
+        for run_id, count in taken.items():
+            live = self._live[run_id]
+            del live.buffer[:count]
+            live.base_skip += count
+        for state in actual:
+            live = self._live[state.run_id]
+            if live.read_cursor is None:
+                continue  # not read yet: nothing delivered
+            if not live.buffer:
+                live.base_cursor, live.base_skip = live.read_cursor, 0
+            if state.run_id in self.ledger:
+                self.ledger.update(state.run_id, cursor=live.base_cursor, skip=live.base_skip)
+            if state.status == ContainerStatus.EXITED and live.read_after_exit and not live.buffer:
+                live.delivered = True
+        if benchmark_sent:
+            self._benchmark.delivered()
+        self._set_interval(answer.heartbeat_interval_s)
+
+    @staticmethod
+    def _bad_run(error: ProtocolError) -> None:
+        logger.error("ignoring a desired entry", extra={"error": str(error)})
+
+    def _remember(self, desired: Sequence[DesiredRun]) -> None:
+        for entry in desired:
+            known = {
+                "rental_id": entry.rental_id,
+                "gpu_indices": entry.gpu_indices,
+                "stop_grace_s": entry.stop_grace_s,
+            }
+            if entry.run_id in self.ledger:
+                self.ledger.update(entry.run_id, **known)
+            else:
+                self.ledger.put(entry.run_id, RunRecord(**known))
+            self._live.setdefault(entry.run_id, _Live()).rental_id = entry.rental_id
+
+    def _forget(self, desired: Sequence[DesiredRun], actual: Sequence[ContainerState]) -> None:
+        """Drop what we know of runs that are gone for good: not desired, not in the runtime."""
+        keep = {d.run_id for d in desired} | {s.run_id for s in actual} | self._ops.in_flight()
+        for run_id in list(self.ledger):
+            if run_id not in keep:
+                self.ledger.remove(run_id)
+        for run_id in list(self._live):
+            if run_id not in keep:
+                del self._live[run_id]
+
+    # -- reconciling ---------------------------------------------------------------------------
+
+    def _reconcile(
+        self, desired: Sequence[DesiredRun], actual: Sequence[ContainerState], now: float
+    ) -> None:
+        assert self._driver is not None
+        driver = self._driver
+        backing_off = {run_id for run_id, live in self._live.items() if live.next_start_at > now}
+        records = {run_id: self.ledger.get(run_id) for run_id in self.ledger}
+        plan = plan_reconcile(
+            desired=desired,
+            actual=actual,
+            delivered={run_id for run_id, live in self._live.items() if live.delivered},
+            hold=self._ops.in_flight() | backing_off,
+            gpus_of={run_id: r.gpu_indices for run_id, r in records.items() if r is not None},
+            grace_of={run_id: r.stop_grace_s for run_id, r in records.items() if r is not None},
+        )
+        for entry in plan.start:
+            logger.info(
+                "starting run", extra={"run_id": entry.run_id, "rental_id": entry.rental_id}
+            )
+            self._ops.submit(entry.run_id, "start", lambda e=entry: self._start(driver, e))
+        for run_id, grace in plan.stop:
+            logger.info("stopping run", extra={"run_id": run_id, "grace_s": grace})
+            self._ops.submit(run_id, "stop", lambda r=run_id, g=grace: driver.stop(r, g))
+        for run_id in plan.remove:
+            logger.info("removing run", extra={"run_id": run_id})
+            self._ops.submit(run_id, "remove", lambda r=run_id: driver.remove(r))
+        if plan.waiting:
+            logger.info(
+                "runs wait for their GPUs to be freed", extra={"runs": ",".join(plan.waiting)}
+            )
+
+    def _start(self, driver: RuntimeDriver, entry: DesiredRun) -> tuple[ContainerState, float]:
+        """Start a run (in a worker thread); the state and when it was seen so."""
+        state = driver.start(self.spec_for(entry))
+        self._wake.set()
+        return state, self._clock()
+
+    def spec_for(self, entry: DesiredRun) -> ContainerSpec:
+        """The ContainerSpec of a desired run (ValueError if the entry cannot be run)."""
+        assert self._credentials is not None
+        if not _SAFE_ID.match(entry.rental_id):
+            raise ValueError(f"rental id {entry.rental_id!r} cannot name a volume directory")
+        volume_dir = os.path.join(self.config.volume_root, entry.rental_id)
+        # Docker mounts the volume at /workspace; a host process sees the directory itself.
+        # (GPUMARKET_RENTAL_ID and the GPU variables are added by the driver.)
+        if self.config.runtime == "docker":
+            checkpoints = "/workspace/checkpoints"
+        else:
+            checkpoints = os.path.join(volume_dir, "checkpoints")
+        return ContainerSpec.place(
+            entry,
+            node_id=str(self._credentials.node_id),
+            volume_dir=volume_dir,
+            env={"HARNESS_CHECKPOINT_DIR": checkpoints},
+        )
+
+    def _harvest(self, now: float) -> None:
+        """Record the outcome of finished operations."""
+        for run_id, kind, future in self._ops.harvest():
+            error = future.exception()
+            live = self._live.setdefault(run_id, _Live())
+            if error is None:
+                if kind == "start":
+                    live.start_error, live.start_failures, live.next_start_at = None, 0, 0.0
+                    state, seen_at = future.result()
+                    if state.status == ContainerStatus.RUNNING:
+                        live.last_seen_running = seen_at
+                continue
+            logger.error(f"{kind} failed", extra={"run_id": run_id, "error": repr(error)})
+            if kind == "start":
+                delay = backoff_delay(
+                    live.start_failures, base_s=START_RETRY_BASE_S, max_s=START_RETRY_MAX_S
+                )
+                live.start_failures += 1
+                live.next_start_at = now + delay
+                if isinstance(error, PermanentRuntimeError | ValueError):
+                    live.start_error = str(error)
+
+    def _set_interval(self, value: Any) -> None:
+        with contextlib.suppress(TypeError, ValueError):
+            self.interval_s = min(MAX_INTERVAL_S, max(MIN_INTERVAL_S, float(value)))

@@ -1,0 +1,144 @@
+"""The agent's HTTPS client for the server's agent API (join, heartbeat).
+
+One retry policy for both calls: connection errors, timeouts, 429 and 5xx are transient and
+retried a few times with bounded exponential backoff and jitter, then surface as
+`TransientApiError` (the agent keeps spooling and tries again later). 401/403 mean the token is
+invalid or revoked (`AuthRejectedError`: the agent stops); any other 4xx is `RequestRejectedError`
+carrying the server's message. Every request has a timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import requests
+
+from agentprotocol import HEARTBEAT_PATH, JOIN_PATH
+
+logger = logging.getLogger(__name__)
+
+_CONNECT_TIMEOUT_S = 5.0
+
+
+class AgentApiError(Exception):
+    """The server did not accept a request."""
+
+
+class TransientApiError(AgentApiError):
+    """Unreachable, timed out, throttled or a 5xx: the same request may succeed later."""
+
+
+class RequestRejectedError(AgentApiError):
+    """A 4xx: the server refused the request as it is."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+class AuthRejectedError(RequestRejectedError):
+    """401/403: the node token (or join token) is invalid or was revoked."""
+
+
+def backoff_delay(attempt: int, *, base_s: float, max_s: float) -> float:
+    """Exponential backoff with "equal jitter": half fixed, half random, capped at max_s."""
+    delay = min(max_s, base_s * 2**attempt)
+    return delay / 2 + random.uniform(0, delay / 2)
+
+
+def error_message(response: requests.Response) -> str:
+    """The server's explanation: DRF's "detail", else its field errors, else the raw body."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip()[:500] or response.reason
+    if isinstance(body, dict):
+        if "detail" in body:
+            return str(body["detail"])
+        return "; ".join(f"{field}: {errors}" for field, errors in body.items())
+    return str(body)[:500]
+
+
+class AgentApiClient:
+    """Talks to one server; safe to use from one thread at a time."""
+
+    def __init__(
+        self,
+        server_url: str,
+        *,
+        timeout_s: float = 10.0,
+        attempts: int = 3,
+        backoff_base_s: float = 0.5,
+        backoff_max_s: float = 8.0,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if not server_url.startswith(("http://", "https://")):
+            raise ValueError(f"server URL must start with http:// or https://, not {server_url!r}")
+        if attempts < 1:
+            raise ValueError("attempts must be at least 1")
+        self.server_url = server_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.attempts = attempts
+        self.backoff_base_s = backoff_base_s
+        self.backoff_max_s = backoff_max_s
+        self._sleep = sleep
+        # TLS verification stays on; REQUESTS_CA_BUNDLE points it at a private CA if needed.
+        self._session = requests.Session()
+
+    def join(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """POST the join payload; the answer holds node_id, node_token, heartbeat_interval_s."""
+        return self._post(JOIN_PATH, payload, token=None)
+
+    def heartbeat(self, payload: dict[str, Any], *, token: str) -> dict[str, Any]:
+        """POST one heartbeat; the answer holds the desired state."""
+        return self._post(HEARTBEAT_PATH, payload, token=token)
+
+    def close(self) -> None:
+        self._session.close()
+
+    def _post(self, path: str, payload: dict[str, Any], *, token: str | None) -> dict[str, Any]:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        url = self.server_url + path
+        for attempt in range(self.attempts):
+            try:
+                return self._post_once(url, payload, headers)
+            except TransientApiError as exc:
+                if attempt == self.attempts - 1:
+                    raise
+                delay = backoff_delay(attempt, base_s=self.backoff_base_s, max_s=self.backoff_max_s)
+                logger.warning(
+                    "server request failed, retrying",
+                    extra={"path": path, "error": str(exc), "retry_in_s": round(delay, 2)},
+                )
+                self._sleep(delay)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _post_once(self, url: str, payload: dict[str, Any], headers: dict[str, str]) -> dict:
+        try:
+            response = self._session.post(
+                url, json=payload, headers=headers, timeout=(_CONNECT_TIMEOUT_S, self.timeout_s)
+            )
+        except requests.Timeout as exc:
+            raise TransientApiError(f"timed out after {self.timeout_s}s: {exc}") from exc
+        except requests.RequestException as exc:
+            raise TransientApiError(f"unreachable: {exc}") from exc
+        status = response.status_code
+        if status in (401, 403):
+            raise AuthRejectedError(status, error_message(response))
+        if status == 429 or status >= 500:
+            raise TransientApiError(f"HTTP {status}: {error_message(response)}")
+        if status >= 400:
+            raise RequestRejectedError(status, error_message(response))
+        try:
+            body = response.json()
+        except ValueError as exc:
+            # A proxy's HTML page in front of a restarting server, typically.
+            raise TransientApiError(f"HTTP {status} without a JSON body") from exc
+        if not isinstance(body, dict):
+            raise TransientApiError(f"HTTP {status} with a JSON {type(body).__name__}, not object")
+        return body

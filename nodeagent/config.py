@@ -1,0 +1,189 @@
+"""The agent's configuration: command-line flags, else GPUMARKET_* environment, else defaults.
+
+`--dev-local` is the profile the one-command dev stack uses: server URL, join token, simulated
+GPUs and hostname come from `.var/dev/agent.env` (KEY=VALUE lines, relative to the working
+directory), and the defaults become runtime=process, gpu-mode none, telemetry simulated, with
+state, volumes and process records under `.var/dev/`. Flags given on the command line still win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from nodeagent.benchmark import DEFAULT_COMMAND
+
+DEV_ENV_FILE = os.path.join(".var", "dev", "agent.env")
+DEV_PRESETS = {
+    "runtime": "process",
+    "gpu_mode": "none",
+    "telemetry": "simulated",
+    "state_dir": os.path.join(".var", "dev", "agent"),
+    "volume_root": os.path.join(".var", "dev", "volumes"),
+    "process_dir": os.path.join(".var", "dev", "runs"),
+}
+
+# dest -> (environment variable, default)
+_OPTIONS: dict[str, tuple[str, str | None]] = {
+    "server": ("GPUMARKET_SERVER_URL", None),
+    "join_token": ("GPUMARKET_JOIN_TOKEN", None),
+    "state_dir": ("GPUMARKET_STATE_DIR", "/var/lib/gpumarket-agent"),
+    "runtime": ("GPUMARKET_RUNTIME", "docker"),
+    "gpu_mode": ("GPUMARKET_GPU_MODE", "nvidia"),
+    "telemetry": ("GPUMARKET_TELEMETRY", "nvml"),
+    "simulate_gpus": ("GPUMARKET_SIMULATE_GPUS", None),
+    "hostname": ("GPUMARKET_HOSTNAME", None),
+    "volume_root": ("GPUMARKET_VOLUME_ROOT", "/var/lib/gpumarket-volumes"),
+    "process_dir": ("GPUMARKET_PROCESS_DIR", "/var/lib/gpumarket-runs"),
+    "interval": ("GPUMARKET_INTERVAL", "5"),
+    "request_timeout": ("GPUMARKET_REQUEST_TIMEOUT", "10"),
+    "benchmark_command": ("GPUMARKET_BENCHMARK_COMMAND", shlex.join(DEFAULT_COMMAND)),
+    "benchmark_timeout": ("GPUMARKET_BENCHMARK_TIMEOUT", "900"),
+    "log_level": ("GPUMARKET_LOG_LEVEL", "info"),
+}
+
+
+class ConfigError(ValueError):
+    """The configuration is incomplete or inconsistent; the message says how to fix it."""
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    """Everything the agent needs, resolved and checked."""
+
+    server_url: str
+    join_token: str | None
+    state_dir: str
+    runtime: str  # "docker" | "process"
+    gpu_mode: str  # "nvidia" | "none"
+    telemetry: str  # "nvml" | "simulated"
+    simulate_gpus: str | None
+    hostname: str
+    volume_root: str
+    process_dir: str  # the process driver's run records
+    interval_s: float
+    request_timeout_s: float
+    benchmark_command: tuple[str, ...]
+    benchmark_timeout_s: float
+    log_level: str
+    once: bool = False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpumarket-agent",
+        description="GPU marketplace node agent: joins a server, heartbeats, runs the rentals.",
+    )
+    add = parser.add_argument
+    add("--server", help="server base URL [GPUMARKET_SERVER_URL]")
+    add("--join-token", help="one-time join token from the provider [GPUMARKET_JOIN_TOKEN]")
+    add("--state-dir", help="node token and usage spool [GPUMARKET_STATE_DIR]")
+    add("--runtime", choices=["docker", "process"], help="[GPUMARKET_RUNTIME] (docker)")
+    add("--gpu-mode", choices=["nvidia", "none"], help="[GPUMARKET_GPU_MODE] (nvidia)")
+    add("--telemetry", choices=["nvml", "simulated"], help="[GPUMARKET_TELEMETRY] (nvml)")
+    add("--simulate-gpus", metavar="SLUG:COUNT", help="e.g. h100-sxm5-80gb:8 (simulated only)")
+    add("--hostname", help="name to join as [GPUMARKET_HOSTNAME] (this host's name)")
+    add("--volume-root", help="per-rental volume directories [GPUMARKET_VOLUME_ROOT]")
+    add("--process-dir", help="run records of the process runtime [GPUMARKET_PROCESS_DIR]")
+    add("--interval", help="heartbeat seconds until the server says otherwise (5)")
+    add("--request-timeout", help="seconds per server request (10)")
+    add("--benchmark-command", help="benchmark command line (python -m harness benchmark --quick)")
+    add("--benchmark-timeout", help="benchmark seconds (900)")
+    add("--log-level", choices=["debug", "info", "warning", "error"], help="(info)")
+    add("--once", action="store_true", help="one heartbeat and reconcile, then exit")
+    add("--dev-local", action="store_true", help=f"the dev stack's profile (reads {DEV_ENV_FILE})")
+    return parser
+
+
+def read_env_file(path: str) -> dict[str, str]:
+    """KEY=VALUE lines; blank lines and # comments are skipped, surrounding quotes removed."""
+    values = {}
+    with open(path) as f:
+        for number, raw in enumerate(f, 1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, sep, value = line.partition("=")
+            if not sep:
+                raise ConfigError(f"{path}:{number}: expected KEY=VALUE")
+            value = value.strip()
+            if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+                value = value[1:-1]
+            values[key.strip()] = value
+    return values
+
+
+def load_config(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> AgentConfig:
+    """Parse flags and environment into a checked AgentConfig (ConfigError if unusable)."""
+    args = build_parser().parse_args(argv)
+    env = dict(os.environ if environ is None else environ)
+    presets: dict[str, str] = {}
+    if args.dev_local:
+        try:
+            env.update(read_env_file(DEV_ENV_FILE))
+        except FileNotFoundError:
+            raise ConfigError(f"--dev-local needs {os.path.abspath(DEV_ENV_FILE)}") from None
+        presets = DEV_PRESETS
+
+    def get(dest: str) -> str | None:
+        flag = getattr(args, dest)
+        if flag is not None:
+            return flag
+        if dest in presets:
+            return presets[dest]
+        variable, default = _OPTIONS[dest]
+        return env.get(variable) or default
+
+    server = get("server")
+    if not server:
+        raise ConfigError("no server: pass --server URL or set GPUMARKET_SERVER_URL")
+    runtime, gpu_mode, telemetry = get("runtime"), get("gpu_mode"), get("telemetry")
+    for name, value, allowed in (
+        ("runtime", runtime, ("docker", "process")),
+        ("gpu mode", gpu_mode, ("nvidia", "none")),
+        ("telemetry", telemetry, ("nvml", "simulated")),
+    ):
+        if value not in allowed:
+            raise ConfigError(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
+    # Real GPUs need real discovery (the UUIDs the runtime selects devices by), and simulated
+    # ones must never be handed to the NVIDIA runtime.
+    if (gpu_mode == "nvidia") != (telemetry == "nvml"):
+        raise ConfigError("--gpu-mode nvidia goes with --telemetry nvml, none with simulated")
+    simulate_gpus = get("simulate_gpus")
+    if telemetry == "simulated" and not simulate_gpus:
+        raise ConfigError("simulated telemetry needs --simulate-gpus SLUG:COUNT")
+    try:
+        interval = float(get("interval") or 0)
+        request_timeout = float(get("request_timeout") or 0)
+        benchmark_timeout = float(get("benchmark_timeout") or 0)
+    except ValueError as exc:
+        raise ConfigError(f"not a number: {exc}") from None
+    if interval <= 0 or request_timeout <= 0 or benchmark_timeout <= 0:
+        raise ConfigError("interval and timeouts must be positive")
+    benchmark_command = tuple(shlex.split(get("benchmark_command") or ""))
+    if not benchmark_command:
+        raise ConfigError("the benchmark command is empty")
+    return AgentConfig(
+        server_url=server,
+        join_token=get("join_token"),
+        state_dir=os.path.abspath(get("state_dir") or ""),
+        runtime=runtime,
+        gpu_mode=gpu_mode,
+        telemetry=telemetry,
+        simulate_gpus=simulate_gpus,
+        hostname=get("hostname") or socket.gethostname(),
+        volume_root=os.path.abspath(get("volume_root") or ""),
+        process_dir=os.path.abspath(get("process_dir") or ""),
+        interval_s=interval,
+        request_timeout_s=request_timeout,
+        benchmark_command=benchmark_command,
+        benchmark_timeout_s=benchmark_timeout,
+        log_level=get("log_level") or "info",
+        once=args.once,
+    )

@@ -1,0 +1,100 @@
+"""A real HTTP server for the agent to talk to: stdlib http.server in a thread.
+
+Each test scripts the answers per path with a function of the request; every request is
+recorded (path, headers, parsed JSON body) so tests can assert what the agent sent.
+
+The agent needs no Django, and neither do its tests: nothing under tests/nodeagent/ (nor
+tests/agentprotocol/) may import Django or the server's apps. Run from the repository root with
+pyproject.toml, they are part of the whole suite. On a host with only `gpumarket[agent]` and
+pytest (a GPU host, the agent's CI job, tests/nodeagent/test_standalone.py), run them without
+the repository's pytest settings and without tests/conftest.py, which loads Django:
+
+    python -m pytest -c /dev/null --rootdir . --confcutdir tests/nodeagent -p no:django \
+        -m "not docker and not harness and not e2e" tests/agentprotocol tests/nodeagent
+
+(`--confcutdir` stops pytest from loading conftest.py files above tests/nodeagent/; tests
+marked `docker` need a Docker Engine, `harness` ones torch, `e2e` ones are the slow
+end-to-end checks.)
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+
+@dataclass
+class Request:
+    path: str
+    headers: dict[str, str]
+    body: Any
+
+
+# (status, JSON body or raw text[, seconds to wait before answering])
+Answer = tuple[int, Any] | tuple[int, Any, float]
+Responder = Callable[[Request], Answer]
+
+
+@dataclass
+class FakeServer:
+    url: str = ""
+    requests: list[Request] = field(default_factory=list)
+    responders: dict[str, Responder] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def on(self, path: str, responder: Responder) -> None:
+        self.responders[path] = responder
+
+    def bodies(self, path: str) -> list[Any]:
+        with self.lock:
+            return [r.body for r in self.requests if r.path == path]
+
+
+@pytest.fixture
+def fake_server() -> Iterator[FakeServer]:
+    server_state = FakeServer()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            try:
+                body = json.loads(raw) if raw else None
+            except ValueError:
+                body = raw.decode(errors="replace")
+            request = Request(self.path, dict(self.headers), body)
+            with server_state.lock:
+                server_state.requests.append(request)
+            responder = server_state.responders.get(self.path)
+            answer = responder(request) if responder else (404, {"detail": "not found"})
+            status, payload = answer[0], answer[1]
+            if len(answer) == 3:
+                time.sleep(answer[2])
+            data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client gave up (timeout tests)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    httpd.block_on_close = False  # a handler still sleeping (timeout tests) is not waited for
+    server_state.url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield server_state
+    httpd.shutdown()
+    httpd.server_close()

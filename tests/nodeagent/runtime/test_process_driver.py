@@ -1,0 +1,149 @@
+"""LocalProcessDriver specifics: runs outlive the agent, exit codes survive it, pids are checked."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from nodeagent.runtime.process import LocalProcessDriver, ProcessDriverConfig
+from tests.nodeagent.runtime.conftest import REPO, collect_output, wait_exited
+
+AGENT = """
+import sys
+from nodeagent.runtime.base import ContainerSpec
+from nodeagent.runtime.process import LocalProcessDriver, ProcessDriverConfig
+
+state_dir, run_id, volume_dir, script = sys.argv[1:5]
+driver = LocalProcessDriver(ProcessDriverConfig(state_dir=state_dir, node_id="n1"))
+driver.start(ContainerSpec(
+    rental_id="r1", run_id=run_id, node_id="n1", image="-", command=("python", "-c", script),
+    env={}, gpu_indices=(), gpu_uuids=(), cpu_limit=1, memory_limit_mb=64, ports=(),
+    volume_dir=volume_dir,
+))
+"""
+
+
+def start_in_short_lived_agent(tmp_path: Path, run_id: str, script: str) -> None:
+    """Start a run from another process that exits right after: an agent that went away."""
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            AGENT,
+            str(tmp_path / "state"),
+            run_id,
+            str(tmp_path / f"vol-{run_id}"),
+            textwrap.dedent(script),
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        check=True,
+        timeout=60,
+    )
+
+
+def make_driver(tmp_path: Path) -> LocalProcessDriver:
+    return LocalProcessDriver(ProcessDriverConfig(state_dir=str(tmp_path / "state"), node_id="n1"))
+
+
+def test_a_run_outlives_its_agent_and_is_adopted_and_stopped(tmp_path):
+    # given a run started by an agent process that has since exited
+    start_in_short_lived_agent(
+        tmp_path, "orphan", "import time; print('ready', flush=True); time.sleep(600)"
+    )
+
+    # when a new agent looks
+    driver = make_driver(tmp_path)
+    [state] = driver.list_managed()
+    collect_output(driver, "orphan", None, 1)
+
+    # then the run is still running, and stopping it works (no SIGTERM handler: 128 + 15)
+    assert (state.run_id, state.rental_id, state.status) == ("orphan", "r1", "running")
+    driver.stop("orphan", grace_s=5)
+    assert driver.state("orphan").exit_code == 143
+
+
+def test_exit_code_is_recorded_while_no_agent_watches(tmp_path):
+    start_in_short_lived_agent(tmp_path, "fails", "import sys; sys.exit(3)")
+
+    state = wait_exited(make_driver(tmp_path), "fails")
+
+    assert state.exit_code == 3
+
+
+def test_a_recycled_pid_is_never_adopted(tmp_path):
+    # given a run whose recorded pid now belongs to another process (this test's own pid)
+    driver = make_driver(tmp_path)
+    run_dir = tmp_path / "state" / "recycled"
+    run_dir.mkdir(parents=True)
+    meta = {
+        "rental_id": "r1",
+        "run_id": "recycled",
+        "node_id": "n1",
+        "labels": {"gpumarket.managed": "1", "gpumarket.run": "recycled"},
+        "spec": {"ports": []},
+        "supervisor_pid": os.getpid(),
+    }
+    (run_dir / "meta.json").write_text(json.dumps(meta))
+    (run_dir / "child.json").write_text(
+        json.dumps({"pid": os.getpid(), "start_ticks": 1, "started_at": 0.0})
+    )
+
+    # when the driver looks at it and is asked to stop it
+    state = driver.state("recycled")
+    driver.stop("recycled", grace_s=0)
+
+    # then it is a finished run with an unknown exit code, and we were not signalled
+    assert state.status == "exited"
+    assert state.exit_code is None
+    assert driver.state("recycled").status == "exited"
+
+
+def test_nvidia_mode_points_cuda_at_the_allocated_gpus_by_uuid(tmp_path, make_spec):
+    driver = LocalProcessDriver(
+        ProcessDriverConfig(state_dir=str(tmp_path / "state"), gpu_mode="nvidia")
+    )
+    spec = make_spec(
+        "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])",
+        gpu_indices=(3, 5),
+        gpu_uuids=("GPU-aaa", "GPU-bbb"),
+    )
+
+    driver.start(spec)
+    wait_exited(driver, spec.run_id)
+
+    assert driver.output_since(spec.run_id, None)[0] == ["GPU-aaa,GPU-bbb"]
+
+
+def test_ports_map_to_themselves_while_running(tmp_path, make_spec):
+    driver = make_driver(tmp_path)
+    spec = make_spec("import time; time.sleep(600)", ports=(8888,), node_id="n1")
+
+    state = driver.start(spec)
+    driver.remove(spec.run_id)
+
+    assert state.ports == {8888: 8888}
+
+
+def test_descendants_die_with_the_main_process(tmp_path, make_spec):
+    # given a program that leaves a child behind in its process group when it exits
+    driver = make_driver(tmp_path)
+    spec = make_spec(
+        """
+        import subprocess, sys
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print(child.pid, flush=True)
+        """,
+        node_id="n1",
+    )
+
+    driver.start(spec)
+    [pid], _ = collect_output(driver, spec.run_id, None, 1)
+    wait_exited(driver, spec.run_id)
+
+    # then the leftover was killed, as the end of a container would kill it
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()

@@ -1,0 +1,410 @@
+"""The agent end to end: the real CLI, the LocalProcessDriver, a stdlib fake server.
+
+The fake server answers join and heartbeat like the real one (node token check, ack of the
+highest usage seq received, a scripted desired state); the agent runs as a subprocess with
+--once, so every invocation is also an agent restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentprotocol import HEARTBEAT_PATH, JOIN_PATH, DesiredRun, HeartbeatAnswer, JoinAnswer
+from nodeagent.runtime.process import LocalProcessDriver, ProcessDriverConfig
+from nodeagent.telemetry.simulated import simulated_gpu_uuid
+
+REPO = Path(__file__).resolve().parents[2]
+NODE_ID = 7
+NODE_TOKEN = "gpn_test-node-token"
+JOIN_TOKEN = "gpj_test_join"
+METRIC_LINE = '{"event": "step", "step": 1}'
+SCRIPT = f"print({METRIC_LINE!r}); import time; time.sleep(30)"
+
+
+class Server:
+    """The scripted server side: desired state, token, acks."""
+
+    def __init__(self, fake_server: Any) -> None:
+        self.fake = fake_server
+        self.desired: list[DesiredRun] = []
+        self.token = NODE_TOKEN
+        self.run_benchmark = False
+        self.heartbeat_status = 200
+        self.acked = 0
+        fake_server.on(JOIN_PATH, self.join)
+        fake_server.on(HEARTBEAT_PATH, self.heartbeat)
+
+    def join(self, request: Any) -> tuple[int, Any]:
+        if request.body.get("join_token") != JOIN_TOKEN:
+            return 400, {"join_token": ["invalid, used or expired join token"], "code": "invalid"}
+        answer = JoinAnswer(node_id=NODE_ID, node_token=NODE_TOKEN, heartbeat_interval_s=1)
+        return 201, answer.to_payload()
+
+    def heartbeat(self, request: Any) -> tuple[int, Any]:
+        if request.headers.get("Authorization") != f"Bearer {self.token}":
+            return 401, {"detail": "invalid or revoked node token"}
+        if self.heartbeat_status != 200:
+            return self.heartbeat_status, {"detail": "down for maintenance"}
+        self.acked = max([self.acked] + [u["seq"] for u in request.body["usage"]])
+        answer = HeartbeatAnswer(
+            desired=tuple(self.desired),
+            ack_usage_seq=self.acked,
+            heartbeat_interval_s=1,
+            run_benchmark=self.run_benchmark,
+        )
+        return 200, answer.to_payload()
+
+    def heartbeats(self) -> list[dict[str, Any]]:
+        return self.fake.bodies(HEARTBEAT_PATH)
+
+
+def desired_entry(rental_id: str, script: str = SCRIPT, **overrides: Any) -> DesiredRun:
+    fields: dict[str, Any] = {
+        "rental_id": rental_id,
+        "run_id": f"r{uuid.UUID(rental_id).hex}-n{NODE_ID}",
+        "image": "gpumarket/harness:dev",
+        "command": ("python", "-c", script),
+        "env": {"HARNESS_SEED": "3"},
+        "gpu_indices": (1,),
+        "gpu_uuids": (simulated_gpu_uuid("test-host", 1),),
+        "cpu_limit": 1.0,
+        "memory_limit_mb": 512,
+        "ports": (),
+        "stop_grace_s": 5.0,
+    }
+    return DesiredRun(**{**fields, **overrides})
+
+
+@pytest.fixture
+def server(fake_server: Any) -> Server:
+    return Server(fake_server)
+
+
+@pytest.fixture
+def dirs(tmp_path: Path) -> dict[str, Path]:
+    return {name: tmp_path / name for name in ("state", "volumes", "runs")}
+
+
+@pytest.fixture
+def driver(dirs: dict[str, Path]) -> Iterator[LocalProcessDriver]:
+    """A driver over the agent's process dir: to look at what the agent did, and clean up."""
+    instance = LocalProcessDriver(
+        ProcessDriverConfig(state_dir=str(dirs["runs"]), node_id=str(NODE_ID))
+    )
+    yield instance
+    for state in instance.list_managed():
+        instance.remove(state.run_id)
+
+
+def agent_args(server: Server, dirs: dict[str, Path], *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "nodeagent",
+        "--server", server.fake.url,
+        "--join-token", JOIN_TOKEN,
+        "--state-dir", str(dirs["state"]),
+        "--runtime", "process",
+        "--gpu-mode", "none",
+        "--telemetry", "simulated",
+        "--simulate-gpus", "a100-sxm4-80gb:2",
+        "--hostname", "test-host",
+        "--volume-root", str(dirs["volumes"]),
+        "--process-dir", str(dirs["runs"]),
+        "--request-timeout", "5",
+        *extra,
+    ]  # fmt: skip
+
+
+def agent_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("GPUMARKET_")}
+
+
+@pytest.fixture
+def agent(server: Server, dirs: dict[str, Path]) -> Callable[..., subprocess.CompletedProcess]:
+    """Run the agent with --once (one round; every call is also a restart)."""
+
+    def run(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            agent_args(server, dirs, "--once", *extra),
+            cwd=REPO,
+            env=agent_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    return run
+
+
+@pytest.fixture
+def agent_loop(server: Server, dirs: dict[str, Path]) -> Callable[..., tuple[int, str]]:
+    """Run the agent's loop until `until()` holds, then SIGTERM it; (exit status, stderr)."""
+
+    def run(until: Callable[[], bool], *extra: str) -> tuple[int, str]:
+        proc = subprocess.Popen(
+            agent_args(server, dirs, "--interval", "0.2", *extra),
+            cwd=REPO,
+            env=agent_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            deadline = time.monotonic() + 30
+            while not until():
+                assert proc.poll() is None, proc.communicate()
+                assert time.monotonic() < deadline, "the condition never held"
+                time.sleep(0.05)
+        finally:
+            proc.terminate()
+            _, stderr = proc.communicate(timeout=30)
+        return proc.returncode, stderr
+
+    return run
+
+
+def wait_for_output(driver: LocalProcessDriver, run_id: str) -> None:
+    deadline = time.monotonic() + 15
+    while not driver.output_since(run_id, None)[0]:
+        assert time.monotonic() < deadline, "the run printed nothing"
+        time.sleep(0.05)
+
+
+def test_lifecycle_start_adopt_metrics_usage_stop_remove(server, agent, driver, dirs):
+    rental_id = str(uuid.uuid4())
+    entry = desired_entry(rental_id)
+    run_id = entry.run_id
+    server.desired = [entry]
+
+    # 1. first start: join, one heartbeat, then the desired run is started
+    first = agent()
+    assert first.returncode == 0, first.stderr
+    (join,) = server.fake.bodies(JOIN_PATH)
+    assert join["join_token"] == JOIN_TOKEN
+    assert join["hostname"] == "test-host"
+    assert join["simulated"] is True
+    assert set(join["host"]) == {"cpu_cores", "ram_gb", "disk_gb", "driver_version", "cuda_version"}
+    assert join["host"]["cpu_cores"] >= 1 and join["host"]["ram_gb"] >= 1
+    assert join["gpus"] == [
+        {
+            "index": i,
+            "uuid": simulated_gpu_uuid("test-host", i),
+            "name": "a100-sxm4-80gb",
+            "memory_mb": 81920,
+            "topology_group": "nvl0",
+        }
+        for i in range(2)
+    ]
+    token_file = dirs["state"] / "node_token.json"
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    assert json.loads(token_file.read_text())["node_token"] == NODE_TOKEN
+    (hb1,) = server.heartbeats()
+    assert (hb1["containers"], hb1["usage"], hb1["metrics"]) == ([], [], [])
+    assert [t["gpu_index"] for t in hb1["telemetry"]] == [0, 1]
+    assert hb1["agent_version"] and hb1["sent_at"] > 0
+    (state,) = driver.list_managed()
+    assert (state.run_id, state.rental_id, state.status) == (run_id, rental_id, "running")
+    # the run's environment: checkpoints in its volume dir, its simulated GPU, the rental id
+    with open(dirs["runs"] / run_id / "child.json") as f:
+        pid = json.load(f)["pid"]
+    environ = dict(
+        item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if item
+    )
+    volume = dirs["volumes"] / rental_id
+    assert environ["HARNESS_CHECKPOINT_DIR"] == str(volume / "checkpoints")
+    assert environ["GPUMARKET_RENTAL_ID"] == rental_id
+    assert environ["GPUMARKET_SIMULATED_GPUS"] == "1"
+    assert environ["CUDA_VISIBLE_DEVICES"] == ""
+    assert environ["HARNESS_SEED"] == "3"
+    assert os.readlink(f"/proc/{pid}/cwd") == str(volume)
+    wait_for_output(driver, run_id)
+
+    # 2. restart, still desired: adopted (not started again), metrics and usage forwarded
+    second = agent()
+    assert second.returncode == 0, second.stderr
+    hb2 = server.heartbeats()[-1]
+    (again,) = driver.list_managed()
+    assert again.status == "running" and again.started_at == state.started_at
+    assert json.loads((dirs["runs"] / run_id / "child.json").read_text())["pid"] == pid
+    assert hb2["containers"] == [
+        {
+            "rental_id": rental_id,
+            "run_id": run_id,
+            "status": "running",
+            "exit_code": None,
+            "started_at": state.started_at,
+            "finished_at": None,
+        }
+    ]
+    assert hb2["metrics"] == [{"rental_id": rental_id, "run_id": run_id, "line": METRIC_LINE}]
+    (usage,) = hb2["usage"]
+    assert usage["seq"] == 1
+    assert usage["rental_id"] == rental_id and usage["run_id"] == run_id
+    assert usage["gpu_count"] == 1 and usage["final"] is False
+    assert usage["started_at"] == state.started_at
+    assert state.started_at <= usage["confirmed_at"] <= hb2["sent_at"]
+    busy = {t["gpu_index"]: t["util_pct"] for t in hb2["telemetry"]}
+    assert busy[0] == 0.0 and busy[1] > 50  # the rented GPU looks busy
+
+    # 3. the server drops the run: the acknowledged report and the delivered line are not
+    # resent, a new report is made, and the run is stopped (SIGTERM: exit code 143)
+    server.desired = []
+    third = agent()
+    assert third.returncode == 0, third.stderr
+    hb3 = server.heartbeats()[-1]
+    assert hb3["metrics"] == []
+    assert [(u["seq"], u["final"]) for u in hb3["usage"]] == [(2, False)]
+    assert hb3["usage"][0]["confirmed_at"] > usage["confirmed_at"]
+    stopped = driver.state(run_id)
+    assert (stopped.status, stopped.exit_code) == ("exited", 143)
+
+    # 4. its final state and final usage report go up, then it is removed
+    fourth = agent()
+    assert fourth.returncode == 0, fourth.stderr
+    hb4 = server.heartbeats()[-1]
+    (exited,) = hb4["containers"]
+    assert (exited["status"], exited["exit_code"]) == ("exited", 143)
+    assert exited["finished_at"] >= exited["started_at"] == state.started_at
+    assert METRIC_LINE in exited["log_tail"]
+    assert [(u["seq"], u["final"]) for u in hb4["usage"]] == [(3, True)]
+    assert driver.list_managed() == []
+    assert volume.is_dir()  # the rental's data stays
+
+    # 5. nothing left to report; the run's records are gone
+    fifth = agent()
+    assert fifth.returncode == 0, fifth.stderr
+    hb5 = server.heartbeats()[-1]
+    assert (hb5["containers"], hb5["usage"], hb5["metrics"]) == ([], [], [])
+    assert json.loads((dirs["state"] / "spool" / "runs.json").read_text()) == {}
+
+
+def test_metrics_beyond_one_heartbeat_are_delivered_once_in_order_across_restarts(
+    server, agent, driver
+):
+    # given a run that prints 1200 metrics lines (and noise, which is not forwarded)
+    script = (
+        "import json, time\n"
+        "for i in range(1200):\n"
+        "    print(json.dumps({'step': i}))\n"
+        "    print('plain text')\n"
+        "time.sleep(30)\n"
+    )
+    entry = desired_entry(str(uuid.uuid4()), script=script)
+    server.desired = [entry]
+    assert agent().returncode == 0
+    deadline = time.monotonic() + 15
+    while len(driver.output_since(entry.run_id, None)[0]) < 2400:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    # when the agent restarts for every heartbeat
+    for _ in range(4):
+        assert agent().returncode == 0
+    # then each heartbeat carries at most 500 lines, and all arrive exactly once, in order
+    sent = [[m["line"] for m in hb["metrics"]] for hb in server.heartbeats()]
+    assert [len(lines) for lines in sent] == [0, 500, 500, 200, 0]
+    assert [json.loads(line)["step"] for lines in sent for line in lines] == list(range(1200))
+
+
+def test_usage_waits_in_the_spool_while_the_server_is_down(server, agent, driver):
+    server.desired = [desired_entry(str(uuid.uuid4()))]
+    assert agent().returncode == 0
+    # given the server answers 503
+    server.heartbeat_status = 503
+    down = agent()
+    # then the round fails (non-zero with --once), after retrying
+    assert down.returncode == 1
+    assert "HTTP 503" in down.stderr
+    failed = server.heartbeats()[-1]
+    assert [u["seq"] for u in failed["usage"]] == [1]
+    # when it is back, the spooled report is replayed with the new one, oldest first
+    server.heartbeat_status = 200
+    assert agent().returncode == 0
+    assert [u["seq"] for u in server.heartbeats()[-1]["usage"]] == [1, 2]
+    assert server.acked == 2
+    # and the run was never touched meanwhile
+    (state,) = driver.list_managed()
+    assert state.status == "running"
+
+
+def test_a_run_that_exits_on_its_own_is_reported_not_restarted(server, agent, driver):
+    entry = desired_entry(str(uuid.uuid4()), script="print('{\"loss\": 0.5}'); raise SystemExit(3)")
+    server.desired = [entry]
+    assert agent().returncode == 0
+    deadline = time.monotonic() + 15
+    while driver.state(entry.run_id).status != "exited":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    # still desired (the server has not seen the exit yet)
+    assert agent().returncode == 0
+    hb = server.heartbeats()[-1]
+    (report,) = hb["containers"]
+    assert (report["status"], report["exit_code"]) == ("exited", 3)
+    assert hb["metrics"] == [
+        {"rental_id": entry.rental_id, "run_id": entry.run_id, "line": '{"loss": 0.5}'}
+    ]
+    assert [u["final"] for u in hb["usage"]] == [True]
+    # not restarted, and not removed while the server still lists it
+    (state,) = driver.list_managed()
+    assert (state.status, state.exit_code) == ("exited", 3)
+
+
+def test_a_run_that_cannot_start_is_reported_missing(server, agent_loop, driver):
+    entry = desired_entry(str(uuid.uuid4()), command=())  # the process driver needs a command
+    server.desired = [entry]
+
+    def missing_reported() -> bool:
+        reports = [c for hb in server.heartbeats() for c in hb["containers"]]
+        return any(c["status"] == "missing" for c in reports)
+
+    status, stderr = agent_loop(missing_reported)
+    assert status == 0, stderr
+    # the next round tells the server, with the reason in the log tail
+    report = next(
+        c for hb in server.heartbeats() for c in hb["containers"] if c["status"] == "missing"
+    )
+    assert report["run_id"] == entry.run_id and report["rental_id"] == entry.rental_id
+    assert "needs a command" in report["log_tail"]
+
+
+def test_revoked_token_exits_non_zero_without_retrying(server, agent):
+    assert agent().returncode == 0
+    server.token = "gpn_other"  # the stored token was revoked
+    before = len(server.heartbeats())
+    revoked = agent()
+    assert revoked.returncode == 3
+    assert "node token rejected" in revoked.stderr
+    assert len(server.heartbeats()) == before + 1
+
+
+def test_refused_join_exits_with_the_servers_message(server, agent, dirs):
+    refused = agent("--join-token", "gpj_wrong")
+    assert refused.returncode == 3
+    assert "invalid, used or expired join token" in refused.stderr
+    assert not (dirs["state"] / "node_token.json").exists()
+
+
+def test_loop_runs_the_requested_benchmark_and_stops_on_sigterm(server, agent_loop):
+    server.run_benchmark = True
+    result = {"event": "benchmark", "matmul_tflops": 12.5, "precision": "fp32"}
+    command = f"python -c 'print(\"warming up\"); print({json.dumps(json.dumps(result))})'"
+
+    def benchmarks() -> list[dict[str, Any]]:
+        return [hb["benchmark"] for hb in server.heartbeats() if "benchmark" in hb]
+
+    status, stderr = agent_loop(benchmarks, "--benchmark-command", command)
+    assert benchmarks()[0] == result
+    assert status == 0, stderr
+    assert "agent stopping" in stderr
+    # structured logs: key=value lines
+    assert any(line.startswith("ts=") and " level=" in line for line in stderr.splitlines())

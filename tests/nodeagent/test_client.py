@@ -1,0 +1,118 @@
+"""AgentApiClient against a real local HTTP server: retries, typed errors, timeouts."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from agentprotocol import HEARTBEAT_PATH, JOIN_PATH, HeartbeatAnswer, JoinAnswer
+from nodeagent.client import (
+    AgentApiClient,
+    AuthRejectedError,
+    RequestRejectedError,
+    TransientApiError,
+    backoff_delay,
+)
+
+DESIRED = HeartbeatAnswer(
+    desired=(), ack_usage_seq=0, heartbeat_interval_s=5, run_benchmark=False
+).to_payload()
+
+
+def client_for(server, **options) -> AgentApiClient:
+    options = {"backoff_base_s": 0.01, "backoff_max_s": 0.05, **options}
+    return AgentApiClient(server.url, **options)
+
+
+def test_503_is_retried_until_success(fake_server):
+    answers = iter([(503, {"detail": "busy"}), (503, "<html>bad gateway</html>"), (200, DESIRED)])
+    fake_server.on(HEARTBEAT_PATH, lambda request: next(answers))
+    client = client_for(fake_server, attempts=3)
+    assert client.heartbeat({"sent_at": 1.0}, token="gpn_x") == DESIRED
+    # three identical requests, each with the bearer token
+    assert fake_server.bodies(HEARTBEAT_PATH) == [{"sent_at": 1.0}] * 3
+    assert {r.headers["Authorization"] for r in fake_server.requests} == {"Bearer gpn_x"}
+
+
+def test_5xx_beyond_the_attempts_is_a_transient_error(fake_server):
+    fake_server.on(HEARTBEAT_PATH, lambda request: (500, {"detail": "boom"}))
+    client = client_for(fake_server, attempts=2)
+    with pytest.raises(TransientApiError, match="HTTP 500: boom"):
+        client.heartbeat({}, token="t")
+    assert len(fake_server.requests) == 2
+
+
+def test_429_is_transient(fake_server):
+    fake_server.on(HEARTBEAT_PATH, lambda request: (429, {"detail": "slow down"}))
+    with pytest.raises(TransientApiError, match="429"):
+        client_for(fake_server, attempts=1).heartbeat({}, token="t")
+
+
+def test_401_is_a_typed_error_and_not_retried(fake_server):
+    fake_server.on(
+        HEARTBEAT_PATH, lambda request: (401, {"detail": "invalid or revoked node token"})
+    )
+    client = client_for(fake_server, attempts=5)
+    with pytest.raises(AuthRejectedError) as raised:
+        client.heartbeat({}, token="gpn_revoked")
+    assert raised.value.status == 401
+    assert raised.value.message == "invalid or revoked node token"
+    assert len(fake_server.requests) == 1
+
+
+def test_other_4xx_carries_the_servers_message_and_is_not_retried(fake_server):
+    body = {"join_token": ["invalid, used or expired join token"], "code": "invalid"}
+    fake_server.on(JOIN_PATH, lambda request: (400, body))
+    with pytest.raises(RequestRejectedError) as raised:
+        client_for(fake_server, attempts=3).join({"join_token": "gpj_x"})
+    assert not isinstance(raised.value, AuthRejectedError)
+    assert raised.value.status == 400
+    assert "invalid, used or expired join token" in raised.value.message
+    assert len(fake_server.requests) == 1
+
+
+def test_join_returns_the_servers_answer(fake_server):
+    answer = JoinAnswer(node_id=4, node_token="gpn_abc", heartbeat_interval_s=5).to_payload()
+    fake_server.on(JOIN_PATH, lambda request: (201, answer))
+    assert client_for(fake_server).join({"join_token": "gpj_x"}) == answer
+    assert "Authorization" not in fake_server.requests[0].headers
+
+
+def test_timeout_is_honoured(fake_server):
+    # given a server that answers after 3 s
+    fake_server.on(HEARTBEAT_PATH, lambda request: (200, DESIRED, 3.0))
+    client = client_for(fake_server, attempts=1, timeout_s=0.3)
+    began = time.monotonic()
+    # then the client gives up after its timeout, as a transient error
+    with pytest.raises(TransientApiError, match="timed out"):
+        client.heartbeat({}, token="t")
+    assert time.monotonic() - began < 2.0
+
+
+def test_unreachable_server_is_transient():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    client = AgentApiClient(f"http://127.0.0.1:{port}", attempts=2, backoff_base_s=0.01)
+    with pytest.raises(TransientApiError, match="unreachable"):
+        client.heartbeat({}, token="t")
+
+
+def test_success_without_json_is_transient(fake_server):
+    fake_server.on(HEARTBEAT_PATH, lambda request: (200, "<html>proxy</html>"))
+    with pytest.raises(TransientApiError, match="without a JSON body"):
+        client_for(fake_server, attempts=1).heartbeat({}, token="t")
+
+
+def test_server_url_must_be_http():
+    with pytest.raises(ValueError, match="http"):
+        AgentApiClient("ftp://example.invalid")
+
+
+def test_backoff_is_bounded_and_jittered():
+    delays = [backoff_delay(attempt, base_s=1.0, max_s=8.0) for attempt in range(10)]
+    for attempt, delay in enumerate(delays):
+        cap = min(8.0, 2.0**attempt)
+        assert cap / 2 <= delay <= cap

@@ -1,0 +1,107 @@
+"""Small pieces of the agent: host facts, benchmark parsing, log format, payload limits."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import pytest
+
+from nodeagent import hostinfo
+from nodeagent.agent import (
+    LOG_TAIL_MAX_BYTES,
+    Credentials,
+    is_metric_line,
+    load_credentials,
+    save_credentials,
+    trim_log_tail,
+)
+from nodeagent.benchmark import BenchmarkRunner, benchmark_env, parse_result
+from nodeagent.config import ConfigError
+from nodeagent.logs import KeyValueFormatter
+
+
+def test_host_facts(tmp_path):
+    assert hostinfo.cpu_cores() >= 1
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemFree:  1000 kB\nMemTotal:       65843212 kB\n")
+    assert hostinfo.ram_gb(str(meminfo)) == 62
+    assert hostinfo.ram_gb() >= 1
+    # a volume root that does not exist yet: the filesystem it will be created on
+    assert hostinfo.disk_gb(str(tmp_path / "not" / "yet")) == hostinfo.disk_gb(str(tmp_path))
+
+
+def test_credentials_round_trip_and_damage(tmp_path):
+    assert load_credentials(str(tmp_path)) is None
+    save_credentials(str(tmp_path), Credentials(3, "gpn_x"), server_url="http://s")
+    assert load_credentials(str(tmp_path)) == Credentials(3, "gpn_x")
+    (tmp_path / "node_token.json").write_text("{}")
+    with pytest.raises(ConfigError, match="damaged"):
+        load_credentials(str(tmp_path))
+
+
+def test_metric_lines_are_json_objects_of_at_most_4_kb():
+    assert is_metric_line('{"event": "step", "loss": 1.5}')
+    assert not is_metric_line("epoch 1 done")
+    assert not is_metric_line("[1, 2]")
+    assert not is_metric_line('{"broken": ')
+    big = json.dumps({"blob": "x" * 4096})
+    assert not is_metric_line(big)
+    # the limit counts bytes, not characters
+    assert is_metric_line(json.dumps({"b": "é" * 2000}, ensure_ascii=False))
+    assert not is_metric_line(json.dumps({"b": "é" * 2100}, ensure_ascii=False))
+
+
+def test_log_tail_keeps_the_last_50_lines_within_8_kb():
+    text = "".join(f"line {i}\n" for i in range(200))
+    assert trim_log_tail(text) == "".join(f"line {i}\n" for i in range(150, 200))
+    wide = "".join("é" * 300 + "\n" for _ in range(50))
+    trimmed = trim_log_tail(wide)
+    assert len(trimmed.encode()) <= LOG_TAIL_MAX_BYTES
+    assert wide.endswith(trimmed)
+
+
+def test_benchmark_result_is_the_last_json_object_with_tflops():
+    out = 'warming up\n{"event": "benchmark", "matmul_tflops": 19.5, "precision": "bf16"}\n'
+    assert parse_result(out) == {"event": "benchmark", "matmul_tflops": 19.5, "precision": "bf16"}
+    with pytest.raises(ValueError, match="no JSON result"):
+        parse_result("Traceback ...\n")
+    with pytest.raises(ValueError, match="positive matmul_tflops"):
+        parse_result('{"matmul_tflops": 0}\n')
+
+
+def test_benchmark_env_hides_gpus_in_simulated_mode():
+    env = benchmark_env(gpu_mode="none", base={"PYTHONPATH": "/x"})
+    assert env["CUDA_VISIBLE_DEVICES"] == ""
+    assert env["PYTHONPATH"].endswith(":/x")
+    assert "CUDA_VISIBLE_DEVICES" not in benchmark_env(gpu_mode="nvidia", base={})
+
+
+def test_failed_benchmark_is_not_sent_and_cools_down():
+    now = [0.0]
+    runner = BenchmarkRunner(
+        ["python", "-c", "raise SystemExit(4)"],
+        env=benchmark_env(gpu_mode="none"),
+        retry_after_s=60,
+        clock=lambda: now[0],
+    )
+    assert runner.command[0] == sys.executable
+    assert runner.request() is True
+    runner.wait(30)
+    assert runner.result() is None
+    # asked again at once: not rerun; after the cool-down: rerun
+    assert runner.request() is False
+    now[0] = 61.0
+    assert runner.request() is True
+    runner.wait(30)
+
+
+def test_key_value_log_lines():
+    record = logging.LogRecord("nodeagent", logging.INFO, "", 0, "stopping run", (), None)
+    record.run_id = "r1-n2"
+    record.error = 'bad "quote"\nnext'
+    line = KeyValueFormatter().format(record)
+    assert line.startswith("ts=")
+    assert ' level=info logger=nodeagent msg="stopping run" run_id=r1-n2 ' in line
+    assert line.endswith(r'error="bad \"quote\"\nnext"')
