@@ -21,7 +21,7 @@ def earliest_start(index: CapacityIndex, ask: Ask, start: float) -> float | None
         limit = min(limit, ask.req.start_deadline)
     if start > limit:
         return None
-    m = ask.m
+    m, opening, closing = ask.m, Edge.OPEN, Edge.CLOSE
     first: float | None = None
     events: list[Event] = []
     full_of = ask.match.full
@@ -38,8 +38,8 @@ def earliest_start(index: CapacityIndex, ask: Ask, start: float) -> float | None
                     first = lo
             else:
                 for lo, hi in ranges:
-                    events.append(Event(lo, Edge.OPEN))
-                    events.append(Event(hi, Edge.CLOSE))
+                    events.append(Event(lo, opening))
+                    events.append(Event(hi, closing))
     if m == 1:
         return first
     ranges = covered(events, m)
@@ -54,6 +54,7 @@ def start_ranges(
 ) -> list[tuple[float, float]]:
     """Disjoint closed ranges of t in [start, limit] at which the node can host the request."""
     k, duration = ask.k, ask.req.duration
+    opening, closing = Edge.OPEN, Edge.CLOSE
     if ask.same_group and ns.group is not None:
         groups: dict[int, list[int]] = {}
         for p in positions:
@@ -71,13 +72,13 @@ def start_ranges(
             for s, e, _, _ in ns.ivs[p]:
                 hi = min(latest_start(s, duration), limit)
                 if hi >= lo:
-                    events.append(Event(lo, Edge.OPEN))
-                    events.append(Event(hi, Edge.CLOSE))
+                    events.append(Event(lo, opening))
+                    events.append(Event(hi, closing))
                 lo = max(lo, e)
                 if lo > limit:
                     break
             else:
-                events.append(Event(lo, Edge.OPEN))
-                events.append(Event(limit, Edge.CLOSE))
+                events.append(Event(lo, opening))
+                events.append(Event(limit, closing))
         ranges += covered(events, k)
     return merge(ranges)

@@ -195,6 +195,7 @@ class NodeState:
     __slots__ = (
         "clear",
         "cls",
+        "entry",
         "first",
         "glevel",
         "gpu_ids",
@@ -225,6 +226,8 @@ class NodeState:
         self.group = shape.group
         self.ivs: list[list[Interval]] = [[] for _ in gpus]
         self.static = static
+        # Its place in its class's idle buckets; fixed, as static score and id never change.
+        self.entry = Entry(static, node.node_id)
         # Summaries kept up to date by CapacityIndex.refresh: GPUs idle now; most of them in one
         # topology group; until when all of them stay idle; GPUs idle now or held now only by
         # interruptible work; first interval start; last interval end; lowest interruptible
@@ -395,8 +398,10 @@ class CapacityIndex:
         unreliability = round((1.0 - node.reliability) * 1000)
         return self.policy.price_weight * cents + self.policy.reliability_weight * unreliability
 
-    def _index_nodes(self, nodes: Sequence[Node]) -> dict[int, Slot]:
-        where: dict[int, Slot] = {}
+    def _index_nodes(self, nodes: Sequence[Node]) -> dict[int, tuple[NodeState, int]]:
+        # (state, position) by GPU id; a Slot is made only for the few GPUs a victim holds, as
+        # this maps every GPU of the cluster.
+        where: dict[int, tuple[NodeState, int]] = {}
         shapes: dict[tuple, Shape] = {}
         statics: dict[tuple[Decimal, float], int] = {}
         for node in nodes:
@@ -427,12 +432,11 @@ class CapacityIndex:
                 cls.tiers.append(tier)
             cls = tier.cls
             ns.cls, ns.ranks = cls, tier.ranks
-            entry = Entry(static, ns.node_id)
-            cls.entries.append(entry)
-            tier.entries.append(entry)
+            cls.entries.append(ns.entry)
+            tier.entries.append(ns.entry)
             self.nodes[ns.node_id] = ns
             for position, gpu in enumerate(gpus):
-                where[gpu.gpu_id] = Slot(ns, position)
+                where[gpu.gpu_id] = (ns, position)
         for tier in self.tiers.values():
             tier.entries.sort()
         for cls in self.class_list:
@@ -447,21 +451,23 @@ class CapacityIndex:
             self.kind_gpus.append(gpu)
         return kind_id
 
-    def _index_busy(self, busy: Sequence[Busy], where: dict[int, Slot]) -> None:
-        now = self.now
+    def _index_busy(self, busy: Sequence[Busy], where: dict[int, tuple[NodeState, int]]) -> None:
+        # Enum members bound once: looking one up on its class costs more than the append.
+        now, spot, fixed = self.now, Tag.SPOT, Tag.FIXED
         for b in busy:
-            slot = where.get(b.gpu_id)
-            if b.end <= now or slot is None:
+            located = where.get(b.gpu_id)
+            if b.end <= now or located is None:
                 continue
-            tag = Tag.SPOT if b.interruptible else Tag.FIXED
-            slot.state.ivs[slot.position].append(Interval(b.start, b.end, b.rental_id, tag))
+            ns, position = located
+            tag = spot if b.interruptible else fixed
+            ns.ivs[position].append(Interval(b.start, b.end, b.rental_id, tag))
             if b.interruptible:
                 victim = self.victims.get(b.rental_id)
                 if victim is None:
                     victim = Victim(b.price, b.priority, b.start)
                     self.victims[b.rental_id] = victim
                 victim.start = min(victim.start, b.start)
-                victim.where.append(slot)
+                victim.where.append(Slot(ns, position))
         for victim in self.victims.values():
             gpus = len({(ns.node_id, p) for ns, p in victim.where})
             victim.cost = victim.price * gpus
@@ -537,7 +543,7 @@ class CapacityIndex:
         """Recompute the node's summaries after its intervals changed, and move it between
         buckets accordingly."""
         level, reclaimable = self._summarize(ns)
-        entry, cls = Entry(ns.static, ns.node_id), ns.cls
+        entry, cls = ns.entry, ns.cls
         if level != ns.level:
             if self.best_fit:
                 self._move(cls, cls.buckets, self.live, ns.level, entry, level, entry)
@@ -549,8 +555,9 @@ class CapacityIndex:
                     insort(cls.buckets[fresh], entry)
                     self.live[fresh].add(cls.cid)
             ns.level = level
-        rentry = ReclaimEntry(ns.min_victim or _ZERO, ns.node_id)
-        if reclaimable != ns.rlevel or rentry != ns.rentry:
+        cost = ns.min_victim or _ZERO
+        if reclaimable != ns.rlevel or cost != ns.rentry.cost:
+            rentry = ReclaimEntry(cost, ns.node_id)
             self._move(cls, cls.rbuckets, self.rlive, ns.rlevel, ns.rentry, reclaimable, rentry)
             ns.rlevel, ns.rentry = reclaimable, rentry
 
@@ -574,9 +581,8 @@ class CapacityIndex:
     ) -> None:
         """Give the chosen GPUs to the rental over [t0, t1)."""
         interval = Interval(t0, t1, rental_id, tag)
-        for choice in chosen:
-            ns = choice.state
-            for p in choice.positions:
+        for _, _, ns, positions in chosen:
+            for p in positions:
                 insort(ns.ivs[p], interval, key=_by_start)
             self.refresh(ns)
 

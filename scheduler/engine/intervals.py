@@ -73,8 +73,9 @@ def covered(events: list[Event], need: int) -> list[tuple[float, float]]:
     out = []
     count = 0
     opened = 0.0
+    opening = Edge.OPEN
     for at, edge in events:
-        if edge is Edge.OPEN:
+        if edge is opening:
             count += 1
             if count == need:
                 opened = at

@@ -45,12 +45,8 @@ def effective_priority(request: Request, now: float, policy: Policy = DEFAULT_PO
 
 def node_gpus(chosen: Iterable[Choice]) -> NodeGpus:
     """The GPU ids of the chosen nodes, nodes by id, GPUs by index."""
-    return tuple(
-        sorted(
-            (choice.state.node_id, tuple(choice.state.gpu_ids[p] for p in choice.positions))
-            for choice in chosen
-        )
-    )
+    gpus = ((ns.node_id, tuple(ns.gpu_ids[p] for p in positions)) for _, _, ns, positions in chosen)
+    return tuple(sorted(gpus))
 
 
 def _iso(t: float) -> str:
@@ -149,7 +145,7 @@ class _Planner:
         price = (
             req.bid
             if req.interruptible
-            else max(choice.state.node.price_per_gpu_hour for choice in chosen)
+            else max(ns.node.price_per_gpu_hour for _, _, ns, _ in chosen)
         )
         self.placements.append(
             Placement(

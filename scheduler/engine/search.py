@@ -12,27 +12,10 @@ number that fit (`Policy.future_candidates`).
 from __future__ import annotations
 
 from bisect import insort
-from typing import NamedTuple
 
 from scheduler.engine.capacity import Ask, CapacityIndex, Choice, NodeState
 from scheduler.engine.intervals import is_free
 from scheduler.engine.topology import Pick, pick, spans
-
-
-class Rank(NamedTuple):
-    """What a node must beat to enter the best m: (score, node id), compared as a tuple."""
-
-    score: int
-    node_id: int
-
-
-class _Scored(NamedTuple):
-    """A node found by `search_now`, its GPUs not chosen yet: only the best m get chosen."""
-
-    score: int
-    node_id: int
-    state: NodeState
-    full: bool
 
 
 def search(index: CapacityIndex, ask: Ask, t0: float, t1: float) -> list[Choice]:
@@ -48,15 +31,18 @@ def search_now(index: CapacityIndex, ask: Ask, t1: float) -> list[Choice]:
     k, m, same_group = ask.k, ask.m, ask.same_group
     match, classes, gate = ask.match, index.class_list, ask.match.gate
     pack, topo, nodes, live = index.pack, index.topo, index.nodes, index.live
-    best: list[_Scored] = []
-    worst: Rank | None = None
+    # (score, node id, state, full) of the nodes found, GPUs not chosen yet: only the best m
+    # get chosen. Plain tuples, unpacked: this list takes an insertion per node that fits.
+    best: list[tuple[int, int, NodeState, bool]] = []
+    # (score, node id) a node must beat to enter the best m, once there are m.
+    worst: tuple[int, int] | None = None
     # Buckets in increasing idle count: the packing term only grows, so once even the cheapest
     # node of a level cannot beat the m-th best, no later level can either. First fit's bucket
     # k already holds every node with k or more idle GPUs.
     top = index.max_level if index.best_fit else k
     for level in range(k, top + 1):
         base = pack * (level - k)
-        if worst is not None and base + match.min_static > worst.score:
+        if worst is not None and base + match.min_static > worst[0]:
             break
         for cid in live[level] & match.ids:
             cls = classes[cid]
@@ -91,11 +77,12 @@ def search_now(index: CapacityIndex, ask: Ask, t1: float) -> list[Choice]:
                     if picked is None:
                         continue
                     score = base + static + topo * (picked.spans - 1)
-                insort(best, _Scored(score, node_id, ns, full))
+                insort(best, (score, node_id, ns, full))
                 if len(best) > m:
                     best.pop()
                 if len(best) == m:
-                    worst = Rank(best[-1].score, best[-1].node_id)
+                    worst_score, worst_id, _, _ = best[-1]
+                    worst = (worst_score, worst_id)
     return [
         Choice(score, node_id, ns, pick_now(index, ns, ask, full, t1).positions)
         for score, node_id, ns, full in best
@@ -117,7 +104,8 @@ def search_future(index: CapacityIndex, ask: Ask, t0: float, t1: float) -> list[
     pack, topo, nodes = index.pack, index.topo, index.nodes
     budget = max(index.policy.future_candidates, m)
     best: list[Choice] = []
-    worst: Rank | None = None
+    # (score, node id) a node must beat to enter the best m, once there are m.
+    worst: tuple[int, int] | None = None
     full_of = ask.match.full
     for tier in ask.match.tiers():
         full = full_of[tier.cls.cid]
@@ -142,7 +130,7 @@ def search_future(index: CapacityIndex, ask: Ask, t0: float, t1: float) -> list[
             if len(best) > m:
                 best.pop()
             if len(best) == m:
-                worst = Rank(best[-1].score, best[-1].node_id)
+                worst = (best[-1].score, best[-1].node_id)
             budget -= 1
             if budget == 0:
                 return best
