@@ -27,15 +27,14 @@ from enum import IntEnum
 from itertools import accumulate, islice
 from math import inf
 from operator import attrgetter
-from typing import NamedTuple
+from typing import NamedTuple, TypeAlias
 
 from scheduler.engine.feasibility import gpu_matches, location_ok
-from scheduler.engine.intervals import Interval, Tag
+from scheduler.engine.intervals import Interval, Tag, interval_start
 from scheduler.engine.topology import group_ids, max_group
 from scheduler.engine.types import Busy, Gpu, Node, Policy, RentalId, Request, Snapshot
 
 _ZERO = Decimal(0)
-_by_start = attrgetter("start")
 _by_index = attrgetter("index")
 
 
@@ -56,11 +55,10 @@ class Entry(NamedTuple):
     node_id: int
 
 
-class ReclaimEntry(NamedTuple):
-    """A node in a reclaimable-count bucket; sorts by its cheapest victim's cost, then node id."""
-
-    cost: Decimal
-    node_id: int
+ReclaimEntry: TypeAlias = tuple[Decimal, int]
+"""(cheapest victim's cost, node id): a node in a reclaimable-count bucket, sorted by both. A plain
+tuple, read by unpacking, for the reason given at `intervals.Interval`: a new one is made whenever
+a node's victims change."""
 
 
 class Slot(NamedTuple):
@@ -237,7 +235,7 @@ class NodeState:
         self.idle_groups: list[int] = []
         self.idle_until = inf
         self.rlevel = 0
-        self.rentry = ReclaimEntry(_ZERO, node.node_id)
+        self.rentry: ReclaimEntry = (_ZERO, node.node_id)
         self.first = inf
         self.clear = -inf
         self.min_spot: Decimal | None = None
@@ -452,15 +450,15 @@ class CapacityIndex:
         return kind_id
 
     def _index_busy(self, busy: Sequence[Busy], where: dict[int, tuple[NodeState, int]]) -> None:
-        # Enum members bound once: looking one up on its class costs more than the append.
-        now, spot, fixed = self.now, Tag.SPOT, Tag.FIXED
+        # Tag values bound once: looking a member up on its class costs more than the append.
+        now, spot, fixed = self.now, Tag.SPOT.value, Tag.FIXED.value
         for b in busy:
             located = where.get(b.gpu_id)
             if b.end <= now or located is None:
                 continue
             ns, position = located
             tag = spot if b.interruptible else fixed
-            ns.ivs[position].append(Interval(b.start, b.end, b.rental_id, tag))
+            ns.ivs[position].append((b.start, b.end, b.rental_id, tag))
             if b.interruptible:
                 victim = self.victims.get(b.rental_id)
                 if victim is None:
@@ -474,7 +472,7 @@ class CapacityIndex:
         for ns in self.nodes.values():
             for intervals in ns.ivs:
                 if len(intervals) > 1:
-                    intervals.sort(key=_by_start)
+                    intervals.sort(key=interval_start)
             ns.level, ns.rlevel = self._summarize(ns)
         self.max_level = max((cls.size for cls in self.class_list), default=0)
         self.live = [set() for _ in range(self.max_level + 1)]
@@ -503,7 +501,7 @@ class CapacityIndex:
 
     def _summarize(self, ns: NodeState) -> tuple[int, int]:
         """Update the node's time and price summaries; returns its idle and reclaimable counts."""
-        now, group, spot = self.now, ns.group, Tag.SPOT
+        now, group, spot = self.now, ns.group, Tag.SPOT.value
         level = reclaimable = 0
         first, clear, idle_until = inf, -inf, inf
         spots: list[Victim] = []
@@ -512,16 +510,16 @@ class CapacityIndex:
             if intervals:
                 # Sorted by start, so the head is the earliest and the only one that can be
                 # running now.
-                head = intervals[0]
-                first = min(first, head.start)
+                head_start, _, _, head_tag = intervals[0]
+                first = min(first, head_start)
                 for _, end, rental_id, tag in intervals:
                     clear = max(clear, end)
-                    if tag is spot:
+                    if tag == spot:
                         spots.append(self.victims[rental_id])
-                if head.start <= now:
-                    reclaimable += head.tag is spot
+                if head_start <= now:
+                    reclaimable += head_tag == spot
                     continue
-                idle_until = min(idle_until, head.start)
+                idle_until = min(idle_until, head_start)
             level += 1
             reclaimable += 1
             if group is not None:
@@ -556,8 +554,9 @@ class CapacityIndex:
                     self.live[fresh].add(cls.cid)
             ns.level = level
         cost = ns.min_victim or _ZERO
-        if reclaimable != ns.rlevel or cost != ns.rentry.cost:
-            rentry = ReclaimEntry(cost, ns.node_id)
+        old_cost, _ = ns.rentry
+        if reclaimable != ns.rlevel or cost != old_cost:
+            rentry = (cost, ns.node_id)
             self._move(cls, cls.rbuckets, self.rlive, ns.rlevel, ns.rentry, reclaimable, rentry)
             ns.rlevel, ns.rentry = reclaimable, rentry
 
@@ -580,10 +579,10 @@ class CapacityIndex:
         self, rental_id: RentalId, t0: float, t1: float, chosen: Iterable[Choice], tag: Tag
     ) -> None:
         """Give the chosen GPUs to the rental over [t0, t1)."""
-        interval = Interval(t0, t1, rental_id, tag)
+        interval: Interval = (t0, t1, rental_id, tag.value)
         for _, _, ns, positions in chosen:
             for p in positions:
-                insort(ns.ivs[p], interval, key=_by_start)
+                insort(ns.ivs[p], interval, key=interval_start)
             self.refresh(ns)
 
     def evict(self, rental_id: RentalId) -> Victim:
@@ -591,9 +590,12 @@ class CapacityIndex:
         victim = self.victims.pop(rental_id)
         touched: dict[int, NodeState] = {}
         for ns, p in victim.where:
-            ns.ivs[p] = [
-                iv for iv in ns.ivs[p] if iv.rental_id != rental_id or iv.tag is not Tag.SPOT
-            ]
+            kept = []
+            for interval in ns.ivs[p]:
+                _, _, holder, tag = interval
+                if holder != rental_id or tag != Tag.SPOT:
+                    kept.append(interval)
+            ns.ivs[p] = kept
             touched[ns.node_id] = ns
         for ns in touched.values():
             self.refresh(ns)

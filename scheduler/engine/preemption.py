@@ -123,14 +123,14 @@ def victims_on(
     index: CapacityIndex, ns: NodeState, positions: list[int], ask: Ask, t1: float
 ) -> VictimSet | None:
     """The cheapest victims on one node that free k fitting GPUs over [now, t1)."""
-    req, victims, spot = ask.req, index.victims, Tag.SPOT
+    req, victims, spot = ask.req, index.victims, Tag.SPOT.value
     blockers: dict[int, set[RentalId]] = {}
     for p in positions:
         held: set[RentalId] | None = set()
         for start, _, rental_id, tag in ns.ivs[p]:
             if start >= t1:
                 break
-            victim = victims.get(rental_id) if tag is spot else None
+            victim = victims.get(rental_id) if tag == spot else None
             if victim is None or not may_preempt(req, victim):
                 held = None
                 break

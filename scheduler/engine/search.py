@@ -14,7 +14,7 @@ from __future__ import annotations
 from bisect import insort
 
 from scheduler.engine.capacity import Ask, CapacityIndex, Choice, NodeState
-from scheduler.engine.intervals import is_free
+from scheduler.engine.intervals import interval_start, is_free
 from scheduler.engine.topology import Pick, pick, spans
 
 
@@ -92,7 +92,7 @@ def search_now(index: CapacityIndex, ask: Ask, t1: float) -> list[Choice]:
 def pick_now(index: CapacityIndex, ns: NodeState, ask: Ask, full: bool, t1: float) -> Pick | None:
     """The node's GPUs for a request starting now: those free until t1."""
     ivs = ns.ivs
-    free = [p for p in ask.positions(ns, full) if not ivs[p] or ivs[p][0].start >= t1]
+    free = [p for p in ask.positions(ns, full) if not ivs[p] or interval_start(ivs[p][0]) >= t1]
     return pick(ns.group, free, ask.k, ask.same_group, index.best_fit)
 
 
