@@ -6,6 +6,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
+from django.conf import settings
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import exceptions, permissions, status
 from rest_framework.authentication import BaseAuthentication, get_authorization_header
@@ -18,7 +19,7 @@ from agentprotocol import ContainerReport, GpuInfo, JoinAnswer, Message, UsageRe
 from marketplace.api.pagination import Pagination
 from marketplace.errors import NotFound
 from marketplace.models import Node, Provider, Rental
-from provisioning import services
+from provisioning import ratelimit, services
 from provisioning.api.serializers import (
     HeartbeatAnswerSerializer,
     HeartbeatSerializer,
@@ -27,6 +28,7 @@ from provisioning.api.serializers import (
     JoinTokenCreateSerializer,
 )
 from provisioning.models import RunMetric
+from provisioning.redis_clients import redis_clients
 
 M = TypeVar("M", bound=Message)
 
@@ -63,16 +65,13 @@ class NodeThrottle(BaseThrottle):
     """Per-node request rate: a runaway agent cannot starve the others."""
 
     def allow_request(self, request, view) -> bool:
-        from django.conf import settings
-
-        from provisioning import ratelimit
-
+        clients = redis_clients()
         self._wait = ratelimit.hit(
-            services.hot_redis(),
+            clients.hot(),
             scope="agent",
             ident=f"node-{request.user.pk}",
             rate=settings.REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"]["agent"],
-            on_error=services.hot_redis_failed,
+            on_error=clients.hot_failed,
         )
         return self._wait is None
 

@@ -263,9 +263,10 @@ def test_a_running_rental_is_asked_to_stop_when_its_booked_time_ends(agent, rent
 
 def test_heartbeat_telemetry_is_buffered_then_stored_in_bulk(agent):
     from billing.models import TelemetryMinute, TelemetrySample
-    from provisioning.services import TELEMETRY_BUFFER_KEY, redis_client, telemetry_flush
+    from provisioning.redis_clients import redis_clients
+    from provisioning.services import TELEMETRY_BUFFER_KEY, telemetry_flush
 
-    redis_client().delete(TELEMETRY_BUFFER_KEY)
+    redis_clients().background().delete(TELEMETRY_BUFFER_KEY)
     samples = [
         {"gpu_index": g, "ts": 1.8e9 + t, "util_pct": 50.0 + g, "mem_used_mb": 1000,
          "power_w": 300.0, "temp_c": 60.0}
@@ -285,10 +286,10 @@ def test_heartbeat_telemetry_is_buffered_then_stored_in_bulk(agent):
 
 @pytest.fixture
 def agent_rate(settings):
-    from provisioning.services import redis_client
+    from provisioning.redis_clients import redis_clients
 
     # Node ids start again in every test database; counts of an earlier run are not theirs.
-    client = redis_client()
+    client = redis_clients().background()
     for key in client.scan_iter("gpumarket:rate:agent:*"):
         client.delete(key)
 
@@ -335,42 +336,31 @@ def hung_redis():
     """A Redis address that accepts connections and never answers."""
     import socket
 
-    import redis
-
-    from provisioning import services
+    from provisioning.redis_clients import RedisClients, redis_clients_replaced
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(64)
-    saved = services._HOT_REDIS, services._hot_paused_until
-    services._HOT_REDIS = redis.Redis(
-        host="127.0.0.1",
-        port=listener.getsockname()[1],
-        socket_timeout=services.HOT_REDIS_TIMEOUT_S,
-        socket_connect_timeout=services.HOT_REDIS_TIMEOUT_S,
-        retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0),
-    )
-    services._hot_paused_until = 0.0
-    yield
-    services._HOT_REDIS, services._hot_paused_until = saved
+    with redis_clients_replaced(RedisClients(f"redis://127.0.0.1:{listener.getsockname()[1]}/0")):
+        yield
     listener.close()
 
 
 def test_heartbeats_go_on_when_redis_hangs_and_redis_is_then_left_alone(
     agent, agent_rate, hung_redis
 ):
-    from provisioning import services
+    from provisioning.redis_clients import redis_clients
 
     agent_rate("1/hour")
     telemetry = [{"gpu_index": 0, "ts": 1.0, "util_pct": 5.0, "mem_used_mb": 1,
                   "power_w": 1.0, "temp_c": 30.0}]  # fmt: skip
-    assert services.hot_redis() is not None
+    assert redis_clients().hot() is not None
     for _ in range(3):
         # over its rate of 1/hour, but let through: the limiter cannot count
         r = _beat(agent, telemetry=telemetry)
         assert r.status_code == 200, r.content
         # after the first timeout the heartbeat path does not ask Redis for a while
-        assert services.hot_redis() is None
+        assert redis_clients().hot() is None
     assert Node.objects.get(pk=agent.node.pk).status == NodeStatus.ONLINE
 
 

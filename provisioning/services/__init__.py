@@ -1,0 +1,46 @@
+"""Provisioning writes, one module per concern: joining nodes (`join`), agent heartbeats
+(`heartbeat`), the telemetry buffer (`telemetry`) and the periodic node and rental sweeps
+(`sweeps`). Rental state changes go through marketplace.lifecycle."""
+
+from provisioning.services.heartbeat import (
+    benchmark_record,
+    desired_state,
+    heartbeat_interval_s,
+    metrics_store,
+    node_heartbeat,
+    run_id_for,
+)
+from provisioning.services.join import (
+    HostFacts,
+    catalog_match,
+    join_token_create,
+    node_authenticate,
+    node_credential_revoke,
+    node_join,
+)
+from provisioning.services.sweeps import nodes_mark_silent, rentals_end_booked_time
+from provisioning.services.telemetry import (
+    TELEMETRY_BUFFER_KEY,
+    telemetry_buffer,
+    telemetry_flush,
+)
+
+__all__ = [
+    "TELEMETRY_BUFFER_KEY",
+    "HostFacts",
+    "benchmark_record",
+    "catalog_match",
+    "desired_state",
+    "heartbeat_interval_s",
+    "join_token_create",
+    "metrics_store",
+    "node_authenticate",
+    "node_credential_revoke",
+    "node_heartbeat",
+    "node_join",
+    "nodes_mark_silent",
+    "rentals_end_booked_time",
+    "run_id_for",
+    "telemetry_buffer",
+    "telemetry_flush",
+]

@@ -1,0 +1,184 @@
+"""Joining nodes: one-time join tokens, matching reported GPUs to the catalog, node tokens
+(stored hashed) and their revocation, and the token lookup of every agent call."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+from decimal import Decimal
+
+from django.db import transaction
+from django.utils import timezone
+
+from agentprotocol import (
+    GpuInfo,
+)
+from marketplace.errors import ValidationFailed
+from marketplace.models import (
+    GpuModel,
+    Node,
+    NodeStatus,
+    Provider,
+    User,
+)
+from marketplace.services import GpuSpec, node_register, token_hash
+from marketplace.services.accounts import token_mint
+from provisioning.models import JoinToken, NodeCredential
+
+log = logging.getLogger(__name__)
+
+
+def join_token_create(
+    *,
+    provider: Provider,
+    created_by: User | None,
+    region: str,
+    price_per_gpu_hour: Decimal,
+    min_bid_per_gpu_hour: Decimal,
+    pool: str = "default",
+    valid_for: timedelta = timedelta(days=1),
+) -> tuple[JoinToken, str]:
+    """A one-time join token for one new host; the secret is returned once."""
+    if price_per_gpu_hour <= 0:
+        raise ValidationFailed("price must be positive", field="price_per_gpu_hour")
+    if not 0 < min_bid_per_gpu_hour <= price_per_gpu_hour:
+        raise ValidationFailed(
+            "minimum bid must be positive and at most the price", field="min_bid_per_gpu_hour"
+        )
+    prefix, raw = token_mint("gpj")
+    token = JoinToken.objects.create(
+        provider=provider,
+        key_hash=token_hash(raw),
+        prefix=prefix,
+        region=region,
+        pool=pool,
+        price_per_gpu_hour=price_per_gpu_hour,
+        min_bid_per_gpu_hour=min_bid_per_gpu_hour,
+        created_by=created_by,
+        expires_at=timezone.now() + valid_for,
+    )
+    return token, raw
+
+
+def catalog_match(name: str, memory_mb: int) -> GpuModel | None:
+    """The catalog card for an NVML device name ("NVIDIA H100 80GB HBM3") or a catalog slug.
+
+    The family must appear in the name; among its cards the closest memory size wins (NVML
+    reports a little less than the marketed size), then the form factor the name implies
+    ("PCIe"; "SXM" or HBM3 memory otherwise), then the memory type.
+    """
+    exact = GpuModel.objects.filter(slug=name).first()
+    if exact is not None:
+        return exact
+    lowered = name.lower()
+    compact = lowered.replace("nvidia", "").replace("geforce", "").replace(" ", "").replace("-", "")
+    memory_gb = memory_mb / 1024
+    if "pcie" in compact:
+        form = "pcie"
+    elif "sxm" in compact or "hbm3" in compact:
+        form = "sxm"
+    else:
+        form = ""
+    best = None
+    for model in GpuModel.objects.all():
+        if model.family not in compact:
+            continue
+        model_form = "pcie" if model.form_factor.lower() == "pcie" else "sxm"
+        score = (
+            abs(model.memory_gb - memory_gb) // 4,
+            0 if not form or form == model_form else 1,
+            0 if model.memory_type.lower() in compact else 1,
+            -len(model.family),
+        )
+        if best is None or score < best[0]:
+            best = (score, model)
+    if best is None or best[0][0] > max(1, memory_gb // 32):
+        return None
+    return best[1]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostFacts:
+    hostname: str
+    cpu_cores: int
+    ram_gb: int
+    disk_gb: int
+    driver_version: str = ""
+    cuda_version: str = ""
+    simulated: bool = False
+
+
+def node_join(*, raw_join_token: str, host: HostFacts, gpus: list[GpuInfo]) -> tuple[Node, str]:
+    """Turn a one-time join token into a listed node and a node token (stored hashed)."""
+    if not gpus:
+        raise ValidationFailed("a node needs at least one GPU", field="gpus")
+    with transaction.atomic():
+        token = (
+            JoinToken.objects.select_for_update()
+            .select_related("provider")
+            .filter(key_hash=token_hash(raw_join_token))
+            .first()
+        )
+        if token is None or token.used_at is not None or token.expires_at <= timezone.now():
+            raise ValidationFailed("invalid, used or expired join token", field="join_token")
+        models = {g.index: catalog_match(g.name, g.memory_mb) for g in gpus}
+        unknown = sorted({g.name for g in gpus if models[g.index] is None})
+        if unknown:
+            raise ValidationFailed(f"GPU not in the catalog: {', '.join(unknown)}", field="gpus")
+        node = node_register(
+            provider=token.provider,
+            hostname=host.hostname,
+            region=token.region,
+            pool=token.pool,
+            cpu_cores=host.cpu_cores,
+            ram_gb=host.ram_gb,
+            disk_gb=host.disk_gb,
+            price_per_gpu_hour=token.price_per_gpu_hour,
+            min_bid_per_gpu_hour=token.min_bid_per_gpu_hour,
+            gpus=[
+                GpuSpec(
+                    index=g.index,
+                    uuid=g.uuid,
+                    model_slug=models[g.index].slug,
+                    topology_group=g.topology_group,
+                )
+                for g in gpus
+            ],
+            status=NodeStatus.ONLINE,
+            simulated=host.simulated,
+            nvlink=any(g.topology_group.startswith("nvl") for g in gpus),
+            driver_version=host.driver_version,
+            cuda_version=host.cuda_version,
+        )
+        node.last_seen_at = timezone.now()
+        node.benchmark_requested = True  # measured, not declared: benchmark on join
+        node.save(update_fields=["last_seen_at", "benchmark_requested"])
+        _, raw = token_mint("gpn")
+        NodeCredential.objects.create(node=node, key_hash=token_hash(raw))
+        token.used_at = timezone.now()
+        token.node = node
+        token.save(update_fields=["used_at", "node"])
+    return node, raw
+
+
+def node_credential_revoke(*, node_id: int, actor: User | None) -> int:
+    """Revoke the node's tokens: its agent gets 401 from now on."""
+    return NodeCredential.objects.filter(node_id=node_id, revoked_at__isnull=True).update(
+        revoked_at=timezone.now()
+    )
+
+
+# The token lookup of every heartbeat, in SQL: building it through the ORM cost more server time
+# than running it.
+_NODE_BY_TOKEN_SQL = """
+SELECT n.* FROM marketplace_node n
+JOIN provisioning_nodecredential c ON c.node_id = n.id
+WHERE c.key_hash = %s AND c.revoked_at IS NULL
+LIMIT 1
+"""
+
+
+def node_authenticate(raw_token: str) -> Node | None:
+    """The node of a valid, unrevoked node token; None otherwise."""
+    return next(iter(Node.objects.raw(_NODE_BY_TOKEN_SQL, [token_hash(raw_token)])), None)
