@@ -13,6 +13,7 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -162,7 +163,15 @@ def _secret_key() -> str:
     return path.read_text().strip()
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def cmd_up(port: int) -> int:
+    # SIGTERM (a service manager, `kill`) stops the stack as Ctrl-C does; so does SIGINT even when
+    # a non-interactive shell started us in the background with SIGINT ignored.
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     services = ensure_services(VAR / "dev")
     env = dict(os.environ)
     env.update(
