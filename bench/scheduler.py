@@ -124,12 +124,14 @@ def offered_load(rate: float, seconds: float) -> dict:
     from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 
     env = dict(os.environ)
-    celery = str(ROOT / ".venv" / "bin" / "celery")
-    subprocess.run([celery, "-A", "config", "purge", "-f"], env=env, cwd=ROOT, check=False,
+    # The running interpreter's Celery, whatever virtualenv the bench runs from.
+    celery = [sys.executable, "-m", "celery"]
+    subprocess.run([*celery, "-A", "config", "purge", "-f"], env=env, cwd=ROOT, check=False,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     log_path = ROOT / ".var" / "bench" / "scheduler-worker.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     worker = subprocess.Popen(
-        [celery, "-A", "config", "worker", "-P", "solo", "-l", "info", "--without-heartbeat"],
+        [*celery, "-A", "config", "worker", "-P", "solo", "-l", "info", "--without-heartbeat"],
         cwd=ROOT,
         env=env,
         stdout=log_path.open("wb"),
