@@ -156,7 +156,7 @@ class MetricLineSerializer(ElementSerializer):
 class BenchmarkSerializer(serializers.Serializer):
     """A finished benchmark (the harness's benchmark mode); the whole result is kept as `raw`."""
 
-    matmul_tflops = serializers.FloatField(min_value=1e-9, max_value=1e9)
+    matmul_tflops = serializers.FloatField(min_value=0, max_value=1e12)
     precision = serializers.CharField(max_length=8, allow_blank=True, default="")
     device_name = serializers.CharField(max_length=120, allow_blank=True, default="")
     mem_bandwidth_gbs = serializers.FloatField(
@@ -176,6 +176,11 @@ class BenchmarkSerializer(serializers.Serializer):
         except serializers.ValidationError:
             self.dropped = 1
             return None
+
+    def validate_matmul_tflops(self, value: float) -> float:
+        if value <= 0:
+            raise serializers.ValidationError("must be positive")
+        return value
 
     def to_internal_value(self, data: Any) -> dict:
         return {**super().to_internal_value(data), "raw": json_sanitize(data)}
