@@ -19,6 +19,8 @@ from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_crea
 from provisioning.models import ContainerRun, JoinToken, NodeBenchmark, NodeCredential, RunMetric
 from provisioning.services import join_token_create
 from scheduler.services import scheduler_cycle_run
+
+# The live-agent fixtures of the end-to-end suite (a real `python -m nodeagent` process).
 from tests.e2e.conftest import join_token, stack_env, start_agent, wait_for  # noqa: F401
 from tests.factories import ProviderFactory
 
@@ -117,8 +119,7 @@ def test_every_malformed_element_kind_is_dropped_and_counted_and_the_rest_applie
             {**run, "status": "running", "started_at": 1e300},
             "not an object",
         ],
-        usage=[{"seq": 0, "rental_id": run["rental_id"], "run_id": run["run_id"],
-                "gpu_count": 1, "started_at": 1.0, "confirmed_at": 2.0}],  # fmt: skip
+        usage=[{**run, "seq": 0, "gpu_count": 1, "started_at": 1.0, "confirmed_at": 2.0}],
         telemetry=[sample, {**sample, "ts": 1e300}, {**sample, "mem_used_mb": 3_000_000_000}],
         metrics=[
             {**metric, "line": good_line},
@@ -148,9 +149,7 @@ def test_every_malformed_element_kind_is_dropped_and_counted_and_the_rest_applie
 
 
 @pytest.mark.django_db
-def test_a_nul_in_an_exited_containers_log_tail_ends_its_rental_with_the_tail_cleaned(
-    agent, rent
-):
+def test_a_nul_in_an_exited_containers_log_tail_ends_its_rental_with_the_tail_cleaned(agent, rent):
     rental, run = _running(agent, rent)
     r = _beat(
         agent,
@@ -323,7 +322,7 @@ time.sleep(3600)
 
 @pytest.mark.e2e
 @pytest.mark.django_db(transaction=True)
-def test_a_container_printing_hostile_output_does_not_take_the_node_down(start_agent, user):
+def test_a_container_printing_hostile_output_does_not_take_the_node_down(start_agent, user):  # noqa: F811
     agent = start_agent(runtime="process")
     node = wait_for(lambda: Node.objects.first(), 90, "the agent to join")
 
