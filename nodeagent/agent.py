@@ -433,6 +433,9 @@ class Agent:
         except ProtocolError as exc:
             raise TransientApiError(str(exc)) from exc
 
+        if answer.dropped:
+            # Applied all the same: resending would be refused again, the counts say what to fix.
+            logger.warning("the server dropped report elements", extra=dict(answer.dropped))
         self._after_delivery(answer, actual, taken, benchmark_sent=benchmark is not None)
         desired = answer.desired
         self._remember(desired)
