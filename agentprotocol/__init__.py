@@ -9,6 +9,8 @@ default, and is an error when the field has none.
 
 The server's DRF serializers stay the validation layer at its HTTP edge (size limits, ranges);
 tests/provisioning/test_agent_schema.py keeps their fields equal to these messages' fields.
+Text a container printed is untrusted: `agentprotocol.untrusted` bounds and cleans it, the same
+way at both ends.
 """
 
 from __future__ import annotations
@@ -316,6 +318,9 @@ class HeartbeatAnswer(Message):
     ack_usage_seq: int  # the highest usage seq handled; the agent drops reports up to it
     heartbeat_interval_s: float
     run_benchmark: bool  # measure the node (on join, or when ops ask for it)
+    # Report elements the server refused and dropped, by kind ("containers", "usage",
+    # "telemetry", "metrics", "benchmark"): the rest of the heartbeat was applied.
+    dropped: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_payload(

@@ -73,6 +73,22 @@ def offer_filters(data: dict) -> OfferFilters:
     )
 
 
+# A node's measured dense matmul rate is believed between 1% and 150% of its card's dense tensor
+# peak (the FP16-accumulate peak where the card has a faster one), whatever precision it was
+# measured in: FP32 without tensor cores is 6% or more of the tensor peak on every catalog card,
+# and a power-capped or throttled card stays far above 1%. Outside the band the benchmark is
+# kept for the record but neither shown nor priced: the agent's number is the provider's claim.
+MEASURED_TFLOPS_MIN_SHARE = 0.01
+MEASURED_TFLOPS_MAX_SHARE = 1.5
+
+
+def measured_tflops_plausible(*, model: GpuModel, tflops: float) -> bool:
+    """Whether a benchmark's TFLOPS can be believed for this card (the band above)."""
+    peak = max(model.tensor_tflops, model.tensor_tflops_fp16_acc or 0)
+    low = float(model.tensor_tflops) * MEASURED_TFLOPS_MIN_SHARE
+    return low <= tflops <= float(peak) * MEASURED_TFLOPS_MAX_SHARE
+
+
 def gpu_model_list() -> QuerySet[GpuModel]:
     return GpuModel.objects.all()
 
@@ -87,11 +103,18 @@ SELECT n.id AS node_id, n.hostname, p.name AS provider, n.region, n.nvlink, n.si
        m.memory_gb, m.tensor_tflops,
        n.gpu_count - COALESCE(busy.held, 0) AS free_gpus,
        round(n.price_per_gpu_hour / m.tensor_tflops, 6) AS price_per_tflop_hour,
-       n.measured_tflops,
-       round(n.price_per_gpu_hour / NULLIF(n.measured_tflops, 0)::numeric, 6)
-           AS price_per_measured_tflop_hour
+       measured.tflops AS measured_tflops,
+       round(n.price_per_gpu_hour / measured.tflops::numeric, 6) AS price_per_measured_tflop_hour
 FROM marketplace_node n
 JOIN marketplace_gpumodel m ON m.id = n.gpu_model_id
+-- A measured rate outside the plausible band is not shown nor divided by (1e-20 TFLOPS would
+-- price a TFLOP beyond any number the API can write).
+CROSS JOIN LATERAL (
+    SELECT CASE WHEN n.measured_tflops
+        BETWEEN m.tensor_tflops * {min_share}
+        AND GREATEST(m.tensor_tflops, COALESCE(m.tensor_tflops_fp16_acc, 0)) * {max_share}
+        THEN n.measured_tflops END AS tflops
+) measured
 JOIN marketplace_provider p ON p.id = n.provider_id
 LEFT JOIN (
     SELECT node_id, count(*) AS held FROM marketplace_allocation
@@ -134,7 +157,10 @@ def offer_list_sql(*, filters: OfferFilters, limit: int, offset: int) -> tuple[s
         where.append("n.reliability >= %s")
         params.append(f.min_reliability)
     sql = _OFFERS_SQL.format(
-        where="".join(f" AND {clause}" for clause in where), order=OFFER_ORDERINGS[f.ordering]
+        where="".join(f" AND {clause}" for clause in where),
+        order=OFFER_ORDERINGS[f.ordering],
+        min_share=MEASURED_TFLOPS_MIN_SHARE,
+        max_share=MEASURED_TFLOPS_MAX_SHARE,
     )
     params.extend([limit, offset])
     return sql, params

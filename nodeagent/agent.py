@@ -6,8 +6,11 @@ Each round (`Agent.tick`):
 2. spool usage: one report per running run (confirmed_at = now) and one final report per run
    that has exited (confirmed_at = when this agent last saw it running), appended durably to the
    spool before anything is sent;
-3. read output: new stdout lines of each run since its cursor; JSON-object lines (at most 4 KB)
-   are forwarded as metrics, at most 500 per heartbeat;
+3. read output: new stdout lines of each run since its cursor; lines that pass
+   `agentprotocol.untrusted.metric_line_parse` (a bounded JSON object, at most 4 KB) are
+   forwarded as metrics, at most 500 per heartbeat. Output is untrusted: a line that looks like
+   a metric and is not one (too deep, NaN, a step past 2^31, control characters) is dropped,
+   counted per run and logged, and the cursor moves past it like past any other line;
 4. heartbeat: telemetry, the runs' states (with the log tail of exited ones), the unacknowledged
    spool (oldest first), metrics and a finished benchmark; the answer is the desired state;
 5. on that answer: drop acknowledged usage, record how far metrics went, mark exited runs as
@@ -51,6 +54,7 @@ from agentprotocol import (
     ProtocolError,
     UsageReport,
 )
+from agentprotocol.untrusted import metric_line_parse, text_sanitize
 from nodeagent import hostinfo
 from nodeagent.benchmark import BenchmarkRunner, benchmark_env
 from nodeagent.client import (
@@ -90,7 +94,6 @@ SPOOL_DIR = "spool"
 
 USAGE_PER_HEARTBEAT = 1000
 METRICS_PER_HEARTBEAT = 500
-METRIC_LINE_MAX_BYTES = 4096
 # The server refuses bodies over 1 MiB; metrics get half of that.
 METRICS_BYTES_PER_HEARTBEAT = 512 * 1024
 # A run's unsent lines: past this, its output waits in the runtime's log instead of in memory.
@@ -135,19 +138,26 @@ def save_credentials(state_dir: str, credentials: Credentials, *, server_url: st
     write_atomic(os.path.join(state_dir, TOKEN_FILE), json.dumps(data) + "\n")
 
 
-def is_metric_line(line: str) -> bool:
-    """A JSON object of at most METRIC_LINE_MAX_BYTES: what the harness prints as metrics."""
-    if not line.startswith("{") or len(line.encode()) > METRIC_LINE_MAX_BYTES:
-        return False
-    try:
-        return isinstance(json.loads(line), dict)
-    except ValueError:
-        return False
+def metric_lines(lines: Sequence[str]) -> tuple[list[str], int]:
+    """The metric lines among a run's output lines, and how many lines looked like metrics
+    (they start with `{`) but were refused; other lines are the program's own log."""
+    metrics, refused = [], 0
+    for line in lines:
+        if not line.startswith("{"):
+            continue
+        try:
+            metric_line_parse(line)
+        except ProtocolError:
+            refused += 1
+            continue
+        metrics.append(line)
+    return metrics, refused
 
 
 def trim_log_tail(text: str) -> str:
-    """The last LOG_TAIL_LINES lines, at most LOG_TAIL_MAX_BYTES (cut at a character)."""
-    text = "".join(text.splitlines(keepends=True)[-LOG_TAIL_LINES:])
+    """The last LOG_TAIL_LINES lines, at most LOG_TAIL_MAX_BYTES (cut at a character), with
+    control characters replaced: a NUL the container printed must not reach the server."""
+    text = text_sanitize("".join(text.splitlines(keepends=True)[-LOG_TAIL_LINES:]))
     data = text.encode()
     if len(data) <= LOG_TAIL_MAX_BYTES:
         return text
@@ -160,7 +170,7 @@ def _missing_report(rental_id: str, run_id: str, error: str) -> ContainerReport:
         run_id=run_id,
         status=ContainerStatus.MISSING,
         log_tail=trim_log_tail(f"cannot start: {error}\n"),
-        error=error[:500],
+        error=text_sanitize(error[:500]),
     )
 
 
@@ -182,6 +192,7 @@ class _Live:
     start_error: str | None = None  # a permanent start failure, reported as "missing"
     start_failures: int = 0
     next_start_at: float = 0.0
+    refused_lines: int = 0  # output lines that looked like metrics and were not
 
 
 class _Operations:
@@ -422,6 +433,9 @@ class Agent:
         except ProtocolError as exc:
             raise TransientApiError(str(exc)) from exc
 
+        if answer.dropped:
+            # Applied all the same: resending would be refused again, the counts say what to fix.
+            logger.warning("the server dropped report elements", extra=dict(answer.dropped))
         self._after_delivery(answer, actual, taken, benchmark_sent=benchmark is not None)
         desired = answer.desired
         self._remember(desired)
@@ -495,7 +509,13 @@ class Agent:
                     "cannot read output", extra={"run_id": state.run_id, "error": str(exc)}
                 )
                 continue
-            metrics = [line for line in lines if is_metric_line(line)]
+            metrics, refused = metric_lines(lines)
+            if refused:
+                live.refused_lines += refused
+                logger.warning(
+                    "output lines refused as metrics",
+                    extra={"run_id": state.run_id, "lines": refused, "total": live.refused_lines},
+                )
             live.buffer.extend(metrics[live.base_skip :] if first_read else metrics)
             live.read_cursor = read_cursor
             if not live.buffer:

@@ -25,7 +25,8 @@ class JoinToken(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     expires_at = models.DateTimeField()
     used_at = models.DateTimeField(null=True, blank=True)
-    node = models.OneToOneField(
+    # The node it joined; a host that lost its token joins its node again with a new one.
+    node = models.ForeignKey(
         "marketplace.Node", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
 
@@ -128,6 +129,9 @@ class NodeBenchmark(models.Model):
     h2d_gbs = models.FloatField(null=True, blank=True)
     train_samples_per_s = models.FloatField(null=True, blank=True)
     raw = models.JSONField()
+    # Within the band marketplace.selectors.measured_tflops_plausible allows for the node's card;
+    # an implausible result is kept for the record and never priced.
+    plausible = models.BooleanField(default=True)
 
     class Meta:
         ordering = ["-measured_at"]

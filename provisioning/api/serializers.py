@@ -3,21 +3,83 @@
 The messages themselves are defined once, in `agentprotocol`; these serializers add the limits
 and document the shapes in the OpenAPI schema. tests/provisioning/test_agent_schema.py keeps
 their fields equal to the messages' fields.
+
+A heartbeat's elements (one container report, one usage report, one sample, one metric line,
+the benchmark) are checked one by one: a bad one is dropped and counted (`dropped` on the
+field) and the rest is applied. Only a heartbeat that is not one at all (not an object, a list
+that is not a list or is too long, a bad top-level field) is refused whole. Numbers are bounded
+to what the database columns and datetime can hold, so a valid element cannot fail later.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from rest_framework import serializers
 
 from agentprotocol import ContainerStatus
+from agentprotocol.untrusted import text_sanitize
 
 MAX_GPUS = 64
+INT32_MAX = (1 << 31) - 1
+# Unix times up to the year 2286: a larger one overflows datetime.
+EPOCH_MAX = 1e10
 
 
+def _epoch(**kwargs: Any) -> serializers.FloatField:
+    return serializers.FloatField(min_value=0, max_value=EPOCH_MAX, **kwargs)
+
+
+def json_sanitize(value: Any) -> Any:
+    """A JSON value with every string (keys too) passed through text_sanitize: PostgreSQL's
+    jsonb refuses a NUL anywhere."""
+    if isinstance(value, str):
+        return text_sanitize(value)
+    if isinstance(value, list):
+        return [json_sanitize(item) for item in value]
+    if isinstance(value, dict):
+        return {text_sanitize(str(k)): json_sanitize(item) for k, item in value.items()}
+    return value
+
+
+class ContainerTextField(serializers.CharField):
+    """Text a container wrote (its log tail, why it could not start): control characters are
+    replaced, not refused, so a NUL it printed cannot hide that it exited."""
+
+    def to_internal_value(self, data: Any) -> str:
+        return text_sanitize(super().to_internal_value(data))
+
+
+class DroppingListSerializer(serializers.ListSerializer):
+    """A list whose invalid elements are dropped and counted in `dropped` instead of refusing
+    the whole request; a value that is not a list, or too long a list, is still refused."""
+
+    dropped = 0
+
+    def to_internal_value(self, data: Any) -> list:
+        if not isinstance(data, list) or (self.max_length and len(data) > self.max_length):
+            return super().to_internal_value(data)  # refuses it with DRF's own message
+        kept, self.dropped = [], 0
+        for item in data:
+            try:
+                kept.append(self.run_child_validation(item))
+            except serializers.ValidationError:
+                self.dropped += 1
+        return kept
+
+
+class ElementSerializer(serializers.Serializer):
+    """One heartbeat element kind; as a list, its bad elements are dropped and counted."""
+
+    class Meta:
+        list_serializer_class = DroppingListSerializer
+
+
+# What one host can have, with room to spare; a report beyond it is not a host we list.
 class HostSerializer(serializers.Serializer):
-    cpu_cores = serializers.IntegerField(min_value=1, max_value=4096)
-    ram_gb = serializers.IntegerField(min_value=1, max_value=1 << 20)
-    disk_gb = serializers.IntegerField(min_value=1, max_value=1 << 30)
+    cpu_cores = serializers.IntegerField(min_value=1, max_value=1024)
+    ram_gb = serializers.IntegerField(min_value=1, max_value=64 * 1024)
+    disk_gb = serializers.IntegerField(min_value=1, max_value=10_000_000)
     driver_version = serializers.CharField(max_length=40, allow_blank=True, default="")
     cuda_version = serializers.CharField(max_length=20, allow_blank=True, default="")
 
@@ -26,7 +88,7 @@ class ReportedGpuSerializer(serializers.Serializer):
     index = serializers.IntegerField(min_value=0, max_value=255)
     uuid = serializers.CharField(max_length=64)
     name = serializers.CharField(max_length=120)
-    memory_mb = serializers.IntegerField(min_value=1, max_value=1 << 24)
+    memory_mb = serializers.IntegerField(min_value=1024, max_value=1 << 20)
     topology_group = serializers.CharField(max_length=40, allow_blank=True, default="")
 
 
@@ -38,25 +100,29 @@ class JoinSerializer(serializers.Serializer):
     simulated = serializers.BooleanField(default=False)
 
 
-class ContainerReportSerializer(serializers.Serializer):
+class ContainerReportSerializer(ElementSerializer):
     rental_id = serializers.UUIDField()
     run_id = serializers.CharField(max_length=128)
     status = serializers.ChoiceField(choices=[status.value for status in ContainerStatus])
-    exit_code = serializers.IntegerField(allow_null=True, required=False, default=None)
-    started_at = serializers.FloatField(allow_null=True, required=False, default=None)
-    finished_at = serializers.FloatField(allow_null=True, required=False, default=None)
-    log_tail = serializers.CharField(max_length=8192, allow_blank=True, required=False, default="")
+    exit_code = serializers.IntegerField(
+        min_value=-INT32_MAX - 1, max_value=INT32_MAX, allow_null=True, required=False, default=None
+    )
+    started_at = _epoch(allow_null=True, required=False, default=None)
+    finished_at = _epoch(allow_null=True, required=False, default=None)
+    log_tail = ContainerTextField(
+        max_length=8192, allow_blank=True, required=False, default="", trim_whitespace=False
+    )
     # Why the agent could not start the run at all (bad image, a runtime that cannot run it).
-    error = serializers.CharField(max_length=500, allow_blank=True, required=False, default="")
+    error = ContainerTextField(max_length=500, allow_blank=True, required=False, default="")
 
 
-class UsageReportSerializer(serializers.Serializer):
-    seq = serializers.IntegerField(min_value=1)
+class UsageReportSerializer(ElementSerializer):
+    seq = serializers.IntegerField(min_value=1, max_value=(1 << 63) - 1)
     rental_id = serializers.UUIDField()
     run_id = serializers.CharField(max_length=128)
     gpu_count = serializers.IntegerField(min_value=1, max_value=MAX_GPUS)
-    started_at = serializers.FloatField()
-    confirmed_at = serializers.FloatField()
+    started_at = _epoch()
+    confirmed_at = _epoch()
     final = serializers.BooleanField(default=False)
 
     def validate(self, attrs):
@@ -65,34 +131,79 @@ class UsageReportSerializer(serializers.Serializer):
         return attrs
 
 
-class TelemetrySerializer(serializers.Serializer):
+class TelemetrySerializer(ElementSerializer):
     gpu_index = serializers.IntegerField(min_value=0, max_value=255)
-    ts = serializers.FloatField()
+    ts = _epoch()
     util_pct = serializers.FloatField(min_value=0, max_value=100)
-    mem_used_mb = serializers.IntegerField(min_value=0)
-    power_w = serializers.FloatField(min_value=0)
-    temp_c = serializers.FloatField()
-    ecc_errors = serializers.IntegerField(min_value=0, required=False, default=0)
-    xid_errors = serializers.IntegerField(min_value=0, required=False, default=0)
+    mem_used_mb = serializers.IntegerField(min_value=0, max_value=1 << 24)
+    power_w = serializers.FloatField(min_value=0, max_value=100_000)
+    temp_c = serializers.FloatField(min_value=-273, max_value=1000)
+    ecc_errors = serializers.IntegerField(
+        min_value=0, max_value=INT32_MAX, required=False, default=0
+    )
+    xid_errors = serializers.IntegerField(
+        min_value=0, max_value=INT32_MAX, required=False, default=0
+    )
     healthy = serializers.BooleanField(required=False, default=True)
 
 
-class MetricLineSerializer(serializers.Serializer):
+class MetricLineSerializer(ElementSerializer):
     rental_id = serializers.UUIDField()
     run_id = serializers.CharField(max_length=128)
     line = serializers.CharField(max_length=4096)
 
 
+class BenchmarkSerializer(serializers.Serializer):
+    """A finished benchmark (the harness's benchmark mode); the whole result is kept as `raw`."""
+
+    matmul_tflops = serializers.FloatField(min_value=0, max_value=1e12)
+    precision = serializers.CharField(max_length=8, allow_blank=True, default="")
+    device_name = serializers.CharField(max_length=120, allow_blank=True, default="")
+    mem_bandwidth_gbs = serializers.FloatField(
+        min_value=0, max_value=1e9, allow_null=True, default=None
+    )
+    h2d_gbs = serializers.FloatField(min_value=0, max_value=1e9, allow_null=True, default=None)
+    train_samples_per_s = serializers.FloatField(
+        min_value=0, max_value=1e12, allow_null=True, default=None
+    )
+
+    dropped = 0
+
+    def run_validation(self, data: Any = serializers.empty) -> Any:
+        """A bad benchmark is dropped and counted, like any other heartbeat element."""
+        try:
+            return super().run_validation(data)
+        except serializers.ValidationError:
+            self.dropped = 1
+            return None
+
+    def validate_matmul_tflops(self, value: float) -> float:
+        if value <= 0:
+            raise serializers.ValidationError("must be positive")
+        return value
+
+    def to_internal_value(self, data: Any) -> dict:
+        return {**super().to_internal_value(data), "raw": json_sanitize(data)}
+
+
 class HeartbeatSerializer(serializers.Serializer):
     agent_version = serializers.CharField(max_length=40, required=False, default="")
-    sent_at = serializers.FloatField(required=False)
+    sent_at = _epoch(required=False)
     telemetry = TelemetrySerializer(
         many=True, max_length=4 * MAX_GPUS, required=False, default=list
     )
     containers = ContainerReportSerializer(many=True, max_length=256, required=False, default=list)
     usage = UsageReportSerializer(many=True, max_length=5000, required=False, default=list)
     metrics = MetricLineSerializer(many=True, max_length=500, required=False, default=list)
-    benchmark = serializers.DictField(required=False, allow_null=True, default=None)
+    benchmark = BenchmarkSerializer(required=False, allow_null=True, default=None)
+
+    # The element fields whose bad elements are dropped and counted.
+    ELEMENTS = ("telemetry", "containers", "usage", "metrics", "benchmark")
+
+    def dropped(self) -> dict[str, int]:
+        """After validation: how many elements of each kind were dropped."""
+        counts = {name: self.fields[name].dropped for name in self.ELEMENTS}
+        return {name: count for name, count in counts.items() if count}
 
 
 class JoinAnswerSerializer(serializers.Serializer):
@@ -120,6 +231,9 @@ class HeartbeatAnswerSerializer(serializers.Serializer):
     ack_usage_seq = serializers.IntegerField()
     heartbeat_interval_s = serializers.FloatField()
     run_benchmark = serializers.BooleanField()
+    dropped = serializers.DictField(
+        child=serializers.IntegerField(), help_text="report elements refused and dropped, by kind"
+    )
 
 
 class JoinTokenCreateSerializer(serializers.Serializer):

@@ -10,12 +10,14 @@ from django.conf import settings
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import exceptions, permissions, status
 from rest_framework.authentication import BaseAuthentication, get_authorization_header
+from rest_framework.parsers import JSONParser
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.throttling import BaseThrottle, SimpleRateThrottle
 from rest_framework.views import APIView
 
 from agentprotocol import ContainerReport, GpuInfo, JoinAnswer, Message, UsageReport
+from agentprotocol.untrusted import json_loads_bounded
 from marketplace.api.pagination import Pagination
 from marketplace.errors import NotFound
 from marketplace.models import Node, Provider, Rental
@@ -34,6 +36,23 @@ M = TypeVar("M", bound=Message)
 
 # A heartbeat carries at most a few hundred small records; anything bigger is not an agent.
 MAX_BODY_BYTES = 1 << 20
+# A heartbeat nests five levels (a benchmark's notes inside the benchmark); the parser recurses
+# once per level, so a body of 100,000 `[` would take the server's stack with it.
+MAX_BODY_DEPTH = 16
+
+
+class AgentJSONParser(JSONParser):
+    """JSON bodies from agents, read as untrusted: bounded in size and depth before parsing,
+    NaN and Infinity refused; any of these is one 400 and nothing is applied."""
+
+    def parse(self, stream, media_type=None, parser_context=None):
+        raw = stream.read(MAX_BODY_BYTES + 1)
+        if len(raw) > MAX_BODY_BYTES:
+            raise exceptions.ParseError(f"body larger than {MAX_BODY_BYTES} bytes")
+        try:
+            return json_loads_bounded(raw, max_depth=MAX_BODY_DEPTH)
+        except ValueError as exc:  # UnicodeDecodeError included
+            raise exceptions.ParseError(f"JSON parse error - {str(exc)[:200]}") from None
 
 
 class NodeAuthentication(BaseAuthentication):
@@ -105,6 +124,7 @@ class JoinView(APIView):
     authentication_classes: list = []
     permission_classes = [permissions.AllowAny]
     throttle_classes = [JoinThrottle]
+    parser_classes = [AgentJSONParser]
 
     @extend_schema(request=JoinSerializer, responses={201: JoinAnswerSerializer})
     def post(self, request: Request) -> Response:
@@ -131,6 +151,7 @@ class HeartbeatView(APIView):
     authentication_classes = [NodeAuthentication]
     permission_classes = [IsNode]
     throttle_classes = [NodeThrottle]
+    parser_classes = [AgentJSONParser]
 
     @extend_schema(request=HeartbeatSerializer, responses={200: HeartbeatAnswerSerializer})
     def post(self, request: Request) -> Response:
@@ -145,6 +166,7 @@ class HeartbeatView(APIView):
             telemetry=data["telemetry"],
             metrics=[(str(m["rental_id"]), m["run_id"], m["line"]) for m in data["metrics"]],
             benchmark=data["benchmark"],
+            dropped=body.dropped(),
         )
         return Response(answer.to_payload())
 

@@ -8,10 +8,13 @@ import hashlib
 import json
 import logging
 import uuid
+from collections import Counter
+from collections.abc import Mapping
 from datetime import UTC, datetime
+from typing import Any
 
 from django.conf import settings
-from django.db import IntegrityError, connection, transaction
+from django.db import DatabaseError, IntegrityError, connection, transaction
 from django.utils import timezone
 
 from agentprotocol import (
@@ -19,12 +22,13 @@ from agentprotocol import (
     ContainerStatus,
     DesiredRun,
     HeartbeatAnswer,
+    ProtocolError,
     UsageReport,
 )
+from agentprotocol.untrusted import metric_line_parse
 from billing.services.metering import UsageReport as MeteredUsage
 from billing.services.metering import usage_reports_apply
 from marketplace import lifecycle
-from marketplace.errors import ValidationFailed
 from marketplace.models import (
     GpuModel,
     Node,
@@ -32,6 +36,7 @@ from marketplace.models import (
     NodeStatus,
     Rental,
 )
+from marketplace.selectors import measured_tflops_plausible
 from provisioning.models import ContainerRun, NodeBenchmark, RunMetric
 from provisioning.services.telemetry import telemetry_buffer
 
@@ -153,22 +158,24 @@ def _apply_container(node: Node, report: ContainerReport, now: datetime) -> None
 
 
 def metrics_store(*, node: Node, lines: list[tuple[str, str, str]]) -> int:
-    """Store forwarded harness JSON lines (rental_id, run_id, line); replays are no-ops."""
+    """Store forwarded harness JSON lines (rental_id, run_id, line); replays are no-ops.
+
+    Each line is checked again here (`metric_line_parse`: depth, NaN, ranges, control
+    characters): the agent is not trusted to have done it. Returns how many were refused."""
     run_rentals = dict(
         ContainerRun.objects.filter(node=node, run_id__in={r for _, r, _ in lines}).values_list(
             "run_id", "rental_id"
         )
     )
-    rows = []
+    rows, refused = [], 0
     for _, run_id, line in lines:
         rental_id = run_rentals.get(run_id)
         if rental_id is None:
             continue
         try:
-            data = json.loads(line)
-        except ValueError:
-            continue  # a non-JSON stdout line is the program's own business
-        if not isinstance(data, dict):
+            data = metric_line_parse(line)
+        except ProtocolError:
+            refused += 1
             continue
         step = data.get("step")
         rows.append(
@@ -182,27 +189,36 @@ def metrics_store(*, node: Node, lines: list[tuple[str, str, str]]) -> int:
             )
         )
     RunMetric.objects.bulk_create(rows, ignore_conflicts=True)
-    return len(rows)
+    return refused
 
 
-def benchmark_record(*, node: Node, result: dict) -> NodeBenchmark:
-    tflops = result.get("matmul_tflops")
-    if not isinstance(tflops, int | float) or tflops <= 0:
-        raise ValidationFailed("benchmark needs a positive matmul_tflops", field="benchmark")
+def benchmark_record(*, node: Node, result: Mapping[str, Any]) -> NodeBenchmark:
+    """Record a validated benchmark (provisioning.api.serializers.BenchmarkSerializer). A rate
+    outside the plausible band for the node's card is kept, flagged, and not listed."""
+    tflops = float(result["matmul_tflops"])
+    plausible = measured_tflops_plausible(
+        model=GpuModel.objects.get(pk=node.gpu_model_id), tflops=tflops
+    )
     with transaction.atomic():
         bench = NodeBenchmark.objects.create(
             node=node,
-            precision=str(result.get("precision", ""))[:8],
-            device_name=str(result.get("device_name", ""))[:120],
-            matmul_tflops=float(tflops),
+            precision=result.get("precision", ""),
+            device_name=result.get("device_name", ""),
+            matmul_tflops=tflops,
             mem_bandwidth_gbs=result.get("mem_bandwidth_gbs"),
             h2d_gbs=result.get("h2d_gbs"),
             train_samples_per_s=result.get("train_samples_per_s"),
-            raw=result,
+            raw=result.get("raw", {}),
+            plausible=plausible,
         )
-        Node.objects.filter(pk=node.pk).update(
-            measured_tflops=float(tflops), benchmark_requested=False
-        )
+        update: dict[str, Any] = {"benchmark_requested": False}
+        if plausible:
+            update["measured_tflops"] = tflops
+        else:
+            log.warning(
+                "implausible benchmark node=%s: %s TFLOPS on %s", node.pk, tflops, node.gpu_model_id
+            )
+        Node.objects.filter(pk=node.pk).update(**update)
     return bench
 
 
@@ -213,53 +229,71 @@ def node_heartbeat(
     usage: list[UsageReport],
     telemetry: list[dict],
     metrics: list[tuple[str, str, str]],
-    benchmark: dict | None = None,
+    benchmark: Mapping[str, Any] | None = None,
+    dropped: Mapping[str, int] | None = None,
 ) -> HeartbeatAnswer:
-    """Apply one heartbeat and answer with the desired state."""
+    """Apply one heartbeat, all of it or nothing, and answer with the desired state.
+
+    `dropped` counts the elements the HTTP edge already refused; an element that passed it and
+    still cannot be applied (a database refusal) is rolled back to its savepoint, counted the
+    same way and logged: one bad report never fails the others, and never the answer."""
     now = timezone.now()
-    if node.status == NodeStatus.OFFLINE:
-        with transaction.atomic():
-            locked = Node.objects.select_for_update().get(pk=node.pk)
-            update: dict = {"last_seen_at": now}
-            if locked.status == NodeStatus.OFFLINE:
-                # Only an OFFLINE node comes back: a status set meanwhile (maintenance by its
-                # provider, say) is not overwritten.
-                NodeEvent.objects.create(
-                    node=locked,
-                    from_status=NodeStatus.OFFLINE,
-                    to_status=NodeStatus.ONLINE,
-                    reason="agent heartbeat",
+    counts: Counter[str] = Counter(dropped or {})
+    with transaction.atomic():
+        _node_seen(node=node, now=now)
+        for report in sorted(containers, key=lambda c: c.run_id):
+            try:
+                with transaction.atomic():
+                    _apply_container(node, report, now)
+            except DatabaseError as exc:
+                counts["containers"] += 1
+                log.warning(
+                    "container report dropped node=%s run=%s: %s", node.pk, report.run_id, exc
                 )
-                update["status"] = NodeStatus.ONLINE
-            Node.objects.filter(pk=node.pk).update(**update)
-    else:
-        # The common case is one UPDATE: 200 agents a second must stay cheap.
-        with connection.cursor() as cursor:
-            cursor.execute(_SEEN_SQL, [now, node.pk])
-    for report in sorted(containers, key=lambda c: c.run_id):
-        with transaction.atomic():
-            _apply_container(node, report, now)
-    ack = _usage_apply(node=node, usage=usage) if usage else 0
-    if telemetry:
-        telemetry_buffer(node_id=node.pk, samples=telemetry)
-    if metrics:
-        metrics_store(node=node, lines=metrics)
-    run_benchmark = node.benchmark_requested
-    if benchmark:
-        try:
+        ack = 0
+        if usage:
+            ack, refused = _usage_apply(node=node, usage=usage)
+            counts["usage"] += refused
+        if metrics:
+            counts["metrics"] += metrics_store(node=node, lines=metrics)
+        run_benchmark = node.benchmark_requested
+        if benchmark:
             benchmark_record(node=node, result=benchmark)
             run_benchmark = False
-        except ValidationFailed as exc:
-            log.warning("benchmark refused node=%s: %s", node.pk, exc.message)
-    desired = desired_state(node=node, now=now)
-    if desired:
-        _runs_request(node=node, desired=desired)
+        desired = desired_state(node=node, now=now)
+        if desired:
+            _runs_request(node=node, desired=desired)
+    if telemetry:
+        # Redis is not in the transaction: buffered once the rest is applied.
+        telemetry_buffer(node_id=node.pk, samples=telemetry)
     return HeartbeatAnswer(
         desired=tuple(desired),
         ack_usage_seq=ack,
         heartbeat_interval_s=heartbeat_interval_s(),
         run_benchmark=run_benchmark,
+        dropped={kind: n for kind, n in sorted(counts.items()) if n},
     )
+
+
+def _node_seen(*, node: Node, now: datetime) -> None:
+    if node.status != NodeStatus.OFFLINE:
+        # The common case is one UPDATE: 200 agents a second must stay cheap.
+        with connection.cursor() as cursor:
+            cursor.execute(_SEEN_SQL, [now, node.pk])
+        return
+    locked = Node.objects.select_for_update().get(pk=node.pk)
+    update: dict = {"last_seen_at": now}
+    if locked.status == NodeStatus.OFFLINE:
+        # Only an OFFLINE node comes back: a status set meanwhile (maintenance by its
+        # provider, say) is not overwritten.
+        NodeEvent.objects.create(
+            node=locked,
+            from_status=NodeStatus.OFFLINE,
+            to_status=NodeStatus.ONLINE,
+            reason="agent heartbeat",
+        )
+        update["status"] = NodeStatus.ONLINE
+    Node.objects.filter(pk=node.pk).update(**update)
 
 
 def _runs_request(*, node: Node, desired: list[DesiredRun]) -> None:
@@ -279,10 +313,10 @@ def _runs_request(*, node: Node, desired: list[DesiredRun]) -> None:
             continue  # a concurrent heartbeat recorded it first
 
 
-def _usage_apply(*, node: Node, usage: list[UsageReport]) -> int:
+def _usage_apply(*, node: Node, usage: list[UsageReport]) -> tuple[int, int]:
     """Hand the heartbeat's usage reports to billing in one batch (idempotent there); returns
-    the highest seq handled. A report billing refuses (a host clock far ahead, say) is logged
-    and acknowledged: it must not block every later report of the node."""
+    the highest seq handled and how many billing refused. A refused report (a host clock far
+    ahead, say) is logged and acknowledged: it must not block every later report of the node."""
     reports = sorted(usage, key=lambda r: r.seq)
     result = usage_reports_apply(
         node_id=node.pk,
@@ -307,4 +341,4 @@ def _usage_apply(*, node: Node, usage: list[UsageReport]) -> int:
             field_name,
             why,
         )
-    return reports[-1].seq
+    return reports[-1].seq, len(result.rejected)

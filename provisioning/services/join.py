@@ -9,13 +9,15 @@ from datetime import timedelta
 from decimal import Decimal
 
 from django.db import transaction
+from django.db.models import F
 from django.utils import timezone
 
 from agentprotocol import (
     GpuInfo,
 )
-from marketplace.errors import ValidationFailed
+from marketplace.errors import Conflict, ValidationFailed
 from marketplace.models import (
+    Gpu,
     GpuModel,
     Node,
     NodeStatus,
@@ -110,9 +112,15 @@ class HostFacts:
 
 
 def node_join(*, raw_join_token: str, host: HostFacts, gpus: list[GpuInfo]) -> tuple[Node, str]:
-    """Turn a one-time join token into a listed node and a node token (stored hashed)."""
+    """Turn a one-time join token into a listed node and a node token (stored hashed).
+
+    GPUs the catalog already lists, by UUID, make this a rejoin (`_node_rekey`): a host that
+    lost its node token joins its own node again. Another provider's GPUs are refused (409).
+    """
     if not gpus:
         raise ValidationFailed("a node needs at least one GPU", field="gpus")
+    if len({g.uuid for g in gpus}) != len(gpus):
+        raise ValidationFailed("GPU UUIDs must be unique", field="gpus")
     with transaction.atomic():
         token = (
             JoinToken.objects.select_for_update()
@@ -126,31 +134,42 @@ def node_join(*, raw_join_token: str, host: HostFacts, gpus: list[GpuInfo]) -> t
         unknown = sorted({g.name for g in gpus if models[g.index] is None})
         if unknown:
             raise ValidationFailed(f"GPU not in the catalog: {', '.join(unknown)}", field="gpus")
-        node = node_register(
-            provider=token.provider,
-            hostname=host.hostname,
-            region=token.region,
-            pool=token.pool,
-            cpu_cores=host.cpu_cores,
-            ram_gb=host.ram_gb,
-            disk_gb=host.disk_gb,
-            price_per_gpu_hour=token.price_per_gpu_hour,
-            min_bid_per_gpu_hour=token.min_bid_per_gpu_hour,
-            gpus=[
-                GpuSpec(
-                    index=g.index,
-                    uuid=g.uuid,
-                    model_slug=models[g.index].slug,
-                    topology_group=g.topology_group,
-                )
-                for g in gpus
-            ],
-            status=NodeStatus.ONLINE,
-            simulated=host.simulated,
-            nvlink=any(g.topology_group.startswith("nvl") for g in gpus),
-            driver_version=host.driver_version,
-            cuda_version=host.cuda_version,
+        listed = list(
+            Gpu.objects.select_for_update(of=("self",))
+            .select_related("node")
+            .filter(uuid__in=[g.uuid for g in gpus])
+            .order_by("pk")
         )
+        if listed:
+            node = _node_rekey(token=token, host=host, gpus=gpus, listed=listed)
+        else:
+            if Node.objects.filter(provider=token.provider, hostname=host.hostname).exists():
+                raise Conflict("this provider already lists a node of that name", field="hostname")
+            node = node_register(
+                provider=token.provider,
+                hostname=host.hostname,
+                region=token.region,
+                pool=token.pool,
+                cpu_cores=host.cpu_cores,
+                ram_gb=host.ram_gb,
+                disk_gb=host.disk_gb,
+                price_per_gpu_hour=token.price_per_gpu_hour,
+                min_bid_per_gpu_hour=token.min_bid_per_gpu_hour,
+                gpus=[
+                    GpuSpec(
+                        index=g.index,
+                        uuid=g.uuid,
+                        model_slug=models[g.index].slug,
+                        topology_group=g.topology_group,
+                    )
+                    for g in gpus
+                ],
+                status=NodeStatus.ONLINE,
+                simulated=host.simulated,
+                nvlink=any(g.topology_group.startswith("nvl") for g in gpus),
+                driver_version=host.driver_version,
+                cuda_version=host.cuda_version,
+            )
         node.last_seen_at = timezone.now()
         node.benchmark_requested = True  # measured, not declared: benchmark on join
         node.save(update_fields=["last_seen_at", "benchmark_requested"])
@@ -160,6 +179,45 @@ def node_join(*, raw_join_token: str, host: HostFacts, gpus: list[GpuInfo]) -> t
         token.node = node
         token.save(update_fields=["used_at", "node"])
     return node, raw
+
+
+def _node_rekey(
+    *, token: JoinToken, host: HostFacts, gpus: list[GpuInfo], listed: list[Gpu]
+) -> Node:
+    """A rejoin: the same node, its old token revoked, its host facts refreshed.
+
+    Only the provider that listed the GPUs may rejoin them, and only with exactly the node's
+    GPUs: a host presenting part of a node, or GPUs of two nodes, is refused (409) instead of
+    guessing. The node keeps its id, history, allocations and listing terms (the new join
+    token's region and prices are not applied: running rentals were priced on the old ones).
+    """
+    nodes = {gpu.node_id: gpu.node for gpu in listed}
+    if any(n.provider_id != token.provider_id for n in nodes.values()):
+        raise Conflict("these GPUs are listed by another provider", field="gpus")
+    (node,) = nodes.values() if len(nodes) == 1 else (None,)
+    if node is None or len(listed) != len(gpus) or node.gpu_count != len(gpus):
+        raise Conflict(
+            "the GPUs match a listed node only in part; retire that node first", field="gpus"
+        )
+    node_credential_revoke(node_id=node.pk, actor=None)
+    # A reboot may number the devices differently: follow the UUIDs, through indices no GPU
+    # has, because (node, index) is unique at every step.
+    index_of = {g.uuid: g.index for g in gpus}
+    moved = [gpu for gpu in listed if gpu.index != index_of[gpu.uuid]]
+    if moved:
+        Gpu.objects.filter(pk__in=[gpu.pk for gpu in moved]).update(index=F("index") + 1000)
+        for gpu in moved:
+            Gpu.objects.filter(pk=gpu.pk).update(index=index_of[gpu.uuid])
+    Node.objects.filter(pk=node.pk).update(
+        cpu_cores=host.cpu_cores,
+        ram_gb=host.ram_gb,
+        disk_gb=host.disk_gb,
+        driver_version=host.driver_version,
+        cuda_version=host.cuda_version,
+    )
+    log.info("node rejoined node=%s provider=%s", node.pk, token.provider_id)
+    node.refresh_from_db()
+    return node
 
 
 def node_credential_revoke(*, node_id: int, actor: User | None) -> int:

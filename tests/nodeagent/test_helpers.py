@@ -12,8 +12,8 @@ from nodeagent import hostinfo
 from nodeagent.agent import (
     LOG_TAIL_MAX_BYTES,
     Credentials,
-    is_metric_line,
     load_credentials,
+    metric_lines,
     save_credentials,
     trim_log_tail,
 )
@@ -41,6 +41,10 @@ def test_credentials_round_trip_and_damage(tmp_path):
         load_credentials(str(tmp_path))
 
 
+def is_metric_line(line: str) -> bool:
+    return metric_lines([line])[0] == [line]
+
+
 def test_metric_lines_are_json_objects_of_at_most_4_kb():
     assert is_metric_line('{"event": "step", "loss": 1.5}')
     assert not is_metric_line("epoch 1 done")
@@ -51,6 +55,31 @@ def test_metric_lines_are_json_objects_of_at_most_4_kb():
     # the limit counts bytes, not characters
     assert is_metric_line(json.dumps({"b": "é" * 2000}, ensure_ascii=False))
     assert not is_metric_line(json.dumps({"b": "é" * 2100}, ensure_ascii=False))
+
+
+def test_output_that_looks_like_a_metric_and_is_not_one_is_counted_never_raised():
+    deep = '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    hostile = [
+        deep,
+        '{"a": ' + "[" * 1100,  # unterminated
+        '{"step": 3000000000}',
+        '{"step": -1}',
+        '{"step": 1.5}',
+        '{"loss": NaN}',
+        '{"loss": Infinity}',
+        '{"loss": 1e999}',
+        '{"event": "x\u0000y"}',
+        '{"event": "\ud800"}',
+        "{" + "x" * 1_000_000,
+        '{"a": {"b": {"c": {"d": {"e": 1}}}}}',
+    ]
+    plain = ["epoch 1 done", "\ufffd\ufffd invalid utf-8 replaced", "[1, 2]"]
+    good = '{"event": "step", "step": 2147483647, "loss": 2.5, "config": {"model": {"w": [1]}}}'
+    assert metric_lines([*hostile, *plain, good]) == ([good], len(hostile))
+
+
+def test_log_tail_has_no_control_characters():
+    assert trim_log_tail("a\x00b\x1bc\n\tok\r\n") == "a\ufffdb\ufffdc\n\tok\r\n"
 
 
 def test_log_tail_keeps_the_last_50_lines_within_8_kb():

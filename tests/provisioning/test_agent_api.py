@@ -133,11 +133,13 @@ def test_revoked_node_token_is_401(agent):
     assert r.status_code == 401
 
 
-def test_bad_heartbeat_is_400_naming_the_field(agent):
+def test_a_bad_element_is_dropped_and_counted_a_bad_heartbeat_is_400_naming_the_field(agent):
     r = _beat(agent, containers=[{"rental_id": "not-a-uuid", "run_id": "x", "status": "running"}])
-    assert r.status_code == 400 and "containers" in r.json()
+    assert r.status_code == 200 and r.json()["dropped"] == {"containers": 1}
+    seen = Node.objects.get(pk=agent.node.pk).last_seen_at
     r = _beat(agent, metrics=[{"rental_id": "x"}] * 501)
     assert r.status_code == 400 and "metrics" in r.json()
+    assert Node.objects.get(pk=agent.node.pk).last_seen_at == seen
 
 
 def _schedule(rent, gpus=2, **kwargs):
