@@ -72,7 +72,10 @@ def account_page(request: HttpRequest) -> HttpResponse:
         "billing/account.html",
         {
             "summary": summary,
-            "runway_hours": max(0, summary.available_micros) / burn if burn > 0 else None,
+            # Held money is what the running rentals burn: the runway counts it.
+            "runway_hours": max(0, summary.balance_micros - summary.accrued_micros) / burn
+            if burn > 0
+            else None,
             "notices": selectors.notice_list(user=request.user)[:5],
             "invoices": selectors.invoice_list(user=request.user)[:24],
             "entries": entries[:LEDGER_ROWS],

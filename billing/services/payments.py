@@ -268,8 +268,9 @@ def refund_create(
             left = topup.amount_cents * conf.MICROS_PER_CENT - refunded
             if amount_micros > left:
                 raise Conflict(f"only {_usd(left)} of this top-up is left to refund")
-        available = account.balance_micros - selectors.customer_accrued_micros(
-            customer_id=account.user_id
+        # Money held for booked rentals is not refundable until they end.
+        available = selectors.customer_available_micros(
+            customer_id=account.user_id, balance_micros=account.balance_micros
         )
         if amount_micros > available:
             raise Conflict(f"only {_usd(max(available, 0))} is available to refund")
