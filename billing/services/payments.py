@@ -354,15 +354,18 @@ def payout_create(
     account_id: int,
     actor: User | None,
     amount_micros: int | None = None,
-    reason: str = "",
+    reason: str,
     payout_id: uuid.UUID | None = None,
 ) -> Payout:
-    """Pay a provider's earnings out: by default the whole balance in whole cents. Through a
-    Stripe Connect transfer where enabled and the provider has a Connect account, otherwise
-    recorded for ops to pay by bank transfer (then marked paid). `payout_id` makes a
-    re-submission return the first payout."""
+    """Pay a provider's earnings out, with a required reason: by default the whole balance in
+    whole cents. Through a Stripe Connect transfer where enabled and the provider has a Connect
+    account, otherwise recorded for ops to pay by bank transfer (then marked paid). `payout_id`
+    makes a re-submission return the first payout."""
     if payout_id is not None and (done := Payout.objects.filter(pk=payout_id).first()):
         return done
+    reason = (reason or "").strip()
+    if not reason:
+        raise ValidationFailed("a reason is required", field="reason")
     with transaction.atomic():
         account = Account.objects.select_for_update().get(pk=account_id)
         if account.kind != AccountKind.PROVIDER:
@@ -390,7 +393,7 @@ def payout_create(
             kind=EntryKind.PAYOUT,
             amount_micros=-amount_micros,
             key=f"payout:{payout.pk}",
-            memo=reason or "payout",
+            memo=reason,
             actor=actor,
         )
     if connect:

@@ -307,7 +307,7 @@ def _provider_with_earnings(provider, amount: str) -> Account:
 
 def test_a_payout_without_connect_is_recorded_for_ops(provider):
     account = _provider_with_earnings(provider, "12.345678")
-    payout = payout_create(account_id=account.pk, actor=None)
+    payout = payout_create(account_id=account.pk, actor=None, reason="monthly")
     # Whole cents leave; the fraction of a cent stays on the account.
     assert (payout.method, payout.status, payout.amount_micros) == (
         PayoutMethod.MANUAL,
@@ -324,7 +324,7 @@ def test_a_connect_payout_refused_by_stripe_returns_the_money(stripe_on, setting
     settings.STRIPE_CONNECT_ENABLED = True
     account = _provider_with_earnings(provider, "30.00")
     Account.objects.filter(pk=account.pk).update(stripe_connect_account_id="acct_test")
-    payout = payout_create(account_id=account.pk, actor=None)
+    payout = payout_create(account_id=account.pk, actor=None, reason="monthly")
     assert (payout.method, payout.status) == (PayoutMethod.STRIPE_CONNECT, MoneyOutStatus.FAILED)
     account.refresh_from_db()
     assert account.balance_micros == usd("30.00")
@@ -335,7 +335,7 @@ def test_a_connect_payout_refused_by_stripe_returns_the_money(stripe_on, setting
 
 def test_a_reversed_transfer_webhook_returns_the_payout_once(stripe_on, provider, client):
     account = _provider_with_earnings(provider, "8.00")
-    payout = payout_create(account_id=account.pk, actor=None)
+    payout = payout_create(account_id=account.pk, actor=None, reason="monthly")
     Payout.objects.filter(pk=payout.pk).update(
         method=PayoutMethod.STRIPE_CONNECT,
         status=MoneyOutStatus.SUCCEEDED,
