@@ -404,8 +404,8 @@ class PayoutAdmin(ReadOnlyAdmin):
 
 @admin.register(StripeEvent)
 class StripeEventAdmin(ReadOnlyAdmin):
-    list_display = ["received_at", "event_id", "type", "outcome"]
-    list_filter = ["type"]
+    list_display = ["received_at", "event_id", "type", "suspicious", "outcome"]
+    list_filter = ["suspicious", "type"]
     search_fields = ["=event_id"]
 
 

@@ -27,6 +27,9 @@ def stripe_webhook(request: HttpRequest) -> JsonResponse:
     except stripe_adapter.WebhookSignatureInvalid as exc:
         log.warning("stripe webhook refused: %s", exc)
         return JsonResponse({"detail": "invalid signature"}, status=400)
+    except stripe_adapter.WebhookEventMalformed as exc:
+        log.warning("stripe webhook refused: %s", exc)
+        return JsonResponse({"detail": f"malformed event: {exc}"}, status=400)
     if event is None:
         return JsonResponse({"received": True, "duplicate": True})
     return JsonResponse({"received": True, "duplicate": False, "outcome": event.outcome})
