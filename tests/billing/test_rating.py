@@ -282,7 +282,7 @@ def test_the_same_posting_key_cannot_be_written_twice(user):
 
 
 def test_a_rental_without_funds_is_refused_with_402_and_nothing_is_stored(
-    make_node, auth_api, user
+    make_node, auth_api, user, fund
 ):
     make_node(price="1.00")
     body = {"gpus_per_node": 2, "duration_s": 7200, "runtime": {"image": "gpumarket/harness:dev"}}
@@ -291,28 +291,13 @@ def test_a_rental_without_funds_is_refused_with_402_and_nothing_is_stored(
     assert r.json()["code"] == "payment_required"
     assert not Rental.objects.exists()
     # 2 GPUs x 2 h at a $1.50 cap hold $6.00: neither $1.00 nor $3.00 covers it; $6.00 does.
-    account_adjust(
-        account_id=account_for_customer(user=user).pk,
-        amount_micros=usd("1.00"),
-        reason="test",
-        actor=None,
-    )
+    fund(user, "1.00")
     body["max_price_per_gpu_hour"] = "1.50"
     assert auth_api.post("/api/v1/rentals/", body, format="json").status_code == 402
-    account_adjust(
-        account_id=account_for_customer(user=user).pk,
-        amount_micros=usd("2.00"),
-        reason="test",
-        actor=None,
-    )
+    fund(user, "2.00")
     refused = auth_api.post("/api/v1/rentals/", body, format="json")
     assert refused.status_code == 402
     assert "holds $6.00" in refused.json()["detail"] and "$3.00" in refused.json()["detail"]
     assert not Rental.objects.exists()
-    account_adjust(
-        account_id=account_for_customer(user=user).pk,
-        amount_micros=usd("3.00"),
-        reason="test",
-        actor=None,
-    )
+    fund(user, "3.00")
     assert auth_api.post("/api/v1/rentals/", body, format="json").status_code == 201
