@@ -1,5 +1,10 @@
 """The ops console for money: read-only ledgers, and credits, refunds and payouts through forms
-that require a reason and call the services (never a direct edit of a row)."""
+that require a reason and call the services (never a direct edit of a row).
+
+Being staff lets one look; moving money takes the explicit permission of each action
+(billing.adjust_account, billing.issue_refund, billing.create_payout, and
+billing.change_payout_destination for where Connect payouts go). The ledger rows and the refund
+and payout rows record who acted and why; the admin log records each action too."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from decimal import Decimal
 
 from django import forms
 from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponseRedirect
 from django.shortcuts import get_object_or_404
 from django.template.response import TemplateResponse
@@ -32,6 +38,12 @@ from billing.models import (
 )
 from billing.templatetags.billing_money import usd
 from marketplace.errors import DomainError
+
+
+def _require_perm(request: HttpRequest, codename: str) -> None:
+    """Refuse (403) a money action the user has no explicit permission for."""
+    if not request.user.has_perm(f"billing.{codename}"):
+        raise PermissionDenied(f"moving money needs the billing.{codename} permission")
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
@@ -83,7 +95,7 @@ class PayoutForm(forms.Form):
         required=False,
         help_text="USD; empty: the whole balance",
     )
-    reason = forms.CharField(max_length=500, required=False)
+    reason = forms.CharField(max_length=500)
     key = forms.UUIDField(widget=forms.HiddenInput, initial=uuid.uuid4)
 
 
@@ -104,8 +116,14 @@ class AccountAdmin(admin.ModelAdmin):
         "ops_actions",
         "recent_entries",
     ]
-    # Only the provider's Connect account id is edited by hand; money moves through the forms.
+    # Only the provider's Connect account id is edited by hand, and only with the permission
+    # to send payouts somewhere; money moves through the forms.
     readonly_fields = [f for f in fields if f != "stripe_connect_account_id"]
+
+    def get_readonly_fields(self, request, obj=None):
+        if request.user.has_perm("billing.change_payout_destination"):
+            return self.readonly_fields
+        return self.fields
 
     def has_add_permission(self, request, obj=None) -> bool:
         return False
@@ -200,10 +218,12 @@ class AccountAdmin(admin.ModelAdmin):
         )
 
     def _done(self, request, account, message):
+        self.log_change(request, account, message)
         self.message_user(request, message, messages.SUCCESS)
         return HttpResponseRedirect(reverse("admin:billing_account_change", args=[account.pk]))
 
     def adjust_view(self, request: HttpRequest, account_id: int):
+        _require_perm(request, "adjust_account")
         account = get_object_or_404(Account, pk=account_id)
         form = AdjustForm(request.POST or None)
         if request.method == "POST" and form.is_valid():
@@ -219,10 +239,16 @@ class AccountAdmin(admin.ModelAdmin):
                 form.add_error(None, exc.message)
             else:
                 note = "posted" if entry else "already posted (form submitted twice)"
-                return self._done(request, account, f"Adjustment {note}.")
+                amount = usd(services.micros_from_usd(form.cleaned_data["amount"]))
+                return self._done(
+                    request,
+                    account,
+                    f"Adjustment of {amount} {note}: {form.cleaned_data['reason']}",
+                )
         return self._form_page(request, account, form, "Credit or debit")
 
     def refund_view(self, request: HttpRequest, account_id: int):
+        _require_perm(request, "issue_refund")
         account = get_object_or_404(Account, pk=account_id, kind=AccountKind.CUSTOMER)
         form = RefundForm(request.POST or None, account=account)
         if request.method == "POST" and form.is_valid():
@@ -239,10 +265,15 @@ class AccountAdmin(admin.ModelAdmin):
             except DomainError as exc:
                 form.add_error(None, exc.message)
             else:
-                return self._done(request, account, f"Refund {refund.status}.")
+                return self._done(
+                    request,
+                    account,
+                    f"Refund of {usd(refund.amount_micros)} {refund.status}: {refund.reason}",
+                )
         return self._form_page(request, account, form, "Refund")
 
     def payout_view(self, request: HttpRequest, account_id: int):
+        _require_perm(request, "create_payout")
         account = get_object_or_404(Account, pk=account_id, kind=AccountKind.PROVIDER)
         form = PayoutForm(request.POST or None)
         if request.method == "POST" and form.is_valid():
@@ -261,7 +292,8 @@ class AccountAdmin(admin.ModelAdmin):
                 return self._done(
                     request,
                     account,
-                    f"Payout of {usd(payout.amount_micros)} {payout.status} ({payout.method}).",
+                    f"Payout of {usd(payout.amount_micros)} {payout.status} ({payout.method}):"
+                    f" {payout.reason}",
                 )
         return self._form_page(request, account, form, "Pay out")
 
@@ -317,12 +349,17 @@ class RefundAdmin(ReadOnlyAdmin):
         return usd(refund.amount_micros)
 
 
-@admin.action(description="Mark manual payouts as paid (bank transfer made)")
+@admin.action(
+    description="Mark manual payouts as paid (bank transfer made)",
+    permissions=["create_payout"],
+)
 def payouts_mark_paid(modeladmin, request, queryset):
+    _require_perm(request, "create_payout")
     done, refused = 0, []
     for payout in queryset.filter(method=PayoutMethod.MANUAL).order_by("pk"):
         try:
             services.payout_mark_paid(payout_id=payout.pk, actor=request.user)
+            modeladmin.log_change(request, payout, "marked paid (bank transfer made)")
             done += 1
         except DomainError as exc:
             refused.append(exc.message)
@@ -353,7 +390,10 @@ class PayoutAdmin(ReadOnlyAdmin):
 
     def has_change_permission(self, request, obj=None) -> bool:
         # The changelist action needs it; the form itself stays read-only (no editable field).
-        return obj is None and request.user.is_staff
+        return obj is None and self.has_create_payout_permission(request)
+
+    def has_create_payout_permission(self, request) -> bool:
+        return request.user.has_perm("billing.create_payout")
 
     def get_actions(self, request):
         actions = super().get_actions(request)
@@ -364,8 +404,8 @@ class PayoutAdmin(ReadOnlyAdmin):
 
 @admin.register(StripeEvent)
 class StripeEventAdmin(ReadOnlyAdmin):
-    list_display = ["received_at", "event_id", "type", "outcome"]
-    list_filter = ["type"]
+    list_display = ["received_at", "event_id", "type", "suspicious", "outcome"]
+    list_filter = ["suspicious", "type"]
     search_fields = ["=event_id"]
 
 

@@ -7,8 +7,8 @@ class BillingConfig(AppConfig):
 
     def ready(self) -> None:
         # Models are loaded only now. The marketplace cannot import billing (billing depends
-        # on it), so billing hands it the balance check that guards every new rental.
-        from billing.services import funds_check
-        from marketplace.services.rentals import funds_check_register
+        # on it), so billing hands it the funds hold that guards every new rental.
+        from billing.services import funds_hold_create
+        from marketplace.services.rentals import funds_hold_register
 
-        funds_check_register(funds_check)
+        funds_hold_register(funds_hold_create)

@@ -10,3 +10,11 @@ class PaymentsUnavailable(DomainError):
 
     status = 503
     code = "payments_unavailable"
+
+
+class PaymentMismatch(DomainError):
+    """Stripe reports a payment that is not the one this server asked for (another amount,
+    currency, customer or account): nothing is credited."""
+
+    status = 409
+    code = "payment_mismatch"

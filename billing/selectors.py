@@ -33,6 +33,7 @@ class AccountSummary:
     account: Account | None
     balance_micros: int
     accrued_micros: int
+    held_micros: int
     available_micros: int
     hourly_burn_micros: int
 
@@ -70,21 +71,57 @@ def customer_hourly_burn_micros(*, customer_id: int) -> int:
         return int(cursor.fetchone()[0])
 
 
-def customer_available_micros(*, customer_id: int) -> int:
-    account = customer_account(customer_id=customer_id)
-    balance = account.balance_micros if account else 0
-    return balance - customer_accrued_micros(customer_id=customer_id)
+def customer_held_micros(*, customer_id: int) -> int:
+    """What the customer's unfinished rentals may still cost: each hold, at the price locked at
+    placement once there is one (at the estimate of its creation before), less what the rental
+    has been charged so far, never below zero; a rental that has ended holds nothing.
+
+    Computed from the rows each time rather than kept as a counter, so it cannot drift: a
+    charge lowers the hold as it lowers the balance (or is accrued), and an end releases it.
+    """
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """
+            SELECT coalesce(sum(greatest(
+                CASE WHEN r.price_per_gpu_hour IS NULL THEN h.amount_micros
+                     ELSE ceil(r.price_per_gpu_hour * 1000000 * r.gpus_per_node * r.node_count
+                               * r.duration_s / 3600)
+                END
+                - coalesce((SELECT sum(m.charge_micros) FROM billing_usagemeter m
+                            WHERE m.rental_id = r.id), 0),
+                0)), 0)
+            FROM marketplace_rental r JOIN billing_fundshold h ON h.rental_id = r.id
+            WHERE r.customer_id = %s AND r.status = ANY(%s)
+            """,
+            [customer_id, [str(s) for s in lifecycle.ACTIVE]],
+        )
+        return int(cursor.fetchone()[0])
+
+
+def customer_available_micros(*, customer_id: int, balance_micros: int | None = None) -> int:
+    """What a new rental or a refund can use: the balance less accrued usage and holds.
+    `balance_micros` is the balance the caller read under the account's row lock."""
+    if balance_micros is None:
+        account = customer_account(customer_id=customer_id)
+        balance_micros = account.balance_micros if account else 0
+    return (
+        balance_micros
+        - customer_accrued_micros(customer_id=customer_id)
+        - customer_held_micros(customer_id=customer_id)
+    )
 
 
 def account_summary(*, user: User) -> AccountSummary:
     account = customer_account(customer_id=user.pk)
     balance = account.balance_micros if account else 0
     accrued = customer_accrued_micros(customer_id=user.pk)
+    held = customer_held_micros(customer_id=user.pk)
     return AccountSummary(
         account=account,
         balance_micros=balance,
         accrued_micros=accrued,
-        available_micros=balance - accrued,
+        held_micros=held,
+        available_micros=balance - accrued - held,
         hourly_burn_micros=customer_hourly_burn_micros(customer_id=user.pk),
     )
 

@@ -45,12 +45,24 @@ class WebhookSignatureInvalid(Exception):
     """The payload was not signed by Stripe with our endpoint secret (or is too old)."""
 
 
-@dataclass(frozen=True, slots=True)
+class WebhookEventMalformed(Exception):
+    """Signed with our secret, but not shaped like a Stripe event this server can read (no id,
+    no type, no object or an object without an id, fields of the wrong type)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PaymentIntentInfo:
+    """A PaymentIntent as Stripe described it, in our call's answer or in a webhook event."""
+
     id: str
     status: str
-    client_secret: str
-    amount_received: int
+    amount: int | None
+    # None while nothing is received; a compatible server may report only `amount`.
+    amount_received: int | None
+    currency: str | None
+    customer: str | None
+    metadata: dict[str, str]
+    client_secret: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,20 +184,23 @@ def payment_intent_create(
         ),
         f"topup:{topup_id}",
     )
+    return payment_intent_info(intent.to_dict())
+
+
+def payment_intent_info(obj: dict[str, Any]) -> PaymentIntentInfo:
+    """Read a PaymentIntent object (a webhook's object is checked by webhook_event_verify)."""
+    customer = obj.get("customer")
     return PaymentIntentInfo(
-        id=intent.id,
-        status=intent.status,
-        client_secret=intent.client_secret,
-        amount_received=_amount_received(intent),
+        id=obj["id"],
+        status=str(obj.get("status") or ""),
+        amount=obj.get("amount"),
+        amount_received=obj.get("amount_received"),
+        currency=obj.get("currency"),
+        # Expanded, the customer is an object; otherwise its id.
+        customer=customer.get("id") if isinstance(customer, dict) else customer,
+        metadata=dict(obj.get("metadata") or {}),
+        client_secret=str(obj.get("client_secret") or ""),
     )
-
-
-def _amount_received(intent) -> int:
-    if intent.status != "succeeded":
-        return 0
-    # Stripe reports amount_received; a compatible server may only report amount.
-    received = intent.to_dict().get("amount_received")
-    return int(received if received is not None else intent.amount)
 
 
 def refund_create(*, payment_intent_id: str, amount_cents: int, refund_id: str) -> RefundInfo:
@@ -239,6 +254,44 @@ def webhook_event_verify(*, payload: bytes, signature: str | None) -> dict[str, 
         raise WebhookSignatureInvalid(str(exc)) from exc
     # The verified bytes themselves, not the SDK's object: what is stored is what Stripe sent.
     event = json.loads(payload)
-    if not isinstance(event, dict) or not event.get("id") or not event.get("type"):
-        raise WebhookSignatureInvalid("not a Stripe event")
+    if problem := _event_shape_problem(event):
+        raise WebhookEventMalformed(problem)
     return event
+
+
+def _is_text(value: Any) -> bool:
+    return isinstance(value, str) and bool(value)
+
+
+def _event_shape_problem(event: Any) -> str | None:
+    """What makes a verified body unusable as an event, or None. Only the fields the services
+    read are checked; Stripe adds fields freely."""
+    if not isinstance(event, dict):
+        return "the event is not an object"
+    for name in ("id", "type"):
+        if not _is_text(event.get(name)):
+            return f"{name} is missing or not a string"
+    data = event.get("data")
+    obj = data.get("object") if isinstance(data, dict) else None
+    if not isinstance(obj, dict):
+        return "data.object is missing or not an object"
+    if not _is_text(obj.get("id")):
+        return "data.object.id is missing or not a string"
+    metadata = obj.get("metadata")
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+    ):
+        return "data.object.metadata is not an object of strings"
+    for name in ("amount", "amount_received"):
+        value = obj.get(name)
+        if value is not None and (type(value) is not int or value < 0):
+            return f"data.object.{name} is not a whole number of cents"
+    for name in ("currency", "status", "failure_reason"):
+        if obj.get(name) is not None and not isinstance(obj[name], str):
+            return f"data.object.{name} is not a string"
+    customer = obj.get("customer")
+    if customer is not None and not (
+        isinstance(customer, str) or (isinstance(customer, dict) and _is_text(customer.get("id")))
+    ):
+        return "data.object.customer is neither an id nor a customer"
+    return None

@@ -27,6 +27,9 @@ def stripe_webhook(request: HttpRequest) -> JsonResponse:
     except stripe_adapter.WebhookSignatureInvalid as exc:
         log.warning("stripe webhook refused: %s", exc)
         return JsonResponse({"detail": "invalid signature"}, status=400)
+    except stripe_adapter.WebhookEventMalformed as exc:
+        log.warning("stripe webhook refused: %s", exc)
+        return JsonResponse({"detail": f"malformed event: {exc}"}, status=400)
     if event is None:
         return JsonResponse({"received": True, "duplicate": True})
     return JsonResponse({"received": True, "duplicate": False, "outcome": event.outcome})
@@ -72,7 +75,10 @@ def account_page(request: HttpRequest) -> HttpResponse:
         "billing/account.html",
         {
             "summary": summary,
-            "runway_hours": max(0, summary.available_micros) / burn if burn > 0 else None,
+            # Held money is what the running rentals burn: the runway counts it.
+            "runway_hours": max(0, summary.balance_micros - summary.accrued_micros) / burn
+            if burn > 0
+            else None,
             "notices": selectors.notice_list(user=request.user)[:5],
             "invoices": selectors.invoice_list(user=request.user)[:24],
             "entries": entries[:LEDGER_ROWS],

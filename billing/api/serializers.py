@@ -31,11 +31,13 @@ class NoticeSerializer(serializers.ModelSerializer):
 
 
 class AccountSerializer(serializers.Serializer):
-    """The customer's money now: available = balance - accrued (rated, not yet posted)."""
+    """The customer's money now: available = balance - accrued (rated, not yet posted) - held
+    (what unfinished rentals may still cost)."""
 
     currency = serializers.SerializerMethodField()
     balance_micros = serializers.IntegerField()
     accrued_micros = serializers.IntegerField()
+    held_micros = serializers.IntegerField()
     available_micros = serializers.IntegerField()
     hourly_burn_micros = serializers.IntegerField()
     low_balance_since = serializers.SerializerMethodField()

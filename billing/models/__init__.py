@@ -1,6 +1,6 @@
 """Billing models, one module per concern."""
 
-from billing.models.accounts import Account, AccountKind, BalanceNotice, NoticeKind
+from billing.models.accounts import Account, AccountKind, BalanceNotice, FundsHold, NoticeKind
 from billing.models.invoices import Invoice, InvoiceLine
 from billing.models.ledger import RATING_KINDS, EntryKind, LedgerEntry
 from billing.models.metering import TelemetryMinute, TelemetrySample, UsageMeter, UsageSegment
@@ -20,6 +20,7 @@ __all__ = [
     "AccountKind",
     "BalanceNotice",
     "EntryKind",
+    "FundsHold",
     "Invoice",
     "InvoiceLine",
     "LedgerEntry",

@@ -60,6 +60,14 @@ class Account(models.Model):
                 fields=["kind"], condition=Q(kind="platform"), name="account_one_platform"
             ),
         ]
+        # Money leaves or enters an account by hand only with one of these (the admin checks
+        # them; is_staff alone is not enough).
+        permissions = [
+            ("adjust_account", "Can credit or debit an account"),
+            ("issue_refund", "Can refund a customer"),
+            ("create_payout", "Can pay a provider out and mark payouts paid"),
+            ("change_payout_destination", "Can set the Connect account payouts go to"),
+        ]
 
     def __str__(self) -> str:
         if self.kind == AccountKind.CUSTOMER:
@@ -91,3 +99,29 @@ class BalanceNotice(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} {self.account_id}"
+
+
+class FundsHold(models.Model):
+    """What a rental may cost, held against its customer's balance from its creation, so the
+    same money cannot back two rentals. Never updated: how much of it still counts is computed
+    from the rental's status, its locked price and its charges (selectors.customer_held_micros),
+    so nothing has to be released and nothing can drift."""
+
+    rental = models.OneToOneField(
+        "marketplace.Rental", primary_key=True, on_delete=models.PROTECT, related_name="funds_hold"
+    )
+    account = models.ForeignKey(Account, on_delete=models.PROTECT, related_name="holds")
+    price_per_gpu_hour = models.DecimalField(
+        max_digits=10, decimal_places=4, help_text="the rate the hold was computed at"
+    )
+    amount_micros = models.BigIntegerField()
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            models.CheckConstraint(condition=Q(amount_micros__gte=0), name="hold_not_negative")
+        ]
+
+    def __str__(self) -> str:
+        return f"hold {self.amount_micros} for {self.rental_id}"

@@ -18,6 +18,9 @@ class StripeEvent(models.Model):
     type = models.CharField(max_length=100)
     payload = models.JSONField()
     outcome = models.CharField(max_length=500, blank=True)
+    # Signed by Stripe but not matching what this server asked for (another amount, currency
+    # or account than the top-up's): nothing was credited, and ops should look.
+    suspicious = models.BooleanField(default=False)
     received_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

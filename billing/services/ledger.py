@@ -7,12 +7,13 @@ from datetime import datetime
 from decimal import ROUND_CEILING, Decimal
 
 from django.db import connection, transaction
+from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
 from billing import conf, selectors
-from billing.models import Account, AccountKind, EntryKind, LedgerEntry
+from billing.models import Account, AccountKind, EntryKind, FundsHold, LedgerEntry
 from marketplace.errors import PaymentRequired, ValidationFailed
-from marketplace.models import Provider, User
+from marketplace.models import Provider, Rental, User
 
 
 def account_for_customer(*, user: User) -> Account:
@@ -115,17 +116,45 @@ def micros_from_usd(amount: Decimal) -> int:
     return int(micros)
 
 
-def funds_check(*, customer: User, hourly_cost: Decimal, duration_s: int | None = None) -> None:
-    """Refuse a new rental (402) unless the available balance is positive and covers its first
-    hour (or its whole duration when shorter) at `hourly_cost` for all its GPUs."""
+def hold_micros(*, price_per_gpu_hour: Decimal, gpus: int, duration_s: int) -> int:
+    """The whole booked time of `gpus` GPUs at the rate, rounded up to a whole micro (the same
+    formula as the locked-price hold in selectors.customer_held_micros)."""
+    micros = price_per_gpu_hour * conf.MICROS_PER_USD * gpus * duration_s / 3600
+    return int(micros.to_integral_value(ROUND_CEILING))
+
+
+def funds_hold_create(*, rental: Rental, price_per_gpu_hour: Decimal) -> FundsHold | None:
+    """Hold a new rental's whole booked cost against its customer's available balance, or
+    refuse it (402) naming the amount. Runs in the transaction that creates the rental.
+
+    The customer's account row is locked first: concurrent creates (and postings) of one
+    customer take turns, and each reads the holds every earlier one committed, so together
+    they can never hold more than the balance.
+    """
     if not conf.funds_check_enabled():
-        return
-    hours = Decimal(min(duration_s, 3600) if duration_s else 3600) / 3600
-    needed = int((hourly_cost * conf.MICROS_PER_USD * hours).to_integral_value(ROUND_CEILING))
-    available = selectors.customer_available_micros(customer_id=customer.pk)
-    if available <= 0 or available < needed:
+        return None
+    if not connection.in_atomic_block:
+        raise TransactionManagementError("a hold is taken in the transaction creating the rental")
+    account_id = account_for_customer(user=rental.customer).pk
+    account = Account.objects.select_for_update().get(pk=account_id)
+    amount = hold_micros(
+        price_per_gpu_hour=price_per_gpu_hour,
+        gpus=rental.gpus_per_node * rental.node_count,
+        duration_s=rental.duration_s,
+    )
+    available = selectors.customer_available_micros(
+        customer_id=rental.customer_id, balance_micros=account.balance_micros
+    )
+    if available <= 0 or amount > available:
         raise PaymentRequired(
-            f"available balance ${Decimal(available) / conf.MICROS_PER_USD:.2f} does not cover "
-            f"${Decimal(needed) / conf.MICROS_PER_USD:.2f} (the first hour of this rental): "
-            "top up first"
+            f"this rental holds {_usd(amount)} ({rental.gpus_per_node * rental.node_count} GPU(s)"
+            f" x {Decimal(rental.duration_s) / 3600:.2f} h at ${price_per_gpu_hour}/GPU-hour)"
+            f" and the available balance is {_usd(available)}: top up first"
         )
+    return FundsHold.objects.create(
+        rental=rental, account=account, price_per_gpu_hour=price_per_gpu_hour, amount_micros=amount
+    )
+
+
+def _usd(micros: int) -> str:
+    return f"${Decimal(micros) / conf.MICROS_PER_USD:.2f}"

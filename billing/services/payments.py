@@ -19,7 +19,7 @@ from django.db.models import Q, Sum
 from django.utils import timezone
 
 from billing import conf, selectors, stripe_adapter
-from billing.errors import PaymentsUnavailable
+from billing.errors import PaymentMismatch, PaymentsUnavailable
 from billing.models import (
     Account,
     AccountKind,
@@ -33,7 +33,7 @@ from billing.models import (
     TopUpStatus,
 )
 from billing.services.ledger import account_for_customer, ledger_post
-from billing.stripe_adapter import StripePermanentError, StripeRetryableError
+from billing.stripe_adapter import PaymentIntentInfo, StripePermanentError, StripeRetryableError
 from marketplace.errors import Conflict, NotFound, PaymentRequired, ValidationFailed
 from marketplace.models import User
 
@@ -115,9 +115,7 @@ def topup_create(
         payment_intent_id=intent.id
     )
     if intent.status == "succeeded":
-        topup_settle(
-            payment_intent_id=intent.id, amount_cents=intent.amount_received, topup_id=topup.pk
-        )
+        topup_settle(intent=intent)
     topup.refresh_from_db()
     return TopUpStarted(topup=topup, client_secret=intent.client_secret)
 
@@ -131,34 +129,74 @@ def _topup_locked(*, payment_intent_id: str, topup_id: Any) -> TopUp | None:
     return TopUp.objects.select_for_update().filter(match).first()
 
 
-def topup_settle(*, payment_intent_id: str, amount_cents: int, topup_id: Any = None) -> str:
-    """Credit a succeeded top-up once; returns what happened."""
+def _intent_mismatch(*, topup: TopUp, intent: PaymentIntentInfo) -> str | None:
+    """How a PaymentIntent differs from the one this server created for the top-up, or None.
+
+    Our intents carry the top-up's amount, currency, Stripe customer, and our top-up and
+    account ids in their metadata; an intent that says otherwise is not the one we asked for,
+    however validly signed its event is."""
+    metadata = intent.metadata
+    if metadata.get("topup_id") != str(topup.pk):
+        return f"metadata topup_id {metadata.get('topup_id')!r} is not {topup.pk}"
+    if metadata.get("account_id") != str(topup.account_id):
+        return f"metadata account_id {metadata.get('account_id')!r} is not {topup.account_id}"
+    if (intent.currency or "").lower() != topup.currency.lower():
+        return f"currency {intent.currency!r} is not {topup.currency}"
+    for name in ("amount", "amount_received"):
+        value = getattr(intent, name)
+        if value is not None and value != topup.amount_cents:
+            return f"{name} {value} is not the top-up's {topup.amount_cents} cents"
+    if intent.amount is None and intent.amount_received is None:
+        return "no amount"
+    expected_customer = topup.account.stripe_customer_id
+    if expected_customer and intent.customer != expected_customer:
+        return f"customer {intent.customer!r} is not {expected_customer}"
+    return None
+
+
+def _topup_matched(*, intent: PaymentIntentInfo) -> TopUp | None:
+    """The locked top-up the intent belongs to (call inside atomic()); PaymentMismatch when the
+    intent does not match it."""
+    topup = _topup_locked(payment_intent_id=intent.id, topup_id=intent.metadata.get("topup_id"))
+    if topup is None:
+        return None
+    if mismatch := _intent_mismatch(topup=topup, intent=intent):
+        log.warning("payment intent %s does not match top-up %s: %s", intent.id, topup.pk, mismatch)
+        raise PaymentMismatch(
+            f"payment intent {intent.id} does not match top-up {topup.pk}: {mismatch}"
+        )
+    return topup
+
+
+def topup_settle(*, intent: PaymentIntentInfo) -> str:
+    """Credit a succeeded top-up once, with the amount of our own top-up row (the intent must
+    match it: PaymentMismatch otherwise, and nothing is credited); returns what happened."""
     with transaction.atomic():
-        topup = _topup_locked(payment_intent_id=payment_intent_id, topup_id=topup_id)
+        topup = _topup_matched(intent=intent)
         if topup is None:
             return "unknown payment intent"
         entry = ledger_post(
             account_id=topup.account_id,
             kind=EntryKind.TOPUP,
-            amount_micros=amount_cents * conf.MICROS_PER_CENT,
-            key=f"topup:{payment_intent_id}",
-            memo=f"card top-up {payment_intent_id}",
+            amount_micros=topup.amount_cents * conf.MICROS_PER_CENT,
+            key=f"topup:{intent.id}",
+            memo=f"card top-up {intent.id}",
         )
-        topup.payment_intent_id = payment_intent_id
+        topup.payment_intent_id = intent.id
         topup.status = TopUpStatus.SUCCEEDED
         topup.error = ""
         topup.save(update_fields=["payment_intent_id", "status", "error", "updated_at"])
         return "credited" if entry else "already credited"
 
 
-def topup_fail(*, payment_intent_id: str, error: str, topup_id: Any = None) -> str:
+def topup_fail(*, intent: PaymentIntentInfo, error: str) -> str:
     with transaction.atomic():
-        topup = _topup_locked(payment_intent_id=payment_intent_id, topup_id=topup_id)
+        topup = _topup_matched(intent=intent)
         if topup is None:
             return "unknown payment intent"
         if topup.status == TopUpStatus.SUCCEEDED:
             return "already succeeded"
-        topup.payment_intent_id = payment_intent_id
+        topup.payment_intent_id = intent.id
         topup.status = TopUpStatus.FAILED
         topup.error = error[:500]
         topup.save(update_fields=["payment_intent_id", "status", "error", "updated_at"])
@@ -183,29 +221,29 @@ def stripe_webhook_receive(*, payload: bytes, signature: str | None) -> StripeEv
         )
         if not created:
             return None
-        stored.outcome = _event_apply(event)[:500]
-        stored.save(update_fields=["outcome"])
+        try:
+            stored.outcome = _event_apply(event)[:500]
+        except PaymentMismatch as exc:
+            # Stored, so a replay stays a no-op and ops can find it; nothing was credited.
+            stored.outcome = f"suspicious: {exc.message}"[:500]
+            stored.suspicious = True
+        stored.save(update_fields=["outcome", "suspicious"])
     log.info("stripe event %s %s: %s", stored.event_id, stored.type, stored.outcome)
     return stored
 
 
 def _event_apply(event: dict[str, Any]) -> str:
-    obj = (event.get("data") or {}).get("object") or {}
+    # The adapter has checked the shape: an object with a string id, metadata of strings.
+    obj = event["data"]["object"]
     metadata = obj.get("metadata") or {}
     kind = event["type"]
-    if kind.startswith("payment_intent.") and obj.get("currency") not in (None, conf.currency()):
-        return f"ignored: currency {obj.get('currency')}"
     if kind == "payment_intent.succeeded":
-        received = obj.get("amount_received")
-        return topup_settle(
-            payment_intent_id=obj["id"],
-            amount_cents=int(received if received is not None else obj["amount"]),
-            topup_id=metadata.get("topup_id"),
-        )
+        return topup_settle(intent=stripe_adapter.payment_intent_info(obj))
     if kind == "payment_intent.payment_failed":
-        error = (obj.get("last_payment_error") or {}).get("message") or "payment failed"
+        last_error = obj.get("last_payment_error")
+        error = (last_error.get("message") if isinstance(last_error, dict) else None) or ""
         return topup_fail(
-            payment_intent_id=obj["id"], error=error, topup_id=metadata.get("topup_id")
+            intent=stripe_adapter.payment_intent_info(obj), error=str(error) or "payment failed"
         )
     if kind in ("refund.failed", "refund.updated", "charge.refund.updated"):
         if obj.get("status") != "failed":
@@ -268,8 +306,9 @@ def refund_create(
             left = topup.amount_cents * conf.MICROS_PER_CENT - refunded
             if amount_micros > left:
                 raise Conflict(f"only {_usd(left)} of this top-up is left to refund")
-        available = account.balance_micros - selectors.customer_accrued_micros(
-            customer_id=account.user_id
+        # Money held for booked rentals is not refundable until they end.
+        available = selectors.customer_available_micros(
+            customer_id=account.user_id, balance_micros=account.balance_micros
         )
         if amount_micros > available:
             raise Conflict(f"only {_usd(max(available, 0))} is available to refund")
@@ -353,15 +392,18 @@ def payout_create(
     account_id: int,
     actor: User | None,
     amount_micros: int | None = None,
-    reason: str = "",
+    reason: str,
     payout_id: uuid.UUID | None = None,
 ) -> Payout:
-    """Pay a provider's earnings out: by default the whole balance in whole cents. Through a
-    Stripe Connect transfer where enabled and the provider has a Connect account, otherwise
-    recorded for ops to pay by bank transfer (then marked paid). `payout_id` makes a
-    re-submission return the first payout."""
+    """Pay a provider's earnings out, with a required reason: by default the whole balance in
+    whole cents. Through a Stripe Connect transfer where enabled and the provider has a Connect
+    account, otherwise recorded for ops to pay by bank transfer (then marked paid). `payout_id`
+    makes a re-submission return the first payout."""
     if payout_id is not None and (done := Payout.objects.filter(pk=payout_id).first()):
         return done
+    reason = (reason or "").strip()
+    if not reason:
+        raise ValidationFailed("a reason is required", field="reason")
     with transaction.atomic():
         account = Account.objects.select_for_update().get(pk=account_id)
         if account.kind != AccountKind.PROVIDER:
@@ -389,7 +431,7 @@ def payout_create(
             kind=EntryKind.PAYOUT,
             amount_micros=-amount_micros,
             key=f"payout:{payout.pk}",
-            memo=reason or "payout",
+            memo=reason,
             actor=actor,
         )
     if connect:

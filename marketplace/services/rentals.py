@@ -145,20 +145,21 @@ def _never_fits(
     return feasibility.never_fits(request, located_nodes), None
 
 
-class FundsCheck(Protocol):
-    """Refuses (raises) a new rental the customer's balance cannot cover."""
+class FundsHolder(Protocol):
+    """Holds a new rental's cost against its customer's balance in the creating transaction,
+    or refuses it (raises)."""
 
-    def __call__(self, *, customer: User, hourly_cost: Decimal, duration_s: int) -> None: ...
-
-
-_funds_check: FundsCheck | None = None
+    def __call__(self, *, rental: Rental, price_per_gpu_hour: Decimal) -> object: ...
 
 
-def funds_check_register(check: FundsCheck) -> None:
-    """Billing, which depends on the marketplace and not the reverse, hands its balance check
-    to rental_create when its app is ready."""
-    global _funds_check
-    _funds_check = check
+_funds_hold: FundsHolder | None = None
+
+
+def funds_hold_register(hold: FundsHolder) -> None:
+    """Billing, which depends on the marketplace and not the reverse, hands its funds hold to
+    rental_create when its app is ready."""
+    global _funds_hold
+    _funds_hold = hold
 
 
 def rental_create(*, customer: User, request: RentalRequest) -> Rental:
@@ -193,17 +194,8 @@ def rental_create(*, customer: User, request: RentalRequest) -> Rental:
     reason, cheapest = _never_fits(request, start, deadline)
     if reason is not None:
         raise ValidationFailed(f"this request can never be placed: {reason}", field="non_field")
-    if _funds_check is not None:
-        # The first hour must be covered: at the bid, else the price cap, else the cheapest
-        # node that could take it.
-        price = request.bid_per_gpu_hour or request.max_price_per_gpu_hour or cheapest or Decimal(0)
-        _funds_check(
-            customer=customer,
-            hourly_cost=price * request.gpus_per_node * request.node_count,
-            duration_s=request.duration_s,
-        )
     with transaction.atomic():
-        return rental_submit(
+        rental = rental_submit(
             customer=customer,
             name=request.name,
             gpu_models=list(request.gpu_models),
@@ -228,3 +220,10 @@ def rental_create(*, customer: User, request: RentalRequest) -> Rental:
             env=request.runtime.env,
             ports=request.runtime.ports,
         )
+        if _funds_hold is not None:
+            # The whole booked time is held, at the most the rental can be charged per
+            # GPU-hour: the bid, else the price cap, else (no cap) the cheapest node that could
+            # take it now. Refused, the rental is rolled back with the hold.
+            price = request.bid_per_gpu_hour or request.max_price_per_gpu_hour or cheapest
+            _funds_hold(rental=rental, price_per_gpu_hour=price or Decimal(0))
+        return rental

@@ -5,11 +5,18 @@ from __future__ import annotations
 import uuid
 
 import pytest
+from django.contrib.admin.models import LogEntry
+from django.contrib.auth.models import Permission
 from django.test import Client
 from django.urls import reverse
 
-from billing.models import EntryKind, LedgerEntry, MoneyOutStatus, Payout, Refund
-from billing.services import account_adjust, account_for_customer, account_for_provider
+from billing.models import Account, EntryKind, LedgerEntry, MoneyOutStatus, Payout, Refund
+from billing.services import (
+    account_adjust,
+    account_for_customer,
+    account_for_provider,
+    payout_create,
+)
 from tests.factories import UserFactory
 
 pytestmark = pytest.mark.django_db
@@ -118,3 +125,130 @@ def test_account_pages_render(ops, user, provider):
     assert client.get(reverse("admin:billing_account_changelist")).status_code == 200
     assert client.get(reverse("admin:billing_payout_changelist")).status_code == 200
     assert client.get(reverse("admin:billing_invoice_changelist")).status_code == 200
+
+
+def _staff(*codenames: str):
+    """A staff user (not superuser) that may view billing rows and edit accounts (the form),
+    and holds only the money permissions in `codenames`."""
+    staff = UserFactory(is_staff=True)
+    views = ["view_account", "change_account", "view_payout", "view_ledgerentry"]
+    staff.user_permissions.set(
+        Permission.objects.filter(
+            content_type__app_label="billing", codename__in=[*views, *codenames]
+        )
+    )
+    client = Client()
+    client.force_login(staff)
+    return client, staff
+
+
+def _money_state() -> tuple:
+    return (
+        list(
+            Account.objects.order_by("pk").values_list(
+                "pk", "balance_micros", "stripe_connect_account_id"
+            )
+        ),
+        LedgerEntry.objects.count(),
+        Refund.objects.count(),
+        list(Payout.objects.order_by("pk").values_list("pk", "status", "actor_id")),
+    )
+
+
+def test_staff_without_the_money_permissions_are_refused_and_nothing_moves(user, provider):
+    # Given a funded customer, a provider with earnings and a pending manual payout
+    customer = account_for_customer(user=user)
+    supplier = account_for_provider(provider=provider)
+    account_adjust(account_id=customer.pk, amount_micros=10_000_000, reason="x", actor=None)
+    account_adjust(account_id=supplier.pk, amount_micros=9_000_000, reason="x", actor=None)
+    payout = payout_create(
+        account_id=supplier.pk, actor=None, reason="monthly", amount_micros=1_000_000
+    )
+    # And a staff user who may look at billing but holds none of the money permissions
+    client, _ = _staff()
+    before = _money_state()
+    assert (
+        client.get(reverse("admin:billing_account_change", args=[customer.pk])).status_code == 200
+    )
+    # When they try every money action
+    key = str(uuid.uuid4())
+    answers = [
+        client.get(reverse("admin:billing_account_adjust", args=[customer.pk])).status_code,
+        client.post(
+            reverse("admin:billing_account_adjust", args=[customer.pk]),
+            {"amount": "500", "reason": "because", "key": key},
+        ).status_code,
+        client.post(
+            reverse("admin:billing_account_refund", args=[customer.pk]),
+            {"amount": "5.00", "reason": "because", "key": key},
+        ).status_code,
+        client.post(
+            reverse("admin:billing_account_payout", args=[supplier.pk]),
+            {"amount": "", "reason": "because", "key": key},
+        ).status_code,
+    ]
+    client.post(
+        reverse("admin:billing_payout_changelist"),
+        {"action": "payouts_mark_paid", "_selected_action": [payout.pk]},
+    )
+    client.post(
+        reverse("admin:billing_account_change", args=[supplier.pk]),
+        {"stripe_connect_account_id": "acct_someone_else"},
+    )
+    # Then each is a 403 and no balance, ledger row, refund, payout or destination changed
+    assert answers == [403, 403, 403, 403]
+    assert _money_state() == before
+
+
+@pytest.mark.parametrize(
+    ("perm", "url", "form", "check"),
+    [
+        ("adjust_account", "admin:billing_account_adjust", {"amount": "2.50"}, "adjust"),
+        ("issue_refund", "admin:billing_account_refund", {"amount": "2.50"}, "refund"),
+    ],
+)
+def test_a_money_action_with_its_permission_is_audited_with_actor_and_reason(
+    user, perm, url, form, check
+):
+    customer = account_for_customer(user=user)
+    account_adjust(account_id=customer.pk, amount_micros=10_000_000, reason="x", actor=None)
+    client, staff = _staff(perm)
+    # A missing reason is refused with nothing written
+    r = client.post(
+        reverse(url, args=[customer.pk]), {**form, "reason": "", "key": str(uuid.uuid4())}
+    )
+    assert r.status_code == 200
+    assert LedgerEntry.objects.count() == 1
+    r = client.post(
+        reverse(url, args=[customer.pk]),
+        {**form, "reason": "ticket 42", "key": str(uuid.uuid4())},
+    )
+    assert r.status_code == 302
+    entry = LedgerEntry.objects.order_by("-id").first()
+    assert (entry.actor, entry.memo, abs(entry.amount_micros)) == (staff, "ticket 42", 2_500_000)
+    if check == "refund":
+        assert Refund.objects.get().actor == staff
+    log = LogEntry.objects.get(user=staff)
+    assert log.object_id == str(customer.pk) and "ticket 42" in log.get_change_message()
+
+
+def test_a_payout_with_its_permission_needs_a_reason_and_is_audited(provider):
+    account = account_for_provider(provider=provider)
+    account_adjust(account_id=account.pk, amount_micros=3_000_000, reason="earned", actor=None)
+    client, staff = _staff("create_payout")
+    url = reverse("admin:billing_account_payout", args=[account.pk])
+    r = client.post(url, {"amount": "", "reason": " ", "key": str(uuid.uuid4())})
+    assert r.status_code == 200 and not Payout.objects.exists()
+    r = client.post(url, {"amount": "", "reason": "march earnings", "key": str(uuid.uuid4())})
+    assert r.status_code == 302
+    payout = Payout.objects.get()
+    entry = LedgerEntry.objects.get(kind=EntryKind.PAYOUT)
+    assert (payout.actor, payout.reason) == (staff, "march earnings")
+    assert (entry.actor, entry.memo) == (staff, "march earnings")
+    client.post(
+        reverse("admin:billing_payout_changelist"),
+        {"action": "payouts_mark_paid", "_selected_action": [payout.pk]},
+    )
+    payout.refresh_from_db()
+    assert payout.status == MoneyOutStatus.SUCCEEDED
+    assert LogEntry.objects.filter(user=staff).count() == 2

@@ -104,7 +104,9 @@ def test_account_ledger_and_usage_endpoints(make_node, book, auth_api):
         "currency": "usd",
         "balance_micros": 1000_000_000 - 500_000,
         "accrued_micros": 0,
-        "available_micros": 1000_000_000 - 500_000,
+        # 2 h x $1.00 held, less the $0.50 already charged
+        "held_micros": 1_500_000,
+        "available_micros": 1000_000_000 - 500_000 - 1_500_000,
         "hourly_burn_micros": 1_000_000,
         "low_balance_since": None,
         "depleted_since": None,

@@ -104,7 +104,9 @@ def test_usage_is_posted_hourly_and_accrued_usage_counts_against_the_balance(mak
     assert (result.meters_rated, result.meters_posted) == (1, 0)
     summary = account_summary(user=user)
     assert (summary.balance_micros, summary.accrued_micros) == (balance, 600_000)
-    assert summary.available_micros == balance - 600_000
+    # (the rest of the 4 booked hours, $14.40 less the $1.20 rated, is held)
+    assert summary.held_micros == 14_400_000 - 1_200_000
+    assert summary.available_micros == balance - 600_000 - summary.held_micros
     # An hour after the last posting it is posted; nothing is accrued any more.
     result = billing_pass_run(now=t0 + timedelta(hours=1))
     assert result.meters_posted == 1
@@ -201,10 +203,17 @@ def test_an_interruptible_rental_is_billed_at_its_locked_bid(make_node, book):
 def test_low_balance_warns_then_zero_stops_the_rentals_then_a_top_up_restores(
     make_node, book, fund, user
 ):
-    # Given $5 and a $1.00/h rental; another customer's rental is not concerned
+    # Given an 8 h rental at $1.00/h, booked with $8 (its hold), then $3 taken back by ops
+    # (a chargeback, say); another customer's rental is not concerned
     make_node(price="1.00")
-    fund(user, "5.00")
+    fund(user, "8.00")
     booked = book(gpus=1, hours=8, hours_ago=7)
+    account_adjust(
+        account_id=account_for_customer(user=user).pk,
+        amount_micros=-usd("3.00"),
+        reason="chargeback",
+        actor=None,
+    )
     bystander = book(gpus=1, hours=8, hours_ago=7, customer=UserFactory())
     bystander.report(seq=1, confirmed_s=60)
     account = account_for_customer(user=user)
@@ -273,7 +282,7 @@ def test_the_same_posting_key_cannot_be_written_twice(user):
 
 
 def test_a_rental_without_funds_is_refused_with_402_and_nothing_is_stored(
-    make_node, auth_api, user
+    make_node, auth_api, user, fund
 ):
     make_node(price="1.00")
     body = {"gpus_per_node": 2, "duration_s": 7200, "runtime": {"image": "gpumarket/harness:dev"}}
@@ -281,19 +290,14 @@ def test_a_rental_without_funds_is_refused_with_402_and_nothing_is_stored(
     assert r.status_code == 402
     assert r.json()["code"] == "payment_required"
     assert not Rental.objects.exists()
-    # $1.00 covers neither one hour of 2 GPUs at a $1.50 cap; $3.00 does.
-    account_adjust(
-        account_id=account_for_customer(user=user).pk,
-        amount_micros=usd("1.00"),
-        reason="test",
-        actor=None,
-    )
+    # 2 GPUs x 2 h at a $1.50 cap hold $6.00: neither $1.00 nor $3.00 covers it; $6.00 does.
+    fund(user, "1.00")
     body["max_price_per_gpu_hour"] = "1.50"
     assert auth_api.post("/api/v1/rentals/", body, format="json").status_code == 402
-    account_adjust(
-        account_id=account_for_customer(user=user).pk,
-        amount_micros=usd("2.00"),
-        reason="test",
-        actor=None,
-    )
+    fund(user, "2.00")
+    refused = auth_api.post("/api/v1/rentals/", body, format="json")
+    assert refused.status_code == 402
+    assert "holds $6.00" in refused.json()["detail"] and "$3.00" in refused.json()["detail"]
+    assert not Rental.objects.exists()
+    fund(user, "3.00")
     assert auth_api.post("/api/v1/rentals/", body, format="json").status_code == 201

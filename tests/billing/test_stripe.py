@@ -35,6 +35,7 @@ from billing.services import (
 )
 from marketplace.errors import Conflict, PaymentRequired
 from tests.billing.conftest import WEBHOOK_SECRET, signed, stripe_events, usd
+from tests.factories import UserFactory
 
 pytestmark = pytest.mark.django_db
 
@@ -307,7 +308,7 @@ def _provider_with_earnings(provider, amount: str) -> Account:
 
 def test_a_payout_without_connect_is_recorded_for_ops(provider):
     account = _provider_with_earnings(provider, "12.345678")
-    payout = payout_create(account_id=account.pk, actor=None)
+    payout = payout_create(account_id=account.pk, actor=None, reason="monthly")
     # Whole cents leave; the fraction of a cent stays on the account.
     assert (payout.method, payout.status, payout.amount_micros) == (
         PayoutMethod.MANUAL,
@@ -324,7 +325,7 @@ def test_a_connect_payout_refused_by_stripe_returns_the_money(stripe_on, setting
     settings.STRIPE_CONNECT_ENABLED = True
     account = _provider_with_earnings(provider, "30.00")
     Account.objects.filter(pk=account.pk).update(stripe_connect_account_id="acct_test")
-    payout = payout_create(account_id=account.pk, actor=None)
+    payout = payout_create(account_id=account.pk, actor=None, reason="monthly")
     assert (payout.method, payout.status) == (PayoutMethod.STRIPE_CONNECT, MoneyOutStatus.FAILED)
     account.refresh_from_db()
     assert account.balance_micros == usd("30.00")
@@ -335,7 +336,7 @@ def test_a_connect_payout_refused_by_stripe_returns_the_money(stripe_on, setting
 
 def test_a_reversed_transfer_webhook_returns_the_payout_once(stripe_on, provider, client):
     account = _provider_with_earnings(provider, "8.00")
-    payout = payout_create(account_id=account.pk, actor=None)
+    payout = payout_create(account_id=account.pk, actor=None, reason="monthly")
     Payout.objects.filter(pk=payout.pk).update(
         method=PayoutMethod.STRIPE_CONNECT,
         status=MoneyOutStatus.SUCCEEDED,
@@ -412,3 +413,100 @@ def test_the_top_up_page_without_stripe_says_so(stripe_off, client, user):
     assert b"Card payments are not configured" in client.get("/billing/topup/").content
     client.logout()
     assert client.get("/billing/topup/").status_code == 302
+
+
+def _tamper(event: dict, what: str, other_account: Account, other_topup: TopUp) -> dict:
+    tampered = json.loads(json.dumps(event))
+    tampered["id"] = f"evt_{uuid.uuid4().hex}"
+    obj = tampered["data"]["object"]
+    if what == "amount":
+        obj["amount"] = obj["amount_received"] = 10**8
+    elif what == "amount_received":
+        obj["amount_received"] = obj["amount"] + 1
+    elif what == "currency":
+        obj["currency"] = "eur"
+    elif what == "account":
+        obj["metadata"]["account_id"] = str(other_account.pk)
+    elif what == "topup":
+        obj["metadata"]["topup_id"] = str(other_topup.pk)
+    elif what == "no_metadata":
+        obj["metadata"] = {}
+    elif what == "customer":
+        obj["customer"] = "cus_someone_else"
+    return tampered
+
+
+@pytest.mark.parametrize(
+    "what",
+    ["amount", "amount_received", "currency", "account", "topup", "no_metadata", "customer"],
+)
+def test_a_signed_event_that_does_not_match_our_top_up_credits_nothing(
+    stripe_on, user, client, what
+):
+    # Given a $9.00 top-up paid in the browser, and another customer's pending top-up
+    started = topup_create(customer=user, amount_cents=900)
+    other = topup_create(customer=UserFactory(), amount_cents=900).topup
+    _browser_pays(stripe_on, started.topup.payment_intent_id)
+    (event,) = stripe_events(stripe_on, "payment_intent.succeeded", started.topup.payment_intent_id)
+    before = _state(user)
+    # When a validly signed event about that intent says something our intent did not
+    r = _post(client, *signed(_tamper(event, what, other.account, other)))
+    # Then it is stored as suspicious, and nothing is credited to anyone
+    assert r.status_code == 200
+    assert r.json()["outcome"].startswith("suspicious: ")
+    assert StripeEvent.objects.get(suspicious=True).outcome == r.json()["outcome"]
+    balance, entries, events, statuses = before
+    assert _state(user) == (balance, entries, events + 1, statuses)
+    assert not LedgerEntry.objects.filter(kind=EntryKind.TOPUP).exists()
+    other.refresh_from_db()
+    assert other.status == TopUpStatus.PENDING
+    # And Stripe's own event still credits exactly the top-up's amount
+    assert _post(client, *signed(event)).json()["outcome"] == "credited"
+    assert account_for_customer(user=user).balance_micros == usd("9.00")
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        "object_without_id",
+        "object_id_not_a_string",
+        "event_without_id",
+        "event_without_type",
+        "no_data",
+        "object_is_a_list",
+        "metadata_not_strings",
+        "amount_is_text",
+        "refund_without_id",
+    ],
+)
+def test_a_signed_event_of_the_wrong_shape_is_400_and_stores_nothing(
+    stripe_on, user, client, shape
+):
+    started = topup_create(customer=user, amount_cents=900)
+    _browser_pays(stripe_on, started.topup.payment_intent_id)
+    (event,) = stripe_events(stripe_on, "payment_intent.succeeded", started.topup.payment_intent_id)
+    obj = event["data"]["object"]
+    if shape == "object_without_id":
+        del obj["id"]
+    elif shape == "object_id_not_a_string":
+        obj["id"] = 12
+    elif shape == "event_without_id":
+        del event["id"]
+    elif shape == "event_without_type":
+        event["type"] = None
+    elif shape == "no_data":
+        del event["data"]
+    elif shape == "object_is_a_list":
+        event["data"]["object"] = [obj]
+    elif shape == "metadata_not_strings":
+        obj["metadata"] = {"topup_id": {"$ne": ""}}
+    elif shape == "amount_is_text":
+        obj["amount_received"] = "900"
+    elif shape == "refund_without_id":
+        event["type"] = "refund.failed"
+        event["data"]["object"] = {"object": "refund", "status": "failed", "metadata": {}}
+    before = _state(user)
+    r = _post(client, *signed(event))
+    assert r.status_code == 400
+    assert r.json()["detail"].startswith("malformed event: ")
+    assert _state(user) == before

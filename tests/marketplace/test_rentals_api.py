@@ -161,7 +161,7 @@ def test_a_bad_harness_config_is_400_naming_the_key(auth_api, node):
     assert Rental.objects.count() == 0
 
 
-def test_the_first_hour_must_be_covered_at_the_cheapest_node_that_fits(
+def test_the_booked_time_must_be_covered_at_the_cheapest_node_that_fits(
     auth_api, user, make_node, settings
 ):
     from billing.services.ledger import account_adjust, account_for_customer
@@ -175,8 +175,8 @@ def test_the_first_hour_must_be_covered_at_the_cheapest_node_that_fits(
         reason="test credit",
         actor=None,
     )
-    body = {"gpus_per_node": 8, "duration_s": 7200, "runtime": {"image": "img"}}
-    # 8 GPUs x $1.00 (the cheapest node that fits) = $8.00 for the first hour > $7.99.
+    body = {"gpus_per_node": 8, "duration_s": 3600, "runtime": {"image": "img"}}
+    # 8 GPUs x $1.00 (the cheapest node that fits) x 1 h = $8.00 held > $7.99.
     r = auth_api.post("/api/v1/rentals/", body, format="json")
     assert r.status_code == 402
     assert "$8.00" in r.json()["detail"]

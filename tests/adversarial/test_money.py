@@ -1,0 +1,91 @@
+"""Money under adversarial use: concurrent creates against one balance, on real PostgreSQL."""
+
+from __future__ import annotations
+
+import threading
+from decimal import Decimal
+
+import pytest
+from django.db import connection
+
+from billing.models import FundsHold
+from billing.services import account_adjust, account_for_customer
+from marketplace.errors import PaymentRequired
+from marketplace.models import Rental
+from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+CREATES = 20
+# 1 GPU for 10 hours capped at $0.50 per GPU-hour: a hold of $5.00 per rental.
+HOLD_MICROS = 5_000_000
+
+
+@pytest.fixture(autouse=True)
+def _funds_check_on(settings):
+    settings.BILLING_FUNDS_CHECK = True
+
+
+def _create_in_parallel(customer) -> tuple[list[Rental], list[PaymentRequired]]:
+    """CREATES threads, each on its own connection, released at once by a barrier."""
+    barrier = threading.Barrier(CREATES)
+    created: list[Rental] = []
+    refused: list[PaymentRequired] = []
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            barrier.wait(timeout=30)
+            created.append(
+                rental_create(
+                    customer=customer,
+                    request=RentalRequest(
+                        gpus_per_node=1,
+                        duration_s=10 * 3600,
+                        max_price_per_gpu_hour=Decimal("0.50"),
+                        runtime=RuntimeSpec(image="gpumarket/harness:dev"),
+                    ),
+                )
+            )
+        except PaymentRequired as exc:
+            refused.append(exc)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=run) for _ in range(CREATES)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == []
+    return created, refused
+
+
+@pytest.mark.parametrize(("credit", "affordable"), [("1.00", 0), ("16.00", 3)])
+def test_parallel_creates_never_hold_more_than_the_balance(make_node, user, credit, affordable):
+    # Given a customer with `credit` and nodes with plenty of free GPUs at $0.50
+    for _ in range(3):
+        make_node(gpus=8, price="0.50")
+    account = account_for_customer(user=user)
+    account_adjust(
+        account_id=account.pk,
+        amount_micros=int(Decimal(credit) * 1_000_000),
+        reason="test credit",
+        actor=None,
+    )
+
+    # When 20 creates of a $5.00 rental race each other
+    created, refused = _create_in_parallel(user)
+
+    # Then exactly the affordable number is accepted, every other one is a 402 naming the hold,
+    # and the holds together never exceed the balance
+    assert len(created) == affordable
+    assert len(refused) == CREATES - affordable
+    assert all("$5.00" in exc.message for exc in refused)
+    assert Rental.objects.count() == affordable
+    holds = list(FundsHold.objects.values_list("amount_micros", flat=True))
+    assert holds == [HOLD_MICROS] * affordable
+    account.refresh_from_db()
+    assert sum(holds) <= account.balance_micros
