@@ -56,6 +56,17 @@ class ModelSpecSerializer(serializers.Serializer):
             raise serializers.ValidationError({"micro_batch": ["larger than global_batch"]})
         return attrs
 
+    def run(self) -> Run:
+        """The validated training run (for the serializers that take tokens_b)."""
+        data = self.validated_data
+        return Run(
+            shape=data["shape"],
+            tokens=data["tokens_b"] * 1e9,
+            precision=Precision(data["precision"]),
+            optimizer=Optimizer(data["optimizer"]),
+            checkpointing=data.get("checkpointing"),
+        )
+
     @staticmethod
     def _shape(attrs) -> ModelShape:
         if "model" in attrs:
@@ -181,13 +192,7 @@ class AdvisorQuerySerializer(ModelSpecSerializer):
     def query(self) -> plans.Query:
         data = self.validated_data
         return plans.Query(
-            run=Run(
-                shape=data["shape"],
-                tokens=data["tokens_b"] * 1e9,
-                precision=Precision(data["precision"]),
-                optimizer=Optimizer(data["optimizer"]),
-                checkpointing=data.get("checkpointing"),
-            ),
+            run=self.run(),
             interruptible=data["interruptible"],
             deadline_hours=data.get("deadline_hours"),
             budget=data.get("budget"),
@@ -307,15 +312,8 @@ class AdvisorEstimateView(APIView):
         body.is_valid(raise_exception=True)
         data = body.validated_data
         card = next(c for c in selectors.advisor_cards() if c.slug == data["card"])
-        run = Run(
-            shape=data["shape"],
-            tokens=data["tokens_b"] * 1e9,
-            precision=Precision(data["precision"]),
-            optimizer=Optimizer(data["optimizer"]),
-            checkpointing=data.get("checkpointing"),
-        )
         fixed = body.layout(data, gpus=data["gpus"])
-        found = estimate(run, card, default_topology(card, data["gpus"]), fixed=fixed)
+        found = estimate(body.run(), card, default_topology(card, data["gpus"]), fixed=fixed)
         if found is None:
             raise ValidationFailed(
                 f"{data['gpus']} GPUs leave no layout: more replicas than the "
