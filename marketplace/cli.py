@@ -1,8 +1,8 @@
 """`gpumarket`: the customer's command line, a thin client of the REST API (no Django import).
 
     gpumarket --server URL --token TOKEN offers --gpu-family h100 --min-free-gpus 8
-    gpumarket advise --model llama-7b --tokens-b 1
-    gpumarket book --model llama-7b --tokens-b 1 --card h100-sxm5-80gb
+    gpumarket advise --model llama2-7b --tokens-b 100 --deadline-hours 48
+    gpumarket book --model llama2-7b --tokens-b 100 --plan h100-sxm5-80gb:2x8
     gpumarket rent --gpus 4 --gpu-family a100 --region eu --hours 12 --image IMAGE -- CMD ...
     gpumarket rentals | show ID | metrics ID | stop ID | cancel ID
 
@@ -71,12 +71,9 @@ def _table(rows: list[dict], columns: list[str]) -> str:
 
 def _advisor_body(args: argparse.Namespace) -> dict:
     body: dict[str, Any] = {"tokens_b": args.tokens_b, "precision": args.precision}
-    if args.model:
-        body["model"] = args.model
-    if args.params_b:
-        body["params_b"] = args.params_b
-    if args.region:
-        body["region"] = args.region
+    for key in ("model", "params_b", "seq_len", "deadline_hours", "budget", "region"):
+        if getattr(args, key) is not None:
+            body[key] = getattr(args, key)
     if args.interruptible:
         body["interruptible"] = True
     return body
@@ -93,10 +90,14 @@ def run(args: argparse.Namespace, api: Api) -> str:
         columns = ["node_id", "hostname", "region", "gpu_name", "free_gpus"]
         return _table(rows, [*columns, "price_per_gpu_hour", "price_per_tflop_hour", "reliability"])
     if args.command == "advise":
-        rows = api.call("POST", "/api/v1/advisor/", json=_advisor_body(args))["options"]
-        return _table(rows, ["card", "gpus", "strategy", "hours", "price_per_gpu_hour", "cost"])
+        answer = api.call("POST", "/api/v1/advisor/", json=_advisor_body(args))
+        rows = [{**p, "flags": ",".join(p["flags"])} for p in answer["plans"]]
+        columns = ["id", "gpus", "per_gpu_gb", "hours", "mfu", "cost", "flags"]
+        table = _table(rows, columns) if rows else "no plan"
+        return "\n".join([table, *answer["reasons"]])
     if args.command == "book":
-        body = {**_advisor_body(args), "card": args.card}
+        which = {"plan": args.plan} if args.plan else {"card": args.card}
+        body = {**_advisor_body(args), **which}
         rental = api.call("POST", "/api/v1/advisor/book/", json=body)
         return f"{rental['id']} {rental['status']}"
     if args.command == "rent":
@@ -191,15 +192,20 @@ def build_parser() -> argparse.ArgumentParser:
     offers.add_argument("--limit", type=int, default=20)
     for name in ("advise", "book"):
         p = sub.add_parser(name, help="which card, how long, what cost" if name == "advise"
-                           else "book one of the advisor's options")  # fmt: skip
-        p.add_argument("--model", help="a preset: llama-7b, gpt2-small, ...")
+                           else "book one of the advisor's plans")  # fmt: skip
+        p.add_argument("--model", help="a preset: llama2-7b, gpt2-124m, ...")
         p.add_argument("--params-b", type=float, help="parameters, in billions")
         p.add_argument("--tokens-b", type=float, required=True, help="tokens, in billions")
         p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
         p.add_argument("--region")
         p.add_argument("--interruptible", action="store_true")
+        p.add_argument("--seq-len", type=int)
+        p.add_argument("--deadline-hours", type=float)
+        p.add_argument("--budget", help="dollars")
         if name == "book":
-            p.add_argument("--card", required=True)
+            which = p.add_mutually_exclusive_group(required=True)
+            which.add_argument("--plan", help="a plan id from advise (card:NODESxGPUS)")
+            which.add_argument("--card", help="a card: its cheapest plan")
     rent = sub.add_parser("rent", help="rent GPUs for an image and command")
     rent.add_argument("--gpus", type=int, required=True, help="GPUs per node")
     rent.add_argument("--nodes", type=int, default=1)

@@ -11,7 +11,12 @@ from django.db.models import Count, OuterRef, Prefetch, QuerySet, Subquery
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
+from marketplace.advisor.compute import Card as AdvisorCard
+from marketplace.advisor.compute import Topology
+from marketplace.advisor.layouts import Run, fewest_fitting
+from marketplace.advisor.presets import ModelShape, with_run
 from marketplace.models import (
+    AdvisorPrior,
     Allocation,
     ApiToken,
     Gpu,
@@ -23,6 +28,9 @@ from marketplace.models import (
     User,
 )
 from scheduler.engine import types as engine
+
+# The most GPUs one node is listed with (the `fits=` filter looks no further).
+MAX_GPUS_PER_NODE = 16
 
 # ordering name -> SQL ORDER BY (whitelisted: never interpolate user text into SQL).
 OFFER_ORDERINGS = {
@@ -55,6 +63,9 @@ class OfferFilters:
     max_price: Decimal | None = None
     min_reliability: Decimal | None = None
     ordering: str = "price"
+    # (card slug, GPUs a node needs free to hold the model without NVLink, with NVLink); None:
+    # no constraint (the offers' `fits=`).
+    fits: tuple[tuple[str, int, int], ...] | None = None
 
 
 def offer_filters(data: dict) -> OfferFilters:
@@ -70,6 +81,7 @@ def offer_filters(data: dict) -> OfferFilters:
         max_price=data.get("max_price"),
         min_reliability=data.get("min_reliability"),
         ordering=data["ordering"],
+        fits=advisor_fits(data["fits"]) if data.get("fits") else None,
     )
 
 
@@ -87,6 +99,46 @@ def measured_tflops_plausible(*, model: GpuModel, tflops: float) -> bool:
     peak = max(model.tensor_tflops, model.tensor_tflops_fp16_acc or 0)
     low = float(model.tensor_tflops) * MEASURED_TFLOPS_MIN_SHARE
     return low <= tflops <= float(peak) * MEASURED_TFLOPS_MAX_SHARE
+
+
+def advisor_cards() -> list[AdvisorCard]:
+    """The catalog as the advisor needs it, each card with its calibrated MFU prior if any."""
+    priors = dict(AdvisorPrior.objects.values_list("card_id", "mfu"))
+    return [advisor_card(m, priors.get(m.pk)) for m in GpuModel.objects.all()]
+
+
+def advisor_card(model: GpuModel, prior: float | None = None) -> AdvisorCard:
+    return AdvisorCard(
+        slug=model.slug,
+        name=model.name,
+        memory_gb=model.memory_gb,
+        tensor_tflops=float(model.tensor_tflops),
+        fp32_tflops=float(model.fp32_tflops),
+        bf16=model.bf16,
+        nvlink_gbs=float(model.nvlink_gbs),
+        nvlink_bridge=model.nvlink_bridge,
+        tier=model.tier,
+        mfu_prior=prior,
+    )
+
+
+def advisor_fits(shape: ModelShape) -> tuple[tuple[str, int, int], ...]:
+    """Per card, the GPUs one node must have free for the model to fit with some layout
+    (micro-batch 1, any ZeRO stage and recomputation), without and with NVLink."""
+    run = Run(shape=with_run(shape, micro_batch=1), tokens=1.0)
+    never = 1 << 30
+    result = []
+    for card in advisor_cards():
+        needs = []
+        for nvlink in (False, True):
+            topologies = [
+                Topology(gpus_per_node=n, nvlink=nvlink) for n in range(1, MAX_GPUS_PER_NODE + 1)
+            ]
+            first = fewest_fitting(run, card, topologies)
+            needs.append(never if first is None else first + 1)
+        if min(needs) < never:
+            result.append((card.slug, needs[0], needs[1]))
+    return tuple(result)
 
 
 def gpu_model_list() -> QuerySet[GpuModel]:
@@ -156,6 +208,13 @@ def offer_list_sql(*, filters: OfferFilters, limit: int, offset: int) -> tuple[s
     if f.min_reliability is not None:
         where.append("n.reliability >= %s")
         params.append(f.min_reliability)
+    if f.fits is not None:
+        where.append(
+            "EXISTS (SELECT 1 FROM unnest(%s::text[], %s::int[], %s::int[]) AS f(slug, pcie, nvl)"
+            " WHERE f.slug = m.slug AND n.gpu_count - COALESCE(busy.held, 0)"
+            " >= CASE WHEN n.nvlink THEN f.nvl ELSE f.pcie END)"
+        )
+        params.extend([[row[i] for row in f.fits] for i in range(3)])
     sql = _OFFERS_SQL.format(
         where="".join(f" AND {clause}" for clause in where),
         order=OFFER_ORDERINGS[f.ordering],
@@ -205,42 +264,6 @@ def rental_get(*, customer: User, rental_id) -> Rental | None:
         )
         .first()
     )
-
-
-def advisor_inputs(*, region: str | None) -> tuple[list, list]:
-    """The catalog and, per card, the cheapest nodes with free GPUs now (advisor input)."""
-    from marketplace.advisor import Card, Offer
-
-    cards = [
-        Card(
-            slug=m.slug,
-            name=m.name,
-            memory_gb=m.memory_gb,
-            tensor_tflops=float(m.tensor_tflops),
-            fp32_tflops=float(m.fp32_tflops),
-            bf16=m.bf16,
-            nvlink=m.nvlink_gbs > 0,
-        )
-        for m in GpuModel.objects.all()
-    ]
-    offers = []
-    for card in cards:
-        rows = offer_list(
-            filters=OfferFilters(gpu_models=(card.slug,), region=region), limit=64, offset=0
-        )
-        offers.extend(
-            Offer(
-                node_id=row["node_id"],
-                card=row["gpu_model"],
-                free_gpus=row["free_gpus"],
-                nvlink=row["nvlink"],
-                price_per_gpu_hour=row["price_per_gpu_hour"],
-                min_bid_per_gpu_hour=row["min_bid_per_gpu_hour"],
-                measured_tflops=row["measured_tflops"],
-            )
-            for row in rows
-        )
-    return cards, offers
 
 
 def provider_list(*, owner: User) -> QuerySet[Provider]:

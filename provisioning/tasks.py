@@ -26,3 +26,10 @@ def end_booked_time() -> None:
 )
 def flush_telemetry() -> None:
     services.telemetry_flush()
+
+
+@shared_task(
+    name="provisioning.calibrate_advisor", ignore_result=True, time_limit=300, soft_time_limit=240
+)
+def calibrate_advisor() -> None:
+    services.advisor_runs_calibrate()

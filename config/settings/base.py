@@ -168,6 +168,7 @@ PERIODIC_TASKS: dict[str, tuple[str, timedelta]] = {
     "silent-nodes": ("provisioning.mark_silent_nodes", timedelta(seconds=15)),
     "booked-time": ("provisioning.end_booked_time", timedelta(seconds=15)),
     "telemetry-flush": ("provisioning.flush_telemetry", timedelta(seconds=5)),
+    "advisor-calibrate": ("provisioning.calibrate_advisor", timedelta(minutes=5)),
     "billing-pass": ("billing.pass", timedelta(seconds=60)),
     "billing-telemetry-prune": ("billing.telemetry_prune", timedelta(hours=1)),
     "billing-invoices-issue": ("billing.invoices_issue", timedelta(hours=1)),

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from decimal import Decimal
 
 from rest_framework import serializers
 
+from marketplace.advisor.presets import PRESETS, decoder_shape
 from marketplace.api.pagination import MAX_OFFSET
 from marketplace.models import ApiToken, GpuModel
 from marketplace.selectors import OFFER_ORDERINGS
@@ -84,6 +86,12 @@ class OfferQuerySerializer(serializers.Serializer):
     ordering = serializers.ChoiceField(
         required=False, choices=sorted(OFFER_ORDERINGS), default="price"
     )
+    fits = serializers.CharField(
+        required=False,
+        max_length=40,
+        help_text="only nodes whose free GPUs can train this model: a preset, or billions of "
+        "parameters (13b)",
+    )
 
     limit = serializers.IntegerField(required=False, min_value=1, max_value=500, default=50)
     offset = serializers.IntegerField(required=False, min_value=0, max_value=MAX_OFFSET, default=0)
@@ -93,6 +101,19 @@ class OfferQuerySerializer(serializers.Serializer):
     def validate(self, attrs):
         refuse_unknown(self, also=self.PASS_THROUGH, why="unknown filter")
         return attrs
+
+    def validate_fits(self, value: str):
+        if value in PRESETS:
+            return PRESETS[value]
+        try:
+            billions = float(value.lower().removesuffix("b"))
+        except ValueError:
+            billions = math.nan
+        if not 0.001 <= billions <= 10_000:
+            raise serializers.ValidationError(
+                f"a preset ({', '.join(sorted(PRESETS))}) or 0.001b to 10000b parameters"
+            )
+        return decoder_shape(params=billions * 1e9)
 
 
 class OfferSerializer(serializers.Serializer):
@@ -311,56 +332,6 @@ class RentalDetailSerializer(RentalSerializer):
     events = RentalEventSerializer(many=True)
     allocations = AllocationSerializer(many=True)
     log_tail = serializers.CharField()
-
-
-class AdvisorQuerySerializer(serializers.Serializer):
-    """The model to train: a preset or a parameter count, and how many tokens."""
-
-    model = serializers.ChoiceField(choices=[], required=False, help_text="a preset model size")
-    params_b = serializers.FloatField(
-        required=False, min_value=0.001, max_value=2000, help_text="parameters, in billions"
-    )
-    tokens_b = serializers.FloatField(
-        min_value=0.0001, max_value=100_000, help_text="training tokens, in billions"
-    )
-    precision = serializers.ChoiceField(choices=["bf16", "fp16", "fp32"], default="bf16")
-    activation_recompute = serializers.BooleanField(default=False)
-    interruptible = serializers.BooleanField(default=False)
-    region = serializers.SlugField(max_length=40, required=False)
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        from marketplace.advisor import PRESETS
-
-        self.fields["model"].choices = sorted(PRESETS)
-
-    def validate(self, attrs):
-        refuse_unknown(self, also={"card", "runtime", "name"})
-        if ("model" in attrs) == ("params_b" in attrs):
-            raise serializers.ValidationError({"model": ["give a preset model or params_b"]})
-        return attrs
-
-
-class AdvisorBookSerializer(AdvisorQuerySerializer):
-    card = serializers.SlugField(max_length=40, help_text="the option to book: its card slug")
-    name = serializers.CharField(max_length=80, required=False, default="")
-    runtime = RuntimeSerializer(required=False)
-
-
-class AdvisorOptionSerializer(serializers.Serializer):
-    card = serializers.CharField()
-    card_name = serializers.CharField()
-    gpus = serializers.IntegerField()
-    gpus_per_node = serializers.IntegerField()
-    node_count = serializers.IntegerField()
-    strategy = serializers.CharField()
-    precision = serializers.CharField()
-    memory_per_gpu_gb = serializers.FloatField()
-    effective_tflops = serializers.FloatField()
-    hours = serializers.FloatField()
-    price_per_gpu_hour = serializers.DecimalField(max_digits=10, decimal_places=4)
-    cost = serializers.DecimalField(max_digits=14, decimal_places=2)
-    notes = serializers.ListField(child=serializers.CharField())
 
 
 class ProviderSerializer(serializers.Serializer):

@@ -1,7 +1,7 @@
 from django.urls import path
 from rest_framework.routers import SimpleRouter
 
-from marketplace.api import views
+from marketplace.api import advisor, views
 
 router = SimpleRouter()
 router.register("gpu-models", views.GpuModelViewSet, basename="gpu-model")
@@ -11,8 +11,11 @@ urlpatterns = [
     path("tokens/", views.ApiTokenListCreateView.as_view(), name="token-list"),
     path("tokens/<int:token_id>/revoke/", views.ApiTokenRevokeView.as_view(), name="token-revoke"),
     path("me/", views.MeView.as_view(), name="me"),
-    path("advisor/", views.AdvisorView.as_view(), name="advisor"),
-    path("advisor/book/", views.AdvisorBookView.as_view(), name="advisor-book"),
+    path("advisor/", advisor.AdvisorView.as_view(), name="advisor"),
+    path("advisor/memory/", advisor.AdvisorMemoryView.as_view(), name="advisor-memory"),
+    path("advisor/estimate/", advisor.AdvisorEstimateView.as_view(), name="advisor-estimate"),
+    path("advisor/accuracy/", advisor.AdvisorAccuracyView.as_view(), name="advisor-accuracy"),
+    path("advisor/book/", advisor.AdvisorBookView.as_view(), name="advisor-book"),
     path("rentals/", views.RentalListCreateView.as_view(), name="rental-list"),
     path("rentals/<uuid:rental_id>/", views.RentalDetailView.as_view(), name="rental-detail"),
     path(

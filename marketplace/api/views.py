@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import permissions, status, viewsets
 from rest_framework.request import Request
@@ -13,9 +11,6 @@ from rest_framework.views import APIView
 from marketplace import selectors, services
 from marketplace.api.pagination import Pagination
 from marketplace.api.serializers import (
-    AdvisorBookSerializer,
-    AdvisorOptionSerializer,
-    AdvisorQuerySerializer,
     ApiTokenCreatedSerializer,
     ApiTokenCreateSerializer,
     ApiTokenSerializer,
@@ -31,7 +26,7 @@ from marketplace.api.serializers import (
     RentalDetailSerializer,
     RentalSerializer,
 )
-from marketplace.errors import Conflict, NotFound
+from marketplace.errors import NotFound
 from marketplace.lifecycle import rental_cancel, rental_stop
 from marketplace.models import RentalStatus
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
@@ -192,81 +187,6 @@ class RentalStopView(APIView):
         rental_stop(customer=request.user, rental_id=rental_id)
         rental = selectors.rental_get(customer=request.user, rental_id=rental_id)
         return Response(RentalDetailSerializer(rental).data)
-
-
-def _advise(data: dict) -> list:
-    from marketplace.advisor import PRESETS, Workload, options
-
-    params = PRESETS[data["model"]] if "model" in data else data["params_b"] * 1e9
-    workload = Workload(
-        params=params,
-        tokens=data["tokens_b"] * 1e9,
-        precision=data["precision"],
-        activation_recompute=data["activation_recompute"],
-        interruptible=data["interruptible"],
-    )
-    cards, offers = selectors.advisor_inputs(region=data.get("region"))
-    return options(workload=workload, cards=cards, offers=offers)
-
-
-class AdvisorView(APIView):
-    """Which card to rent for a training run, and what it costs, from the offers free now."""
-
-    permission_classes = [permissions.AllowAny]
-
-    @extend_schema(request=AdvisorQuerySerializer, responses=AdvisorOptionSerializer(many=True))
-    def post(self, request: Request) -> Response:
-        body = AdvisorQuerySerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        return Response(
-            {"options": AdvisorOptionSerializer(_advise(body.validated_data), many=True).data}
-        )
-
-
-class AdvisorBookView(APIView):
-    """Book one of the advisor's options in one step: the offers are priced again now."""
-
-    @extend_schema(request=AdvisorBookSerializer, responses={201: RentalDetailSerializer})
-    def post(self, request: Request) -> Response:
-        from django.conf import settings
-
-        body = AdvisorBookSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        data = body.validated_data
-        chosen = next((o for o in _advise(data) if o.card == data["card"]), None)
-        if chosen is None:
-            raise Conflict(f"no free offer of {data['card']} can run this now", field="card")
-        runtime = data.get("runtime") or {
-            "image": settings.GPUMARKET["HARNESS_IMAGE"],
-            "harness_config": {"model": {"name": "gpt"}, "data": {"name": "text"}},
-        }
-        # Booked time: the estimate plus a fifth, whole minutes, within the 30-day limit.
-        duration = min(30 * 86400, max(600, math.ceil(chosen.hours * 3600 * 1.2 / 60) * 60))
-        interruptible = data["interruptible"]
-        rental = rental_create(
-            customer=request.user,
-            request=RentalRequest(
-                name=data["name"] or f"advisor: {chosen.card_name}",
-                gpu_models=(chosen.card,),
-                gpus_per_node=chosen.gpus_per_node,
-                node_count=chosen.node_count,
-                same_group=chosen.node_count == 1 and chosen.gpus_per_node > 1,
-                region=data.get("region") or "",
-                max_price_per_gpu_hour=None if interruptible else chosen.price_per_gpu_hour,
-                kind="interruptible" if interruptible else "on_demand",
-                bid_per_gpu_hour=chosen.price_per_gpu_hour if interruptible else None,
-                duration_s=duration,
-                runtime=RuntimeSpec(
-                    image=runtime["image"],
-                    command=runtime.get("command", []),
-                    harness_config=runtime.get("harness_config"),
-                    env=runtime.get("env", {}),
-                    ports=runtime.get("ports", []),
-                ),
-            ),
-        )
-        rental = selectors.rental_get(customer=request.user, rental_id=rental.pk)
-        return Response(RentalDetailSerializer(rental).data, status=status.HTTP_201_CREATED)
 
 
 class ProviderListView(APIView):

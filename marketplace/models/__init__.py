@@ -1,6 +1,7 @@
 """Marketplace models, one module per concern."""
 
 from marketplace.models.accounts import ApiToken, Provider, User
+from marketplace.models.advisor import AdvisorCheck, AdvisorPrior
 from marketplace.models.catalog import GpuModel, GpuTier
 from marketplace.models.inventory import Gpu, Node, NodeEvent, NodeStatus
 from marketplace.models.rentals import (
@@ -12,6 +13,8 @@ from marketplace.models.rentals import (
 )
 
 __all__ = [
+    "AdvisorCheck",
+    "AdvisorPrior",
     "Allocation",
     "ApiToken",
     "Gpu",

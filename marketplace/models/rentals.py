@@ -79,6 +79,8 @@ class Rental(models.Model):
     ended_at = models.DateTimeField(null=True, blank=True)
     exit_code = models.IntegerField(null=True, blank=True)
     log_tail = models.TextField(blank=True)
+    # The advisor's plan when it booked this rental: compared with the run's measured metrics.
+    advisor_estimate = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

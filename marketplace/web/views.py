@@ -14,7 +14,8 @@ from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
 from marketplace import lifecycle, selectors
-from marketplace.advisor import PRESETS
+from marketplace.advisor.calibration import accuracy
+from marketplace.advisor.presets import PRESETS
 from marketplace.api.serializers import OfferQuerySerializer
 from marketplace.models import RentalStatus
 
@@ -67,7 +68,8 @@ def offers(request: HttpRequest) -> HttpResponse:
 @require_GET
 def advisor(request: HttpRequest) -> HttpResponse:
     """Which card to rent for a training run, and what it costs; each answer books in one step."""
-    return render(request, "web/advisor.html", {"presets": sorted(PRESETS, key=PRESETS.get)})
+    presets = sorted(PRESETS, key=lambda name: PRESETS[name].params)
+    return render(request, "web/advisor.html", {"presets": presets, "accuracy": accuracy()})
 
 
 @require_GET

@@ -1,7 +1,9 @@
 """Provisioning writes, one module per concern: joining nodes (`join`), agent heartbeats
 (`heartbeat`), the telemetry buffer (`telemetry`) and the periodic node and rental sweeps
-(`sweeps`). Rental state changes go through marketplace.lifecycle."""
+(`sweeps`), measured runs handed to the advisor's calibration (`calibration`). Rental state
+changes go through marketplace.lifecycle."""
 
+from provisioning.services.calibration import advisor_runs_calibrate
 from provisioning.services.heartbeat import (
     benchmark_record,
     desired_state,
@@ -28,6 +30,7 @@ from provisioning.services.telemetry import (
 __all__ = [
     "TELEMETRY_BUFFER_KEY",
     "HostFacts",
+    "advisor_runs_calibrate",
     "benchmark_record",
     "catalog_match",
     "desired_state",

@@ -121,7 +121,7 @@ def test_a_customer_finds_a_card_books_the_advice_and_stops_it_in_the_browser(
 
     # The advisor answers before login; booking needs an account
     _log_in(browser, base, funded, "/advisor/")
-    Select(browser.find_element(By.ID, "a-model")).select_by_value("gpt2-small")
+    Select(browser.find_element(By.ID, "a-model")).select_by_value("gpt2-124m")
     tokens = browser.find_element(By.ID, "a-tokens_b")
     tokens.clear()
     tokens.send_keys("0.0001")

@@ -1,4 +1,5 @@
-"""The advisor: which card, how many, how long, what cost — hand-computed — and one-step booking."""
+"""The advisor's API: memory, estimates against published runs, plans from live offers, one-step
+booking, the offers' fits= filter and bad input."""
 
 from decimal import Decimal
 
@@ -8,106 +9,221 @@ from marketplace.models import Rental, RentalStatus
 
 pytestmark = pytest.mark.django_db
 
-# llama-7b: 6.7e9 parameters x 16 bytes = 107.2 GB of training states; 1e9 tokens.
-# Compute: 6 x 6.7e9 x 1e9 = 4.02e19 FLOPs.
-# H100 80 GB: 64 GB usable -> 2 GPUs (ZeRO-3, 53.6 GB each), 989 x 0.40 x 2 = 791.2 TFLOPS
-#   -> 50,809 s = 14.11 h; 2 x $2.50 x 14.11 h = $70.57.
-# A100 40 GB: 32 GB usable -> 4 GPUs (26.8 GB each), 312 x 0.40 x 4 = 499.2 TFLOPS
-#   -> 22.37 h; 4 x $1.00 x 22.37 h = $89.48.
-# RTX 4090 24 GB: 19.2 GB usable -> 6 GPUs; the only node has 4: no option.
-QUERY = {"model": "llama-7b", "tokens_b": 1}
+# 35 B parameters, 48 layers of width 8192: 560 GB of states (16 bytes per parameter); with ZeRO-3
+# and full recomputation 36.6 GB per GPU on 16 GPUs, 34.5 GB on 17: more than the 36 GB usable on
+# a 40 GB card, then less. So it needs 17 GPUs.
+NEEDS_17 = {
+    "params_b": 35,
+    "layers": 48,
+    "hidden": 8192,
+    "heads": 64,
+    "seq_len": 1024,
+    "global_batch": 256,
+    "tokens_b": 10,
+}
 
 
 @pytest.fixture
-def fleet(make_node):
-    return {
-        "h100": make_node(card="h100-sxm5-80gb", price="2.50", nvlink=True, region="eu-west"),
-        "a100": make_node(card="a100-sxm4-40gb", price="1.00", nvlink=True, region="eu-west"),
-        "4090": make_node(card="rtx4090-24gb", gpus=4, price="0.40", region="eu-west"),
-    }
+def eight_nodes(make_node):
+    return [make_node(card="a100-sxm4-40gb", price="1.00") for _ in range(8)]
 
 
-def test_the_advisor_ranks_cards_by_total_cost_from_live_offers(api, fleet):
-    r = api.post("/api/v1/advisor/", QUERY, format="json")
+# Touvron et al. 2023 (Llama 2), Table 2: pretraining on 2 T tokens on A100-80GB took 184,320,
+# 368,640 and 1,720,320 GPU-hours for 7B, 13B and 70B. Section 2.2.1 compares its two clusters at
+# up to 2,000 GPUs: checked at 2,048.
+@pytest.mark.parametrize(
+    ("model", "gpu_hours"),
+    [("llama2-7b", 184_320), ("llama2-13b", 368_640), ("llama2-70b", 1_720_320)],
+)
+def test_estimate_reproduces_llama2_pretraining_gpu_hours(api, model, gpu_hours):
+    body = {"model": model, "tokens_b": 2000, "card": "a100-sxm4-80gb", "gpus": 2048}
+    r = api.post("/api/v1/advisor/estimate/", body, format="json")
     assert r.status_code == 200, r.content
-    options = r.json()["options"]
-    assert [(o["card"], o["gpus"], o["strategy"]) for o in options] == [
-        ("h100-sxm5-80gb", 2, "zero3"),
-        ("a100-sxm4-40gb", 4, "zero3"),
-    ]
-    h100, a100 = options
-    assert (h100["memory_per_gpu_gb"], h100["effective_tflops"], h100["hours"]) == (
-        53.6,
-        791.2,
-        14.11,
+    answer = r.json()
+    assert answer["fits"] is True
+    assert 0.8 <= answer["gpu_hours"] / gpu_hours <= 1.25
+    assert answer["gpus"] == 2048 and answer["per_gpu_gb"]["total"] <= 72
+
+
+# Rajbhandari et al. 2020 (ZeRO), Figure 1: 7.5 B parameters on 64 GPUs, mixed-precision Adam.
+@pytest.mark.parametrize(("stage", "gb"), [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_memory_endpoint_gives_the_zero_paper_model_states(api, stage, gb):
+    body = {"params_b": 7.5, "dp": 64, "zero_stage": stage, "precision": "fp16", "seq_len": 1}
+    r = api.post("/api/v1/advisor/memory/", body, format="json")
+    assert r.status_code == 200, r.content
+    per_gpu = r.json()["per_gpu_gb"]
+    assert per_gpu["params"] + per_gpu["grads"] + per_gpu["optimizer"] == pytest.approx(gb, abs=0.1)
+
+
+def test_gpt2_xl_fits_a_32gb_v100_only_with_checkpointing(api):
+    body = {
+        "model": "gpt2-1.5b",
+        "micro_batch": 32,
+        "global_batch": 256,
+        "tokens_b": 1,
+        "card": "v100-sxm2-32gb",
+        "gpus": 8,
+    }
+    without = api.post(
+        "/api/v1/advisor/estimate/", {**body, "checkpointing": "none"}, format="json"
     )
-    assert (h100["cost"], a100["cost"], a100["hours"]) == ("70.57", "89.48", 22.37)
-
-
-def test_a_small_model_fits_one_gpu_and_the_cheapest_card_wins(api, fleet):
-    # gpt2-small, 124M params: 2 GB of states, fits every card. 10B tokens:
-    # 6 x 0.124e9 x 10e9 = 7.44e18 FLOPs; RTX 4090 165.2 x 0.4 = 66.08 TFLOPS -> 31.28 h x $0.40.
-    r = api.post("/api/v1/advisor/", {"model": "gpt2-small", "tokens_b": 10}, format="json")
-    best = r.json()["options"][0]
-    assert (best["card"], best["gpus"], best["strategy"], best["hours"]) == (
-        "rtx4090-24gb",
-        1,
-        "ddp",
-        31.28,
+    with_it = api.post(
+        "/api/v1/advisor/estimate/", {**body, "checkpointing": "full"}, format="json"
     )
-    assert best["cost"] == "12.52"
+    assert without.json()["fits"] is False
+    assert with_it.json()["fits"] is True and with_it.json()["precision"] == "fp16"
 
 
-def test_bf16_falls_back_to_fp16_on_cards_without_it(api, make_node):
-    make_node(card="v100-sxm2-32gb", price="0.50")
-    [v100] = api.post("/api/v1/advisor/", {"params_b": 0.5, "tokens_b": 1}, format="json").json()[
-        "options"
-    ]
-    assert v100["precision"] == "fp16"
-    assert any("no bf16" in note for note in v100["notes"])
+def test_a_model_needing_17_gpus_gets_a_gang_on_8_nodes_of_8(api, eight_nodes):
+    r = api.post("/api/v1/advisor/", NEEDS_17, format="json")
+    assert r.status_code == 200, r.content
+    plans = r.json()["plans"]
+    assert plans and min(p["gpus"] for p in plans) == 24
+    fewest = next(p for p in plans if p["gpus"] == 24)
+    assert (fewest["nodes"], fewest["gpus_per_node"], fewest["id"]) == (3, 8, "a100-sxm4-40gb:3x8")
+    assert fewest["per_gpu_gb"]["total"] <= 36
+    # Larger gangs too, by doubling up to all 64 free GPUs.
+    assert [p["gpus"] for p in sorted(plans, key=lambda p: p["gpus"])] == [24, 48, 64]
+    # Cost is GPUs x hours x the locked price ($1), rounded up to the cent.
+    assert float(fewest["cost"]) == pytest.approx(24 * fewest["hours"], abs=0.01)
+    assert sum("cheapest" in p["flags"] for p in plans) == 1
+
+
+def test_a_deadline_adds_gpus(api, eight_nodes):
+    base = api.post("/api/v1/advisor/", NEEDS_17, format="json").json()["plans"]
+    fewest = min(base, key=lambda p: p["gpus"])
+    deadline = fewest["hours"] * 0.6
+    r = api.post("/api/v1/advisor/", {**NEEDS_17, "deadline_hours": deadline}, format="json")
+    plans = r.json()["plans"]
+    assert plans and all(p["hours"] <= deadline for p in plans)
+    assert min(p["gpus"] for p in plans) > fewest["gpus"]
+
+
+def test_a_deadline_no_plan_meets_is_an_explained_empty_answer(api, eight_nodes):
+    r = api.post("/api/v1/advisor/", {**NEEDS_17, "deadline_hours": 0.01}, format="json")
+    assert r.status_code == 200
+    assert r.json()["plans"] == [] and "no plan meets" in r.json()["reasons"][0]
+
+
+def test_interruptible_plans_pay_the_preemption_overhead(api, eight_nodes):
+    on_demand = api.post("/api/v1/advisor/", NEEDS_17, format="json").json()["plans"]
+    spot = api.post("/api/v1/advisor/", {**NEEDS_17, "interruptible": True}, format="json")
+    spot = spot.json()["plans"]
+    same = next(p for p in spot if p["id"] == on_demand[0]["id"])
+    assert same["hours"] > on_demand[0]["hours"]
+    assert same["checkpoint_interval_s"] > 0 and same["price_per_gpu_hour"] == "0.5000"
+
+
+def test_a_model_too_big_for_any_offer_is_an_explained_empty_answer(api, make_node):
+    make_node(card="rtx4090-24gb", gpus=4, price="0.40")
+    r = api.post("/api/v1/advisor/", {"model": "llama2-70b", "tokens_b": 1}, format="json")
+    assert r.status_code == 200
+    assert r.json()["plans"] == []
+    assert "does not fit the 4 GPUs free" in r.json()["reasons"][0]
+
+
+def test_a_cost_too_large_to_represent_is_left_out_with_the_reason(api, make_node):
+    make_node(card="t4-16gb", gpus=8, price="999999")
+    body = {"model": "gpt2-124m", "tokens_b": 1_000_000}
+    r = api.post("/api/v1/advisor/", body, format="json")
+    assert r.status_code == 200, r.content
+    assert r.json()["plans"] == [] and "cost more than" in " ".join(r.json()["reasons"])
+
+
+def test_a_plan_is_booked_in_one_step_with_its_estimate(auth_api, eight_nodes):
+    plans = auth_api.post("/api/v1/advisor/", NEEDS_17, format="json").json()["plans"]
+    plan = next(p for p in plans if p["gpus"] == 24)
+    r = auth_api.post("/api/v1/advisor/book/", {**NEEDS_17, "plan": plan["id"]}, format="json")
+    assert r.status_code == 201, r.content
+    rental = Rental.objects.get(pk=r.json()["id"])
+    assert (rental.gpu_models, rental.gpus_per_node, rental.node_count) == (
+        ["a100-sxm4-40gb"],
+        8,
+        3,
+    )
+    assert rental.max_price_per_gpu_hour == Decimal("1.0000")
+    assert rental.status == RentalStatus.PENDING
+    assert rental.advisor_estimate["plan"] == "a100-sxm4-40gb:3x8"
+    assert rental.advisor_estimate["hours"] == pytest.approx(plan["hours"])
+    # Booked time: the estimate plus a fifth, in whole minutes.
+    assert rental.duration_s == min(30 * 86400, -(-plan["hours"] * 3600 * 1.2 // 60) * 60)
+
+
+def test_booking_a_gang_no_longer_free_is_409_and_stores_nothing(auth_api, eight_nodes):
+    body = {**NEEDS_17, "plan": "a100-sxm4-40gb:9x8"}
+    r = auth_api.post("/api/v1/advisor/book/", body, format="json")
+    assert r.status_code == 409 and "plan" in r.json()
+    assert Rental.objects.count() == 0
+
+
+def test_booking_needs_an_account(api, eight_nodes):
+    r = api.post("/api/v1/advisor/book/", {**NEEDS_17, "plan": "a100-sxm4-40gb:3x8"}, format="json")
+    assert r.status_code == 401
+    assert Rental.objects.count() == 0
+
+
+def test_offers_fits_keeps_nodes_that_can_hold_the_model(api, make_node):
+    big = make_node(card="h100-sxm5-80gb", gpus=8, nvlink=True)
+    small = make_node(card="rtx4090-24gb", gpus=2)
+    both = api.get("/api/v1/offers/", {"fits": "gpt2-124m"}).json()["results"]
+    assert {o["node_id"] for o in both} == {big.pk, small.pk}
+    only_big = api.get("/api/v1/offers/", {"fits": "llama2-13b"}).json()["results"]
+    assert [o["node_id"] for o in only_big] == [big.pk]
+    assert api.get("/api/v1/offers/", {"fits": "2000b"}).json()["results"] == []
+    bad = api.get("/api/v1/offers/", {"fits": "gpt-5"})
+    assert bad.status_code == 400 and "fits" in bad.json()
 
 
 @pytest.mark.parametrize(
-    ("body", "field"),
+    ("path", "body", "field"),
     [
-        ({"tokens_b": 1}, "model"),
-        ({"model": "llama-7b", "params_b": 7, "tokens_b": 1}, "model"),
-        ({"model": "gpt-5", "tokens_b": 1}, "model"),
-        ({"model": "llama-7b"}, "tokens_b"),
-        ({"model": "llama-7b", "tokens_b": -1}, "tokens_b"),
-        ({"model": "llama-7b", "tokens_b": 1, "precision": "int4"}, "precision"),
-        ({"model": "llama-7b", "tokens_b": 1, "gpus": 8}, "gpus"),
+        ("", {"tokens_b": 1}, "model"),
+        ("", {"model": "llama2-7b", "params_b": 7, "tokens_b": 1}, "model"),
+        ("", {"model": "gpt-5", "tokens_b": 1}, "model"),
+        ("", {"model": "llama2-7b"}, "tokens_b"),
+        ("", {"model": "llama2-7b", "tokens_b": -1}, "tokens_b"),
+        ("", {"model": "llama2-7b", "tokens_b": 0}, "tokens_b"),
+        ("", {"model": "llama2-7b", "tokens_b": "NaN"}, "tokens_b"),
+        ("", {"model": "llama2-7b", "tokens_b": "Infinity"}, "tokens_b"),
+        ("", {"model": "llama2-7b", "tokens_b": 1e300}, "tokens_b"),
+        ("", {"model": "llama2-7b", "tokens_b": 1, "precision": "int4"}, "precision"),
+        ("", {"model": "llama2-7b", "tokens_b": 1, "optimizer": "lion"}, "optimizer"),
+        ("", {"model": "llama2-7b", "tokens_b": 1, "deadline_hours": 0}, "deadline_hours"),
+        ("", {"model": "llama2-7b", "tokens_b": 1, "budget": "-5"}, "budget"),
+        ("", {"model": "llama2-7b", "tokens_b": 1, "budget": "1e20"}, "budget"),
+        ("", {"model": "llama2-7b", "tokens_b": 1, "gpus": 8}, "gpus"),
+        ("", {"params_b": -7, "tokens_b": 1}, "params_b"),
+        ("", {"params_b": 7, "hidden": 4096, "heads": 3, "tokens_b": 1}, "heads"),
+        ("memory/", {"model": "llama2-7b", "dp": 0}, "dp"),
+        ("memory/", {"model": "llama2-7b", "tp": 3}, "tp"),
+        ("memory/", {"model": "llama2-7b", "pp": 7}, "pp"),
+        ("memory/", {"model": "llama2-7b", "zero_stage": 4}, "zero_stage"),
+        ("memory/", {"model": "llama2-7b", "micro_batch": -1}, "micro_batch"),
+        ("memory/", {"model": "llama2-7b", "seq_len": "NaN"}, "seq_len"),
+        ("memory/", {"model": "llama2-7b", "checkpointing": "some"}, "checkpointing"),
+        ("estimate/", {"model": "llama2-7b", "tokens_b": 1, "card": "tpu-v5", "gpus": 8}, "card"),
+        ("estimate/", {"model": "llama2-7b", "tokens_b": 1, "card": "t4-16gb", "gpus": 0}, "gpus"),
+        (
+            "estimate/",
+            {"model": "llama2-7b", "tokens_b": 1, "card": "t4-16gb", "gpus": 8, "dp": 3},
+            "dp",
+        ),
+        (
+            "estimate/",
+            {"model": "gpt2-124m", "tokens_b": 1, "card": "t4-16gb", "gpus": 4096},
+            "gpus",
+        ),
+        ("book/", {"model": "llama2-7b", "tokens_b": 1}, "plan"),
+        ("book/", {"model": "llama2-7b", "tokens_b": 1, "plan": "../x"}, "plan"),
     ],
 )
-def test_bad_advisor_input_is_400_naming_the_field(api, fleet, body, field):
-    r = api.post("/api/v1/advisor/", body, format="json")
-    assert r.status_code == 400 and field in r.json()
-
-
-def test_an_option_is_booked_in_one_step(auth_api, fleet):
-    r = auth_api.post("/api/v1/advisor/book/", {**QUERY, "card": "h100-sxm5-80gb"}, format="json")
-    assert r.status_code == 201, r.content
-    rental = Rental.objects.get(pk=r.json()["id"])
-    assert (rental.gpu_models, rental.gpus_per_node, rental.node_count, rental.same_group) == (
-        ["h100-sxm5-80gb"],
-        2,
-        1,
-        True,
-    )
-    assert rental.max_price_per_gpu_hour == Decimal("2.5000")
-    # Booked time: the 14.11 h estimate plus a fifth = 1015.92 min -> 1016 whole minutes.
-    assert rental.duration_s == 60960
-    assert rental.status == RentalStatus.PENDING
-    assert rental.harness_config == {"model": {"name": "gpt"}, "data": {"name": "text"}}
-
-
-def test_booking_a_card_with_no_free_offer_is_409_and_stores_nothing(auth_api, fleet):
-    r = auth_api.post("/api/v1/advisor/book/", {**QUERY, "card": "rtx4090-24gb"}, format="json")
-    assert r.status_code == 409 and "card" in r.json()
+def test_bad_advisor_input_is_400_naming_the_field(auth_api, eight_nodes, path, body, field):
+    r = auth_api.post(f"/api/v1/advisor/{path}", body, format="json")
+    assert r.status_code == 400, r.content
+    assert field in r.json()
     assert Rental.objects.count() == 0
 
 
-def test_booking_needs_an_account(api, fleet):
-    r = api.post("/api/v1/advisor/book/", {**QUERY, "card": "h100-sxm5-80gb"}, format="json")
-    assert r.status_code == 401
-    assert Rental.objects.count() == 0
+def test_the_advisor_reports_its_accuracy_before_any_run(api):
+    r = api.get("/api/v1/advisor/accuracy/")
+    assert r.json() == {"runs": 0, "median": None, "p90": None}

@@ -25,8 +25,8 @@ def test_offers_advise_rent_show_and_cancel(cli, make_node):
     make_node(card="h100-sxm5-80gb", price="2.50", nvlink=True, hostname="fra-1")
     code, out, _ = cli("offers", "--gpu-family", "h100")
     assert code == 0 and "fra-1" in out and "H100 SXM5 80 GB" in out
-    code, out, _ = cli("advise", "--model", "llama-7b", "--tokens-b", "1")
-    assert code == 0 and "h100-sxm5-80gb" in out and "70.57" in out
+    code, out, _ = cli("advise", "--model", "llama2-7b", "--tokens-b", "1")
+    assert code == 0 and "h100-sxm5-80gb:1x" in out and "cheapest" in out
     code, out, _ = cli("rent", "--gpus", "2", "--hours", "2", "--image", "img", "--", "train")
     assert code == 0 and out.split()[1] == "pending"
     rental = Rental.objects.get()
