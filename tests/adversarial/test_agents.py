@@ -209,7 +209,7 @@ def test_an_implausible_benchmark_is_kept_flagged_and_never_priced(agent, tflops
     [offer] = offers.json()["results"]
     assert (offer["measured_tflops"], offer["price_per_measured_tflop_hour"]) == (None, None)
     advice = api.post("/api/v1/advisor/", {"params_b": 0.5, "tokens_b": 1}, format="json")
-    assert advice.status_code == 200 and advice.json()["options"]
+    assert advice.status_code == 200 and advice.json()["plans"]
 
 
 @pytest.mark.django_db
@@ -222,7 +222,7 @@ def test_offers_and_advisor_never_divide_by_an_absurd_stored_rate(agent, tflops)
     assert offers.status_code == 200
     assert offers.json()["results"][0]["price_per_measured_tflop_hour"] is None
     advice = api.post("/api/v1/advisor/", {"params_b": 0.5, "tokens_b": 1}, format="json")
-    assert advice.status_code == 200 and advice.json()["options"]
+    assert advice.status_code == 200 and advice.json()["plans"]
 
 
 @pytest.mark.django_db

@@ -10,7 +10,7 @@ from harness.config import load_config_dict
 from harness.metrics import JsonLines
 from harness.trainer import Trainer
 from marketplace.models import AdvisorCheck, AdvisorPrior, Rental
-from provisioning.models import ContainerRun
+from provisioning.models import ContainerRun, RunMetric
 from provisioning.services import advisor_runs_calibrate, metrics_store, run_id_for
 
 pytestmark = pytest.mark.django_db
@@ -58,7 +58,9 @@ def test_a_cpu_harness_run_moves_the_next_estimate_toward_the_measurement(auth_a
         rental=rental, node=node, run_id=run_id_for(rental.pk, node.pk)
     )
     lines = _harness_lines()
-    assert metrics_store(node=node, lines=[(str(rental.pk), run.run_id, line) for line in lines])
+    refused = metrics_store(node=node, lines=[(str(rental.pk), run.run_id, line) for line in lines])
+    assert refused == 0
+    assert RunMetric.objects.filter(rental=rental).count() == len(lines)
 
     # When the calibration pass runs (twice: the second finds nothing new)
     assert advisor_runs_calibrate() == 1
