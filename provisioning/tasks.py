@@ -26,3 +26,10 @@ def end_booked_time() -> None:
 )
 def flush_telemetry() -> None:
     services.telemetry_flush()
+
+
+@shared_task(
+    name="provisioning.measure_reliability", ignore_result=True, time_limit=600, soft_time_limit=540
+)
+def measure_reliability() -> None:
+    services.nodes_reliability_update()
