@@ -33,3 +33,10 @@ def flush_telemetry() -> None:
 )
 def calibrate_advisor() -> None:
     services.advisor_runs_calibrate()
+
+
+@shared_task(
+    name="provisioning.measure_reliability", ignore_result=True, time_limit=600, soft_time_limit=540
+)
+def measure_reliability() -> None:
+    services.nodes_reliability_update()

@@ -61,6 +61,15 @@ class UsageMeter(models.Model):
         "marketplace.Node", on_delete=models.PROTECT, related_name="usage_meters", db_index=False
     )
     fee_bps = models.PositiveSmallIntegerField(help_text="platform fee locked at the first report")
+    # Null only on meters created before the price was locked here: they rate at the rental's.
+    price_per_gpu_hour = models.DecimalField(
+        max_digits=10,
+        decimal_places=4,
+        null=True,
+        blank=True,
+        help_text="the rental's price when this node first reported: a re-queue re-prices "
+        "the rental, not what already ran here",
+    )
     usage_version = models.BigIntegerField(default=1)
     rated_version = models.BigIntegerField(default=0)
     gpu_seconds = models.BigIntegerField(default=0, help_text="rated GPU-seconds to date")

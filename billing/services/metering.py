@@ -3,18 +3,23 @@
 A usage segment is one container run of a rental on a node, [started_at, confirmed_until]. Each
 report can only move confirmed_until forward (or mark the run final), so applying reports is a
 join on a semilattice: duplicated, reordered and replayed reports give the same segment, and a
-report that moves nothing is a no-op. Segments are stored, not every report: at 250k GPUs with
-heartbeats every few seconds an append-only report table would grow by billions of rows a day,
-while first_seq / last_seq / reports on the segment already name the reports behind every
-billed second.
+report that moves nothing is a no-op. A final report freezes its segment. Reports are clamped
+to the server's clock and to the allocation held on the node; rating then bills only what lies
+inside that allocation and the rental's running interval (see rating), so what an agent
+confirms can lower a bill, never raise it past what the server authorised.
+
+Segments are stored, not every report: at 250k GPUs with heartbeats every few seconds an
+append-only report table would grow by billions of rows a day, while first_seq / last_seq /
+reports on the segment already name the reports behind every billed second.
 """
 
 from __future__ import annotations
 
 import math
 import uuid
+from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
 from django.db import connection, transaction
@@ -41,12 +46,36 @@ class UsageReport:
     final: bool = False
 
 
+# Why a report was refused, as counted in UsageBatchResult.refused.
+MALFORMED = "malformed"
+NOT_ALLOCATED = "not_allocated"
+ALLOCATION_RELEASED = "allocation_released"
+OUTSIDE_ALLOCATION = "outside_allocation"
+AFTER_FINAL = "after_final"
+
+_REFUSED_WHY = {
+    NOT_ALLOCATED: ("rental_id", "this rental has no allocation on this node"),
+    ALLOCATION_RELEASED: (
+        "confirmed_at",
+        "the allocation on this node was released before this confirmation",
+    ),
+    OUTSIDE_ALLOCATION: ("confirmed_at", "confirmed past the allocation held on this node"),
+    AFTER_FINAL: ("final", "the run was already reported final"),
+}
+
+
 @dataclass(slots=True)
 class UsageBatchResult:
-    """What a batch did: reports that moved a segment, and the reports refused with why."""
+    """What a batch did: reports applied (including those that moved nothing: replays), the
+    reports refused with why, and the refusals counted by reason for the node's record."""
 
     applied: int = 0
     rejected: list[tuple[int, str, str]] = field(default_factory=list)  # (index, field, why)
+    refused: Counter[str] = field(default_factory=Counter)
+
+    def refuse(self, index: int, reason: str, name: str, why: str) -> None:
+        self.rejected.append((index, name, why))
+        self.refused[reason] += 1
 
 
 def _aware(value: object, name: str) -> datetime:
@@ -55,8 +84,10 @@ def _aware(value: object, name: str) -> datetime:
     return value
 
 
-def _check(report: UsageReport, now: datetime) -> tuple[str, str] | None:
-    """(field, why) when the report is malformed; None when it may be applied."""
+def _check(report: UsageReport, now: datetime) -> tuple[str, str] | UsageReport:
+    """(field, why) when the report is malformed; else the report with its times clamped to
+    the server's clock: a second that has not happened yet is never confirmed, whatever the
+    agent's clock says."""
     if not isinstance(report.seq, int) or report.seq < 0:
         return "seq", "seq must be a non-negative integer"
     if not isinstance(report.gpu_count, int) or not 0 < report.gpu_count <= MAX_GPUS_PER_RUN:
@@ -70,41 +101,75 @@ def _check(report: UsageReport, now: datetime) -> tuple[str, str] | None:
         return exc.field or "", exc.message
     if confirmed < started:
         return "confirmed_at", "confirmed_at is before started_at"
-    # Never bill a second that has not happened yet: a clock far ahead is refused, not trusted.
+    # A clock far ahead is broken: refused, so the node's record shows it. Within the skew the
+    # report is kept but clamped to now (below).
     if confirmed > now + timedelta(seconds=conf.clock_skew_s()):
         return "confirmed_at", "confirmed_at is in the future"
-    return None
+    if confirmed <= now:
+        return report
+    return replace(report, started_at=min(started, now), confirmed_at=now)
 
 
 _APPLY_SQL = """
 WITH r AS (
     SELECT *
-    FROM unnest(%(rental)s::uuid[], %(run)s::text[], %(seq)s::bigint[], %(gpus)s::int[],
-                %(started)s::timestamptz[], %(confirmed)s::timestamptz[], %(final)s::bool[])
-         AS r(rental_id, run_id, seq, gpu_count, started_at, confirmed_at, final)
+    FROM unnest(%(idx)s::int[], %(rental)s::uuid[], %(run)s::text[], %(seq)s::bigint[],
+                %(gpus)s::int[], %(started)s::timestamptz[], %(confirmed)s::timestamptz[],
+                %(final)s::bool[])
+         AS r(idx, rental_id, run_id, seq, gpu_count, started_at, confirmed_at, final)
 ),
-allocated AS (
-    SELECT DISTINCT a.rental_id
+held AS (
+    -- What the server authorised on this node: the rental's allocations here. A release cuts
+    -- `during` at the release, so upper(during) is where the node's time ends.
+    SELECT a.rental_id, max(upper(a.during)) AS held_until,
+           bool_and(a.released_at IS NOT NULL) AS released
     FROM marketplace_allocation a
     WHERE a.node_id = %(node)s AND a.rental_id IN (SELECT rental_id FROM r)
+    GROUP BY a.rental_id
+),
+clipped AS (
+    SELECT r.*, h.rental_id IS NOT NULL AS allocated, h.released, h.held_until,
+           LEAST(r.confirmed_at, h.held_until) AS until,
+           old.id AS old_id, old.confirmed_until AS old_until, coalesce(old.final, false)
+               AS old_final,
+           -- A final report ends the run: nothing confirmed after the first one counts.
+           min(LEAST(r.confirmed_at, h.held_until)) FILTER (WHERE r.final)
+               OVER (PARTITION BY r.rental_id, r.run_id) AS final_at
+    FROM r
+    LEFT JOIN held h ON h.rental_id = r.rental_id
+    LEFT JOIN billing_usagesegment old
+           ON old.rental_id = r.rental_id AND old.node_id = %(node)s AND old.run_id = r.run_id
+),
+judged AS (
+    SELECT c.*,
+           CASE
+               WHEN NOT c.allocated THEN 'not_allocated'
+               WHEN (c.old_final AND c.until > c.old_until) OR c.until > c.final_at
+                   THEN 'after_final'
+               -- Confirmed past the allocation and adding no second inside it.
+               WHEN c.confirmed_at > c.held_until
+                    AND (c.until < c.started_at OR c.until <= c.old_until)
+                   THEN CASE WHEN c.released THEN 'allocation_released'
+                             ELSE 'outside_allocation' END
+           END AS refused
+    FROM clipped c
 ),
 folded AS (
     -- One row per run: a spooled batch may carry several reports of the same run. Only the
     -- reports that move the stored segment count: a replayed spool repeats reports that were
     -- applied before their answer was lost, and those must not be counted twice.
-    SELECT r.rental_id, r.run_id,
-           min(r.seq) AS first_seq,
-           (array_agg(r.seq ORDER BY r.confirmed_at DESC, r.seq DESC))[1] AS last_seq,
-           count(DISTINCT r.seq) AS reports,
-           (array_agg(r.gpu_count ORDER BY r.seq))[1] AS gpu_count,
-           (array_agg(r.started_at ORDER BY r.seq))[1] AS started_at,
-           max(r.confirmed_at) AS confirmed_until,
-           bool_or(r.final) AS final
-    FROM r JOIN allocated USING (rental_id)
-    LEFT JOIN billing_usagesegment old
-           ON old.rental_id = r.rental_id AND old.node_id = %(node)s AND old.run_id = r.run_id
-    WHERE old.id IS NULL OR r.confirmed_at > old.confirmed_until OR (r.final AND NOT old.final)
-    GROUP BY r.rental_id, r.run_id
+    SELECT j.rental_id, j.run_id,
+           min(j.seq) AS first_seq,
+           (array_agg(j.seq ORDER BY j.until DESC, j.seq DESC))[1] AS last_seq,
+           count(DISTINCT j.seq) AS reports,
+           (array_agg(j.gpu_count ORDER BY j.seq))[1] AS gpu_count,
+           (array_agg(j.started_at ORDER BY j.seq))[1] AS started_at,
+           max(j.until) AS confirmed_until,
+           bool_or(j.final) AS final
+    FROM judged j
+    WHERE j.refused IS NULL
+      AND (j.old_id IS NULL OR j.until > j.old_until OR (j.final AND NOT j.old_final))
+    GROUP BY j.rental_id, j.run_id
 ),
 seg AS (
     INSERT INTO billing_usagesegment AS s
@@ -121,22 +186,30 @@ seg AS (
         final = s.final OR EXCLUDED.final,
         reports = s.reports + EXCLUDED.reports,
         updated_at = EXCLUDED.updated_at
-    -- A report that moves nothing (a duplicate, a replay, an older confirmation) is a no-op.
-    WHERE EXCLUDED.confirmed_until > s.confirmed_until OR (EXCLUDED.final AND NOT s.final)
+    -- A report that moves nothing (a duplicate, a replay, an older confirmation) is a no-op,
+    -- and a final segment never moves again (a concurrent batch may have finalised it).
+    WHERE NOT s.final
+      AND (EXCLUDED.confirmed_until > s.confirmed_until OR EXCLUDED.final)
     RETURNING s.rental_id, s.reports
 ),
 meters AS (
+    -- The price is locked on the meter at its first report: a rental re-queued and re-booked
+    -- elsewhere at another price leaves what ran here at the price it ran at.
     INSERT INTO billing_usagemeter AS m
-        (rental_id, node_id, fee_bps, usage_version, rated_version, gpu_seconds, charge_micros,
-         posting_seq, posted_gpu_seconds, posted_charge_micros, posted_earning_micros,
-         created_at)
-    SELECT DISTINCT rental_id, %(node)s, %(fee_bps)s, 1, 0, 0, 0, 0, 0, 0, 0, %(now)s FROM seg
+        (rental_id, node_id, fee_bps, price_per_gpu_hour, usage_version, rated_version,
+         gpu_seconds, charge_micros, posting_seq, posted_gpu_seconds, posted_charge_micros,
+         posted_earning_micros, created_at)
+    SELECT u.rental_id, %(node)s, %(fee_bps)s, rental.price_per_gpu_hour, 1, 0, 0, 0, 0, 0,
+           0, 0, %(now)s
+    FROM (SELECT DISTINCT rental_id FROM seg) u
+    JOIN marketplace_rental rental ON rental.id = u.rental_id
     ON CONFLICT (rental_id, node_id) DO UPDATE SET usage_version = m.usage_version + 1
     RETURNING m.id
 )
-SELECT ARRAY(SELECT DISTINCT rental_id FROM r
-             WHERE rental_id NOT IN (SELECT rental_id FROM allocated)),
+SELECT coalesce(array_agg(idx ORDER BY idx) FILTER (WHERE refused IS NOT NULL), '{}'),
+       coalesce(array_agg(refused ORDER BY idx) FILTER (WHERE refused IS NOT NULL), '{}'),
        (SELECT count(*) FROM meters)
+FROM judged
 """
 
 
@@ -144,23 +217,26 @@ def usage_reports_apply(
     *, node_id: int, reports: Sequence[UsageReport], now: datetime | None = None
 ) -> UsageBatchResult:
     """Apply a node's batch of usage reports in one statement (one heartbeat, or a replayed
-    spool). Malformed reports and reports for rentals without an allocation on this node are
-    refused with their index; the others are applied."""
+    spool). Refused with their index and counted by reason: malformed reports, reports for
+    rentals without an allocation on this node (another node's, or none), confirmations past
+    a released allocation and reports after the run's final one. Confirmations are clamped to
+    the server's now and to the end of the allocation held on this node."""
     now = now or timezone.now()
     result = UsageBatchResult()
     good: list[tuple[int, UsageReport]] = []
     for i, report in enumerate(reports):
-        problem = _check(report, now)
-        if problem is None:
-            good.append((i, report))
+        checked = _check(report, now)
+        if isinstance(checked, UsageReport):
+            good.append((i, checked))
         else:
-            result.rejected.append((i, *problem))
+            result.refuse(i, MALFORMED, *checked)
     if not good:
         return result
     params = {
         "node": node_id,
         "now": now,
         "fee_bps": conf.platform_fee_bps(),
+        "idx": [i for i, _ in good],
         "rental": [r.rental_id for _, r in good],
         "run": [r.run_id for _, r in good],
         "seq": [r.seq for _, r in good],
@@ -172,13 +248,10 @@ def usage_reports_apply(
     # One statement, atomic by itself: no transaction round trips around it.
     with connection.cursor() as cursor:
         cursor.execute(_APPLY_SQL, params)
-        unallocated, _ = cursor.fetchone()
-    refused = {str(x) for x in unallocated or ()}
-    for i, report in good:
-        if str(report.rental_id) in refused:
-            result.rejected.append((i, "rental_id", "this rental has no allocation on this node"))
-        else:
-            result.applied += 1
+        refused_idx, reasons, _ = cursor.fetchone()
+    for i, reason in zip(refused_idx, reasons, strict=True):
+        result.refuse(i, reason, *_REFUSED_WHY[reason])
+    result.applied = len(good) - len(refused_idx)
     result.rejected.sort()
     return result
 

@@ -3,8 +3,12 @@
 Rating and posting are one set-based statement per chunk of meters, so a pass over 100,000
 running rentals is a handful of statements, not 100,000 round trips:
 
-1. rate: for each meter with new reports, GPU-seconds to date = allocated GPUs x the union of
-   its runs' confirmed spans clipped to the rental's window [scheduled_start, scheduled_end];
+1. rate: for each meter with new reports (or whose rental moved), GPU-seconds to date = the sum
+   over the GPUs allocated to the rental on that node of |confirmed ∩ held ∩ running|, where
+   confirmed is the union of the node's confirmed spans, held the GPU's allocation range (cut
+   at its release) and running the rental's RUNNING episodes from its events (a stop counts
+   for the agent's stop grace at most). Whatever an agent confirms, no second outside what the
+   server authorised is billed;
    charge to date = floor(GPU-seconds x locked price / 3600) in micro-dollars. Computed from
    totals every time, never by adding rounded increments, so rounding cannot drift.
 2. post: for meters due (hourly, at the end of the rental, or at a month boundary), append the
@@ -28,6 +32,7 @@ from decimal import Decimal
 from django.db import connection, transaction
 from django.utils import timezone
 
+from agentprotocol import DEFAULT_STOP_GRACE_S
 from billing import conf
 from billing.models import Account, AccountKind, BalanceNotice, NoticeKind
 from billing.services.ledger import account_platform
@@ -58,16 +63,18 @@ _CANDIDATES = """
     SELECT m.id, m.rental_id, m.node_id, m.fee_bps, m.usage_version, m.gpu_seconds,
            m.charge_micros, m.posting_seq, m.posted_gpu_seconds, m.posted_charge_micros,
            m.posted_earning_micros, m.posted_at,
-           -- A rental is rated only once booked: its price and window are locked then.
-           (m.rated_version < m.usage_version AND r.price_per_gpu_hour IS NOT NULL
-            AND r.scheduled_start IS NOT NULL AND r.scheduled_end IS NOT NULL) AS dirty,
-           r.price_per_gpu_hour, r.gpus_per_node, r.scheduled_start, r.scheduled_end, r.status,
-           r.customer_id, n.provider_id
+           coalesce(m.price_per_gpu_hour, r.price_per_gpu_hour) AS price_per_gpu_hour,
+           -- Rated again on a new report, and when the rental moved (a stop, an end, a
+           -- release): those can only shorten what may be billed.
+           ((m.rated_version < m.usage_version OR r.updated_at > m.rated_at)
+            AND coalesce(m.price_per_gpu_hour, r.price_per_gpu_hour) IS NOT NULL) AS dirty,
+           r.started_at, r.ended_at, r.status, r.customer_id, n.provider_id
     FROM billing_usagemeter m
     JOIN marketplace_rental r ON r.id = m.rental_id
     JOIN marketplace_node n ON n.id = m.node_id
     WHERE m.id >= %(first_id)s AND m.id < %(end_id)s
-      AND (m.rated_version < m.usage_version OR m.charge_micros <> m.posted_charge_micros)
+      AND (m.rated_version < m.usage_version OR r.updated_at > m.rated_at
+           OR m.charge_micros <> m.posted_charge_micros)
 """
 
 _ENSURE_ACCOUNTS_SQL = f"""
@@ -93,21 +100,60 @@ ON CONFLICT DO NOTHING
 
 _PASS_SQL = f"""
 WITH c AS ({_CANDIDATES}),
-spans AS (
-    SELECT c.id, LEAST(s.gpu_count, c.gpus_per_node) AS gpus,
-           tstzrange(GREATEST(s.started_at, c.scheduled_start),
-                     LEAST(s.confirmed_until, c.scheduled_end)) AS span
-    FROM c
-    JOIN billing_usagesegment s ON s.rental_id = c.rental_id AND s.node_id = c.node_id
+confirmed AS (
+    -- The union of the runs' confirmed spans: two runs that overlap (a restart confirmed
+    -- late) never bill the same second twice.
+    SELECT c.id, max(s.gpu_count) AS gpus,
+           range_agg(tstzrange(s.started_at, s.confirmed_until)) AS spans
+    FROM c JOIN billing_usagesegment s ON s.rental_id = c.rental_id AND s.node_id = c.node_id
     WHERE c.dirty
-      AND GREATEST(s.started_at, c.scheduled_start) < LEAST(s.confirmed_until, c.scheduled_end)
+    GROUP BY c.id
+),
+moves AS (
+    SELECT ev.rental_id, ev.to_status, ev.created_at, c.started_at, c.ended_at,
+           lag(ev.created_at) OVER w AS prev_at,
+           lead(ev.to_status) OVER w AS next_to,
+           lead(ev.created_at) OVER w AS next_at,
+           lead(ev.created_at, 2) OVER w AS after_next_at
+    FROM (SELECT DISTINCT rental_id, started_at, ended_at FROM c WHERE dirty) c
+    JOIN marketplace_rentalevent ev ON ev.rental_id = c.rental_id
+    WINDOW w AS (PARTITION BY ev.rental_id ORDER BY ev.created_at, ev.id)
+),
+episodes AS (
+    -- Each time the rental was RUNNING, in the server's own event times: from the agent's
+    -- start (no earlier than the hand-over before it) to the next move; a stop counts for its
+    -- grace at most, so a stop that never reaches the agent stops the bill anyway.
+    SELECT rental_id, lo, GREATEST(lo, hi) AS hi
+    FROM (SELECT rental_id,
+                 GREATEST(prev_at, LEAST(created_at, started_at)) AS lo,
+                 LEAST(CASE WHEN next_to = 'stopping'
+                            THEN LEAST(next_at + %(grace)s, coalesce(after_next_at, 'infinity'))
+                            ELSE coalesce(next_at, 'infinity') END,
+                       coalesce(ended_at, 'infinity')) AS hi
+          FROM moves WHERE to_status = 'running') e
+),
+running AS (
+    SELECT rental_id, range_agg(tstzrange(lo, hi)) AS spans FROM episodes GROUP BY rental_id
+),
+held AS (
+    -- The allocations on the meter's node, each GPU's range (cut at its release). GPUs placed
+    -- together share a range; the agent's GPU count caps how many of them are billed.
+    SELECT c.id, c.rental_id, a.during,
+           row_number() OVER (PARTITION BY c.id, a.during ORDER BY a.gpu_id) AS nth
+    FROM c JOIN marketplace_allocation a ON a.rental_id = c.rental_id AND a.node_id = c.node_id
+    WHERE c.dirty
 ),
 used AS (
-    -- The union of the runs' spans: two runs that overlap (a restart confirmed late) never
-    -- bill the same second twice.
-    SELECT u.id, u.gpus * floor(extract(epoch FROM (
-               SELECT sum(upper(x) - lower(x)) FROM unnest(u.spans) AS x)))::bigint AS gpu_seconds
-    FROM (SELECT id, max(gpus) AS gpus, range_agg(span) AS spans FROM spans GROUP BY id) u
+    -- Billable: confirmed, inside the allocation held on this node, while the rental ran.
+    SELECT h.id, sum(floor(extract(epoch FROM (
+               SELECT sum(upper(x) - lower(x))
+               FROM unnest(k.spans * tstzmultirange(h.during) * ru.spans) AS x))))::bigint
+               AS gpu_seconds
+    FROM held h
+    JOIN confirmed k ON k.id = h.id
+    JOIN running ru ON ru.rental_id = h.rental_id
+    WHERE h.nth <= k.gpus
+    GROUP BY h.id
 ),
 rated AS (
     SELECT c.*, ca.id AS customer_account_id, pa.id AS provider_account_id,
@@ -232,6 +278,7 @@ def meters_rate_and_post(*, now: datetime, chunk: int = CHUNK) -> tuple[int, int
         ),
         "terminal": [str(s) for s in lifecycle.TERMINAL],
         "platform": platform.pk,
+        "grace": timedelta(seconds=DEFAULT_STOP_GRACE_S),
     }
     with connection.cursor() as cursor:
         cursor.execute("SELECT coalesce(min(id), 0), coalesce(max(id), -1) FROM billing_usagemeter")

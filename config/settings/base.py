@@ -167,6 +167,7 @@ PERIODIC_TASKS: dict[str, tuple[str, timedelta]] = {
     "scheduler-tick": ("scheduler.tick", timedelta(seconds=5)),
     "silent-nodes": ("provisioning.mark_silent_nodes", timedelta(seconds=15)),
     "booked-time": ("provisioning.end_booked_time", timedelta(seconds=15)),
+    "node-reliability": ("provisioning.measure_reliability", timedelta(hours=1)),
     "telemetry-flush": ("provisioning.flush_telemetry", timedelta(seconds=5)),
     "advisor-calibrate": ("provisioning.calibrate_advisor", timedelta(minutes=5)),
     "billing-pass": ("billing.pass", timedelta(seconds=60)),

@@ -40,8 +40,16 @@ class Node(models.Model):
         default=False, help_text="GPUs of one topology group are connected by NVLink"
     )
     status = models.CharField(max_length=12, choices=NodeStatus.choices, default=NodeStatus.OFFLINE)
+    # Measured from history by provisioning's reliability pass; what the provider declared is
+    # only its prior, which a new node shows until it has hours of record.
     reliability = models.DecimalField(
-        max_digits=5, decimal_places=4, default=Decimal("0.9500"), help_text="0 to 1"
+        max_digits=5, decimal_places=4, default=Decimal("0.9500"), help_text="0 to 1, measured"
+    )
+    reliability_declared = models.DecimalField(
+        max_digits=5, decimal_places=4, default=Decimal("0.9500"), help_text="the prior, 0 to 1"
+    )
+    reliability_observed_hours = models.FloatField(
+        default=0, help_text="listed hours behind the measured reliability (last 30 days)"
     )
     simulated = models.BooleanField(
         default=False, help_text="GPUs and telemetry are simulated: no real NVIDIA hardware"

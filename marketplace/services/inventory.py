@@ -127,6 +127,7 @@ def node_register(
             nvlink=nvlink,
             status=status,
             reliability=reliability,
+            reliability_declared=reliability,
             simulated=simulated,
             price_per_gpu_hour=price_per_gpu_hour,
             min_bid_per_gpu_hour=min_bid_per_gpu_hour,

@@ -20,6 +20,7 @@ from provisioning.services.join import (
     node_credential_revoke,
     node_join,
 )
+from provisioning.services.reliability import nodes_reliability_update
 from provisioning.services.sweeps import nodes_mark_silent, rentals_end_booked_time
 from provisioning.services.telemetry import (
     TELEMETRY_BUFFER_KEY,
@@ -42,6 +43,7 @@ __all__ = [
     "node_heartbeat",
     "node_join",
     "nodes_mark_silent",
+    "nodes_reliability_update",
     "rentals_end_booked_time",
     "run_id_for",
     "telemetry_buffer",

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import stripe
 from django.db import transaction
+from django.db.backends.postgresql.psycopg_any import DateTimeTZRange
 from django.utils import timezone
 
 from billing.conf import MICROS_PER_USD
@@ -183,10 +184,14 @@ def book_many(user, fund):
                 if hours_ago is None
                 else timezone.now().replace(microsecond=0) - timedelta(hours=hours_ago)
             )
-            # Only the billing window moves: the GPUs stay held now, so the next rental
-            # booked in the same test lands on other GPUs.
-            Rental.objects.filter(pk=rental.pk).update(
-                scheduled_start=start, scheduled_end=start + timedelta(seconds=rental.duration_s)
+            # The whole booking moves: its window, its allocations (released at their end
+            # once that is past, freeing the GPUs for the next booking) and its history, so
+            # the rental has held its GPUs and run since `start`.
+            end = start + timedelta(seconds=rental.duration_s)
+            Rental.objects.filter(pk=rental.pk).update(scheduled_start=start, scheduled_end=end)
+            Allocation.objects.filter(rental=rental).update(
+                during=DateTimeTZRange(start, end),
+                released_at=end if end <= timezone.now() else None,
             )
             rental.refresh_from_db()
             with transaction.atomic():
@@ -197,6 +202,7 @@ def book_many(user, fund):
                         actor_kind=RentalEvent.Actor.AGENT,
                         reason="test",
                     )
+            RentalEvent.objects.filter(rental=rental).update(created_at=start)
             node_ids = sorted(
                 set(Allocation.objects.filter(rental=rental).values_list("node_id", flat=True))
             )

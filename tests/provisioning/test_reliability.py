@@ -1,0 +1,111 @@
+"""Reliability is measured from a node's history; what the provider declared is only a prior."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.utils import timezone
+
+from marketplace.models import Allocation, Node, NodeEvent, Rental, RentalEvent, RentalStatus
+from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
+from provisioning.services import nodes_reliability_update
+from provisioning.services.reliability import PRIOR_HOURS
+from scheduler.services import scheduler_cycle_run
+
+pytestmark = pytest.mark.django_db
+
+
+def _listed_since(node: Node, days: int) -> None:
+    Node.objects.filter(pk=node.pk).update(
+        created_at=timezone.now() - timedelta(days=days), last_seen_at=timezone.now()
+    )
+
+
+def _rental_on(node: Node, user, *, failed_because: str | None, days_ago: float) -> None:
+    """A rental handed to the node `days_ago`, that ended by the node's fault or finished."""
+    at = timezone.now() - timedelta(days=days_ago)
+    rental = Rental.objects.create(
+        customer=user, status=RentalStatus.FAILED if failed_because else RentalStatus.COMPLETED,
+        gpus_per_node=1, start_at=at, start_deadline=at, duration_s=3600, image="img",
+    )  # fmt: skip
+    gpu = node.gpus.first()
+    Allocation.objects.create(
+        rental=rental, gpu=gpu, node=node, during=(at, at + timedelta(hours=1)),
+        released_at=at + timedelta(minutes=30),
+    )  # fmt: skip
+    for to, reason in (
+        (RentalStatus.PROVISIONING, f"starting on {node.hostname}"),
+        (RentalStatus.FAILED if failed_because else RentalStatus.COMPLETED,
+         failed_because or "finished"),
+    ):  # fmt: skip
+        event = RentalEvent.objects.create(
+            rental=rental, to_status=to, actor_kind="agent", reason=reason
+        )
+        RentalEvent.objects.filter(pk=event.pk).update(created_at=at + timedelta(minutes=30))
+
+
+def test_a_new_node_keeps_its_declared_prior(make_node):
+    node = make_node(reliability="0.9100")
+    nodes_reliability_update()
+    node.refresh_from_db()
+    assert (node.reliability, node.reliability_declared) == (Decimal("0.9100"), Decimal("0.9100"))
+    assert node.reliability_observed_hours < 0.01
+
+
+def test_a_node_that_failed_its_rentals_ranks_below_a_clean_one(make_node, user):
+    # Given two identical nodes listed for 20 days, always online, that ran 10 rentals each;
+    # the flaky one lost 6 of them (silent, could not start, container vanished)
+    clean = make_node(hostname="clean", gpus=1, reliability="0.95")
+    flaky = make_node(hostname="flaky", gpus=1, reliability="0.99")
+    for node in (clean, flaky):
+        _listed_since(node, 20)
+    reasons = [
+        "node flaky went silent",
+        "cannot start on flaky: image pull failed",
+        "container disappeared from the node",
+    ] * 2
+    for i in range(10):
+        _rental_on(clean, user, failed_because=None, days_ago=1 + i)
+        _rental_on(flaky, user, failed_because=reasons[i] if i < 6 else None, days_ago=1 + i)
+    # A failure on another host does not count against the clean node
+    _rental_on(clean, user, failed_because="cannot start on elsewhere: x", days_ago=2)
+    # When reliability is measured
+    assert nodes_reliability_update() == 2
+    clean.refresh_from_db()
+    flaky.refresh_from_db()
+    # Then it follows the history, not the declaration: 480 h of record against a 72 h prior
+    weight = 480 / (480 + PRIOR_HOURS)
+    assert float(clean.reliability) == pytest.approx((1 - weight) * 0.95 + weight * 1.0, abs=1e-3)
+    assert float(flaky.reliability) == pytest.approx((1 - weight) * 0.99 + weight * 0.4, abs=1e-3)
+    assert clean.reliability_observed_hours == pytest.approx(480, abs=0.1)
+    # And the scheduler, reading the node rows, places the next rental on the clean node
+    rental = rental_create(
+        customer=user,
+        request=RentalRequest(
+            gpus_per_node=1, duration_s=3600, runtime=RuntimeSpec(image="gpumarket/harness:dev")
+        ),
+    )
+    scheduler_cycle_run(pool=rental.pool)
+    assert Allocation.objects.get(rental=rental).node_id == clean.pk
+
+
+def test_downtime_lowers_reliability_and_maintenance_does_not(make_node):
+    # Given two nodes listed 10 days: one offline for 5 of them, one in maintenance for 5
+    down = make_node(hostname="down")
+    resting = make_node(hostname="resting")
+    now = timezone.now()
+    for node, status in ((down, "offline"), (resting, "maintenance")):
+        _listed_since(node, 10)
+        for days, frm, to in ((8, "online", status), (3, status, "online")):
+            event = NodeEvent.objects.create(node=node, from_status=frm, to_status=to)
+            NodeEvent.objects.filter(pk=event.pk).update(created_at=now - timedelta(days=days))
+    nodes_reliability_update(now=now)
+    down.refresh_from_db()
+    resting.refresh_from_db()
+    weight = 240 / (240 + PRIOR_HOURS)
+    assert float(down.reliability) == pytest.approx((1 - weight) * 0.95 + weight * 0.5, abs=1e-3)
+    assert float(resting.reliability) == pytest.approx(
+        0.95 * (72 / (120 + 72)) + (120 / 192), abs=1e-3
+    )
