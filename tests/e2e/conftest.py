@@ -104,7 +104,8 @@ def managed_containers(client, rental_id: str | None = None) -> list:
     labels = ["gpumarket.managed=1"]
     if rental_id:
         labels.append(f"gpumarket.rental={rental_id}")
-    return client.containers.list(all=True, filters={"label": labels})
+    # A container removed between the listing and its inspection is not an error: it is gone.
+    return client.containers.list(all=True, filters={"label": labels}, ignore_removed=True)
 
 
 class TcpProxy:
