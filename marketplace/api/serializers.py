@@ -7,8 +7,9 @@ from decimal import Decimal
 
 from rest_framework import serializers
 
+from marketplace.api.fields import INT32_MAX, BoundedDateTimeField
 from marketplace.api.pagination import MAX_OFFSET
-from marketplace.models import ApiToken, GpuModel
+from marketplace.models import ApiToken, GpuModel, RentalStatus
 from marketplace.selectors import OFFER_ORDERINGS
 
 
@@ -68,7 +69,7 @@ class OfferQuerySerializer(serializers.Serializer):
     gpu_family = CommaList(
         required=False, help_text="families (a100, h100, rtx4090), comma-separated"
     )
-    min_memory_gb = serializers.IntegerField(required=False, min_value=1)
+    min_memory_gb = serializers.IntegerField(required=False, min_value=1, max_value=INT32_MAX)
     min_tensor_tflops = serializers.DecimalField(
         required=False, max_digits=7, decimal_places=2, min_value=0
     )
@@ -138,7 +139,7 @@ class ApiTokenSerializer(serializers.ModelSerializer):
 
 class ApiTokenCreateSerializer(serializers.Serializer):
     name = serializers.CharField(max_length=80)
-    expires_at = serializers.DateTimeField(required=False, allow_null=True, default=None)
+    expires_at = BoundedDateTimeField(required=False, allow_null=True, default=None)
 
 
 class ApiTokenCreatedSerializer(ApiTokenSerializer):
@@ -214,7 +215,9 @@ class RentalCreateSerializer(serializers.Serializer):
     gpu_families = serializers.ListField(
         child=serializers.SlugField(max_length=20), required=False, default=list, max_length=20
     )
-    min_memory_gb = serializers.IntegerField(required=False, default=0, min_value=0)
+    min_memory_gb = serializers.IntegerField(
+        required=False, default=0, min_value=0, max_value=INT32_MAX
+    )
     min_tensor_tflops = serializers.DecimalField(
         max_digits=7, decimal_places=2, required=False, default=0, min_value=0
     )
@@ -233,10 +236,10 @@ class RentalCreateSerializer(serializers.Serializer):
         max_digits=10, decimal_places=4, required=False, allow_null=True, default=None,
         min_value=Decimal("0.0001"),
     )  # fmt: skip
-    start_at = serializers.DateTimeField(required=False, allow_null=True, default=None)
-    start_deadline = serializers.DateTimeField(required=False, allow_null=True, default=None)
+    start_at = BoundedDateTimeField(required=False, allow_null=True, default=None)
+    start_deadline = BoundedDateTimeField(required=False, allow_null=True, default=None)
     duration_s = serializers.IntegerField(required=False, min_value=60, max_value=30 * 86400)
-    end_at = serializers.DateTimeField(required=False)
+    end_at = BoundedDateTimeField(required=False)
     runtime = RuntimeSerializer()
 
     def validate(self, attrs):
@@ -359,8 +362,28 @@ class AdvisorOptionSerializer(serializers.Serializer):
     effective_tflops = serializers.FloatField()
     hours = serializers.FloatField()
     price_per_gpu_hour = serializers.DecimalField(max_digits=10, decimal_places=4)
-    cost = serializers.DecimalField(max_digits=14, decimal_places=2)
+    # Wide enough for the largest run the inputs allow (2,000B parameters, 100,000B tokens in
+    # fp32 at the highest price a node can ask).
+    cost = serializers.DecimalField(max_digits=24, decimal_places=2)
     notes = serializers.ListField(child=serializers.CharField())
+
+
+class AdvisorAnswerSerializer(serializers.Serializer):
+    options = AdvisorOptionSerializer(many=True, help_text="cheapest first")
+
+
+class MeSerializer(serializers.Serializer):
+    id = serializers.IntegerField()
+    username = serializers.CharField()
+    email = serializers.CharField()
+    is_staff = serializers.BooleanField()
+    providers = serializers.SlugRelatedField(many=True, read_only=True, slug_field="name")
+
+
+class RentalListQuerySerializer(serializers.Serializer):
+    status = serializers.ChoiceField(
+        choices=RentalStatus.choices, required=False, allow_blank=True, default=""
+    )
 
 
 class ProviderSerializer(serializers.Serializer):
