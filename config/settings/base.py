@@ -183,6 +183,11 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
     "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],
+    "ENUM_NAME_OVERRIDES": {"RentalStatusEnum": "marketplace.models.RentalStatus"},
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "marketplace.schema.document_error_responses",
+    ],
 }
 
 REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")

@@ -6,6 +6,8 @@ import logging
 
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import DataError, IntegrityError
+from django.http import JsonResponse
+from django.views.defaults import page_not_found
 from rest_framework import status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
@@ -43,3 +45,13 @@ def exception_handler(exc, context):
             status=status.HTTP_409_CONFLICT,
         )
     return drf_exception_handler(exc, context)
+
+
+def not_found(request, exception):
+    """Django's 404 handler: a URL under /api/ that matches no route (a negative id, a malformed
+    UUID) answers JSON like every other API error; the web pages keep the HTML page."""
+    if request.path.startswith("/api/"):
+        return JsonResponse(
+            {"detail": "no such resource", "code": "not_found"}, status=status.HTTP_404_NOT_FOUND
+        )
+    return page_not_found(request, exception)

@@ -377,7 +377,10 @@ class MeSerializer(serializers.Serializer):
     username = serializers.CharField()
     email = serializers.CharField()
     is_staff = serializers.BooleanField()
-    providers = serializers.SlugRelatedField(many=True, read_only=True, slug_field="name")
+    providers = serializers.SerializerMethodField(help_text="the names of the providers you own")
+
+    def get_providers(self, user) -> list[str]:
+        return list(user.providers.values_list("name", flat=True))
 
 
 class RentalListQuerySerializer(serializers.Serializer):
