@@ -49,8 +49,8 @@ def _first_problem(value: object) -> tuple[str, str] | None:
     stack: list[tuple[object, tuple[str, ...]]] = [(value, ())]
     while stack:
         node, path = stack.pop()
-        if len(path) > limit:
-            return ".".join(path[:limit]), f"nested more than {limit} levels deep"
+        if isinstance(node, dict | list) and len(path) >= limit:  # the document is level 1
+            return ".".join(path), f"nested more than {limit} levels deep"
         if isinstance(node, str):
             if NUL in node:
                 return ".".join(path), NUL_MESSAGE
@@ -64,10 +64,10 @@ def _first_problem(value: object) -> tuple[str, str] | None:
     return None
 
 
-def _refusal(path: str, message: str) -> ValidationError:
-    """A 400 naming the place: `{"runtime": ["... (at runtime.env.A)"]}`, or `body` for the
-    document itself."""
-    field, _, _ = path.partition(".")
+def _refusal(path: str, message: str, *, in_object: bool = False) -> ValidationError:
+    """A 400 naming the place: `{"runtime": ["... (at runtime.env.A)"]}` for a field of an
+    object, `body` for the document itself or a document that is not an object."""
+    field = path.partition(".")[0] if in_object else ""
     return ValidationError({field or "body": [f"{message} (at {path})" if path else message]})
 
 
@@ -88,7 +88,7 @@ class GuardedJSONParser(JSONParser):
             raise ParseError(f"JSON parse error - {exc}") from exc
         problem = _first_problem(data)
         if problem is not None:
-            raise _refusal(*problem)
+            raise _refusal(*problem, in_object=isinstance(data, dict))
         return data
 
 
