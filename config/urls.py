@@ -12,6 +12,8 @@ def healthz(request):
     return JsonResponse({"status": "ok"})
 
 
+handler404 = "marketplace.api.exceptions.not_found"
+
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("accounts/", include("django.contrib.auth.urls")),

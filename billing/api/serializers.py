@@ -20,6 +20,7 @@ from billing.models import (
     UsageMeter,
     UsageSegment,
 )
+from marketplace.api.fields import BoundedDateTimeField
 
 MAX_TELEMETRY_RANGE = timedelta(days=7)
 
@@ -132,8 +133,8 @@ class InvoiceDetailSerializer(InvoiceSerializer):
 class TelemetryQuerySerializer(serializers.Serializer):
     """A window of at most 7 days; the last hour by default."""
 
-    since = serializers.DateTimeField(required=False)
-    until = serializers.DateTimeField(required=False)
+    since = BoundedDateTimeField(required=False)
+    until = BoundedDateTimeField(required=False)
     gpu_index = serializers.IntegerField(required=False, min_value=0, max_value=255)
 
     def validate(self, attrs: dict) -> dict:

@@ -26,20 +26,18 @@ from billing.api.serializers import (
     TopUpCreateSerializer,
     TopUpSerializer,
 )
-from marketplace.api.pagination import Pagination
+from marketplace.api.pagination import PaginatedListView
 from marketplace.errors import NotFound
 
 
-class _ListView(APIView):
+class _ListView(PaginatedListView):
     """A paginated, owner-scoped list."""
 
     serializer_class: type
     selector: staticmethod
 
     def get(self, request: Request) -> Response:
-        paginator = Pagination()
-        page = paginator.paginate_queryset(self.selector(user=request.user), request, self)
-        return paginator.get_paginated_response(self.serializer_class(page, many=True).data)
+        return self.paginated(self.selector(user=request.user), self.serializer_class)
 
 
 class AccountView(APIView):
@@ -72,14 +70,12 @@ class NoticeListView(_ListView):
         return super().get(request)
 
 
-class TopUpListCreateView(APIView):
+class TopUpListCreateView(PaginatedListView):
     """Your card top-ups; POST starts one and returns the PaymentIntent's client_secret."""
 
     @extend_schema(responses=TopUpSerializer(many=True))
     def get(self, request: Request) -> Response:
-        paginator = Pagination()
-        page = paginator.paginate_queryset(selectors.topup_list(user=request.user), request, self)
-        return paginator.get_paginated_response(TopUpSerializer(page, many=True).data)
+        return self.paginated(selectors.topup_list(user=request.user), TopUpSerializer)
 
     @extend_schema(request=TopUpCreateSerializer, responses={201: TopUpCreatedSerializer})
     def post(self, request: Request) -> Response:
@@ -131,7 +127,7 @@ class InvoicePrintView(APIView):
         return HttpResponse(html, content_type="text/html; charset=utf-8")
 
 
-class RentalTelemetryView(APIView):
+class RentalTelemetryView(PaginatedListView):
     """Per-minute GPU telemetry of one of your rentals (utilisation, memory, power, heat)."""
 
     @extend_schema(
@@ -144,9 +140,7 @@ class RentalTelemetryView(APIView):
         query = TelemetryQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)
         rows = selectors.rental_telemetry(rental=rental, **query.validated_data)
-        paginator = Pagination()
-        page = paginator.paginate_queryset(rows, request, self)
-        return paginator.get_paginated_response(TelemetryMinuteSerializer(page, many=True).data)
+        return self.paginated(rows, TelemetryMinuteSerializer)
 
 
 class RentalUsageView(APIView):

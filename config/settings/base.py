@@ -39,6 +39,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "django_filters",
     "drf_spectacular",
+    "axes",
     "marketplace",
     "scheduler",
     "provisioning",
@@ -47,6 +48,8 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # Before anything reads the request: odd input refused, the client's address decided.
+    "marketplace.api.guards.RequestGuardMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -54,6 +57,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "config.urls"
@@ -96,6 +100,35 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
 ]
+# Sign-in lockout (django-axes): AXES_FAILURE_LIMIT failed sign-ins for one username from one
+# address lock that pair out for AXES_COOLOFF_MINUTES; the answer is a 429 saying so.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = env.int("AXES_FAILURE_LIMIT", default=5)
+AXES_COOLOFF_TIME = timedelta(minutes=env.int("AXES_COOLOFF_MINUTES", default=15))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_CLIENT_IP_CALLABLE = "marketplace.api.guards.client_ip"
+AXES_COOLOFF_MESSAGE = (
+    "Too many failed sign-ins for this account from your address: try again later."
+)
+
+# Proxies (addresses or CIDR ranges) whose X-Forwarded-For is believed; from anyone else the
+# client is the peer address. Empty: the server faces clients directly.
+TRUSTED_PROXIES = env.list("TRUSTED_PROXIES", default=[])
+# Only behind a proxy that sets it (e.g. "HTTP_X_FORWARDED_PROTO=https"); unset, a client could
+# claim HTTPS by sending the header.
+if env.str("SECURE_PROXY_SSL_HEADER", default=""):
+    _name, _, _value = env.str("SECURE_PROXY_SSL_HEADER").partition("=")
+    SECURE_PROXY_SSL_HEADER = (_name, _value or "https")
+
+# Request bodies: Django's own limit (forms, request.body) and the API parser's are the same.
+API_MAX_BODY_BYTES = env.int("API_MAX_BODY_BYTES", default=1 << 20)
+API_MAX_JSON_DEPTH = env.int("API_MAX_JSON_DEPTH", default=64)
+DATA_UPLOAD_MAX_MEMORY_SIZE = API_MAX_BODY_BYTES
+
 LOGIN_URL = "/accounts/login/"
 LOGIN_REDIRECT_URL = "/"
 LOGOUT_REDIRECT_URL = "/"
@@ -128,7 +161,21 @@ REST_FRAMEWORK = {
     "PAGE_SIZE": 50,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "marketplace.api.exceptions.exception_handler",
-    "DEFAULT_THROTTLE_RATES": {"agent": env.str("AGENT_THROTTLE_RATE", default="600/min")},
+    # JSON only, through the guard (size, depth, NUL); a form body is a 415.
+    "DEFAULT_PARSER_CLASSES": ["marketplace.api.guards.GuardedJSONParser"],
+    "TEST_REQUEST_DEFAULT_FORMAT": "json",
+    "DEFAULT_THROTTLE_CLASSES": [
+        "marketplace.api.throttles.CustomerAnonThrottle",
+        "marketplace.api.throttles.CustomerUserThrottle",
+    ],
+    "DEFAULT_THROTTLE_RATES": {
+        "agent": env.str("AGENT_THROTTLE_RATE", default="600/min"),
+        "anon": env.str("API_ANON_THROTTLE_RATE", default="60/min"),
+        "user": env.str("API_USER_THROTTLE_RATE", default="600/min"),
+    },
+    # The client address comes from guards.client_ip (REMOTE_ADDR after RequestGuardMiddleware),
+    # never from a header DRF would read on its own.
+    "NUM_PROXIES": 0,
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "GPU marketplace API",
@@ -136,6 +183,11 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
     "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],
+    "ENUM_NAME_OVERRIDES": {"RentalStatusEnum": "marketplace.models.RentalStatus"},
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "marketplace.schema.document_error_responses",
+    ],
 }
 
 REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")

@@ -9,8 +9,9 @@ from decimal import Decimal
 from rest_framework import serializers
 
 from marketplace.advisor.presets import PRESETS, decoder_shape
+from marketplace.api.fields import INT32_MAX, BoundedDateTimeField
 from marketplace.api.pagination import MAX_OFFSET
-from marketplace.models import ApiToken, GpuModel
+from marketplace.models import ApiToken, GpuModel, RentalStatus
 from marketplace.selectors import OFFER_ORDERINGS
 
 
@@ -70,7 +71,7 @@ class OfferQuerySerializer(serializers.Serializer):
     gpu_family = CommaList(
         required=False, help_text="families (a100, h100, rtx4090), comma-separated"
     )
-    min_memory_gb = serializers.IntegerField(required=False, min_value=1)
+    min_memory_gb = serializers.IntegerField(required=False, min_value=1, max_value=INT32_MAX)
     min_tensor_tflops = serializers.DecimalField(
         required=False, max_digits=7, decimal_places=2, min_value=0
     )
@@ -159,7 +160,7 @@ class ApiTokenSerializer(serializers.ModelSerializer):
 
 class ApiTokenCreateSerializer(serializers.Serializer):
     name = serializers.CharField(max_length=80)
-    expires_at = serializers.DateTimeField(required=False, allow_null=True, default=None)
+    expires_at = BoundedDateTimeField(required=False, allow_null=True, default=None)
 
 
 class ApiTokenCreatedSerializer(ApiTokenSerializer):
@@ -235,7 +236,9 @@ class RentalCreateSerializer(serializers.Serializer):
     gpu_families = serializers.ListField(
         child=serializers.SlugField(max_length=20), required=False, default=list, max_length=20
     )
-    min_memory_gb = serializers.IntegerField(required=False, default=0, min_value=0)
+    min_memory_gb = serializers.IntegerField(
+        required=False, default=0, min_value=0, max_value=INT32_MAX
+    )
     min_tensor_tflops = serializers.DecimalField(
         max_digits=7, decimal_places=2, required=False, default=0, min_value=0
     )
@@ -254,10 +257,10 @@ class RentalCreateSerializer(serializers.Serializer):
         max_digits=10, decimal_places=4, required=False, allow_null=True, default=None,
         min_value=Decimal("0.0001"),
     )  # fmt: skip
-    start_at = serializers.DateTimeField(required=False, allow_null=True, default=None)
-    start_deadline = serializers.DateTimeField(required=False, allow_null=True, default=None)
+    start_at = BoundedDateTimeField(required=False, allow_null=True, default=None)
+    start_deadline = BoundedDateTimeField(required=False, allow_null=True, default=None)
     duration_s = serializers.IntegerField(required=False, min_value=60, max_value=30 * 86400)
-    end_at = serializers.DateTimeField(required=False)
+    end_at = BoundedDateTimeField(required=False)
     runtime = RuntimeSerializer()
 
     def validate(self, attrs):
@@ -332,6 +335,23 @@ class RentalDetailSerializer(RentalSerializer):
     events = RentalEventSerializer(many=True)
     allocations = AllocationSerializer(many=True)
     log_tail = serializers.CharField()
+
+
+class MeSerializer(serializers.Serializer):
+    id = serializers.IntegerField()
+    username = serializers.CharField()
+    email = serializers.CharField()
+    is_staff = serializers.BooleanField()
+    providers = serializers.SerializerMethodField(help_text="the names of the providers you own")
+
+    def get_providers(self, user) -> list[str]:
+        return list(user.providers.values_list("name", flat=True))
+
+
+class RentalListQuerySerializer(serializers.Serializer):
+    status = serializers.ChoiceField(
+        choices=RentalStatus.choices, required=False, allow_blank=True, default=""
+    )
 
 
 class ProviderSerializer(serializers.Serializer):

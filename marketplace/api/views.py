@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import extend_schema
 from rest_framework import permissions, status, viewsets
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from marketplace import selectors, services
-from marketplace.api.pagination import Pagination
+from marketplace.api.pagination import PaginatedListView
 from marketplace.api.serializers import (
     ApiTokenCreatedSerializer,
     ApiTokenCreateSerializer,
     ApiTokenSerializer,
     GpuModelSerializer,
+    MeSerializer,
     OfferPageSerializer,
     OfferQuerySerializer,
     OfferSerializer,
@@ -24,11 +25,12 @@ from marketplace.api.serializers import (
     ProviderSerializer,
     RentalCreateSerializer,
     RentalDetailSerializer,
+    RentalListQuerySerializer,
     RentalSerializer,
 )
 from marketplace.errors import NotFound
 from marketplace.lifecycle import rental_cancel, rental_stop
-from marketplace.models import RentalStatus
+from marketplace.models import ApiToken
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 
 
@@ -91,7 +93,10 @@ class ApiTokenListCreateView(APIView):
     def post(self, request: Request) -> Response:
         body = ApiTokenCreateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        token, raw = services.api_token_create(user=request.user, **body.validated_data)
+        issuer = request.auth if isinstance(request.auth, ApiToken) else None
+        token, raw = services.api_token_create(
+            user=request.user, issued_by=issuer, **body.validated_data
+        )
         token.token = raw
         return Response(ApiTokenCreatedSerializer(token).data, status=status.HTTP_201_CREATED)
 
@@ -108,36 +113,22 @@ class ApiTokenRevokeView(APIView):
 class MeView(APIView):
     """Who the credentials belong to."""
 
-    @extend_schema(responses={200: dict})
+    @extend_schema(responses=MeSerializer)
     def get(self, request: Request) -> Response:
-        user = request.user
-        return Response(
-            {
-                "id": user.pk,
-                "username": user.username,
-                "email": user.email,
-                "is_staff": user.is_staff,
-                "providers": list(user.providers.values_list("name", flat=True)),
-            }
-        )
+        return Response(MeSerializer(request.user).data)
 
 
-class RentalListCreateView(APIView):
+class RentalListCreateView(PaginatedListView):
     """Your rentals: list them (optionally by status), or ask for GPUs."""
 
-    @extend_schema(
-        parameters=[OpenApiParameter("status", str, enum=[s.value for s in RentalStatus])],
-        responses=RentalSerializer(many=True),
-    )
+    @extend_schema(parameters=[RentalListQuerySerializer], responses=RentalSerializer(many=True))
     def get(self, request: Request) -> Response:
-        status_filter = request.query_params.get("status")
-        if status_filter and status_filter not in RentalStatus.values:
-            return Response({"status": ["unknown status"]}, status=status.HTTP_400_BAD_REQUEST)
-        paginator = Pagination()
-        page = paginator.paginate_queryset(
-            selectors.rental_list(customer=request.user, status=status_filter), request, self
+        query = RentalListQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        rentals = selectors.rental_list(
+            customer=request.user, status=query.validated_data["status"]
         )
-        return paginator.get_paginated_response(RentalSerializer(page, many=True).data)
+        return self.paginated(rentals, RentalSerializer)
 
     @extend_schema(request=RentalCreateSerializer, responses={201: RentalDetailSerializer})
     def post(self, request: Request) -> Response:

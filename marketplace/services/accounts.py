@@ -30,14 +30,31 @@ def token_mint(kind: str) -> tuple[str, str]:
 
 
 def api_token_create(
-    *, user: User, name: str, expires_at: datetime | None = None
+    *,
+    user: User,
+    name: str,
+    expires_at: datetime | None = None,
+    issued_by: ApiToken | None = None,
 ) -> tuple[ApiToken, str]:
-    """Create a token; the raw secret is returned once and never stored."""
+    """Create a token; the raw secret is returned once and never stored.
+
+    `issued_by` is the token the request came with, if any: a token that expires cannot mint one
+    that outlives it (one with no expiry given inherits the issuer's), or a leaked short-lived
+    token would be a way to a permanent one."""
     name = name.strip()
     if not name:
         raise ValidationFailed("a token needs a name", field="name")
     if expires_at is not None and expires_at <= timezone.now():
         raise ValidationFailed("expires_at must be in the future", field="expires_at")
+    limit = issued_by.expires_at if issued_by is not None else None
+    if limit is not None:
+        if expires_at is None:
+            expires_at = limit
+        elif expires_at > limit:
+            raise ValidationFailed(
+                f"must not be later than the expiry of the token used ({limit.isoformat()})",
+                field="expires_at",
+            )
     prefix, raw = token_mint(TOKEN_PREFIX)
     token = ApiToken.objects.create(
         user=user, name=name, prefix=prefix, key_hash=token_hash(raw), expires_at=expires_at

@@ -242,3 +242,21 @@ class JoinTokenCreateSerializer(serializers.Serializer):
     pool = serializers.SlugField(max_length=40, default="default")
     price_per_gpu_hour = serializers.DecimalField(max_digits=10, decimal_places=4, min_value=0)
     min_bid_per_gpu_hour = serializers.DecimalField(max_digits=10, decimal_places=4, min_value=0)
+
+
+class RunMetricQuerySerializer(serializers.Serializer):
+    event = serializers.CharField(
+        max_length=20, required=False, help_text="start, step, eval, checkpoint, summary, ..."
+    )
+    after_step = serializers.IntegerField(
+        required=False, min_value=-(2**31), max_value=2**31 - 1, help_text="steps after this one"
+    )
+
+
+class RunMetricSerializer(serializers.Serializer):
+    """One line the harness printed, as it printed it, with when the server received it."""
+
+    received_at = serializers.DateTimeField()
+
+    def to_representation(self, row: dict) -> dict:
+        return {**row["data"], "received_at": super().to_representation(row)["received_at"]}

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from django.conf import settings
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import extend_schema
 from rest_framework import exceptions, permissions, status
 from rest_framework.authentication import BaseAuthentication, get_authorization_header
 from rest_framework.parsers import JSONParser
@@ -18,7 +18,7 @@ from rest_framework.views import APIView
 
 from agentprotocol import ContainerReport, GpuInfo, JoinAnswer, Message, UsageReport
 from agentprotocol.untrusted import json_loads_bounded
-from marketplace.api.pagination import Pagination
+from marketplace.api.pagination import PaginatedListView
 from marketplace.errors import NotFound
 from marketplace.models import Node, Provider, Rental
 from provisioning import ratelimit, services
@@ -28,6 +28,8 @@ from provisioning.api.serializers import (
     JoinAnswerSerializer,
     JoinSerializer,
     JoinTokenCreateSerializer,
+    RunMetricQuerySerializer,
+    RunMetricSerializer,
 )
 from provisioning.models import RunMetric
 from provisioning.redis_clients import redis_clients
@@ -189,28 +191,18 @@ class JoinTokenCreateView(APIView):
         )
 
 
-class RentalMetricsView(APIView):
+class RentalMetricsView(PaginatedListView):
     """The harness metrics of one of your rentals (step, loss, throughput, MFU), in order."""
 
-    @extend_schema(
-        parameters=[
-            OpenApiParameter("event", str, description="start, step, eval, checkpoint, summary"),
-            OpenApiParameter("after_step", int),
-        ],
-        responses={200: dict},
-    )
+    @extend_schema(parameters=[RunMetricQuerySerializer], responses=RunMetricSerializer(many=True))
     def get(self, request: Request, rental_id) -> Response:
         if not Rental.objects.filter(pk=rental_id, customer=request.user).exists():
             raise NotFound("no such rental")
+        query = RunMetricQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
         metrics = RunMetric.objects.filter(rental_id=rental_id).order_by("id")
-        if event := request.query_params.get("event"):
+        if event := query.validated_data.get("event"):
             metrics = metrics.filter(event=event)
-        if (after := request.query_params.get("after_step")) is not None:
-            if not after.lstrip("-").isdigit():
-                raise exceptions.ValidationError({"after_step": ["must be an integer"]})
-            metrics = metrics.filter(step__gt=int(after))
-        paginator = Pagination()
-        page = paginator.paginate_queryset(metrics.values("data", "received_at"), request, self)
-        return paginator.get_paginated_response(
-            [{**row["data"], "received_at": row["received_at"]} for row in page]
-        )
+        if (after := query.validated_data.get("after_step")) is not None:
+            metrics = metrics.filter(step__gt=after)
+        return self.paginated(metrics.values("data", "received_at"), RunMetricSerializer)

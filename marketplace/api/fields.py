@@ -1,0 +1,26 @@
+"""Input fields bounded to what the database and Python's datetime can hold."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from rest_framework import serializers
+
+# PostgreSQL's integer column, the narrowest integer this API stores.
+INT32_MAX = 2**31 - 1
+# A date outside these years is a mistake, and near datetime's limits adding a duration to it
+# overflows in Python before PostgreSQL ever sees it.
+EARLIEST = datetime(2000, 1, 1, tzinfo=UTC)
+LATEST = datetime(9999, 1, 1, tzinfo=UTC)
+
+
+class BoundedDateTimeField(serializers.DateTimeField):
+    """A DateTimeField that refuses dates before 2000 or after 9998."""
+
+    def to_internal_value(self, value):
+        parsed = super().to_internal_value(value)
+        if not EARLIEST <= parsed < LATEST:
+            raise serializers.ValidationError(
+                f"must be between {EARLIEST:%Y-%m-%d} and {LATEST:%Y-%m-%d}"
+            )
+        return parsed
