@@ -191,7 +191,8 @@ def plan_book(
                 gpu_models=(chosen.estimate.card.slug,),
                 gpus_per_node=placement.gpus_per_node,
                 node_count=len(placement.offers),
-                same_group=len(placement.offers) == 1 and placement.gpus_per_node > 1,
+                # Only tensor parallelism needs one NVLink group; data parallel runs anywhere.
+                same_group=chosen.estimate.layout.tp > 1,
                 region=query.region or "",
                 max_price_per_gpu_hour=None if query.interruptible else price,
                 kind=RentalKind.INTERRUPTIBLE if query.interruptible else RentalKind.ON_DEMAND,

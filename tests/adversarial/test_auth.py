@@ -158,6 +158,27 @@ def test_forwarded_for_from_an_untrusted_peer_does_not_reset_the_throttle(settin
     assert codes == [200, 200, 429]
 
 
+def test_the_api_answers_while_the_throttles_cache_is_unreachable(settings, auth_api):
+    # Given a cache (Redis) that refuses connections
+    import socket
+
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    _rates(settings, user="2/min")
+    settings.CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": f"redis://127.0.0.1:{port}/0",
+            "OPTIONS": {"socket_connect_timeout": 0.2, "socket_timeout": 0.2},
+        }
+    }
+    # Then the API still answers (the throttle steps aside), past the rate it could not count
+    codes = [auth_api.get("/api/v1/rentals/").status_code for _ in range(3)]
+    assert codes == [200, 200, 200]
+
+
 # Which address is the client's.
 
 
