@@ -247,7 +247,7 @@ def main() -> None:
         from scheduler.services import scheduler_cycle_run
 
         t0 = time.perf_counter()
-        result = scheduler_cycle_run(pool="default", max_rounds=1)
+        result = scheduler_cycle_run(pool="default")
         cycle_s = time.perf_counter() - t0
         placements = result.placed / cycle_s
         ceiling = pg_insert_rate(url)
