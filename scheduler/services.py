@@ -337,20 +337,20 @@ _CANDIDATES_SQL = """
 SELECT n.id
 FROM marketplace_node n
 JOIN marketplace_gpumodel m ON m.id = n.gpu_model_id
-CROSS JOIN LATERAL (
-    SELECT n.gpu_count - count(DISTINCT a.gpu_id) AS free
-    FROM marketplace_allocation a
-    WHERE a.node_id = n.id AND a.released_at IS NULL
-      AND a.during && tstzrange(%(start)s, %(end)s)
-) f
+LEFT JOIN (
+    SELECT node_id, count(DISTINCT gpu_id) AS held
+    FROM marketplace_allocation
+    WHERE released_at IS NULL AND during && tstzrange(%(start)s, %(end)s)
+    GROUP BY node_id
+) b ON b.node_id = n.id
 WHERE n.pool = %(pool)s AND n.status = %(online)s
   AND (%(region)s = '' OR n.region = %(region)s)
   AND (cardinality(%(models)s::text[]) = 0 OR m.slug = ANY(%(models)s::text[]))
   AND (cardinality(%(families)s::text[]) = 0 OR m.family = ANY(%(families)s::text[]))
   AND m.memory_gb >= %(memory)s AND m.tensor_tflops >= %(tflops)s
   AND (%(max_price)s::numeric IS NULL OR n.price_per_gpu_hour <= %(max_price)s::numeric)
-  AND f.free >= %(k)s
-ORDER BY f.free, n.price_per_gpu_hour, n.id
+  AND n.gpu_count - coalesce(b.held, 0) >= %(k)s
+ORDER BY n.gpu_count - coalesce(b.held, 0), n.price_per_gpu_hour, n.id
 LIMIT %(limit)s
 """
 
@@ -384,24 +384,40 @@ def _fast_round(
             return 0
         if len(pending) > FAST_PATH_MAX or not all(_fast_path_fits(r, at, policy) for r in pending):
             return None
-        node_ids: set[int] = set()
+        # Requests alike share one candidate query (a stream of identical asks reads once).
+        shapes: dict[tuple, int] = {}
         for req in pending:
             start = max(at, req.start)
+            shape = (
+                start,
+                start + req.duration,
+                req.region or "",
+                tuple(sorted(req.gpu_models or ())),
+                tuple(sorted(req.gpu_families or ())),
+                req.min_memory_gb,
+                req.min_tensor_tflops,
+                req.max_price,
+                req.gpus_per_node,
+            )
+            shapes[shape] = shapes.get(shape, 0) + 1
+        node_ids: set[int] = set()
+        for shape, count in shapes.items():
+            start, end, region, models, families, memory, tflops, max_price, k = shape
             cursor.execute(
                 _CANDIDATES_SQL,
                 {
                     "pool": pool,
                     "online": NodeStatus.ONLINE,
                     "start": _dt(start),
-                    "end": _dt(start + req.duration),
-                    "region": req.region or "",
-                    "models": sorted(req.gpu_models or ()),
-                    "families": sorted(req.gpu_families or ()),
-                    "memory": req.min_memory_gb,
-                    "tflops": req.min_tensor_tflops,
-                    "max_price": req.max_price,
-                    "k": req.gpus_per_node,
-                    "limit": FAST_PATH_NODES,
+                    "end": _dt(end),
+                    "region": region,
+                    "models": list(models),
+                    "families": list(families),
+                    "memory": memory,
+                    "tflops": tflops,
+                    "max_price": max_price,
+                    "k": k,
+                    "limit": FAST_PATH_NODES + count,
                 },
             )
             node_ids.update(row[0] for row in cursor)
