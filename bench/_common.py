@@ -179,7 +179,7 @@ def gunicorn(*, workers: int = 2, threads: int = 4, extra_env: dict[str, str] | 
     env = dict(os.environ, DEBUG="0", ALLOWED_HOSTS="127.0.0.1", SECURE_COOKIES="0")
     env.update(extra_env or {})
     server = subprocess.Popen(
-        [str(Path(sys.executable).parent / "gunicorn"), "config.wsgi",
+        [sys.executable, "-m", "gunicorn", "config.wsgi",
          "--bind", f"127.0.0.1:{port}", "--workers", str(workers), "--threads", str(threads),
          "--log-level", "warning"],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
