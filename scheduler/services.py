@@ -321,10 +321,10 @@ def plan_apply(*, plan: engine.Plan, now: datetime, result: CycleResult) -> None
     result.waiting = len(plan.waiting)
 
 
-# A small queue is placed without reading the whole pool: at most this many simple pending
+# A queue of simple requests is placed without reading the whole pool: at most this many pending
 # rentals, each looking at this many candidate nodes (best fit first). Anything else, or any
 # request the candidates cannot take, goes to a full round over the whole pool.
-FAST_PATH_MAX = 32
+FAST_PATH_MAX = 256
 FAST_PATH_NODES = 24
 # A cycle keeps running rounds while work arrives for at most this long, then hands the pool
 # to a fresh task so that other pools' cycles on the same worker get their turn.
