@@ -111,17 +111,19 @@ def build_inventory(url: str, nodes: int, *, busy_node_fraction: float = 0.0, se
         for i in range(nodes):
             # Providers price in cents; 381 price points over 10,000 nodes.
             price = round(rng.uniform(0.2, 4.0), 2)
+            reliability = round(rng.uniform(0.8, 1.0), 4)
             node_rows.write(
                 f"{provider_id}\t{node_models[i]}\t8\tnode{i:05d}\t{rng.choice(REGIONS)}\t"
                 "default\t64\t512\t4000\t"
                 f"10000\t10000\t550.54\t12.4\t{'t' if rng.random() < 0.5 else 'f'}\t"
                 f"{'online' if rng.random() < 0.95 else 'offline'}\t"
-                f"{round(rng.uniform(0.8, 1.0), 4)}\tt\t{price}\t{round(price * 0.4, 4)}\tnow\tf\n"
+                f"{reliability}\t{reliability}\t0\tt\t{price}\t{round(price * 0.4, 4)}\tnow\tf\n"
             )
         with conn.cursor().copy(
             "COPY marketplace_node (provider_id, gpu_model_id, gpu_count, hostname, region, pool,"
             " cpu_cores, ram_gb, disk_gb, net_up_mbps, net_down_mbps, driver_version,"
-            " cuda_version, nvlink, status, reliability, simulated, price_per_gpu_hour,"
+            " cuda_version, nvlink, status, reliability, reliability_declared,"
+            " reliability_observed_hours, simulated, price_per_gpu_hour,"
             " min_bid_per_gpu_hour, created_at, benchmark_requested)"
             " FROM STDIN"
         ) as copy:
@@ -177,7 +179,7 @@ def gunicorn(*, workers: int = 2, threads: int = 4, extra_env: dict[str, str] | 
     env = dict(os.environ, DEBUG="0", ALLOWED_HOSTS="127.0.0.1", SECURE_COOKIES="0")
     env.update(extra_env or {})
     server = subprocess.Popen(
-        [str(Path(sys.executable).parent / "gunicorn"), "config.wsgi",
+        [sys.executable, "-m", "gunicorn", "config.wsgi",
          "--bind", f"127.0.0.1:{port}", "--workers", str(workers), "--threads", str(threads),
          "--log-level", "warning"],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

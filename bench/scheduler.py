@@ -5,10 +5,14 @@ Prints, each beside a baseline measured in the same run:
   nodes best-fit keeps versus first-fit on the same snapshot;
 - end-to-end placements/s of one cycle (snapshot + plan + bind through the exclusion
   constraint), beside the single-row INSERT rate of the same PostgreSQL as the ceiling;
-- p99 time from create to SCHEDULED at an offered load of 200 rentals/s, with rental_create
-  (the real service) feeding a real Celery worker that runs the cycles.
+- streaming: rentals created through rental_create (the real service) at 25, 50, 100 and
+  200/s for 20 s each, a real Celery worker running the cycles: per rate the achieved rate and
+  p50 / p99 create->SCHEDULED, beside the one-thread rental_create rate;
+- creates through the REST API under gunicorn (4 keep-alive clients) beside the same server's
+  /healthz rate, and the `gpumarket rentals` call time beside a bare interpreter start.
 
-    python bench/scheduler.py [--nodes 10000] [--pending 20000] [--load-seconds 10]
+    python bench/scheduler.py [--nodes 10000] [--pending 20000] [--rates 25 50 100 200]
+                              [--seconds 20]
 """
 
 from __future__ import annotations
@@ -22,8 +26,18 @@ import sys
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 
-from _common import RENTAL_COPY, ROOT, bench_database, build_inventory, emit, percentile
+from _common import (
+    RENTAL_COPY,
+    ROOT,
+    bench_database,
+    build_inventory,
+    emit,
+    gunicorn,
+    median,
+    percentile,
+)
 
 # gpus per node, nodes, weight %: about 2.25 GPUs a rental, so 20,000 rentals ask ~45,000 of the
 # ~57,000 GPUs free, and how they are packed decides how many whole nodes stay free.
@@ -116,15 +130,10 @@ def pg_insert_rate(url: str, n: int = 5000) -> float:
     return rate
 
 
-def offered_load(rate: float, seconds: float) -> dict:
-    """rental_create at `rate`/s for `seconds`, cycles run by a real Celery worker."""
-    from django.db import connection, connections
-
-    from marketplace.models import User
-    from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
-
+@contextmanager
+def celery_worker():
+    """A real Celery worker running the cycles, from the running interpreter's environment."""
     env = dict(os.environ)
-    # The running interpreter's Celery, whatever virtualenv the bench runs from.
     celery = [sys.executable, "-m", "celery"]
     subprocess.run([*celery, "-A", "config", "purge", "-f"], env=env, cwd=ROOT, check=False,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
@@ -139,91 +148,180 @@ def offered_load(rate: float, seconds: float) -> dict:
     )
     try:
         time.sleep(4)  # the worker connects before the load starts
-        customer = User.objects.create_user("load", "load@example.invalid", "x")
-        from billing.services.ledger import account_adjust, account_for_customer
+        yield worker
+    finally:
+        worker.terminate()
+        worker.wait(20)
 
-        account_adjust(
-            account_id=account_for_customer(user=customer).pk,
-            amount_micros=1_000_000_000,
-            reason="benchmark credit",
-            actor=None,
-        )
-        created: list[str] = []
-        lag = 0.0
 
-        threads_n = 4
-        lock = threading.Lock()
+def funded_customer(username: str):
+    from billing.services.ledger import account_adjust, account_for_customer
+    from marketplace.models import User
 
-        def create_loop(offset: int) -> None:
-            nonlocal lag
-            start = time.perf_counter()
-            n = int(rate * seconds)
-            for i in range(offset, n, threads_n):
-                due = start + i / rate
-                now = time.perf_counter()
-                if due > now:
-                    time.sleep(due - now)
-                else:
-                    with lock:
-                        lag = max(lag, now - due)
-                rental = rental_create(
-                    customer=customer,
-                    request=RentalRequest(
-                        gpus_per_node=1, duration_s=3600, runtime=RuntimeSpec(image="img")
-                    ),
-                )
+    customer = User.objects.create_user(username, f"{username}@example.invalid", "x")
+    account_adjust(
+        account_id=account_for_customer(user=customer).pk,
+        amount_micros=10**13,
+        reason="benchmark credit",
+        actor=None,
+    )
+    return customer
+
+
+def offered_load(rate: float, seconds: float, customer) -> dict:
+    """rental_create at `rate`/s for `seconds` from 4 threads; create->SCHEDULED of each."""
+    from django.db import connection, connections
+
+    from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
+
+    created: list[str] = []
+    lag = 0.0
+    threads_n = 4
+    lock = threading.Lock()
+
+    def create_loop(offset: int) -> None:
+        nonlocal lag
+        start = time.perf_counter()
+        n = int(rate * seconds)
+        for i in range(offset, n, threads_n):
+            due = start + i / rate
+            now = time.perf_counter()
+            if due > now:
+                time.sleep(due - now)
+            else:
                 with lock:
-                    created.append(str(rental.pk))
-            connections.close_all()
+                    lag = max(lag, now - due)
+            rental = rental_create(
+                customer=customer,
+                request=RentalRequest(
+                    gpus_per_node=1, duration_s=3600, runtime=RuntimeSpec(image="img")
+                ),
+            )
+            with lock:
+                created.append(str(rental.pk))
+        connections.close_all()
 
-        threads = [threading.Thread(target=create_loop, args=(k,)) for k in range(threads_n)]
+    threads = [threading.Thread(target=create_loop, args=(k,)) for k in range(threads_n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    achieved = len(created) / (time.perf_counter() - t0)
+    deadline = time.monotonic() + 120
+    with connection.cursor() as cursor:
+        while time.monotonic() < deadline:
+            cursor.execute(
+                "SELECT count(*) FROM marketplace_rental WHERE id = ANY(%s::uuid[])"
+                " AND status = 'pending'",
+                [created],
+            )
+            if cursor.fetchone()[0] == 0:
+                break
+            time.sleep(0.5)
+        cursor.execute(
+            """
+            SELECT EXTRACT(EPOCH FROM (e.created_at - r.created_at))
+            FROM marketplace_rental r
+            JOIN marketplace_rentalevent e ON e.rental_id = r.id AND e.to_status = 'scheduled'
+            WHERE r.id = ANY(%s::uuid[])
+            """,
+            [created],
+        )
+        latencies = [float(row[0]) for row in cursor.fetchall()]
+    return {
+        "offered": rate,
+        "achieved": achieved,
+        "created": len(created),
+        "scheduled": len(latencies),
+        "p50": percentile(latencies, 50) if latencies else float("nan"),
+        "p99": percentile(latencies, 99) if latencies else float("nan"),
+        "max_create_lag_s": lag,
+    }
+
+
+def service_create_rate(customer, n: int = 200) -> float:
+    """rental_create back to back from one thread with no worker: the service's own ceiling
+    for one caller (no scheduling, no queueing)."""
+    from django.db import transaction
+
+    from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
+
+    request = RentalRequest(gpus_per_node=1, duration_s=3600, runtime=RuntimeSpec(image="img"))
+    with transaction.atomic():
+        t0 = time.perf_counter()
+        for _ in range(n):
+            with transaction.atomic():
+                rental_create(customer=customer, request=request)
+        rate = n / (time.perf_counter() - t0)
+        transaction.set_rollback(True)
+    return rate
+
+
+def api_creates(customer, seconds: float = 10.0, threads_n: int = 4) -> dict:
+    """Creates through the REST API under gunicorn, `threads_n` keep-alive clients; beside
+    the same server's GET /healthz rate from the same clients (the HTTP stack's ceiling)."""
+    import requests
+
+    from marketplace.services.accounts import api_token_create
+
+    _, token = api_token_create(user=customer, name="bench")
+    body = {"gpus_per_node": 1, "duration_s": 3600, "image": "img"}
+
+    def hammer(base: str, path: str, post: bool) -> float:
+        counts = [0] * threads_n
+        errors: list[str] = []
+        stop = time.monotonic() + seconds
+
+        def client(k: int) -> None:
+            with requests.Session() as session:
+                session.headers["Authorization"] = f"Bearer {token}"
+                while time.monotonic() < stop:
+                    if post:
+                        r = session.post(base + path, json=body, timeout=30)
+                    else:
+                        r = session.get(base + path, timeout=30)
+                    if r.status_code >= 400:
+                        errors.append(f"{r.status_code} {r.text[:200]}")
+                        return
+                    counts[k] += 1
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(threads_n)]
         t0 = time.perf_counter()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        achieved = len(created) / (time.perf_counter() - t0)
-        deadline = time.monotonic() + 120
-        with connection.cursor() as cursor:
-            while time.monotonic() < deadline:
-                cursor.execute(
-                    "SELECT count(*) FROM marketplace_rental WHERE customer_id = %s"
-                    " AND status = 'pending'",
-                    [customer.pk],
-                )
-                if cursor.fetchone()[0] == 0:
-                    break
-                time.sleep(0.5)
-            cursor.execute(
-                """
-                SELECT EXTRACT(EPOCH FROM (e.created_at - r.created_at))
-                FROM marketplace_rental r
-                JOIN marketplace_rentalevent e ON e.rental_id = r.id AND e.to_status = 'scheduled'
-                WHERE r.customer_id = %s
-                """,
-                [customer.pk],
-            )
-            latencies = [float(row[0]) for row in cursor.fetchall()]
-        return {
-            "offered": rate,
-            "achieved": achieved,
-            "created": len(created),
-            "scheduled": len(latencies),
-            "p50": percentile(latencies, 50) if latencies else float("nan"),
-            "p99": percentile(latencies, 99) if latencies else float("nan"),
-            "max_create_lag_s": lag,
-        }
-    finally:
-        worker.terminate()
-        worker.wait(20)
+        if errors:
+            raise RuntimeError(f"{path}: {errors[0]}")
+        return sum(counts) / (time.perf_counter() - t0)
+
+    with gunicorn(workers=2, threads=threads_n) as server:
+        health = hammer(server.base_url, "/healthz", post=False)
+        creates = hammer(server.base_url, "/api/v1/rentals/", post=True)
+        env = dict(os.environ, GPUMARKET_SERVER_URL=server.base_url, GPUMARKET_TOKEN=token)
+        cli = [sys.executable, "-m", "marketplace.cli", "rentals"]
+        python = [sys.executable, "-c", "pass"]
+        cli_s = median([_wall(cli, env) for _ in range(10)])
+        python_s = median([_wall(python, env) for _ in range(10)])
+    return {"creates": creates, "health": health, "cli_s": cli_s, "python_s": python_s}
+
+
+def _wall(cmd: list[str], env: dict[str, str]) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(cmd, env=env, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, timeout=60)
+    return time.perf_counter() - t0
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--nodes", type=int, default=10_000)
     parser.add_argument("--pending", type=int, default=20_000)
-    parser.add_argument("--load-rate", type=float, default=200.0)
-    parser.add_argument("--load-seconds", type=float, default=10.0)
+    parser.add_argument(
+        "--rates", type=float, nargs="+", default=[25.0, 50.0, 100.0, 200.0],
+        help="offered create rates of the streaming mode, one after the other (per second)",
+    )  # fmt: skip
+    parser.add_argument("--seconds", type=float, default=20.0, help="length of each stream")
     args = parser.parse_args()
     with bench_database("gpumarket_bench_scheduler") as url:
         # Half the nodes run work on half their GPUs: the fragmentation packing has to handle.
@@ -233,7 +331,7 @@ def main() -> None:
 
         eng = engine_only()
         decisions = eng["pending"] / eng["best_s"]
-        kept = eng["best_whole"] / max(1, eng["first_whole"])
+        kept_ratio = eng["best_whole"] / max(1, eng["first_whole"])
         print(
             f"engine only: {decisions:,.0f} decisions/s best-fit ({eng['best_s']:.2f} s, "
             f"{eng['best_placed']} placed); first-fit {eng['pending'] / eng['first_s']:,.0f}/s "
@@ -241,13 +339,13 @@ def main() -> None:
         )
         print(
             f"whole free 8-GPU nodes left: best-fit {eng['best_whole']}, first-fit "
-            f"{eng['first_whole']} -> kept {kept:.2f}x"
+            f"{eng['first_whole']} -> kept {kept_ratio:.2f}x"
         )
 
         from scheduler.services import scheduler_cycle_run
 
         t0 = time.perf_counter()
-        result = scheduler_cycle_run(pool="default", max_rounds=1)
+        result = scheduler_cycle_run(pool="default")
         cycle_s = time.perf_counter() - t0
         placements = result.placed / cycle_s
         ceiling = pg_insert_rate(url)
@@ -262,23 +360,58 @@ def main() -> None:
             f" {placements / ceiling:.2f}x that (each placement writes 1 update + "
             f"GPUs allocations + 1 event)"
         )
-        load = offered_load(args.load_rate, args.load_seconds)
+        stream = []
+        with celery_worker():
+            for rate in args.rates:
+                load = offered_load(rate, args.seconds, funded_customer(f"load{rate:g}"))
+                stream.append(load)
+                print(
+                    f"stream {load['offered']:.0f}/s offered (achieved {load['achieved']:.1f}/s):"
+                    f" {load['scheduled']}/{load['created']} scheduled, create->SCHEDULED p50 "
+                    f"{load['p50']:.3f} s, p99 {load['p99']:.3f} s"
+                )
+        # The highest offered rate the machine kept up with (achieved within 10%).
+        kept = [x for x in stream if x["achieved"] >= 0.9 * x["offered"]] or stream[:1]
+        top = max(kept, key=lambda x: x["offered"])
+        at_100 = next((x for x in stream if x["offered"] == 100), None)
+        service_rate = service_create_rate(funded_customer("ceiling"))
+        api = api_creates(funded_customer("api"))
         print(
-            f"offered load {load['offered']:.0f}/s (achieved {load['achieved']:.0f}/s): "
-            f"{load['scheduled']}/{load['created']} scheduled, create->SCHEDULED p50 "
-            f"{load['p50']:.2f} s, p99 {load['p99']:.2f} s"
+            f"creates: rental_create from one thread {service_rate:.0f}/s; stream kept up to "
+            f"{top['offered']:.0f}/s offered = {top['achieved'] / service_rate:.2f}x the one-thread"
+            f" service rate and {top['achieved'] / ceiling:.3f}x the INSERT ceiling"
+        )
+        print(
+            f"REST API, 4 keep-alive clients: {api['creates']:.0f} creates/s, "
+            f"{api['creates'] / api['health']:.2f}x the same server's /healthz rate "
+            f"({api['health']:.0f}/s) and {api['creates'] / ceiling:.3f}x the INSERT ceiling"
+        )
+        print(
+            f"CLI: `gpumarket rentals` {api['cli_s'] * 1000:.0f} ms (median of 10), "
+            f"{api['cli_s'] / api['python_s']:.1f}x a bare interpreter start "
+            f"({api['python_s'] * 1000:.0f} ms)"
         )
     emit(
         {
             "engine_decisions_per_s": round(decisions),
             "placements_per_s": round(placements),
-            "p99_create_to_scheduled_s": round(load["p99"], 3),
-            "whole_free_nodes_kept_vs_first_fit": round(kept, 3),
+            "whole_free_nodes_kept_vs_first_fit": round(kept_ratio, 3),
             "pg_insert_rows_per_s": round(ceiling),
             "best_fit_whole_free_nodes": eng["best_whole"],
             "first_fit_whole_free_nodes": eng["first_whole"],
-            "offered_rentals_per_s": load["offered"],
-            "achieved_rentals_per_s": round(load["achieved"], 1),
+            "stream": [
+                {k: round(v, 4) if isinstance(v, float) else v for k, v in x.items()}
+                for x in stream
+            ],
+            "stream_p99_s_at_100": round(at_100["p99"], 3) if at_100 else None,
+            "stream_max_rate": top["offered"],
+            "stream_achieved_at_max": round(top["achieved"], 1),
+            "stream_p99_s_at_max": round(top["p99"], 3),
+            "service_creates_per_s_one_thread": round(service_rate, 1),
+            "api_creates_per_s": round(api["creates"], 1),
+            "api_health_per_s": round(api["health"], 1),
+            "cli_rentals_s": round(api["cli_s"], 3),
+            "python_start_s": round(api["python_s"], 3),
         }
     )
 

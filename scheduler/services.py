@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
 import psycopg
@@ -144,9 +144,19 @@ def _read_pool_nodes(pool: str) -> tuple[engine.Node, ...]:
 def snapshot_take(*, pool: str, now: datetime) -> engine.Snapshot:
     """Free capacity of the pool's online nodes, what holds it, and the pending queue."""
     nodes = _pool_nodes(pool)
+    busy = _busy(nodes, now)
+    with connection.cursor() as cursor:
+        cursor.execute(_PENDING_SQL, {"pool": pool, "pending": RentalStatus.PENDING})
+        columns = [c.name for c in cursor.description]
+        pending = [engine_request(dict(zip(columns, row, strict=True))) for row in cursor]
+    return engine.Snapshot(now=_ts(now), nodes=nodes, busy=busy, pending=tuple(pending))
+
+
+def _busy(nodes: tuple[engine.Node, ...], now: datetime) -> tuple[engine.Busy, ...]:
+    """What holds the nodes' GPUs from `now` on."""
     with connection.cursor() as cursor:
         cursor.execute(_BUSY_SQL, {"nodes": [n.node_id for n in nodes], "now": now})
-        busy = [
+        return tuple(
             engine.Busy(
                 gpu_id=gpu_id,
                 rental_id=rental_id,
@@ -157,11 +167,7 @@ def snapshot_take(*, pool: str, now: datetime) -> engine.Snapshot:
                 priority=priority,
             )
             for gpu_id, rental_id, start, end, kind, price, priority in cursor.fetchall()
-        ]
-        cursor.execute(_PENDING_SQL, {"pool": pool, "pending": RentalStatus.PENDING})
-        columns = [c.name for c in cursor.description]
-        pending = [engine_request(dict(zip(columns, row, strict=True))) for row in cursor]
-    return engine.Snapshot(now=_ts(now), nodes=nodes, busy=tuple(busy), pending=tuple(pending))
+        )
 
 
 @dataclass
@@ -170,11 +176,14 @@ class CycleResult:
 
     ran: bool = False
     rounds: int = 0
+    fast_rounds: int = 0
     placed: int = 0
     conflicts: int = 0
     preempted: int = 0
     expired: int = 0
     waiting: int = 0
+    # Work was still arriving when the cycle's time budget ran out: the caller queues another.
+    more: bool = False
     seconds: dict[str, float] = field(default_factory=dict)
 
 
@@ -312,39 +321,211 @@ def plan_apply(*, plan: engine.Plan, now: datetime, result: CycleResult) -> None
     result.waiting = len(plan.waiting)
 
 
-def scheduler_cycle_run(
-    *, pool: str = "default", max_rounds: int = 5, policy: engine.Policy | None = None
-) -> CycleResult:
-    """Plan and bind the pool's pending rentals; skipped when another cycle holds the pool.
+# A queue of simple requests is placed without reading the whole pool: at most this many pending
+# rentals, each looking at this many candidate nodes (best fit first). Anything else, or any
+# request the candidates cannot take, goes to a full round over the whole pool.
+FAST_PATH_MAX = 256
+FAST_PATH_NODES = 24
+# A cycle keeps running rounds while work arrives for at most this long, then hands the pool
+# to a fresh task so that other pools' cycles on the same worker get their turn.
+CYCLE_BUDGET_S = 60.0
 
-    Rounds repeat while rentals arrived after the last snapshot, so a burst of creates that
-    found the lock taken is still served by the cycle that holds it.
-    """
-    result = CycleResult()
-    with pool_lock(pool) as got:
-        if not got:
-            return result
-        result.ran = True
-        for _ in range(max_rounds):
-            cache.set(_SNAPSHOT_KEY.format(pool=pool), time.time(), timeout=3600)
-            now = timezone.now()
-            t0 = time.perf_counter()
-            snapshot = snapshot_take(pool=pool, now=now)
-            t1 = time.perf_counter()
+# Candidate nodes for one simple request: online nodes of the pool that match its hardware and
+# have enough GPUs free over its window, fullest first (best fit), then cheapest. The engine
+# still checks everything on what this returns; the SQL only chooses what it reads.
+_CANDIDATES_SQL = """
+SELECT n.id
+FROM marketplace_node n
+JOIN marketplace_gpumodel m ON m.id = n.gpu_model_id
+LEFT JOIN (
+    SELECT node_id, count(DISTINCT gpu_id) AS held
+    FROM marketplace_allocation
+    WHERE released_at IS NULL AND during && tstzrange(%(start)s, %(end)s)
+    GROUP BY node_id
+) b ON b.node_id = n.id
+WHERE n.pool = %(pool)s AND n.status = %(online)s
+  AND (%(region)s = '' OR n.region = %(region)s)
+  AND (cardinality(%(models)s::text[]) = 0 OR m.slug = ANY(%(models)s::text[]))
+  AND (cardinality(%(families)s::text[]) = 0 OR m.family = ANY(%(families)s::text[]))
+  AND m.memory_gb >= %(memory)s AND m.tensor_tflops >= %(tflops)s
+  AND (%(max_price)s::numeric IS NULL OR n.price_per_gpu_hour <= %(max_price)s::numeric)
+  AND n.gpu_count - coalesce(b.held, 0) >= %(k)s
+ORDER BY n.gpu_count - coalesce(b.held, 0), n.price_per_gpu_hour, n.id
+LIMIT %(limit)s
+"""
+
+
+def _fast_path_fits(req: engine.Request, now: float, policy: engine.Policy) -> bool:
+    """One node, on demand, to start within the horizon and before its deadline."""
+    return (
+        req.node_count == 1
+        and not req.interruptible
+        and req.start <= now + policy.horizon
+        and (req.start_deadline is None or req.start_deadline >= max(now, req.start))
+    )
+
+
+def _fast_round(
+    *, pool: str, now: datetime, policy: engine.Policy, result: CycleResult
+) -> int | None:
+    """Place a small queue from a snapshot of its candidate nodes only; returns how many were
+    pending (0: none), or None, having written nothing, when the queue is not small and simple
+    or the candidates do not take every request: a full round decides instead, with the
+    reasons and reservations only the whole pool gives."""
+    at = _ts(now)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            _PENDING_SQL + " LIMIT %(limit)s",
+            {"pool": pool, "pending": RentalStatus.PENDING, "limit": FAST_PATH_MAX + 1},
+        )
+        columns = [c.name for c in cursor.description]
+        pending = [engine_request(dict(zip(columns, row, strict=True))) for row in cursor]
+        if not pending:
+            return 0
+        if len(pending) > FAST_PATH_MAX or not all(_fast_path_fits(r, at, policy) for r in pending):
+            return None
+        # Requests alike share one candidate query (a stream of identical asks reads once).
+        shapes: dict[tuple, int] = {}
+        for req in pending:
+            start = max(at, req.start)
+            shape = (
+                start,
+                start + req.duration,
+                req.region or "",
+                tuple(sorted(req.gpu_models or ())),
+                tuple(sorted(req.gpu_families or ())),
+                req.min_memory_gb,
+                req.min_tensor_tflops,
+                req.max_price,
+                req.gpus_per_node,
+            )
+            shapes[shape] = shapes.get(shape, 0) + 1
+        node_ids: set[int] = set()
+        for shape, count in shapes.items():
+            start, end, region, models, families, memory, tflops, max_price, k = shape
+            cursor.execute(
+                _CANDIDATES_SQL,
+                {
+                    "pool": pool,
+                    "online": NodeStatus.ONLINE,
+                    "start": _dt(start),
+                    "end": _dt(end),
+                    "region": region,
+                    "models": list(models),
+                    "families": list(families),
+                    "memory": memory,
+                    "tflops": tflops,
+                    "max_price": max_price,
+                    "k": k,
+                    "limit": FAST_PATH_NODES + count,
+                },
+            )
+            node_ids.update(row[0] for row in cursor)
+    if not node_ids:
+        return None
+    nodes = tuple(engine_nodes(Node.objects.filter(pk__in=node_ids).order_by("id")))
+    snapshot = engine.Snapshot(now=at, nodes=nodes, busy=_busy(nodes, now), pending=tuple(pending))
+    decided = planner.plan(snapshot, replace(policy, preemption=False))
+    if len(decided.placements) != len(pending) or decided.expired:
+        return None
+    plan_apply(plan=decided, now=now, result=result)
+    return len(pending)
+
+
+def _full_round(
+    *, pool: str, now: datetime, policy: engine.Policy, result: CycleResult
+) -> engine.Snapshot:
+    t0 = time.perf_counter()
+    snapshot = snapshot_take(pool=pool, now=now)
+    t1 = time.perf_counter()
+    if snapshot.pending:
+        decided = planner.plan(snapshot, policy)
+        t2 = time.perf_counter()
+        plan_apply(plan=decided, now=now, result=result)
+        t3 = time.perf_counter()
+        for name, secs in (("snapshot", t1 - t0), ("plan", t2 - t1), ("bind", t3 - t2)):
+            result.seconds[name] = result.seconds.get(name, 0.0) + secs
+    return snapshot
+
+
+# Set by every cycle request before it tries the pool's lock and cleared by the holder at the
+# start of each round: a request that found the lock taken is never lost, because the holder
+# looks at the flag again after it lets the lock go.
+_WANTED_KEY = "scheduler:wanted:{pool}"
+
+
+def _wanted_set(pool: str) -> None:
+    try:
+        cache.set(_WANTED_KEY.format(pool=pool), 1, timeout=3600)
+    except Exception:  # Redis down: no task message arrives either; beat's tick covers it
+        log.warning("cycle request flag not set for pool %s (cache unreachable)", pool)
+
+
+def _wanted_take(pool: str) -> bool:
+    try:
+        return bool(cache.delete(_WANTED_KEY.format(pool=pool)))
+    except Exception:
+        return False
+
+
+def _rounds(*, pool: str, policy: engine.Policy, result: CycleResult, until: float) -> None:
+    """Rounds back to back while work arrives, under the caller's lock."""
+    while True:
+        _wanted_take(pool)
+        cache.set(_SNAPSHOT_KEY.format(pool=pool), time.time(), timeout=3600)
+        now = timezone.now()
+        conflicts = result.conflicts
+        result.rounds += 1
+        t0 = time.perf_counter()
+        handled = _fast_round(pool=pool, now=now, policy=policy, result=result)
+        if handled == 0:
+            return
+        if handled is not None:
+            result.fast_rounds += 1
+            result.seconds["fast"] = result.seconds.get("fast", 0.0) + time.perf_counter() - t0
+        else:
+            snapshot = _full_round(pool=pool, now=now, policy=policy, result=result)
             if not snapshot.pending:
+                return
+        # Another round for what arrived during this one: a request's flag, or rows committed
+        # after the snapshot whose message is still on its way; and for a lost bind race.
+        again = (
+            _wanted_take(pool)
+            or result.conflicts > conflicts
+            or Rental.objects.filter(
+                pool=pool, status=RentalStatus.PENDING, created_at__gt=now
+            ).exists()
+        )
+        if not again:
+            return
+        if time.monotonic() > until:
+            result.more = True
+            return
+
+
+def scheduler_cycle_run(
+    *, pool: str = "default", budget_s: float = CYCLE_BUDGET_S, policy: engine.Policy | None = None
+) -> CycleResult:
+    """Plan and bind the pool's pending rentals; when another cycle holds the pool, leave the
+    work to it (it runs one more round for this request) and return at once."""
+    result = CycleResult()
+    until = time.monotonic() + budget_s
+    _wanted_set(pool)
+    while True:
+        with pool_lock(pool) as got:
+            if not got:
                 break
-            decided = planner.plan(snapshot, policy or planner.DEFAULT_POLICY)
-            t2 = time.perf_counter()
-            plan_apply(plan=decided, now=now, result=result)
-            t3 = time.perf_counter()
-            result.rounds += 1
-            for name, secs in (("snapshot", t1 - t0), ("plan", t2 - t1), ("bind", t3 - t2)):
-                result.seconds[name] = result.seconds.get(name, 0.0) + secs
-            newest = _dt(max(r.created_at for r in snapshot.pending))
-            if not Rental.objects.filter(
-                pool=pool, status=RentalStatus.PENDING, created_at__gt=newest
-            ).exists():
-                break
+            began = time.time()
+            result.ran = True
+            _rounds(pool=pool, policy=policy or planner.DEFAULT_POLICY, result=result, until=until)
+            log.info(
+                "scheduler cycle pool=%s began=%.6f ended=%.6f placed=%d",
+                pool, began, time.time(), result.placed,
+            )  # fmt: skip
+        # A request that came while the lock was held but after the last round began.
+        if result.more or time.monotonic() > until or not _wanted_take(pool):
+            break
+        _wanted_set(pool)
     if result.ran:
         log.info("scheduler cycle %s: %s", pool, result)
     return result

@@ -11,10 +11,12 @@ from scheduler import services
 def scheduler_cycle(pool: str = "default", requested_at: float | None = None) -> None:
     """One placement cycle for one pool. A burst of creates queues one task each; a task whose
     rentals a later snapshot already covered is dropped, and one that finds the pool locked
-    leaves it to the running cycle's next round."""
+    leaves it to the running cycle, which runs rounds back to back while work arrives."""
     if requested_at is not None and services.last_snapshot_at(pool) > requested_at:
         return
-    services.scheduler_cycle_run(pool=pool)
+    if services.scheduler_cycle_run(pool=pool).more:
+        # Work is still arriving: the pool goes back in the queue behind other pools' cycles.
+        scheduler_cycle.delay(pool)
 
 
 @shared_task(name="scheduler.tick", ignore_result=True, time_limit=60, soft_time_limit=50)
