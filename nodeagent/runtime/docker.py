@@ -471,15 +471,16 @@ class DockerDriver:
         # Also after a crash between a container's removal and its rental's cleanup.
         self.release_unused_rentals()
 
-    def release_unused_rentals(self) -> None:
-        """Remove the networks (and unmount the quota workspaces) of rentals of this node that
-        have no container left; the workspace's data stays in its image for a later run."""
+    def release_unused_rentals(self, rental_id: str | None = None) -> None:
+        """Remove the networks (and unmount the quota workspaces) of rentals of this node (or
+        the one rental) that have no container left; the data stays in its image for later."""
         filters = [f"{LABEL_MANAGED}=1"]
         if self.config.node_id is not None:
             filters.append(f"{LABEL_NODE}={self.config.node_id}")
+        wanted = [*filters, f"{LABEL_RENTAL}={rental_id}"] if rental_id else filters
         with self._rental_lock:
             networks = self._call(
-                "networks", lambda: self._client().networks.list(filters={"label": filters})
+                "networks", lambda: self._client().networks.list(filters={"label": wanted})
             )
             for network in networks:
                 rental_id = network.attrs.get("Labels", {}).get(LABEL_RENTAL, "")
