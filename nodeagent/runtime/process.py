@@ -35,6 +35,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -323,6 +324,7 @@ class LocalProcessDriver:
         user_args: list[str] = []
         if self._drops_privileges():
             uid, gid = self.config.run_as_uid, self.config.run_as_gid
+            _check_traversable(os.path.dirname(os.path.abspath(spec.volume_dir)), uid, gid)
             os.chown(spec.volume_dir, uid, gid)
             user_args = ["--user", f"{uid}:{gid}"]
         lock_fd = os.open(os.path.join(run_dir, "wrapper.lock"), os.O_CREAT | os.O_RDWR, 0o600)
@@ -415,6 +417,29 @@ class LocalProcessDriver:
         for run_id, proc in list(self._supervisors.items()):
             if proc.poll() is not None:
                 self._supervisors.pop(run_id, None)
+
+
+def _check_traversable(directory: str, uid: int, gid: int) -> None:
+    """PermanentRuntimeError unless uid:gid may pass through `directory` and its ancestors:
+    the command finds its workspace by its absolute path (GPUMARKET_WORKSPACE)."""
+    path = directory
+    while True:
+        st = os.stat(path)
+        if st.st_uid == uid:
+            bit = stat.S_IXUSR
+        elif st.st_gid == gid:
+            bit = stat.S_IXGRP
+        else:
+            bit = stat.S_IXOTH
+        if not st.st_mode & bit:
+            raise PermanentRuntimeError(
+                f"{path} is closed to uid {uid}, which runs the command: the volume root and "
+                "its parents must be searchable by it (o+x)"
+            )
+        parent = os.path.dirname(path)
+        if parent == path:
+            return
+        path = parent
 
 
 def _tail(path: str, lines: int) -> str:

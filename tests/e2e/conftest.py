@@ -24,6 +24,10 @@ import pytest
 from django.conf import settings
 from django.db import connection
 
+# A root agent runs process-runtime commands as nobody: the agents here keep their dirs in
+# pytest's (0700) temporary directories, which must then be searchable.
+from tests.nodeagent.conftest import agent_dirs_searchable  # noqa: F401
+
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS_IMAGE = os.environ.get("GPUMARKET_HARNESS_IMAGE", "gpumarket/harness:dev")
 

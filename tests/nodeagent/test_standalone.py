@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import tempfile
 import venv
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,19 +27,8 @@ def run(*args: str | Path, cwd: Path, timeout: float) -> subprocess.CompletedPro
     )  # fmt: skip
 
 
-@pytest.fixture
-def traversable_tmp() -> Iterator[Path]:
-    """A directory every uid can traverse (pytest's are 0700): a root agent runs the process
-    runtime's commands as nobody, and they must be able to execute this environment's python."""
-    path = Path(tempfile.mkdtemp(prefix="gpumarket-standalone-"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 @pytest.mark.e2e
-def test_the_agent_installs_and_runs_without_django(traversable_tmp):
-    tmp_path = traversable_tmp
+def test_the_agent_installs_and_runs_without_django(tmp_path):
     # given the project's source (copied: building in place would leave build/ in the checkout)
     source = tmp_path / "src"
     source.mkdir()

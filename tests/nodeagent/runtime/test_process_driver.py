@@ -203,3 +203,19 @@ def test_descendants_die_with_the_main_process(tmp_path, make_spec):
 
     # then the leftover was killed, as the end of a container would kill it
     assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only a root agent runs commands as another uid")
+def test_a_workspace_the_unprivileged_uid_cannot_reach_is_refused_with_the_reason(
+    tmp_path, make_spec
+):
+    # given a volume dir under a directory closed to others (pytest's own are 0700)
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o700)
+    driver = make_driver(tmp_path)
+    spec = make_spec(node_id="n1", volume_dir=str(closed / "vol"))
+
+    # when the run is started: refused for good, naming the directory, instead of a command
+    # that dies unable to find its workspace
+    with pytest.raises(PermanentRuntimeError, match=f"{closed} is closed to uid 65534"):
+        driver.start(spec)
