@@ -16,11 +16,11 @@
 #      otherwise;
 #   3. waits (bounded) until it answers, and fails with the log tail if it does not.
 #
-# --iptables=false / --bridge=none: sandboxes and CI VMs often lack the netfilter modules and the
-# rights to create bridges, and the training harness needs no network. Consequence: containers
-# can only use network mode "none" (or host, which we never use), so published ports are not
-# reachable. The runtime driver detects the missing "bridge" network and then runs containers
-# with network_mode="none" and reports no ports.
+# --iptables=false / --bridge=none: sandboxes and CI VMs often lack the netfilter modules, and the
+# training harness needs no network. Consequence: no default bridge and no NAT; the runtime driver
+# gives each rental a user-defined internal network with no address of the host on its bridge
+# (network_policy "internal"), publishes no ports, and refuses "egress", which needs the engine's
+# iptables (DOCKER-USER) for NAT and for the rules keeping rentals off private ranges.
 #
 # Settings (environment):
 #   GPUMARKET_DOCKER_ROOT     data root            (default /var/lib/gpumarket-docker)

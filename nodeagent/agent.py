@@ -396,7 +396,15 @@ class Agent:
                 gpu_mode=self.config.gpu_mode,
                 node_id=str(node_id),
             )
-        return create_driver("docker", gpu_mode=self.config.gpu_mode, node_id=str(node_id))
+        return create_driver(
+            "docker",
+            gpu_mode=self.config.gpu_mode,
+            node_id=str(node_id),
+            image_allow=self.config.image_allow,
+            network_policy=self.config.network_policy,
+            disk_quota_mb=self.config.disk_quota_mb,
+            container_user=self.config.container_user,
+        )
 
     # -- one round -----------------------------------------------------------------------------
 

@@ -44,6 +44,11 @@ _OPTIONS: dict[str, tuple[str, str | None]] = {
     "benchmark_command": ("GPUMARKET_BENCHMARK_COMMAND", shlex.join(DEFAULT_COMMAND)),
     "benchmark_timeout": ("GPUMARKET_BENCHMARK_TIMEOUT", "900"),
     "log_level": ("GPUMARKET_LOG_LEVEL", "info"),
+    # Docker runtime isolation (see nodeagent/runtime/docker.py)
+    "image_allow": ("GPUMARKET_IMAGE_ALLOW", "gpumarket/harness:*"),
+    "network_policy": ("GPUMARKET_NETWORK_POLICY", "internal"),
+    "disk_quota_gb": ("GPUMARKET_DISK_QUOTA_GB", "50"),
+    "container_user": ("GPUMARKET_CONTAINER_USER", "1000:1000"),
 }
 
 
@@ -71,6 +76,10 @@ class AgentConfig:
     benchmark_timeout_s: float
     log_level: str
     once: bool = False
+    image_allow: tuple[str, ...] = ("gpumarket/harness:*",)  # PATTERN or PATTERN=USER
+    network_policy: str = "internal"  # "internal" | "egress"
+    disk_quota_mb: int | None = 50 * 1024  # per rental workspace; None: no quota
+    container_user: str = "1000:1000"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,6 +103,19 @@ def build_parser() -> argparse.ArgumentParser:
     add("--benchmark-command", help="benchmark command line (python -m harness benchmark --quick)")
     add("--benchmark-timeout", help="benchmark seconds (900)")
     add("--log-level", choices=["debug", "info", "warning", "error"], help="(info)")
+    add(
+        "--image-allow",
+        help="comma-separated image patterns the docker runtime runs, each PATTERN or "
+        "PATTERN=UID:GID [GPUMARKET_IMAGE_ALLOW] (gpumarket/harness:*)",
+    )
+    add(
+        "--network-policy",
+        choices=["internal", "egress"],
+        help="a rental's network: no egress, or internet without private ranges (needs the "
+        "engine's iptables) [GPUMARKET_NETWORK_POLICY] (internal)",
+    )
+    add("--disk-quota-gb", help="workspace size per rental, 0: none [GPUMARKET_DISK_QUOTA_GB] (50)")
+    add("--container-user", help="UID:GID rentals run as [GPUMARKET_CONTAINER_USER] (1000:1000)")
     add("--once", action="store_true", help="one heartbeat and reconcile, then exit")
     add("--dev-local", action="store_true", help=f"the dev stack's profile (reads {DEV_ENV_FILE})")
     return parser
@@ -155,6 +177,14 @@ def load_config(
     # ones must never be handed to the NVIDIA runtime.
     if (gpu_mode == "nvidia") != (telemetry == "nvml"):
         raise ConfigError("--gpu-mode nvidia goes with --telemetry nvml, none with simulated")
+    if runtime == "process" and gpu_mode == "nvidia":
+        raise ConfigError(
+            "the process runtime isolates nothing: it runs simulated GPUs only (--gpu-mode none)"
+        )
+    network_policy = get("network_policy")
+    if network_policy not in ("internal", "egress"):
+        raise ConfigError(f"network policy must be internal or egress, not {network_policy!r}")
+    image_allow = tuple(p.strip() for p in (get("image_allow") or "").split(",") if p.strip())
     simulate_gpus = get("simulate_gpus")
     if telemetry == "simulated" and not simulate_gpus:
         raise ConfigError("simulated telemetry needs --simulate-gpus SLUG:COUNT")
@@ -162,10 +192,13 @@ def load_config(
         interval = float(get("interval") or 0)
         request_timeout = float(get("request_timeout") or 0)
         benchmark_timeout = float(get("benchmark_timeout") or 0)
+        disk_quota_gb = float(get("disk_quota_gb") or 0)
     except ValueError as exc:
         raise ConfigError(f"not a number: {exc}") from None
     if interval <= 0 or request_timeout <= 0 or benchmark_timeout <= 0:
         raise ConfigError("interval and timeouts must be positive")
+    if disk_quota_gb < 0 or 0 < disk_quota_gb * 1024 < 16:
+        raise ConfigError("the disk quota is 0 (none) or at least 16 MiB")
     benchmark_command = tuple(shlex.split(get("benchmark_command") or ""))
     if not benchmark_command:
         raise ConfigError("the benchmark command is empty")
@@ -186,4 +219,8 @@ def load_config(
         benchmark_timeout_s=benchmark_timeout,
         log_level=get("log_level") or "info",
         once=args.once,
+        image_allow=image_allow,
+        network_policy=network_policy,
+        disk_quota_mb=int(disk_quota_gb * 1024) or None,
+        container_user=get("container_user") or "1000:1000",
     )

@@ -1,11 +1,13 @@
 """Supervisor of one run of the local process driver; a standalone program (stdlib only).
 
-    python -I _process_wrapper.py RUN_DIR -- COMMAND [ARGS...]
+    python -I _process_wrapper.py RUN_DIR [--user UID:GID] -- COMMAND [ARGS...]
 
 LocalProcessDriver starts it in a session of its own, so it outlives agent restarts. It plays the
 part the container runtime plays for Docker:
 
-- runs COMMAND in a new session (own process group: the driver signals that group, never us);
+- runs COMMAND in a new session (own process group: the driver signals that group, never us),
+  as UID:GID with no supplementary groups when --user is given (we stay root to keep the run's
+  records, which the command cannot then touch);
 - records the command's pid and kernel start time in RUN_DIR/child.json, so a restarted agent can
   tell the command from a later process that reuses the pid;
 - copies the command's stdout to stdout.log (what output_since reads) and stdout + stderr to
@@ -61,6 +63,11 @@ def exited(pid: int) -> bool:
 
 
 def main(argv: list[str]) -> int:
+    user: dict[str, object] = {}
+    if len(argv) > 3 and argv[2] == "--user":
+        uid, _, gid = argv[3].partition(":")
+        user = {"user": int(uid), "group": int(gid), "extra_groups": []}
+        argv = [argv[0], argv[1], *argv[4:]]
     if len(argv) < 4 or argv[2] != "--":
         print(__doc__, file=sys.stderr)
         return 2
@@ -76,6 +83,7 @@ def main(argv: list[str]) -> int:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
+            **user,
         )
     except OSError as exc:
         output_log.write(f"cannot start {command[0]!r}: {exc}\n".encode())

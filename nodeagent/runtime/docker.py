@@ -1,24 +1,51 @@
 """Docker Engine runtime driver (the `docker` SDK), the production runtime of the node agent.
 
 Each run is one container named `gpumarket-<run_id>` carrying our labels, so a restarted agent
-finds and adopts what runs. Every engine call has a timeout and goes through one retry policy:
-transient failures (engine unreachable, timeouts, 5xx) are retried with bounded exponential
-backoff and surface as RetryableRuntimeError; requests that cannot succeed (missing image, 4xx,
-runtime refusals) surface at once as PermanentRuntimeError.
+finds and adopts what runs.
+
+Tenant isolation (nothing a rental's container does reaches another rental, the host or the LAN):
+
+- network: each rental gets its own user-defined bridge network (`gpumarket-net-<rental>`,
+  labelled like the containers, bridge interface `gpm-<hash>`), created at its first start and
+  removed with its last container. `network_policy="internal"` (the default) gives no egress at
+  all and no address of the host on the bridge (`inhibit_ipv4`), which holds even on engines
+  without iptables (`dockerd --iptables=false`, deploy/docker-engine.sh): the container's only
+  route leads to an address nobody has. Rental ports are then not published (a port needs a
+  route to the host, which is exactly what is taken away). `network_policy="egress"` gives
+  internet access with NAT and published ports, and needs the engine's iptables (DOCKER-USER):
+  the driver installs, idempotently, rules dropping everything from `gpm-*` bridges to private,
+  link-local, metadata and multicast ranges and to the host itself; where it cannot (no root, no
+  iptables, an engine without DOCKER-USER), starts are refused, saying why. IPv6 is switched off
+  inside every container (the private IPv6 ranges are thus unreachable too).
+- disk: the root filesystem is read-only with a size-limited tmpfs /tmp (charged to the memory
+  limit), logs are rotated, and with `disk_quota_mb` the rental's workspace is an ext4 image of
+  that size loop-mounted by the agent (root only), so a full disk is the rental's own ENOSPC.
+- user: containers run as `container_user` (1000:1000) unless the image's allow-list entry names
+  another, with every capability dropped, no-new-privileges and a pids limit; only images
+  matching `image_allow` are run at all.
+
+Every engine call has a timeout and goes through one retry policy: transient failures (engine
+unreachable, timeouts, 5xx) are retried with bounded exponential backoff and surface as
+RetryableRuntimeError; requests that cannot succeed (missing image, 4xx, runtime refusals, an
+image outside the allow-list) surface at once as PermanentRuntimeError.
 """
 
 from __future__ import annotations
 
 import calendar
+import fnmatch
+import hashlib
 import logging
 import math
 import os
 import random
 import re
+import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import docker
@@ -73,6 +100,58 @@ _PERMANENT_5XX_FRAGMENTS = (
 )
 
 
+LABEL_VOLUME = "gpumarket.volume"  # on a rental network: the workspace mounted for the rental
+NETWORK_POLICIES = ("internal", "egress")
+BRIDGE_PREFIX = "gpm-"
+EGRESS_CHAIN = "GPUMARKET-EGRESS"  # forwarded traffic leaving a rental bridge
+HOST_CHAIN = "GPUMARKET-HOST"  # traffic from a rental bridge to the host itself
+# Never reachable from a rental with egress: private networks (the LAN, other tenants' bridges),
+# carrier-grade NAT, loopback, link-local (169.254.169.254: cloud metadata), multicast, reserved.
+BLOCKED_RANGES_V4 = (
+    "0.0.0.0/8",
+    "10.0.0.0/8",
+    "100.64.0.0/10",
+    "127.0.0.0/8",
+    "169.254.0.0/16",
+    "172.16.0.0/12",
+    "192.168.0.0/16",
+    "224.0.0.0/4",
+    "240.0.0.0/4",
+)
+# Namespaced sysctls: the container has no IPv6 at all, not even link-local addresses through
+# which it could reach the host's bridge (fe80::/10) on an IPv4-only network.
+NO_IPV6_SYSCTLS = {"net.ipv6.conf.all.disable_ipv6": "1", "net.ipv6.conf.default.disable_ipv6": "1"}
+_COMMAND_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class ImageRule:
+    """One allow-list entry: `PATTERN` or `PATTERN=USER` (shell wildcards; `*` matches any
+    characters, "/" and ":" included). USER, when given, replaces the driver's container_user
+    for the images it matches (e.g. `nvcr.io/nvidia/pytorch:*=0:0` for an image that needs root)."""
+
+    pattern: str
+    user: str | None = None
+
+    @classmethod
+    def parse(cls, entry: str) -> ImageRule:
+        pattern, sep, user = entry.strip().partition("=")
+        if not pattern or (sep and not user):
+            raise ValueError(f"image allow-list entry {entry!r} must be PATTERN or PATTERN=USER")
+        return cls(pattern=pattern, user=user or None)
+
+    def matches(self, image: str) -> bool:
+        return fnmatch.fnmatchcase(normalize_image(image), self.pattern)
+
+
+def normalize_image(image: str) -> str:
+    """The image reference with Docker's implicit ":latest" made explicit."""
+    if "@" in image:
+        return image
+    repository, tag = parse_repository_tag(image)
+    return f"{repository}:{tag or 'latest'}"
+
+
 @dataclass(frozen=True, slots=True)
 class DockerDriverConfig:
     """How the driver talks to the engine and shapes containers; see the field comments."""
@@ -82,17 +161,24 @@ class DockerDriverConfig:
     timeout_s: float = 30.0  # per HTTP request (docker stop/wait add their own grace)
     # "nvidia": GPUs through device requests (NVIDIA Container Toolkit); "none": simulated GPUs.
     gpu_mode: str = "nvidia"
-    # "auto": "bridge" when the engine has a bridge network, else "none" (engines started with
-    # --bridge=none, see deploy/docker-engine.sh). Host networking is refused outright.
-    network_mode: str = "auto"
+    # "internal": a network of its own per rental, no egress, no ports published; "egress":
+    # the same with internet access and published ports, private ranges dropped by iptables.
+    network_policy: str = "internal"
     publish_host_ip: str = "127.0.0.1"  # "0.0.0.0" to expose rental ports on all interfaces
+    iptables: str = "iptables"  # the binary that manages the engine's rules (egress only)
     node_id: str | None = None  # when set, list_managed only returns this node's containers
     pids_limit: int = 8192
     shm_size_mb: int | None = None  # None: half the memory limit (DataLoader workers, NCCL)
-    read_only_rootfs: bool = False  # with a tmpfs /tmp; images writing elsewhere then fail
-    container_user: str | None = None  # None: the image's USER
-    workspace_uid: int = 1000  # owner given to the volume dir: the harness images' user
+    read_only_rootfs: bool = True  # with a tmpfs /tmp; images writing elsewhere then fail
+    tmp_size_mb: int = 1024  # the tmpfs /tmp of a read-only container (charged to its memory)
+    # Per rental workspace, as a loop-mounted ext4 image (needs root); None: no quota.
+    disk_quota_mb: int | None = None
+    container_user: str | None = "1000:1000"  # None: the image's USER (often root)
+    workspace_uid: int = 1000  # owner given to the volume dir when the user is not numeric
     workspace_gid: int = 1000
+    # Images the operator accepts; anything else is refused before it is pulled.
+    image_allow: tuple[str, ...] = ("gpumarket/harness:*",)
+    image_rules: tuple[ImageRule, ...] = field(init=False, default=())
     pull_policy: str = "if_missing"  # "if_missing" | "never"
     init: bool = True  # tini as PID 1: signals reach the program, zombies are reaped
     retry_attempts: int = 4
@@ -104,8 +190,13 @@ class DockerDriverConfig:
     def __post_init__(self) -> None:
         if self.gpu_mode not in ("nvidia", "none"):
             raise ValueError("gpu_mode must be 'nvidia' or 'none'")
-        if self.network_mode == "host" or self.network_mode.startswith("container:"):
-            raise ValueError("rentals never share the host's or another container's network")
+        if self.network_policy not in NETWORK_POLICIES:
+            raise ValueError(f"network_policy must be one of {', '.join(NETWORK_POLICIES)}")
+        if self.disk_quota_mb is not None and self.disk_quota_mb < 16:
+            raise ValueError("disk_quota_mb must be at least 16 (ext4 needs room for itself)")
+        object.__setattr__(
+            self, "image_rules", tuple(ImageRule.parse(e) for e in self.image_allow if e.strip())
+        )
         if self.pull_policy not in ("if_missing", "never"):
             raise ValueError("pull_policy must be 'if_missing' or 'never'")
         if self.retry_attempts < 1:
@@ -114,6 +205,78 @@ class DockerDriverConfig:
 
 def container_name(run_id: str) -> str:
     return f"gpumarket-{run_id}"
+
+
+def network_name(rental_id: str) -> str:
+    return f"gpumarket-net-{rental_id}"
+
+
+def bridge_name(node_id: str | None, rental_id: str) -> str:
+    """The bridge interface of a rental network: `gpm-` + a hash (Linux allows 15 characters);
+    the common prefix is what the egress rules match."""
+    digest = hashlib.sha256(f"{node_id}/{rental_id}".encode()).hexdigest()
+    return BRIDGE_PREFIX + digest[: 15 - len(BRIDGE_PREFIX)]
+
+
+def _run_command(argv: list[str], *, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        argv,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=_COMMAND_TIMEOUT_S,
+        check=False,
+    )
+
+
+def egress_rules(bridge_prefix: str = BRIDGE_PREFIX) -> str:
+    """iptables-restore input (with --noflush) defining our two chains; applied in one
+    transaction, so there is no moment where a chain is empty."""
+    lines = [
+        "*filter",
+        f":{EGRESS_CHAIN} - [0:0]",
+        f"-A {EGRESS_CHAIN} -m conntrack --ctstate ESTABLISHED,RELATED -j RETURN",
+        *(f"-A {EGRESS_CHAIN} -d {cidr} -j DROP" for cidr in BLOCKED_RANGES_V4),
+        f"-A {EGRESS_CHAIN} -j RETURN",
+        f":{HOST_CHAIN} - [0:0]",
+        # Replies to connections the host opened (docker-proxy's, for published ports) pass;
+        # nothing else does.
+        f"-A {HOST_CHAIN} -m conntrack --ctstate ESTABLISHED,RELATED -j RETURN",
+        f"-A {HOST_CHAIN} -j DROP",
+        "COMMIT",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def ensure_egress_rules(iptables: str = "iptables", bridge_prefix: str = BRIDGE_PREFIX) -> None:
+    """Install (idempotently) the rules keeping rentals with egress off private ranges and the
+    host; PermanentRuntimeError saying why when this host cannot have them."""
+    if os.geteuid() != 0:
+        raise PermanentRuntimeError("network_policy egress needs the agent to run as root")
+    binary = shutil.which(iptables)
+    restore = shutil.which(f"{iptables}-restore")
+    if binary is None or restore is None:
+        raise PermanentRuntimeError(f"network_policy egress needs {iptables} and its -restore")
+    probe = _run_command([binary, "-w", "5", "-n", "-L", "DOCKER-USER"])
+    if probe.returncode != 0:
+        raise PermanentRuntimeError(
+            "network_policy egress needs an engine that manages iptables (no DOCKER-USER "
+            "chain: dockerd runs with --iptables=false, so it gives no NAT and no place for "
+            f"our rules); use network_policy internal. {iptables}: {probe.stderr.strip()}"
+        )
+    applied = _run_command([restore, "-w", "5", "--noflush"], stdin=egress_rules(bridge_prefix))
+    if applied.returncode != 0:
+        raise PermanentRuntimeError(f"cannot install egress rules: {applied.stderr.strip()}")
+    for parent, chain in (("DOCKER-USER", EGRESS_CHAIN), ("INPUT", HOST_CHAIN)):
+        rule = ["-i", f"{bridge_prefix}+", "-j", chain]
+        if _run_command([binary, "-w", "5", "-C", parent, *rule]).returncode == 0:
+            continue
+        inserted = _run_command([binary, "-w", "5", "-I", parent, "1", *rule])
+        if inserted.returncode != 0:
+            raise PermanentRuntimeError(
+                f"cannot insert the jump to {chain} in {parent}: {inserted.stderr.strip()}"
+            )
 
 
 def classify_docker_error(exc: BaseException) -> RuntimeDriverError:
@@ -209,9 +372,14 @@ class DockerDriver:
     def __init__(self, config: DockerDriverConfig | None = None) -> None:
         self.config = config or DockerDriverConfig()
         self._client_obj: docker.DockerClient | None = None
-        self._network_mode: str | None = None
         self._engine_cpus: int | None = None
         self._lock = threading.Lock()
+        self._rental_lock = threading.RLock()
+        if self.config.disk_quota_mb is not None and not self.enforces_disk_quota:
+            logger.warning(
+                "disk quota asked for but not enforceable here (needs root and mkfs.ext4): "
+                "rental workspaces are not size-limited"
+            )
 
     # -- the RuntimeDriver interface ---------------------------------------------------------
 
@@ -238,24 +406,33 @@ class DockerDriver:
         container = self._find(spec.run_id)
         if container is not None:
             if container.status == "created":
-                # A previous start died between create and start (agent crash, timeout).
-                self._start_container(container, spec.run_id)
+                # A previous start died between create and start (agent crash, timeout), or the
+                # host rebooted: the quota mount is gone, the container would write beside it.
+                with self._rental_lock:
+                    self.ensure_network(spec)
+                    self._prepare_volume(spec)
+                    self._start_container(container, spec.run_id)
             logger.info("container exists, adopting it", extra=log_extra)
             return self._reload_state(container)
 
+        self.image_rule(spec.image)  # refused before anything is pulled or made
         self._ensure_image(spec.image)
-        self._prepare_volume(spec.volume_dir)
-        kwargs = self.create_options(spec)
-        try:
-            container = self._call("create", lambda: self._client().containers.create(**kwargs))
-        except PermanentRuntimeError as exc:
-            # Another caller (or a retried request that did succeed) created it first.
-            if not _is_conflict(exc):
-                raise
-            container = self._find(spec.run_id)
-            if container is None:
-                raise
-            logger.info("container created concurrently, adopting it", extra=log_extra)
+        # Under the lock: a removal of another run of this rental must not take its network or
+        # workspace away between their preparation here and the container's creation.
+        with self._rental_lock:
+            self.ensure_network(spec)
+            self._prepare_volume(spec)
+            kwargs = self.create_options(spec)
+            try:
+                container = self._call("create", lambda: self._client().containers.create(**kwargs))
+            except PermanentRuntimeError as exc:
+                # Another caller (or a retried request that did succeed) created it first.
+                if not _is_conflict(exc):
+                    raise
+                container = self._find(spec.run_id)
+                if container is None:
+                    raise
+                logger.info("container created concurrently, adopting it", extra=log_extra)
         if container.status == "created":
             self._start_container(container, spec.run_id)
         state = self._reload_state(container)
@@ -280,19 +457,77 @@ class DockerDriver:
 
     def remove(self, run_id: str) -> None:
         container = self._find(run_id)
-        if container is None:
-            return
-        try:
-            # v=True: anonymous volumes declared by the image go too; the bind-mounted
-            # workspace is a host directory and stays.
-            self._call("remove", lambda: container.remove(force=True, v=True))
-        except RunNotFoundError:
-            return
-        except PermanentRuntimeError as exc:
-            if "already in progress" in str(exc):
-                return
-            raise
-        logger.info("container removed", extra={"run_id": run_id})
+        if container is not None:
+            try:
+                # v=True: anonymous volumes declared by the image go too; the bind-mounted
+                # workspace is a host directory and stays.
+                self._call("remove", lambda: container.remove(force=True, v=True))
+                logger.info("container removed", extra={"run_id": run_id})
+            except RunNotFoundError:
+                pass
+            except PermanentRuntimeError as exc:
+                if "already in progress" not in str(exc):
+                    raise
+        # Also after a crash between a container's removal and its rental's cleanup.
+        self.release_unused_rentals()
+
+    def release_unused_rentals(self, rental_id: str | None = None) -> None:
+        """Remove the networks (and unmount the quota workspaces) of rentals of this node (or
+        the one rental) that have no container left; the data stays in its image for later."""
+        filters = [f"{LABEL_MANAGED}=1"]
+        if self.config.node_id is not None:
+            filters.append(f"{LABEL_NODE}={self.config.node_id}")
+        wanted = [*filters, f"{LABEL_RENTAL}={rental_id}"] if rental_id else filters
+        with self._rental_lock:
+            networks = self._call(
+                "networks", lambda: self._client().networks.list(filters={"label": wanted})
+            )
+            for network in networks:
+                rental_id = network.attrs.get("Labels", {}).get(LABEL_RENTAL, "")
+                users = self._call(
+                    "list",
+                    lambda r=rental_id: self._client().containers.list(
+                        all=True,
+                        filters={"label": [*filters, f"{LABEL_RENTAL}={r}"]},
+                        ignore_removed=True,
+                    ),
+                )
+                if users:
+                    continue
+                volume_dir = network.attrs.get("Labels", {}).get(LABEL_VOLUME, "")
+                if volume_dir and os.path.ismount(volume_dir):
+                    self._unmount(volume_dir)
+                try:
+                    self._call("network remove", network.remove)
+                except RunNotFoundError:
+                    continue
+                except RuntimeDriverError as exc:
+                    # The run itself is gone; the next removal tries its network again.
+                    logger.warning(
+                        "rental network not removed",
+                        extra={"rental_id": rental_id, "error": str(exc)},
+                    )
+                    continue
+                logger.info("rental network removed", extra={"rental_id": rental_id})
+
+    def image_rule(self, image: str) -> ImageRule:
+        """The allow-list entry admitting `image`; PermanentRuntimeError when none does."""
+        for rule in self.config.image_rules:
+            if rule.matches(image):
+                return rule
+        raise PermanentRuntimeError(
+            f"image {image!r} is not allowed on this node (allowed: "
+            f"{', '.join(self.config.image_allow) or 'none'})"
+        )
+
+    @property
+    def enforces_disk_quota(self) -> bool:
+        """Whether a rental's workspace is size-limited here (what the node can promise)."""
+        return (
+            self.config.disk_quota_mb is not None
+            and os.geteuid() == 0
+            and shutil.which("mkfs.ext4") is not None
+        )
 
     def logs_tail(self, run_id: str, lines: int = 50) -> str:
         container = self._get(run_id)
@@ -426,16 +661,55 @@ class DockerDriver:
         logger.info("pulling image", extra={"image": image})
         self._call("pull", lambda: self._client().images.pull(repository, tag=tag or "latest"))
 
-    def _effective_network_mode(self) -> str:
-        if self.config.network_mode != "auto":
-            return self.config.network_mode
-        if self._network_mode is None:
-            networks = self._call("networks", lambda: self._client().networks.list())
-            has_bridge = any(n.name == "bridge" for n in networks)
-            self._network_mode = "bridge" if has_bridge else "none"
-            if not has_bridge:
-                logger.warning("engine has no bridge network: containers run without network")
-        return self._network_mode
+    def ensure_network(self, spec: ContainerSpec) -> str:
+        """The rental's own network, created on its first start and adopted afterwards."""
+        name = network_name(spec.rental_id)
+        if self.config.network_policy == "egress":
+            ensure_egress_rules(self.config.iptables)  # again each time: rules can be flushed
+        try:
+            network = self._call("network", lambda: self._client().networks.get(name))
+        except RunNotFoundError:
+            network = None
+        if network is not None:
+            labels = network.attrs.get("Labels") or {}
+            if labels.get(LABEL_MANAGED) != "1" or labels.get(LABEL_RENTAL) != spec.rental_id:
+                raise PermanentRuntimeError(f"network {name} exists but is not managed by us")
+            return name
+        internal = self.config.network_policy == "internal"
+        options = {
+            "com.docker.network.bridge.name": bridge_name(self.config.node_id, spec.rental_id),
+            # No address of the host on the bridge: with nothing to route to, an internal
+            # network cannot reach the host even where the engine installs no iptables rules.
+            "com.docker.network.bridge.inhibit_ipv4": "true" if internal else "false",
+            "com.docker.network.bridge.enable_ip_masquerade": "false" if internal else "true",
+        }
+        labels = {
+            LABEL_MANAGED: "1",
+            LABEL_RENTAL: spec.rental_id,
+            LABEL_NODE: spec.node_id,
+            LABEL_VOLUME: spec.volume_dir,
+        }
+        try:
+            self._call(
+                "network create",
+                lambda: self._client().networks.create(
+                    name,
+                    driver="bridge",
+                    internal=internal,
+                    enable_ipv6=False,
+                    options=options,
+                    labels=labels,
+                    check_duplicate=True,
+                ),
+            )
+        except PermanentRuntimeError as exc:
+            if not _is_conflict(exc):
+                raise
+        logger.info(
+            "rental network created",
+            extra={"rental_id": spec.rental_id, "policy": self.config.network_policy},
+        )
+        return name
 
     def _cpu_limit(self, spec: ContainerSpec) -> float:
         # The engine refuses a quota above its CPU count; a share computed for more cores than
@@ -454,12 +728,25 @@ class DockerDriver:
             return float(self._engine_cpus)
         return spec.cpu_limit
 
-    def _prepare_volume(self, volume_dir: str) -> None:
+    def container_user(self, image: str) -> str | None:
+        """The user a container of `image` runs as: its allow-list entry's, else ours."""
+        return self.image_rule(image).user or self.config.container_user
+
+    def _workspace_owner(self, image: str) -> tuple[int, int]:
+        uid, _, gid = (self.container_user(image) or "").partition(":")
+        if uid.isdigit():
+            return int(uid), int(gid) if gid.isdigit() else int(uid)
+        return self.config.workspace_uid, self.config.workspace_gid
+
+    def _prepare_volume(self, spec: ContainerSpec) -> None:
+        volume_dir = spec.volume_dir
         os.makedirs(volume_dir, exist_ok=True)
+        if self.enforces_disk_quota:
+            self._mount_quota_volume(volume_dir)
         # cap_drop=ALL takes CAP_DAC_OVERRIDE even from root in the container: the directory
         # must belong to the container's user to be writable.
         if os.geteuid() == 0:
-            os.chown(volume_dir, self.config.workspace_uid, self.config.workspace_gid)
+            os.chown(volume_dir, *self._workspace_owner(spec.image))
             os.chmod(volume_dir, 0o770)  # noqa: S103 - owner and group are the container's user
         else:
             os.chmod(volume_dir, 0o777)  # noqa: S103 - cannot chown; documented fallback
@@ -468,11 +755,51 @@ class DockerDriver:
                 extra={"volume_dir": volume_dir},
             )
 
+    def _mount_quota_volume(self, volume_dir: str) -> None:
+        """Mount the rental's ext4 image (made on first use, sparse) on its volume dir."""
+        if os.path.ismount(volume_dir):
+            return
+        image = f"{volume_dir}.ext4"
+        if not os.path.exists(image):
+            if os.listdir(volume_dir):
+                # Mounting over it would hide the data; moving it could overflow the quota.
+                raise PermanentRuntimeError(
+                    f"{volume_dir} holds data outside a quota image; move it away or into "
+                    f"{image} mounted there"
+                )
+            with open(f"{image}.tmp", "wb") as f:
+                f.truncate(self.config.disk_quota_mb * 1024 * 1024)
+            # A fresh sparse file reads as zeros: lazy init skips writing tables nobody reads.
+            made = _run_command(
+                ["mkfs.ext4", "-q", "-F", "-m", "0", "-i", "65536", "-J", "size=16", "-E",
+                 "lazy_itable_init=1,lazy_journal_init=1,nodiscard", f"{image}.tmp"]
+            )  # fmt: skip
+            if made.returncode != 0:
+                os.unlink(f"{image}.tmp")
+                raise RetryableRuntimeError(f"mkfs.ext4 failed: {made.stderr.strip()}")
+            os.replace(f"{image}.tmp", image)
+        mounted = _run_command(
+            ["mount", "-o", "loop,nosuid,nodev,noinit_itable", image, volume_dir]
+        )
+        if mounted.returncode != 0:
+            # Loop devices can run out for a while: the start is retried with backoff.
+            raise RetryableRuntimeError(f"cannot mount {image}: {mounted.stderr.strip()}")
+        logger.info(
+            "quota workspace mounted",
+            extra={"volume_dir": volume_dir, "quota_mb": self.config.disk_quota_mb},
+        )
+
+    def _unmount(self, volume_dir: str) -> None:
+        done = _run_command(["umount", volume_dir])
+        if done.returncode != 0:
+            # Busy (a shell of an operator in it): detach now, the kernel finishes later.
+            _run_command(["umount", "-l", volume_dir])
+
     def create_options(self, spec: ContainerSpec) -> dict[str, Any]:
         """The keyword arguments of `containers.create` for a spec: the whole security and
         resource policy of a rental container in one place."""
         cfg = self.config
-        network_mode = self._effective_network_mode()
+        network_mode = network_name(spec.rental_id)
         kwargs: dict[str, Any] = {
             "image": spec.image,
             "command": list(spec.command) or None,
@@ -493,6 +820,7 @@ class DockerDriver:
             "security_opt": ["no-new-privileges"],
             "read_only": cfg.read_only_rootfs,
             "network_mode": network_mode,
+            "sysctls": dict(NO_IPV6_SYSCTLS),
             "stop_signal": "SIGTERM",
             "auto_remove": False,  # the agent reads exit code and logs before removing
             "init": cfg.init,
@@ -503,9 +831,10 @@ class DockerDriver:
             "detach": True,
         }
         if cfg.read_only_rootfs:
-            kwargs["tmpfs"] = {"/tmp": "rw,nosuid,nodev,size=1g"}  # noqa: S108 - in the container
-        if cfg.container_user:
-            kwargs["user"] = cfg.container_user
+            kwargs["tmpfs"] = {"/tmp": f"rw,nosuid,nodev,size={cfg.tmp_size_mb}m"}  # noqa: S108
+        user = self.container_user(spec.image)
+        if user:
+            kwargs["user"] = user
         if cfg.gpu_mode == "nvidia" and spec.gpu_indices:
             device_ids = list(spec.gpu_uuids) or [str(i) for i in spec.gpu_indices]
             kwargs["device_requests"] = [
@@ -519,9 +848,9 @@ class DockerDriver:
                 Ulimit(name="stack", soft=64 * 1024 * 1024, hard=64 * 1024 * 1024),
             ]
         if spec.ports:
-            if network_mode == "none":
+            if cfg.network_policy == "internal":
                 logger.warning(
-                    "ports requested but the container has no network; none published",
+                    "ports requested but the rental's network is internal; none published",
                     extra={"run_id": spec.run_id, "ports": list(spec.ports)},
                 )
             else:

@@ -16,9 +16,14 @@ after checking its pid *and* its kernel start time, so a recycled pid is never m
 
 Limits are best effort, unlike Docker: no cgroup is created, so cpu_limit and memory_limit_mb are
 not enforced. cpu_limit sets OMP_NUM_THREADS/MKL_NUM_THREADS (what actually bounds torch's CPU
-use); memory is not limited (RLIMIT_AS would break CUDA and torch's allocator). Processes run as
-the agent's user with the agent's privileges; ports are opened directly on the host, so a port
-maps to itself. Linux only (/proc, flock, process groups).
+use); memory is not limited (RLIMIT_AS would break CUDA and torch's allocator). Ports are opened
+directly on the host, so a port maps to itself. Linux only (/proc, flock, process groups).
+
+This is no isolation boundary, so it is for development with simulated GPUs only: a run asking
+for real GPUs is refused. The command gets a scrubbed environment (a few variables, never the
+agent's), and when the agent runs as root it runs as an unprivileged uid (`run_as_uid`), which
+cannot read the agent's state dir (the node token: 0600, in a 0700 directory) nor the run
+records; as a non-root agent it shares the agent's uid, as any local development process does.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -63,7 +69,7 @@ class ProcessDriverConfig:
     """Where runs live and how their environment is made."""
 
     state_dir: str
-    gpu_mode: str = "none"  # "none": simulated GPUs; "nvidia": real GPUs selected by UUID
+    gpu_mode: str = "none"  # simulated GPUs only: real ones need the Docker runtime
     node_id: str | None = None  # when set, list_managed only returns this node's runs
     # A command starting with "python"/"python3" runs under this interpreter, so the harness
     # command written for the image also works on a host (None: leave the command as is).
@@ -71,10 +77,19 @@ class ProcessDriverConfig:
     # The agent's variables a run inherits; everything else comes from the spec and extra_env.
     inherit_env: tuple[str, ...] = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER")
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    # Who the command runs as when the agent is root (nobody:nogroup by default).
+    run_as_uid: int = 65534
+    run_as_gid: int = 65534
+    # The NVIDIA driver lists the host's GPUs here (one directory each, with its UUID): a run
+    # naming one of them is refused, whatever the server believes the node has.
+    nvidia_proc_dir: str = "/proc/driver/nvidia/gpus"
 
     def __post_init__(self) -> None:
-        if self.gpu_mode not in ("nvidia", "none"):
-            raise ValueError("gpu_mode must be 'nvidia' or 'none'")
+        if self.gpu_mode != "none":
+            raise ValueError(
+                "the process runtime runs simulated GPUs only (gpu_mode 'none'); real GPUs need "
+                "the docker runtime, which isolates the rental"
+            )
         if not os.path.isabs(self.state_dir):
             raise ValueError("state_dir must be an absolute path")
 
@@ -134,6 +149,12 @@ class LocalProcessDriver:
 
     def start(self, spec: ContainerSpec) -> ContainerState:
         log_extra = {"run_id": spec.run_id, "rental_id": spec.rental_id}
+        real = set(spec.gpu_uuids) & self._host_gpu_uuids()
+        if real:
+            raise PermanentRuntimeError(
+                f"the process runtime does not run real GPUs ({', '.join(sorted(real))}): it "
+                "does not isolate the rental; use the docker runtime"
+            )
         with self._locked():
             meta = self._meta(spec.run_id)
             if meta is not None:
@@ -265,8 +286,28 @@ class LocalProcessDriver:
             command[0] = self.config.python_executable
         return command
 
+    def _host_gpu_uuids(self) -> set[str]:
+        uuids = set()
+        try:
+            entries = os.listdir(self.config.nvidia_proc_dir)
+        except OSError:
+            return uuids  # no NVIDIA driver loaded: no real GPUs to protect
+        for entry in entries:
+            path = os.path.join(self.config.nvidia_proc_dir, entry, "information")
+            with contextlib.suppress(OSError), open(path) as f:
+                for line in f:
+                    key, _, value = line.partition(":")
+                    if key.strip() == "GPU UUID":
+                        uuids.add(value.strip())
+        return uuids
+
+    def _drops_privileges(self) -> bool:
+        return os.geteuid() == 0
+
     def _env(self, spec: ContainerSpec) -> dict[str, str]:
         env = {k: os.environ[k] for k in self.config.inherit_env if k in os.environ}
+        if self._drops_privileges():
+            env.update({"HOME": spec.volume_dir, "USER": "nobody"})  # not root's
         env.update(self.config.extra_env)
         env.update(
             run_env(
@@ -280,6 +321,12 @@ class LocalProcessDriver:
         os.makedirs(spec.volume_dir, exist_ok=True)
         command = self._command(spec)
         env = self._env(spec)
+        user_args: list[str] = []
+        if self._drops_privileges():
+            uid, gid = self.config.run_as_uid, self.config.run_as_gid
+            _check_traversable(os.path.dirname(os.path.abspath(spec.volume_dir)), uid, gid)
+            os.chown(spec.volume_dir, uid, gid)
+            user_args = ["--user", f"{uid}:{gid}"]
         lock_fd = os.open(os.path.join(run_dir, "wrapper.lock"), os.O_CREAT | os.O_RDWR, 0o600)
         try:
             # Locked here and inherited: the lock is held from the supervisor's first instant,
@@ -287,7 +334,7 @@ class LocalProcessDriver:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             with open(os.path.join(run_dir, "wrapper.log"), "ab") as wrapper_log:
                 proc = subprocess.Popen(
-                    [sys.executable, "-I", WRAPPER, run_dir, "--", *command],
+                    [sys.executable, "-I", WRAPPER, run_dir, *user_args, "--", *command],
                     cwd=spec.volume_dir,
                     env=env,
                     stdin=subprocess.DEVNULL,
@@ -370,6 +417,29 @@ class LocalProcessDriver:
         for run_id, proc in list(self._supervisors.items()):
             if proc.poll() is not None:
                 self._supervisors.pop(run_id, None)
+
+
+def _check_traversable(directory: str, uid: int, gid: int) -> None:
+    """PermanentRuntimeError unless uid:gid may pass through `directory` and its ancestors:
+    the command finds its workspace by its absolute path (GPUMARKET_WORKSPACE)."""
+    path = directory
+    while True:
+        st = os.stat(path)
+        if st.st_uid == uid:
+            bit = stat.S_IXUSR
+        elif st.st_gid == gid:
+            bit = stat.S_IXGRP
+        else:
+            bit = stat.S_IXOTH
+        if not st.st_mode & bit:
+            raise PermanentRuntimeError(
+                f"{path} is closed to uid {uid}, which runs the command: the volume root and "
+                "its parents must be searchable by it (o+x)"
+            )
+        parent = os.path.dirname(path)
+        if parent == path:
+            return
+        path = parent
 
 
 def _tail(path: str, lines: int) -> str:

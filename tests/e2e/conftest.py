@@ -24,6 +24,10 @@ import pytest
 from django.conf import settings
 from django.db import connection
 
+# A root agent runs process-runtime commands as nobody: the agents here keep their dirs in
+# pytest's (0700) temporary directories, which must then be searchable.
+from tests.nodeagent.conftest import agent_dirs_searchable  # noqa: F401
+
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS_IMAGE = os.environ.get("GPUMARKET_HARNESS_IMAGE", "gpumarket/harness:dev")
 
@@ -104,8 +108,19 @@ def managed_containers(client, rental_id: str | None = None) -> list:
     labels = ["gpumarket.managed=1"]
     if rental_id:
         labels.append(f"gpumarket.rental={rental_id}")
-    # A container removed between the listing and its inspection is not an error: it is gone.
+    # ignore_removed: a container the agent removes between the listing and its inspection.
     return client.containers.list(all=True, filters={"label": labels}, ignore_removed=True)
+
+
+def remove_managed(client, rental_id: str | None = None) -> None:
+    """Remove the managed containers (of one rental), then what the driver made for their
+    rentals (network, quota mount), as an agent's removal would."""
+    from nodeagent.runtime.docker import DockerDriver, DockerDriverConfig
+
+    driver = DockerDriver(DockerDriverConfig(gpu_mode="none"))
+    for container in managed_containers(client, rental_id):
+        container.remove(force=True)
+        driver.release_unused_rentals(container.labels.get("gpumarket.rental"))
 
 
 class TcpProxy:

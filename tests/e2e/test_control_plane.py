@@ -23,7 +23,7 @@ from marketplace.models import Node, NodeStatus, Rental, RentalEvent, RentalStat
 from marketplace.services import GpuSpec, api_token_create, node_register
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 from provisioning.models import ContainerRun
-from tests.e2e.conftest import HARNESS_IMAGE, managed_containers, wait_for
+from tests.e2e.conftest import HARNESS_IMAGE, managed_containers, remove_managed, wait_for
 from tests.e2e.stack import Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
@@ -147,8 +147,7 @@ def test_killed_worker_and_agent_come_back_and_every_rental_runs_once(
         assert len(managed_containers(docker_client, rental_id)) == 1
         assert ContainerRun.objects.filter(rental_id=rental_id).count() == 1
     for rental_id in created:
-        for container in managed_containers(docker_client, rental_id):
-            container.remove(force=True)
+        remove_managed(docker_client, rental_id)
     assert any("worker exited with code" in m for m in stack.messages), stack.messages
     assert any("agent exited with code" in m for m in stack.messages), stack.messages
 

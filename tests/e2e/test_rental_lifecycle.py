@@ -12,7 +12,7 @@ from django.test import override_settings
 from marketplace.models import Node, NodeStatus, Rental, RentalStatus
 from provisioning.models import ContainerRun, RunMetric
 from provisioning.services import node_credential_revoke, nodes_mark_silent
-from tests.e2e.conftest import HARNESS_IMAGE, managed_containers, wait_for
+from tests.e2e.conftest import HARNESS_IMAGE, managed_containers, remove_managed, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
@@ -62,8 +62,7 @@ def _funded_customer(settings, user):
 @pytest.fixture(autouse=True)
 def _no_leftover_containers(docker_client):
     yield
-    for container in managed_containers(docker_client):
-        container.remove(force=True)
+    remove_managed(docker_client)
 
 
 def _joined() -> Node:

@@ -20,7 +20,7 @@ from selenium.webdriver.support.ui import Select, WebDriverWait
 from marketplace.models import ApiToken, Node, NodeStatus, Rental, RentalStatus
 from marketplace.services import token_hash
 from provisioning.models import RunMetric
-from tests.e2e.conftest import managed_containers, wait_for
+from tests.e2e.conftest import managed_containers, remove_managed, wait_for
 from tests.factories import UserFactory
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -95,8 +95,7 @@ def _no_leftover_containers(request):
     yield
     if "docker_client" in request.fixturenames:
         client = request.getfixturevalue("docker_client")
-        for container in managed_containers(client):
-            container.remove(force=True)
+        remove_managed(client)
 
 
 def test_a_customer_finds_a_card_books_the_advice_and_stops_it_in_the_browser(

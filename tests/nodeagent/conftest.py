@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -55,6 +56,15 @@ class FakeServer:
     def bodies(self, path: str) -> list[Any]:
         with self.lock:
             return [r.body for r in self.requests if r.path == path]
+
+
+@pytest.fixture(autouse=True)
+def agent_dirs_searchable(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """pytest's temporary directories are 0700; a root agent runs process-runtime commands as
+    nobody, which must pass through them to its workspace (search only, no listing)."""
+    base = tmp_path_factory.getbasetemp()
+    for directory in (base.parent, base, tmp_path):
+        directory.chmod(directory.stat().st_mode | 0o011)
 
 
 @pytest.fixture

@@ -23,6 +23,26 @@ def test_defaults_for_a_real_gpu_host():
     assert config.benchmark_command == ("python", "-m", "harness", "benchmark", "--quick")
     assert config.once is False
     assert config.hostname  # this host's name
+    # isolation: the harness image only, no egress, a 50 GiB workspace, never root
+    assert config.image_allow == ("gpumarket/harness:*",)
+    assert config.network_policy == "internal"
+    assert config.disk_quota_mb == 50 * 1024
+    assert config.container_user == "1000:1000"
+
+
+def test_isolation_settings_from_flags_and_environment():
+    environ = {
+        "GPUMARKET_IMAGE_ALLOW": "gpumarket/harness:*, nvcr.io/nvidia/pytorch:24.*=0:0 ,",
+        "GPUMARKET_DISK_QUOTA_GB": "0",
+    }
+    config = load_config(
+        ["--server", "http://s", "--network-policy", "egress", "--container-user", "2000:2000"],
+        environ=environ,
+    )
+    assert config.image_allow == ("gpumarket/harness:*", "nvcr.io/nvidia/pytorch:24.*=0:0")
+    assert config.network_policy == "egress"
+    assert config.disk_quota_mb is None  # 0: no quota
+    assert config.container_user == "2000:2000"
 
 
 def test_environment_fills_in_and_flags_win():
@@ -83,6 +103,9 @@ def test_dev_local_without_its_file_says_where_it_looked(tmp_path, monkeypatch):
         ),
         (["--server", "http://s", "--interval", "0"], "must be positive"),
         (["--server", "http://s", "--interval", "soon"], "not a number"),
+        (["--server", "http://s", "--runtime", "process"], "simulated GPUs only"),
+        (["--server", "http://s", "--disk-quota-gb", "0.001"], "at least 16 MiB"),
+        (["--server", "http://s", "--disk-quota-gb", "-1"], "at least 16 MiB"),
     ],
 )
 def test_unusable_configurations_are_refused(argv, message):

@@ -7,7 +7,9 @@ starts one; when the image is missing, deploy/harness/build-offline.sh builds it
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import tempfile
 import textwrap
 import time
 import uuid
@@ -113,8 +115,19 @@ def docker_driver(harness_image: str, node_id: str) -> Iterator[DockerDriver]:
         instance.remove(state.run_id)
 
 
+@pytest.fixture(scope="session")
+def volume_root() -> Iterator[Path]:
+    """Where runs' workspaces go: a directory every uid can traverse (pytest's own temporary
+    directories are 0700), as a real volume root is, so a command run as an unprivileged uid
+    reaches its workspace by its path."""
+    root = Path(tempfile.mkdtemp(prefix="gpumarket-volumes-"))
+    root.chmod(0o711)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.fixture
-def make_spec(tmp_path: Path, node_id: str) -> Callable[..., ContainerSpec]:
+def make_spec(volume_root: Path, node_id: str) -> Callable[..., ContainerSpec]:
     """A spec running a Python script (in the harness image, or on the host for the process
     driver: the same `python -c` works in both)."""
 
@@ -132,7 +145,7 @@ def make_spec(tmp_path: Path, node_id: str) -> Callable[..., ContainerSpec]:
             "cpu_limit": 1.5,
             "memory_limit_mb": 256,
             "ports": (),
-            "volume_dir": str(tmp_path / f"vol-{run_id}"),
+            "volume_dir": str(volume_root / f"vol-{run_id}"),
             "stop_grace_s": 5,
         }
         fields.update(overrides)

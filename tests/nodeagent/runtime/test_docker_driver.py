@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 
 import docker
 import pytest
@@ -19,9 +20,10 @@ from nodeagent.runtime.docker import (
     DockerDriverConfig,
     classify_docker_error,
     container_name,
+    network_name,
     parse_docker_time_ns,
 )
-from tests.nodeagent.runtime.conftest import collect_output, wait_exited
+from tests.nodeagent.runtime.conftest import REPO, collect_output, wait_exited
 
 MiB = 1024 * 1024
 
@@ -62,7 +64,7 @@ def test_container_is_unprivileged_and_limited(docker_driver, docker_client, mak
     assert host["CapDrop"] == ["ALL"]
     assert not host["CapAdd"]
     assert host["SecurityOpt"] == ["no-new-privileges"]
-    assert host["NetworkMode"] == "none"  # this engine runs with --bridge=none
+    assert host["NetworkMode"] == network_name(spec.rental_id)  # the rental's own network
     assert host["PidMode"] == ""
     assert host["IpcMode"] != "host"
     assert host["UsernsMode"] == ""
@@ -73,34 +75,115 @@ def test_container_is_unprivileged_and_limited(docker_driver, docker_client, mak
     assert host["ShmSize"] == 128 * MiB
     assert host["Init"] is True
     assert host["AutoRemove"] is False
-    assert host["ReadonlyRootfs"] is False
+    assert host["ReadonlyRootfs"] is True
+    assert host["Tmpfs"] == {"/tmp": "rw,nosuid,nodev,size=1024m"}
+    assert host["Sysctls"] == {
+        "net.ipv6.conf.all.disable_ipv6": "1",
+        "net.ipv6.conf.default.disable_ipv6": "1",
+    }
+    assert attrs["Config"]["User"] == "1000:1000"
     assert not host.get("DeviceRequests")
     assert attrs["Config"]["StopSignal"] == "SIGTERM"
     assert [(m["Type"], m["Source"], m["Target"]) for m in host["Mounts"]] == [
         ("bind", spec.volume_dir, "/workspace")
     ]
-    # no bridge: the port cannot be published, and none is reported
+    # an internal network: the port cannot be published, and none is reported
     assert not host["PortBindings"]
     assert state.ports == {}
     assert os.stat(spec.volume_dir).st_uid == 1000
 
 
-def test_ports_are_published_only_where_the_engine_has_a_bridge(
+def test_egress_is_refused_where_the_engine_does_not_manage_iptables(
     harness_image, docker_client, make_spec, node_id
 ):
-    # given the driver forced to bridge mode (auto would pick "none" on a bridgeless engine)
+    # given an engine started with --iptables=false (deploy/docker-engine.sh): no DOCKER-USER
     driver = DockerDriver(
-        DockerDriverConfig(gpu_mode="none", node_id=node_id, network_mode="bridge")
+        DockerDriverConfig(gpu_mode="none", node_id=node_id, network_policy="egress")
     )
     spec = make_spec("import time; time.sleep(600)", ports=(8888,))
 
-    # when a container publishing a port starts
-    state = driver.start(spec)
-    driver.remove(spec.run_id)
+    # when a rental with egress is started: refused for good, saying why, and nothing was made
+    with pytest.raises(PermanentRuntimeError, match="DOCKER-USER"):
+        driver.start(spec)
+    assert containers_of_run(spec.run_id) == []
+    assert docker_client.networks.list(names=[network_name(spec.rental_id)]) == []
 
-    # then a bridge gives a host port; without one, no port is invented
-    has_bridge = any(n.name == "bridge" for n in docker_client.networks.list())
-    assert set(state.ports) == ({8888} if has_bridge else set())
+
+def test_egress_rules_are_installed_once_and_atomically(tmp_path):
+    # given a network namespace of its own (its own netfilter tables) with Docker's chain
+    script = """
+import subprocess
+from nodeagent.runtime.docker import ensure_egress_rules
+subprocess.run(["iptables", "-N", "DOCKER-USER"], check=True)
+ensure_egress_rules()
+ensure_egress_rules()
+print(subprocess.run(["iptables", "-S"], capture_output=True, text=True, check=True).stdout)
+"""
+    # when the rules are installed twice
+    proc = subprocess.run(
+        ["unshare", "--net", sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        check=False,
+    )
+
+    # then each rule is there once: jumps from Docker's chain and INPUT, private ranges dropped
+    assert proc.returncode == 0, proc.stderr
+    rules = proc.stdout.splitlines()
+    assert rules.count("-A DOCKER-USER -i gpm-+ -j GPUMARKET-EGRESS") == 1
+    assert rules.count("-A INPUT -i gpm-+ -j GPUMARKET-HOST") == 1
+    egress = [r for r in rules if r.startswith("-A GPUMARKET-EGRESS")]
+    assert egress[0] == ("-A GPUMARKET-EGRESS -m conntrack --ctstate RELATED,ESTABLISHED -j RETURN")
+    dropped = {r.split(" -d ")[1].split()[0] for r in egress if r.endswith("-j DROP")}
+    assert {
+        "10.0.0.0/8",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "100.64.0.0/10",
+        "169.254.0.0/16",
+    } <= dropped
+    assert egress[-1] == "-A GPUMARKET-EGRESS -j RETURN"
+    assert [r for r in rules if r.startswith("-A GPUMARKET-HOST")][-1] == (
+        "-A GPUMARKET-HOST -j DROP"
+    )
+
+
+def test_images_outside_the_allow_list_are_refused_before_anything_is_made(
+    docker_driver, docker_client, make_spec
+):
+    # given the default allow-list (the harness image only)
+    spec = make_spec(image="debian:bookworm")
+
+    # when a rental of another image is started: refused for good, nothing pulled or made
+    with pytest.raises(PermanentRuntimeError, match="not allowed on this node"):
+        docker_driver.start(spec)
+    assert containers_of_run(spec.run_id) == []
+    assert docker_client.networks.list(names=[network_name(spec.rental_id)]) == []
+    assert not os.path.exists(spec.volume_dir)
+
+
+def test_allow_list_patterns_and_per_image_users():
+    config = DockerDriverConfig(
+        image_allow=("gpumarket/harness:*", "nvcr.io/nvidia/pytorch:24.*=0:0", " "),
+    )
+    driver = DockerDriver(config)
+
+    assert driver.container_user("gpumarket/harness:dev") == "1000:1000"
+    assert driver.container_user("nvcr.io/nvidia/pytorch:24.05-py3") == "0:0"
+    assert driver.image_rule("gpumarket/harness").pattern == "gpumarket/harness:*"  # :latest
+    for refused in (
+        "gpumarket/harness-evil:dev",
+        "nvcr.io/nvidia/pytorch:23.10-py3",
+        "docker.io/gpumarket/harness:dev",
+        "evil.example/gpumarket/harness:dev",
+    ):
+        with pytest.raises(PermanentRuntimeError):
+            driver.image_rule(refused)
+    with pytest.raises(ValueError, match="PATTERN=USER"):
+        DockerDriverConfig(image_allow=("gpumarket/harness:*=",))
+    assert DockerDriver(DockerDriverConfig(image_allow=())).config.image_rules == ()
 
 
 def test_cpu_share_above_the_hosts_cores_gets_the_whole_host(
@@ -179,11 +262,16 @@ def test_running_out_of_memory_is_reported(docker_driver, make_spec):
     assert (state.exit_code, state.oom_killed) == (137, True)
 
 
-def test_missing_image_is_a_permanent_error(docker_driver, make_spec):
+def test_missing_image_is_a_permanent_error(harness_image, make_spec, node_id):
+    driver = DockerDriver(
+        DockerDriverConfig(
+            gpu_mode="none", node_id=node_id, image_allow=("gpumarket/*",), pull_policy="never"
+        )
+    )
     spec = make_spec(image="gpumarket/no-such-image:never-built")
 
     with pytest.raises(ImageNotFoundError):
-        docker_driver.start(spec)
+        driver.start(spec)
 
     assert containers_of_run(spec.run_id) == []
 
@@ -227,6 +315,7 @@ def test_half_started_container_is_started_by_the_next_start(
     spec = make_spec("print('finally ran', flush=True)")
     os.makedirs(spec.volume_dir)
     os.chown(spec.volume_dir, 1000, 1000)
+    docker_driver.ensure_network(spec)
     docker_client.containers.create(**docker_driver.create_options(spec))
     assert docker_driver.state(spec.run_id).status == "created"
 

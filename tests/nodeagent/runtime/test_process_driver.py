@@ -9,6 +9,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+from nodeagent.runtime.base import PermanentRuntimeError
 from nodeagent.runtime.process import LocalProcessDriver, ProcessDriverConfig
 from tests.nodeagent.runtime.conftest import REPO, collect_output, wait_exited
 
@@ -103,20 +106,73 @@ def test_a_recycled_pid_is_never_adopted(tmp_path):
     assert driver.state("recycled").status == "exited"
 
 
-def test_nvidia_mode_points_cuda_at_the_allocated_gpus_by_uuid(tmp_path, make_spec):
-    driver = LocalProcessDriver(
+def test_real_gpus_are_refused(tmp_path, make_spec):
+    # given the process runtime (no isolation: development with simulated GPUs only) on a host
+    # whose NVIDIA driver lists a GPU (the driver's /proc layout, in a directory of our own)
+    with pytest.raises(ValueError, match="simulated GPUs only"):
         ProcessDriverConfig(state_dir=str(tmp_path / "state"), gpu_mode="nvidia")
+    gpu_dir = tmp_path / "nvidia" / "0000:3b:00.0"
+    gpu_dir.mkdir(parents=True)
+    (gpu_dir / "information").write_text(
+        "Model: \t\t NVIDIA H100 80GB HBM3\nGPU UUID: \t GPU-1f2e3d4c-0000-1111-2222-333344445555\n"
     )
+    driver = LocalProcessDriver(
+        ProcessDriverConfig(
+            state_dir=str(tmp_path / "state"), node_id="n1", nvidia_proc_dir=str(gpu_dir.parent)
+        )
+    )
+    host_gpu, simulated_gpu = (
+        "GPU-1f2e3d4c-0000-1111-2222-333344445555",
+        "GPU-0a0a0a0a-5555-5555-5555-555555555555",
+    )
+    real = make_spec(gpu_indices=(0, 1), gpu_uuids=(simulated_gpu, host_gpu), node_id="n1")
+
+    # when a run naming that GPU is started: refused for good, and nothing was made
+    with pytest.raises(PermanentRuntimeError, match=host_gpu):
+        driver.start(real)
+    assert driver.list_managed() == []
+    assert not os.path.exists(real.volume_dir)
+
+    # while simulated GPUs (UUIDs the host does not have) still run
+    simulated = make_spec(gpu_uuids=(simulated_gpu, simulated_gpu), node_id="n1")
+    driver.start(simulated)
+    assert wait_exited(driver, simulated.run_id).exit_code == 0
+
+
+def test_the_command_cannot_read_the_agents_secrets(tmp_path, make_spec, monkeypatch):
+    # given an agent (root here) with a node token in its 0700 state dir and a secret in its env
+    state_dir = tmp_path / "agent-state"
+    state_dir.mkdir(mode=0o700)
+    token = state_dir / "node_token.json"
+    token.write_text('{"node_token": "secret"}')
+    token.chmod(0o600)
+    monkeypatch.setenv("GPUMARKET_JOIN_TOKEN", "join-secret")
+    driver = make_driver(tmp_path)
     spec = make_spec(
-        "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])",
-        gpu_indices=(3, 5),
-        gpu_uuids=("GPU-aaa", "GPU-bbb"),
+        f"""
+        import os
+        print(os.getuid(), os.getgid(), os.getgroups(), flush=True)
+        print(sorted(k for k in os.environ if "TOKEN" in k), flush=True)
+        try:
+            open({str(token)!r}).read()
+            print("read the token")
+        except OSError as exc:
+            print(type(exc).__name__)
+        """,
+        node_id="n1",
     )
 
+    # when the run executes
     driver.start(spec)
-    wait_exited(driver, spec.run_id)
+    state = wait_exited(driver, spec.run_id)
+    lines, _ = driver.output_since(spec.run_id, None)
 
-    assert driver.output_since(spec.run_id, None)[0] == ["GPU-aaa,GPU-bbb"]
+    # then it ran without the agent's environment and, under a root agent, as nobody
+    assert state.exit_code == 0
+    assert lines[1] == "[]"
+    if os.geteuid() == 0:
+        assert lines[0] == "65534 65534 []"
+        assert lines[2] == "PermissionError"
 
 
 def test_ports_map_to_themselves_while_running(tmp_path, make_spec):
@@ -147,3 +203,19 @@ def test_descendants_die_with_the_main_process(tmp_path, make_spec):
 
     # then the leftover was killed, as the end of a container would kill it
     assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only a root agent runs commands as another uid")
+def test_a_workspace_the_unprivileged_uid_cannot_reach_is_refused_with_the_reason(
+    tmp_path, make_spec
+):
+    # given a volume dir under a directory closed to others (pytest's own are 0700)
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o700)
+    driver = make_driver(tmp_path)
+    spec = make_spec(node_id="n1", volume_dir=str(closed / "vol"))
+
+    # when the run is started: refused for good, naming the directory, instead of a command
+    # that dies unable to find its workspace
+    with pytest.raises(PermanentRuntimeError, match=f"{closed} is closed to uid 65534"):
+        driver.start(spec)
