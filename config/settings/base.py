@@ -12,6 +12,8 @@ from pathlib import Path
 import environ
 from django.core.exceptions import ImproperlyConfigured
 
+from config.observability.logs import logging_config
+
 BASE_DIR = Path(__file__).resolve().parent.parent.parent
 
 env = environ.Env()
@@ -46,6 +48,9 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # Observability first, so the request id and the timing cover everything below.
+    "config.observability.logs.RequestIdMiddleware",
+    "config.observability.metrics.RequestMetricsMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -216,11 +221,12 @@ GPUMARKET = {
     "NODE_LOST_POLICY": env.str("NODE_LOST_POLICY", default="fail"),
 }
 
-LOGGING = {
-    "version": 1,
-    "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
-    "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
-    "loggers": {"django.db.backends": {"level": "WARNING"}},
-}
+# Observability: structured logs (LOG_FORMAT=json in production, console locally), the bearer
+# token `/metrics` asks for (no token: no endpoint), and the object storage `/readyz` checks.
+LOGGING = logging_config(
+    log_format=env.str("LOG_FORMAT", default="console"), level=env.str("LOG_LEVEL", default="INFO")
+)
+# Celery logs through the LOGGING above instead of replacing the root logger's handlers.
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+METRICS_TOKEN = env.str("METRICS_TOKEN", default="")
+OBJECT_STORAGE_URL = env.str("OBJECT_STORAGE_URL", default="")
