@@ -44,6 +44,9 @@ _OPTIONS: dict[str, tuple[str, str | None]] = {
     "benchmark_command": ("GPUMARKET_BENCHMARK_COMMAND", shlex.join(DEFAULT_COMMAND)),
     "benchmark_timeout": ("GPUMARKET_BENCHMARK_TIMEOUT", "900"),
     "log_level": ("GPUMARKET_LOG_LEVEL", "info"),
+    "log_format": ("GPUMARKET_LOG_FORMAT", "logfmt"),
+    "metrics_port": ("GPUMARKET_METRICS_PORT", "0"),
+    "metrics_address": ("GPUMARKET_METRICS_ADDRESS", "127.0.0.1"),
 }
 
 
@@ -71,6 +74,9 @@ class AgentConfig:
     benchmark_timeout_s: float
     log_level: str
     once: bool = False
+    log_format: str = "logfmt"  # "logfmt" | "json"
+    metrics_port: int = 0  # 0: no metrics endpoint
+    metrics_address: str = "127.0.0.1"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--benchmark-command", help="benchmark command line (python -m harness benchmark --quick)")
     add("--benchmark-timeout", help="benchmark seconds (900)")
     add("--log-level", choices=["debug", "info", "warning", "error"], help="(info)")
+    add("--log-format", choices=["logfmt", "json"], help="[GPUMARKET_LOG_FORMAT] (logfmt)")
+    add("--metrics-port", help="serve Prometheus metrics on this port [GPUMARKET_METRICS_PORT]")
+    add("--metrics-address", help="address of the metrics port (127.0.0.1)")
     add("--once", action="store_true", help="one heartbeat and reconcile, then exit")
     add("--dev-local", action="store_true", help=f"the dev stack's profile (reads {DEV_ENV_FILE})")
     return parser
@@ -164,6 +173,15 @@ def load_config(
         benchmark_timeout = float(get("benchmark_timeout") or 0)
     except ValueError as exc:
         raise ConfigError(f"not a number: {exc}") from None
+    try:
+        metrics_port = int(get("metrics_port") or 0)
+    except ValueError:
+        raise ConfigError("--metrics-port must be a port number") from None
+    if not 0 <= metrics_port <= 65535:
+        raise ConfigError("--metrics-port must be between 0 (off) and 65535")
+    log_format = get("log_format") or "logfmt"
+    if log_format not in ("logfmt", "json"):
+        raise ConfigError(f"log format must be logfmt or json, not {log_format!r}")
     if interval <= 0 or request_timeout <= 0 or benchmark_timeout <= 0:
         raise ConfigError("interval and timeouts must be positive")
     benchmark_command = tuple(shlex.split(get("benchmark_command") or ""))
@@ -186,4 +204,7 @@ def load_config(
         benchmark_timeout_s=benchmark_timeout,
         log_level=get("log_level") or "info",
         once=args.once,
+        log_format=log_format,
+        metrics_port=metrics_port,
+        metrics_address=get("metrics_address") or "127.0.0.1",
     )
