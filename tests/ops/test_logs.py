@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import logging.config
@@ -31,16 +32,18 @@ urlpatterns = [path("r/<uuid:rental_id>/", rental_view)]
 @pytest.fixture
 def json_logs():
     logging.config.dictConfig(logging_config(log_format="json", level="INFO"))
-    yield
+    buffer = io.StringIO()
+    logging.getLogger().handlers[0].setStream(buffer)
+    yield buffer
     logging.config.dictConfig(settings.LOGGING)
 
 
 @pytest.mark.urls("tests.ops.test_logs")
-def test_json_lines_carry_request_and_rental_ids(capfd, client, json_logs):
+def test_json_lines_carry_request_and_rental_ids(client, json_logs):
     rental_id = uuid.uuid4()
     response = client.get(f"/r/{rental_id}/", HTTP_X_REQUEST_ID="req-42")
     assert response.headers["X-Request-ID"] == "req-42"
-    lines = [json.loads(x) for x in capfd.readouterr().err.splitlines() if x.startswith("{")]
+    lines = [json.loads(x) for x in json_logs.getvalue().splitlines() if x.startswith("{")]
     ours = [x for x in lines if x["event"] in ("rental viewed", "from the standard library")]
     assert len(ours) == 2
     for line in ours:
