@@ -141,6 +141,8 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
     "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],
+    # Two `status` choice sets of billing would otherwise get a generated name (Status469Enum).
+    "ENUM_NAME_OVERRIDES": {"TopUpStatusEnum": "billing.models.payments.TopUpStatus"},
 }
 
 REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
