@@ -19,6 +19,7 @@ import stripe
 from django.conf import settings
 
 from billing import conf
+from marketplace.metrics import STRIPE_ERRORS
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,11 @@ def _call(operation: str, fn, params: dict[str, Any], idempotency_key: str):
     try:
         result = fn(params=params, options={"idempotency_key": idempotency_key})
     except stripe.StripeError as exc:
-        if _retryable(exc):
+        retryable = _retryable(exc)
+        STRIPE_ERRORS.labels(
+            operation=operation, kind="retryable" if retryable else "permanent"
+        ).inc()
+        if retryable:
             log.warning(
                 "stripe %s failed, retryable: %s", operation, exc, extra={"key": idempotency_key}
             )

@@ -110,6 +110,25 @@ def _localstripe(env: dict[str, str]) -> subprocess.Popen:
     return proc
 
 
+def deploy_checks() -> list[tuple[str, list[str]]]:
+    """The deployment files, checked as code: manifests against the Kubernetes schemas (shipped
+    in the kubernetes-validate wheel), Dockerfiles by hadolint, and Django's deployment checks
+    with the production settings (a throwaway key; DEBUG off)."""
+    deploy = ROOT / "deploy"
+    dockerfiles = sorted(str(p) for p in deploy.glob("*/Dockerfile"))
+    manifests = sorted(str(p) for p in (deploy / "k8s").glob("*.yaml"))
+    check_deploy = [
+        "env", "DJANGO_SETTINGS_MODULE=config.settings.production", "DEBUG=0",
+        f"SECRET_KEY={secrets.token_urlsafe(50)}", sys.executable, "manage.py", "check",
+        "--deploy", "--fail-level", "WARNING",
+    ]  # fmt: skip
+    return [
+        ("kubernetes manifests", [str(BIN / "kubernetes-validate"), "--strict", *manifests]),
+        ("dockerfiles", [str(BIN / "hadolint"), "--failure-threshold", "warning", *dockerfiles]),
+        ("django check --deploy (production settings)", check_deploy),
+    ]
+
+
 def cmd_test(pytest_args: list[str]) -> int:
     services = ensure_services(VAR / "test", durable=False)
     env = dict(os.environ)
@@ -129,6 +148,7 @@ def cmd_test(pytest_args: list[str]) -> int:
                 "migrations are up to date",
                 [sys.executable, "manage.py", "makemigrations", "--check", "--dry-run"],
             ),
+            *deploy_checks(),
         ]
         for name, cmd in steps:
             print(f"== {name}", flush=True)

@@ -1,16 +1,12 @@
 """Top-level URLs: the admin, the versioned API, its schema and docs, the web UI."""
 
 from django.contrib import admin
-from django.http import JsonResponse
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from config.observability.health import healthz, readyz
+from config.observability.metrics import metrics_view
 from provisioning.api.urls import agent_urlpatterns, provider_urlpatterns, rental_urlpatterns
-
-
-def healthz(request):
-    return JsonResponse({"status": "ok"})
-
 
 handler404 = "marketplace.api.exceptions.not_found"
 
@@ -25,6 +21,8 @@ urlpatterns = [
     path("api/v1/providers/", include(provider_urlpatterns)),
     path("api/v1/rentals/", include(rental_urlpatterns)),
     path("api/agent/v1/", include(agent_urlpatterns)),
-    path("healthz", healthz),
+    path("healthz", healthz, name="healthz"),
+    path("readyz", readyz, name="readyz"),
+    path("metrics", metrics_view, name="metrics"),
     path("", include("marketplace.web.urls")),
 ]

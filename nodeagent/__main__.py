@@ -19,7 +19,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         configure_logging()
         logging.getLogger("nodeagent").error("bad configuration", extra={"error": str(exc)})
         return EXIT_ERROR
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, log_format=config.log_format)
     try:
         agent = Agent(config)
     except OSError as exc:  # the state directory cannot be created or read

@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
+import structlog
+
 from agentprotocol import (
     ContainerReport,
     ContainerStatus,
@@ -56,6 +58,7 @@ from agentprotocol import (
 )
 from agentprotocol.untrusted import metric_line_parse, text_sanitize
 from nodeagent import hostinfo
+from nodeagent import metrics as metrics_module
 from nodeagent.benchmark import BenchmarkRunner, benchmark_env
 from nodeagent.client import (
     AgentApiClient,
@@ -265,10 +268,15 @@ class Agent:
                 simulate_gpus=self.config.simulate_gpus,
             )
             self._watchdog = SampleWatchdog(self._telemetry, TELEMETRY_TIMEOUT_S)
+            if self.config.metrics_port:
+                metrics_module.serve(
+                    port=self.config.metrics_port, address=self.config.metrics_address
+                )
             credentials = self._credentials_or_join()
             if credentials is None:
                 return EXIT_OK  # asked to stop while waiting for the server
             self._credentials = credentials
+            structlog.contextvars.bind_contextvars(node_id=credentials.node_id)
             self._driver = self._create_driver(credentials.node_id)
             return self._loop()
         except RequestRejectedError as exc:
@@ -295,6 +303,7 @@ class Agent:
             began = time.monotonic()
             try:
                 self.tick()
+                metrics_module.RECONCILE_SECONDS.observe(time.monotonic() - began)
                 failures = 0
                 delay = self.interval_s - (time.monotonic() - began)
             except AuthRejectedError as exc:
@@ -414,6 +423,7 @@ class Agent:
         now = self._clock()
         self._harvest(now)
         actual = self._driver.list_managed()
+        metrics_module.containers_observe(state.status for state in actual)
         for state in actual:
             live = self._live.setdefault(state.run_id, _Live())
             live.rental_id = state.rental_id
@@ -450,6 +460,7 @@ class Agent:
         self._forget(desired, actual)
         self.ledger.flush()
         self._reconcile(desired, actual, now)
+        metrics_module.SPOOL_DEPTH.set(len(self.spool))
         if answer.run_benchmark:
             if self.config.once:
                 logger.info("benchmark requested; not run with --once")

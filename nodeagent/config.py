@@ -49,6 +49,9 @@ _OPTIONS: dict[str, tuple[str, str | None]] = {
     "network_policy": ("GPUMARKET_NETWORK_POLICY", "internal"),
     "disk_quota_gb": ("GPUMARKET_DISK_QUOTA_GB", "50"),
     "container_user": ("GPUMARKET_CONTAINER_USER", "1000:1000"),
+    "log_format": ("GPUMARKET_LOG_FORMAT", "logfmt"),
+    "metrics_port": ("GPUMARKET_METRICS_PORT", "0"),
+    "metrics_address": ("GPUMARKET_METRICS_ADDRESS", "127.0.0.1"),
 }
 
 
@@ -80,6 +83,9 @@ class AgentConfig:
     network_policy: str = "internal"  # "internal" | "egress"
     disk_quota_mb: int | None = 50 * 1024  # per rental workspace; None: no quota
     container_user: str = "1000:1000"
+    log_format: str = "logfmt"  # "logfmt" | "json"
+    metrics_port: int = 0  # 0: no metrics endpoint
+    metrics_address: str = "127.0.0.1"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--disk-quota-gb", help="workspace size per rental, 0: none [GPUMARKET_DISK_QUOTA_GB] (50)")
     add("--container-user", help="UID:GID rentals run as [GPUMARKET_CONTAINER_USER] (1000:1000)")
+    add("--log-format", choices=["logfmt", "json"], help="[GPUMARKET_LOG_FORMAT] (logfmt)")
+    add("--metrics-port", help="serve Prometheus metrics on this port [GPUMARKET_METRICS_PORT]")
+    add("--metrics-address", help="address of the metrics port (127.0.0.1)")
     add("--once", action="store_true", help="one heartbeat and reconcile, then exit")
     add("--dev-local", action="store_true", help=f"the dev stack's profile (reads {DEV_ENV_FILE})")
     return parser
@@ -195,6 +204,15 @@ def load_config(
         disk_quota_gb = float(get("disk_quota_gb") or 0)
     except ValueError as exc:
         raise ConfigError(f"not a number: {exc}") from None
+    try:
+        metrics_port = int(get("metrics_port") or 0)
+    except ValueError:
+        raise ConfigError("--metrics-port must be a port number") from None
+    if not 0 <= metrics_port <= 65535:
+        raise ConfigError("--metrics-port must be between 0 (off) and 65535")
+    log_format = get("log_format") or "logfmt"
+    if log_format not in ("logfmt", "json"):
+        raise ConfigError(f"log format must be logfmt or json, not {log_format!r}")
     if interval <= 0 or request_timeout <= 0 or benchmark_timeout <= 0:
         raise ConfigError("interval and timeouts must be positive")
     if disk_quota_gb < 0 or 0 < disk_quota_gb * 1024 < 16:
@@ -223,4 +241,7 @@ def load_config(
         network_policy=network_policy,
         disk_quota_mb=int(disk_quota_gb * 1024) or None,
         container_user=get("container_user") or "1000:1000",
+        log_format=log_format,
+        metrics_port=metrics_port,
+        metrics_address=get("metrics_address") or "127.0.0.1",
     )

@@ -1,4 +1,5 @@
-"""Structured logs for the agent: one `key=value` line per event on stderr.
+"""Structured logs for the agent: one `key=value` line (logfmt, the default) or one JSON
+object (`--log-format json`, rendered by structlog) per event on stderr.
 
 The message is the event; context travels in `extra={...}` (the runtime drivers log the same
 way), so journald, Loki or grep can filter on `run_id=...` without parsing prose.
@@ -45,10 +46,30 @@ class KeyValueFormatter(logging.Formatter):
         return " ".join(fields)
 
 
-def configure_logging(level: str = "info") -> None:
-    """Route every logger (ours, the runtime drivers', urllib3's) to stderr as key=value."""
+def _json_formatter() -> logging.Formatter:
+    import structlog
+
+    return structlog.stdlib.ProcessorFormatter(
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        foreign_pre_chain=[
+            # The node id, bound once the agent has joined (see Agent.run).
+            structlog.contextvars.merge_contextvars,
+            structlog.stdlib.add_log_level,
+            structlog.stdlib.add_logger_name,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.stdlib.ExtraAdder(),
+        ],
+    )
+
+
+def configure_logging(level: str = "info", *, log_format: str = "logfmt") -> None:
+    """Route every logger (ours, the runtime drivers', urllib3's) to stderr, one line each."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(KeyValueFormatter())
+    handler.setFormatter(_json_formatter() if log_format == "json" else KeyValueFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

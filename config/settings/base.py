@@ -12,6 +12,8 @@ from pathlib import Path
 import environ
 from django.core.exceptions import ImproperlyConfigured
 
+from config.observability.logs import logging_config
+
 BASE_DIR = Path(__file__).resolve().parent.parent.parent
 
 env = environ.Env()
@@ -47,6 +49,9 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # Observability first, so the request id and the timing cover everything below.
+    "config.observability.logs.RequestIdMiddleware",
+    "config.observability.metrics.RequestMetricsMiddleware",
     "django.middleware.security.SecurityMiddleware",
     # Before anything reads the request: odd input refused, the client's address decided.
     "marketplace.api.guards.RequestGuardMiddleware",
@@ -183,7 +188,11 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
     "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],
-    "ENUM_NAME_OVERRIDES": {"RentalStatusEnum": "marketplace.models.RentalStatus"},
+    # Names for choice sets that would otherwise get generated names (Status469Enum).
+    "ENUM_NAME_OVERRIDES": {
+        "RentalStatusEnum": "marketplace.models.RentalStatus",
+        "TopUpStatusEnum": "billing.models.payments.TopUpStatus",
+    },
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
         "marketplace.schema.document_error_responses",
@@ -268,11 +277,12 @@ GPUMARKET = {
     "NODE_LOST_POLICY": env.str("NODE_LOST_POLICY", default="fail"),
 }
 
-LOGGING = {
-    "version": 1,
-    "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
-    "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
-    "loggers": {"django.db.backends": {"level": "WARNING"}},
-}
+# Observability: structured logs (LOG_FORMAT=json in production, console locally), the bearer
+# token `/metrics` asks for (no token: no endpoint), and the object storage `/readyz` checks.
+LOGGING = logging_config(
+    log_format=env.str("LOG_FORMAT", default="console"), level=env.str("LOG_LEVEL", default="INFO")
+)
+# Celery logs through the LOGGING above instead of replacing the root logger's handlers.
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+METRICS_TOKEN = env.str("METRICS_TOKEN", default="")
+OBJECT_STORAGE_URL = env.str("OBJECT_STORAGE_URL", default="")

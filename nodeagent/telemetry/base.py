@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from agentprotocol import GpuInfo, GpuSample
+from nodeagent.metrics import NVML_ERRORS
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +88,10 @@ class SampleWatchdog:
         try:
             return future.result(timeout=self.timeout_s)
         except FutureTimeout:
+            NVML_ERRORS.labels(kind="timeout").inc()
             logger.warning("telemetry timed out", extra={"timeout_s": self.timeout_s})
         except TelemetryError as exc:
+            NVML_ERRORS.labels(kind="error").inc()
             logger.warning("telemetry failed", extra={"error": str(exc)})
         return []
 

@@ -6,6 +6,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
+import structlog
 from django.conf import settings
 from drf_spectacular.utils import extend_schema
 from rest_framework import exceptions, permissions, status
@@ -71,6 +72,7 @@ class NodeAuthentication(BaseAuthentication):
         node = services.node_authenticate(raw)
         if node is None:
             raise exceptions.AuthenticationFailed("invalid or revoked node token")
+        structlog.contextvars.bind_contextvars(node_id=node.pk)
         return node, raw
 
     def authenticate_header(self, request) -> str:

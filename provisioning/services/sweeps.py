@@ -18,6 +18,7 @@ from marketplace.models import (
     NodeEvent,
     NodeStatus,
     Rental,
+    RentalKind,
 )
 from provisioning.models import ContainerRun
 
@@ -26,8 +27,8 @@ log = logging.getLogger(__name__)
 
 def nodes_mark_silent(*, now: datetime | None = None) -> list[int]:
     """Nodes whose agent has been silent too long go OFFLINE; their rentals follow the policy:
-    not yet started -> back to PENDING (re-queued elsewhere); started -> FAILED (their state is
-    on the lost host) unless NODE_LOST_POLICY is "requeue"."""
+    not yet started, or interruptible -> back to PENDING (re-queued elsewhere); started
+    on-demand -> FAILED (their state is on the lost host) unless NODE_LOST_POLICY is "requeue"."""
     now = now or timezone.now()
     timeout = timedelta(seconds=settings.GPUMARKET["NODE_SILENCE_TIMEOUT_S"])
     policy = settings.GPUMARKET.get("NODE_LOST_POLICY", "fail")
@@ -60,8 +61,11 @@ def nodes_mark_silent(*, now: datetime | None = None) -> list[int]:
 
 
 def _node_lost(rental: Rental, node: Node, now: datetime, policy: str) -> None:
+    # An interruptible rental accepted being stopped and resumed elsewhere: it goes back to the
+    # queue whatever the policy for on-demand ones.
+    requeue = policy == "requeue" or rental.kind == RentalKind.INTERRUPTIBLE
     if lifecycle.rental_mark_node_lost(
-        rental=rental, hostname=node.hostname, at=now, requeue=policy == "requeue"
+        rental=rental, hostname=node.hostname, at=now, requeue=requeue
     ):
         ContainerRun.objects.filter(rental=rental, node=node).delete()
 

@@ -25,7 +25,18 @@ BIN = Path(sys.executable).parent
 class Stack:
     """web + worker + beat + agent under a Supervisor polled by a background thread."""
 
-    def __init__(self, *, env: dict[str, str], tmp: Path, join_token: str, agent: list[str]):
+    def __init__(
+        self,
+        *,
+        env: dict[str, str],
+        tmp: Path,
+        join_token: str | None,
+        agent: list[str] | None,
+        agents: dict[str, list[str]] | None = None,
+        binds: tuple[str, ...] = (),
+    ):
+        """`agent` joins with `join_token` on loopback; `agents` (also settable until start) are
+        whole commands with their own server URL and token; gunicorn also listens on `binds`."""
         self.tmp = tmp
         self.redis_dir = tmp / "redis"
         self.redis_port = _free_port()
@@ -39,6 +50,8 @@ class Stack:
         )
         self._join_token = join_token
         self._agent = agent
+        self.agents = dict(agents or {})
+        self._binds = binds
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._supervise, daemon=True)
 
@@ -59,18 +72,24 @@ class Stack:
             capture_output=True, timeout=60,
         )  # fmt: skip
         logs = self.tmp / "logs"
+        binds = [arg for host in self._binds for arg in ("--bind", f"{host}:{self.port}")]
         commands = {
             "web": [
                 str(BIN / "gunicorn"), "config.wsgi", "--bind", f"127.0.0.1:{self.port}",
-                "--workers", "1", "--threads", "4",
+                *binds, "--workers", "1", "--threads", "4",
             ],
             "worker": [celery, "-A", "config", "worker", "-l", "info", "-c", "1"],
             "beat": [
                 celery, "-A", "config", "beat", "-l", "info",
                 "-s", str(self.tmp / "celerybeat-schedule"),
             ],
-            "agent": [*self._agent, "--server", self.url, "--join-token", self._join_token],
         }  # fmt: skip
+        if self._agent is not None:
+            assert self._join_token is not None
+            commands["agent"] = [
+                *self._agent, "--server", self.url, "--join-token", self._join_token
+            ]  # fmt: skip
+        commands.update(self.agents)
         for name, cmd in commands.items():
             self.supervisor.add(name, cmd, logs / f"{name}.log")
         self.supervisor.start_all()

@@ -1,0 +1,1 @@
+"""What an operator watches: Prometheus metrics, health endpoints, structured logs."""
