@@ -66,8 +66,11 @@ ORDER BY a.rental_id, g.index
 """
 
 
-def run_id_for(rental_id, node_id: int) -> str:
-    return f"r{rental_id.hex}-n{node_id}"
+def run_id_for(rental_id, node_id: int, placed_at: datetime) -> str:
+    """One container run: a rental's placement on one node. A rental requeued and placed again
+    on the same node gets a new run id, so the old run (stopped late by an agent that was cut
+    off) is never taken for the new one, and its exit never ends the new placement."""
+    return f"r{rental_id.hex}-n{node_id}-p{int(placed_at.timestamp())}"
 
 
 def _cpu_and_memory(node: Node, gpus: int) -> tuple[float, int]:
@@ -108,7 +111,7 @@ def desired_state(*, node: Node, now: datetime) -> list[DesiredRun]:
         desired.append(
             DesiredRun(
                 rental_id=str(rental.pk),
-                run_id=run_id_for(rental.pk, node.pk),
+                run_id=run_id_for(rental.pk, node.pk, rental.scheduled_start),
                 image=rental.image,
                 command=tuple(command),
                 env=env,

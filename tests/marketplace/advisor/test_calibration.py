@@ -6,6 +6,7 @@ import json
 import statistics
 
 import pytest
+from django.utils import timezone
 
 from harness.config import load_config_dict
 from harness.metrics import JsonLines
@@ -56,7 +57,7 @@ def test_a_cpu_harness_run_moves_the_next_estimate_toward_the_measurement(auth_a
 
     # Given the run's metrics as the agent forwards them (the real harness, on CPU)
     run = ContainerRun.objects.create(
-        rental=rental, node=node, run_id=run_id_for(rental.pk, node.pk)
+        rental=rental, node=node, run_id=run_id_for(rental.pk, node.pk, timezone.now())
     )
     lines = _harness_lines()
     refused = metrics_store(node=node, lines=[(str(rental.pk), run.run_id, line) for line in lines])
@@ -102,7 +103,7 @@ def test_metrics_of_a_run_not_booked_by_the_advisor_are_not_compared(auth_api, m
     assert r.status_code == 201, r.content
     rental = Rental.objects.get(pk=r.json()["id"])
     run = ContainerRun.objects.create(
-        rental=rental, node=node, run_id=run_id_for(rental.pk, node.pk)
+        rental=rental, node=node, run_id=run_id_for(rental.pk, node.pk, timezone.now())
     )
     summary = json.dumps({"event": "summary", "steps": 1})
     metrics_store(node=node, lines=[(str(rental.pk), run.run_id, summary)])
