@@ -81,3 +81,42 @@ def test_customer_api_conforms_to_its_schema(live_server, customer):
     print(f"schemathesis: {total} requests over {len(requests_by_operation)} operations")
     assert not failures, "\n\n".join(failures)
     assert len(requests_by_operation) > 20 and total > 20 * MAX_EXAMPLES // 2
+
+
+@pytest.fixture
+def node_token(transactional_db, provider) -> str:
+    """A joined node's token: the agent API's own credential."""
+    from decimal import Decimal
+
+    from agentprotocol import GpuInfo
+    from provisioning.services import HostFacts, join_token_create, node_join
+
+    _, join = join_token_create(
+        provider=provider, created_by=provider.owner, region="local",
+        price_per_gpu_hour=Decimal("0.60"), min_bid_per_gpu_hour=Decimal("0.20"),
+    )  # fmt: skip
+    _, token = node_join(
+        raw_join_token=join,
+        host=HostFacts(hostname="schema-node", cpu_cores=16, ram_gb=64, disk_gb=500),
+        gpus=[GpuInfo(index=0, uuid="GPU-schema-0", name="rtx4090-24gb", memory_mb=24564)],
+    )
+    return token
+
+
+def test_agent_api_conforms_to_its_schema(live_server, node_token):
+    schema = schemathesis.openapi.from_url(f"{live_server.url}/api/schema/")
+    headers = {"Authorization": f"Bearer {node_token}"}
+    requests_by_operation: dict[str, int] = {}
+    failures: list[str] = []
+    for result in schema.include(path_regex=r"^/api/agent/").get_all_operations():
+        operation = result.ok()
+        label = f"{operation.method.upper()} {operation.path}"
+        requests_by_operation[label] = 0
+        try:
+            _exercise(operation, label, requests_by_operation, live_server.url, headers)()
+        except (Exception, BaseExceptionGroup) as exc:  # every operation runs; failures together
+            failures.append(f"{label}: {exc}")
+    total = sum(requests_by_operation.values())
+    print(f"schemathesis: {total} requests over {len(requests_by_operation)} agent operations")
+    assert not failures, "\n\n".join(failures)
+    assert len(requests_by_operation) >= 2 and total >= MAX_EXAMPLES
