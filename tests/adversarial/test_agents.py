@@ -24,6 +24,9 @@ from scheduler.services import scheduler_cycle_run
 from tests.e2e.conftest import join_token, stack_env, start_agent, wait_for  # noqa: F401
 from tests.factories import ProviderFactory
 
+# A root agent runs process-runtime commands as nobody, through the 0700 pytest directories.
+from tests.nodeagent.conftest import agent_dirs_searchable  # noqa: F401
+
 HOST = {"cpu_cores": 32, "ram_gb": 256, "disk_gb": 2000}
 HEARTBEAT = "/api/agent/v1/heartbeat/"
 JOIN = "/api/agent/v1/join/"
