@@ -19,6 +19,7 @@ from django.utils import timezone
 
 from marketplace import lifecycle
 from marketplace.locks import advisory_lock
+from marketplace.metrics import scheduler_cycle_observe
 from marketplace.models import Node, NodeStatus, Rental, RentalKind, RentalStatus
 from marketplace.selectors import engine_nodes
 from scheduler.engine import planner
@@ -509,7 +510,8 @@ def scheduler_cycle_run(
     """Plan and bind the pool's pending rentals; when another cycle holds the pool, leave the
     work to it (it runs one more round for this request) and return at once."""
     result = CycleResult()
-    until = time.monotonic() + budget_s
+    started = time.monotonic()
+    until = started + budget_s
     _wanted_set(pool)
     while True:
         with pool_lock(pool) as got:
@@ -528,6 +530,9 @@ def scheduler_cycle_run(
         _wanted_set(pool)
     if result.ran:
         log.info("scheduler cycle %s: %s", pool, result)
+        scheduler_cycle_observe(
+            pool=pool, seconds=time.monotonic() - started, placements=result.placed
+        )
     return result
 
 

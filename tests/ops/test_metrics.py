@@ -72,6 +72,9 @@ def test_scraped_values_match_the_database(client, metrics_token, make_node, ren
     assert labelled(samples, "gpumarket_gpus", state="free", model=h100, region="eu-west") == 0
 
     assert labelled(samples, "gpumarket_nodes", status="online") == 2
+    # The cycle above counted itself (the counters are the process's, so at least this one).
+    assert labelled(samples, "gpumarket_scheduler_placements_total", pool="default") >= 1
+    assert labelled(samples, "gpumarket_scheduler_cycle_seconds_count", pool="default") >= 1
     assert labelled(samples, "gpumarket_nodes", status="offline") == 1
     # One rental went from created to SCHEDULED inside the window.
     assert labelled(samples, "gpumarket_rental_schedule_latency_seconds_gcount") == 1
