@@ -107,6 +107,15 @@ def advisor_cards() -> list[AdvisorCard]:
     return [advisor_card(m, priors.get(m.pk)) for m in GpuModel.objects.all()]
 
 
+def advisor_card_get(slug: str) -> AdvisorCard | None:
+    """One catalog card as the advisor needs it (two indexed reads, not the whole catalog)."""
+    model = GpuModel.objects.filter(slug=slug).first()
+    if model is None:
+        return None
+    prior = AdvisorPrior.objects.filter(card=model).values_list("mfu", flat=True).first()
+    return advisor_card(model, prior)
+
+
 def advisor_card(model: GpuModel, prior: float | None = None) -> AdvisorCard:
     return AdvisorCard(
         slug=model.slug,

@@ -24,7 +24,7 @@ from marketplace.models import (
     RentalStatus,
     User,
 )
-from marketplace.selectors import OfferFilters, advisor_cards, offer_list
+from marketplace.selectors import OfferFilters, advisor_card_get, advisor_cards, offer_list
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 
 # Preemption rate of a pool with little history: one per 50 node-hours, worth 10 node-hours of
@@ -214,7 +214,7 @@ def plan_book(
 def _price_gang(query: Query, plan_id: str) -> Plan | None:
     """The plan's card and gang (`card:NODESxGPUS`) priced on the offers free now."""
     slug, _, gang = plan_id.partition(":")
-    card = next((c for c in advisor_cards() if c.slug == slug), None)
+    card = advisor_card_get(slug)
     if card is None:
         return None
     rates = preemption_rates() if query.interruptible else {}

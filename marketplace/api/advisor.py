@@ -311,7 +311,7 @@ class AdvisorEstimateView(APIView):
         body = EstimateQuerySerializer(data=request.data)
         body.is_valid(raise_exception=True)
         data = body.validated_data
-        card = next(c for c in selectors.advisor_cards() if c.slug == data["card"])
+        card = selectors.advisor_card_get(data["card"])
         fixed = body.layout(data, gpus=data["gpus"])
         found = estimate(body.run(), card, default_topology(card, data["gpus"]), fixed=fixed)
         if found is None:

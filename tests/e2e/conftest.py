@@ -32,6 +32,16 @@ ROOT = Path(__file__).resolve().parents[2]
 HARNESS_IMAGE = os.environ.get("GPUMARKET_HARNESS_IMAGE", "gpumarket/harness:dev")
 
 
+def credit_customer(user, *, dollars: int = 50) -> None:
+    """Credit from ops, so the funds check and billing's pass let the customer's rentals run."""
+    from billing.services.ledger import account_adjust, account_for_customer
+
+    account = account_for_customer(user=user)
+    account_adjust(
+        account_id=account.pk, amount_micros=dollars * 1_000_000, reason="e2e credit", actor=None
+    )
+
+
 def wait_for(check: Callable[[], object], timeout: float, what: str, every: float = 0.25):
     """Poll `check` until it returns something truthy; fail with `what` after `timeout`."""
     deadline = time.monotonic() + timeout

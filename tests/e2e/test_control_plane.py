@@ -23,7 +23,13 @@ from marketplace.models import Node, NodeStatus, Rental, RentalEvent, RentalStat
 from marketplace.services import GpuSpec, api_token_create, node_register
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 from provisioning.models import ContainerRun
-from tests.e2e.conftest import HARNESS_IMAGE, managed_containers, remove_managed, wait_for
+from tests.e2e.conftest import (
+    HARNESS_IMAGE,
+    credit_customer,
+    managed_containers,
+    remove_managed,
+    wait_for,
+)
 from tests.e2e.stack import Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
@@ -34,10 +40,7 @@ PLACED = {RentalStatus.SCHEDULED, RentalStatus.PROVISIONING, RentalStatus.RUNNIN
 @pytest.fixture(autouse=True)
 def _funded_customer(user):
     """Credit from ops, so billing's pass does not stop the rentals for funds."""
-    from billing.services.ledger import account_adjust, account_for_customer
-
-    account = account_for_customer(user=user)
-    account_adjust(account_id=account.pk, amount_micros=50_000_000, reason="e2e credit", actor=None)
+    credit_customer(user)
 
 
 @pytest.fixture

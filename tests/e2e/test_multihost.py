@@ -23,7 +23,7 @@ from marketplace.models import Gpu, Node, NodeStatus, Rental, RentalKind, Rental
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 from provisioning.models import ContainerRun
 from provisioning.services import join_token_create
-from tests.e2e.conftest import HARNESS_IMAGE, wait_for
+from tests.e2e.conftest import HARNESS_IMAGE, credit_customer, wait_for
 from tests.e2e.stack import Stack, agent_command
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
@@ -127,10 +127,7 @@ def multihost_stack(stack_env, provider, tmp_path, hosts):
 
 @pytest.fixture(autouse=True)
 def _funded_customer(user):
-    from billing.services.ledger import account_adjust, account_for_customer
-
-    account = account_for_customer(user=user)
-    account_adjust(account_id=account.pk, amount_micros=50_000_000, reason="e2e credit", actor=None)
+    credit_customer(user)
 
 
 def _rent(user, kind: str) -> Rental:

@@ -12,7 +12,13 @@ from django.test import override_settings
 from marketplace.models import Node, NodeStatus, Rental, RentalStatus
 from provisioning.models import ContainerRun, RunMetric
 from provisioning.services import node_credential_revoke, nodes_mark_silent
-from tests.e2e.conftest import HARNESS_IMAGE, managed_containers, remove_managed, wait_for
+from tests.e2e.conftest import (
+    HARNESS_IMAGE,
+    credit_customer,
+    managed_containers,
+    remove_managed,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
@@ -52,11 +58,8 @@ def _steps(rental_id: str) -> int:
 @pytest.fixture(autouse=True)
 def _funded_customer(settings, user):
     """The real path: the funds check is on and the customer has credit from ops."""
-    from billing.services.ledger import account_adjust, account_for_customer
-
     settings.BILLING_FUNDS_CHECK = True
-    account = account_for_customer(user=user)
-    account_adjust(account_id=account.pk, amount_micros=50_000_000, reason="e2e credit", actor=None)
+    credit_customer(user)
 
 
 @pytest.fixture(autouse=True)

@@ -20,7 +20,7 @@ from selenium.webdriver.support.ui import Select, WebDriverWait
 from marketplace.models import ApiToken, Node, NodeStatus, Rental, RentalStatus
 from marketplace.services import token_hash
 from provisioning.models import RunMetric
-from tests.e2e.conftest import managed_containers, remove_managed, wait_for
+from tests.e2e.conftest import credit_customer, managed_containers, remove_managed, wait_for
 from tests.factories import UserFactory
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -82,11 +82,8 @@ def _status_badge(driver) -> str:
 @pytest.fixture
 def funded(settings, user):
     """The real path: the funds check is on and the customer has credit from ops."""
-    from billing.services.ledger import account_adjust, account_for_customer
-
     settings.BILLING_FUNDS_CHECK = True
-    account = account_for_customer(user=user)
-    account_adjust(account_id=account.pk, amount_micros=50_000_000, reason="e2e credit", actor=None)
+    credit_customer(user)
     return user
 
 
