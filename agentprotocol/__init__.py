@@ -25,6 +25,11 @@ from typing import Any, ClassVar, Self
 
 JOIN_PATH = "/api/agent/v1/join/"
 HEARTBEAT_PATH = "/api/agent/v1/heartbeat/"
+# Artifact sync (agent -> server): ask for presigned upload URLs for files of a rental's output
+# directory, then commit what was uploaded. `{rental_id}` is the rental's public id; the server
+# answers 404 unless that rental currently runs on the calling node.
+ARTIFACT_UPLOADS_PATH = "/api/agent/v1/rentals/{rental_id}/artifacts/uploads/"
+ARTIFACT_COMMIT_PATH = "/api/agent/v1/rentals/{rental_id}/artifacts/commit/"
 
 DEFAULT_STOP_GRACE_S = 30.0
 
@@ -224,6 +229,18 @@ class GpuSample(Message):
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class PublishedPort(Message):
+    """A port of a run's container that the node publishes: `host:host_port` reaches
+    `container_port` inside the container."""
+
+    wire_name: ClassVar[str] = "published port"
+
+    container_port: int
+    host: str  # the node's public address (name or IP) as the agent is configured to announce it
+    host_port: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ContainerReport(Message):
     """The actual state of one run on the node (the heartbeat's `containers` items)."""
 
@@ -236,6 +253,8 @@ class ContainerReport(Message):
     started_at: float | None = None  # unix time
     finished_at: float | None = None
     log_tail: str = dataclasses.field(default="", metadata=OMIT_EMPTY)  # of an exited run
+    # Ports of the run reachable from outside the node (SSH, Jupyter), once they listen.
+    published: tuple[PublishedPort, ...] = ()
     # Why the agent could not start the run at all (bad image, a runtime that cannot run it).
     error: str = dataclasses.field(default="", metadata=OMIT_EMPTY)
 
@@ -290,6 +309,32 @@ class Heartbeat(Message):
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class StagedFile(Message):
+    """A file the agent puts in place before the run starts: part of a dataset, or a checkpoint
+    to resume from. `url` is a presigned GET with a short expiry; `sha256` is the content hash,
+    the key of the node's cache and the check of what was downloaded. `path` is relative (the
+    agent refuses absolute paths and `..`)."""
+
+    wire_name: ClassVar[str] = "staged file"
+
+    path: str
+    url: str
+    sha256: str
+    size_bytes: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class DatasetMount(Message):
+    """A dataset the run reads: staged before start, mounted read-only at /data/<name>."""
+
+    wire_name: ClassVar[str] = "dataset mount"
+
+    dataset_id: str
+    name: str
+    files: tuple[StagedFile, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class DesiredRun(Message):
     """A run the server wants on the node now: the rental's container on its allocated GPUs."""
 
@@ -306,6 +351,16 @@ class DesiredRun(Message):
     memory_limit_mb: int
     ports: tuple[int, ...]
     stop_grace_s: float = DEFAULT_STOP_GRACE_S
+    datasets: tuple[DatasetMount, ...] = ()
+    # Files written into the run's output directory (/workspace) before it starts: the last
+    # synced checkpoint of the run it resumes (a requeued interruptible rental, or a rental
+    # started from an earlier one's checkpoint).
+    resume_files: tuple[StagedFile, ...] = ()
+    # Sync the output directory to object storage (ARTIFACT_UPLOADS_PATH / ARTIFACT_COMMIT_PATH)
+    # at every checkpoint and when the run stops, completes, is preempted or fails.
+    sync_artifacts: bool = False
+    # Public keys (OpenSSH format) allowed into the run's sshd, when the rental asked for SSH.
+    ssh_authorized_keys: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -341,12 +396,103 @@ class HeartbeatAnswer(Message):
         return dataclasses.replace(answer, desired=tuple(desired))
 
 
+# -- artifact sync: agent to server --------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ArtifactFile(Message):
+    """A file of a run's output directory, relative to it."""
+
+    wire_name: ClassVar[str] = "artifact file"
+
+    path: str
+    size_bytes: int
+    sha256: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ArtifactUploadRequest(Message):
+    """Agent to server: presign uploads for these files (ones already stored with the same
+    sha256 are answered with no URL and need no upload)."""
+
+    wire_name: ClassVar[str] = "artifact upload request"
+
+    run_id: str
+    files: tuple[ArtifactFile, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ArtifactUpload(Message):
+    """Where to put one file: a single presigned PUT (`url`), or a multipart upload
+    (`upload_id`, one presigned URL per part of `part_size_bytes`, the last part shorter)."""
+
+    wire_name: ClassVar[str] = "artifact upload"
+
+    path: str
+    url: str = dataclasses.field(default="", metadata=OMIT_EMPTY)
+    upload_id: str = dataclasses.field(default="", metadata=OMIT_EMPTY)
+    part_urls: tuple[str, ...] = ()
+    part_size_bytes: int = 0
+    skip: bool = False  # already stored with this sha256: nothing to upload
+    expires_at: float = 0.0  # unix time after which the URLs no longer work
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ArtifactUploadAnswer(Message):
+    wire_name: ClassVar[str] = "artifact upload answer"
+
+    uploads: tuple[ArtifactUpload, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class CommittedFile(Message):
+    """A file the agent finished uploading; for a multipart upload, the parts' ETags in order."""
+
+    wire_name: ClassVar[str] = "committed file"
+
+    path: str
+    size_bytes: int
+    sha256: str
+    upload_id: str = dataclasses.field(default="", metadata=OMIT_EMPTY)
+    etags: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ArtifactCommit(Message):
+    """Agent to server: these uploads are done; the server checks each object (size) before it
+    records it as an artifact of the rental."""
+
+    wire_name: ClassVar[str] = "artifact commit"
+
+    run_id: str
+    files: tuple[CommittedFile, ...]
+    reason: str = ""  # "checkpoint", "stop", "complete", "preempt", "fail"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ArtifactCommitAnswer(Message):
+    wire_name: ClassVar[str] = "artifact commit answer"
+
+    stored: int
+    refused: Mapping[str, str] = dataclasses.field(default_factory=dict)  # path -> why
+
+
 __all__ = [
+    "ARTIFACT_COMMIT_PATH",
+    "ARTIFACT_UPLOADS_PATH",
     "DEFAULT_STOP_GRACE_S",
     "HEARTBEAT_PATH",
     "JOIN_PATH",
+    "ArtifactCommit",
+    "ArtifactCommitAnswer",
+    "ArtifactFile",
+    "ArtifactUpload",
+    "ArtifactUploadAnswer",
+    "ArtifactUploadRequest",
+    "CommittedFile",
     "ContainerReport",
     "ContainerStatus",
+    "DatasetMount",
     "DesiredRun",
     "GpuInfo",
     "GpuSample",
@@ -356,5 +502,7 @@ __all__ = [
     "Message",
     "MetricLine",
     "ProtocolError",
+    "PublishedPort",
+    "StagedFile",
     "UsageReport",
 ]
