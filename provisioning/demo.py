@@ -11,9 +11,9 @@ from pathlib import Path
 from django.conf import settings
 from django.db import transaction
 
-from billing.services.ledger import account_adjust, account_for_customer
+from billing.services.ledger import account_adjust, account_for_team
 from marketplace.models import Node, NodeStatus, Provider, User
-from marketplace.services import GpuSpec, node_register
+from marketplace.services import GpuSpec, node_register, team_personal_ensure, user_create
 from provisioning.services import join_token_create
 
 # hostname, region, card, GPUs, NVLink groups, $/GPU-hour, reliability
@@ -55,17 +55,23 @@ def load_demo(*, var_dir: Path | None = None) -> dict[str, int]:
     ops = User.objects.filter(username="ops").first()
     if ops is None:
         password = secrets.token_urlsafe(12)
-        ops = User.objects.create_superuser("ops", "ops@example.invalid", password)
+        ops = user_create(
+            username="ops",
+            email="ops@example.invalid",
+            password=password,
+            is_staff=True,
+            is_superuser=True,
+        )
         password_file.write_text(password + "\n")
         password_file.chmod(0o600)
     demo = User.objects.filter(username="demo").first()
     if demo is None:
         password = secrets.token_urlsafe(12)
-        demo = User.objects.create_user("demo", "demo@example.invalid", password)
+        demo = user_create(username="demo", email="demo@example.invalid", password=password)
         (var_dir / "demo_password").write_text(password + "\n")
     # Demo credit, once (the key makes a second load a no-op), so the demo customer can rent.
     account_adjust(
-        account_id=account_for_customer(user=demo).pk,
+        account_id=account_for_team(team=team_personal_ensure(user=demo)).pk,
         amount_micros=100_000_000,
         reason="demo credit",
         actor=ops,

@@ -28,28 +28,35 @@ from billing.api.serializers import (
 )
 from marketplace.api.pagination import PaginatedListView
 from marketplace.errors import NotFound
+from marketplace.tenancy import request_team
 
 
 class _ListView(PaginatedListView):
-    """A paginated, owner-scoped list."""
+    """A paginated list of the current team's; `money`: owners and billing members only."""
 
     serializer_class: type
     selector: staticmethod
+    money = False
 
     def get(self, request: Request) -> Response:
-        return self.paginated(self.selector(user=request.user), self.serializer_class)
+        team = request_team(request, money=self.money)
+        return self.paginated(self.selector(team=team), self.serializer_class)
 
 
 class AccountView(APIView):
-    """Your balance, what is accrued but not yet posted, and what running rentals cost."""
+    """The team's balance, what is accrued but not yet posted, and what running rentals cost
+    (every member sees it: it decides whether a rental can be created)."""
 
     @extend_schema(responses=AccountSerializer)
     def get(self, request: Request) -> Response:
-        return Response(AccountSerializer(selectors.account_summary(user=request.user)).data)
+        summary = selectors.account_summary(team=request_team(request))
+        return Response(AccountSerializer(summary).data)
 
 
 class LedgerListView(_ListView):
-    """Your ledger entries, newest first."""
+    """The team's ledger entries, newest first (owners and billing members)."""
+
+    money = True
 
     serializer_class = LedgerEntrySerializer
     selector = staticmethod(selectors.ledger_list)
@@ -60,7 +67,7 @@ class LedgerListView(_ListView):
 
 
 class NoticeListView(_ListView):
-    """Low-balance warnings and stops, newest first."""
+    """The team's low-balance warnings and stops, newest first (every member)."""
 
     serializer_class = NoticeSerializer
     selector = staticmethod(selectors.notice_list)
@@ -71,18 +78,22 @@ class NoticeListView(_ListView):
 
 
 class TopUpListCreateView(PaginatedListView):
-    """Your card top-ups; POST starts one and returns the PaymentIntent's client_secret."""
+    """The team's card top-ups; POST starts one and returns the PaymentIntent's client_secret.
+    Owners and billing members only (403 for other members)."""
 
     @extend_schema(responses=TopUpSerializer(many=True))
     def get(self, request: Request) -> Response:
-        return self.paginated(selectors.topup_list(user=request.user), TopUpSerializer)
+        team = request_team(request, money=True)
+        return self.paginated(selectors.topup_list(team=team), TopUpSerializer)
 
     @extend_schema(request=TopUpCreateSerializer, responses={201: TopUpCreatedSerializer})
     def post(self, request: Request) -> Response:
         body = TopUpCreateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         started = services.topup_create(
-            customer=request.user, amount_cents=body.validated_data["amount_cents"]
+            team=request_team(request, money=True),
+            user=request.user,
+            amount_cents=body.validated_data["amount_cents"],
         )
         topup = started.topup
         topup.client_secret = started.client_secret
@@ -91,7 +102,9 @@ class TopUpListCreateView(PaginatedListView):
 
 
 class InvoiceListView(_ListView):
-    """Your monthly statements, newest first."""
+    """The team's monthly statements, newest first (owners and billing members)."""
+
+    money = True
 
     serializer_class = InvoiceSerializer
     selector = staticmethod(selectors.invoice_list)
@@ -102,11 +115,13 @@ class InvoiceListView(_ListView):
 
 
 class InvoiceDetailView(APIView):
-    """One of your statements with a line per rental; another account's id answers 404."""
+    """One of the team's statements with a line per rental; another team's id answers 404
+    (owners and billing members)."""
 
     @extend_schema(responses=InvoiceDetailSerializer)
     def get(self, request: Request, invoice_id: int) -> Response:
-        invoice = selectors.invoice_get(user=request.user, invoice_id=invoice_id)
+        team = request_team(request, money=True)
+        invoice = selectors.invoice_get(team=team, invoice_id=invoice_id)
         if invoice is None:
             raise NotFound("no such invoice")
         return Response(InvoiceDetailSerializer(invoice).data)
@@ -117,24 +132,25 @@ class InvoicePrintView(APIView):
 
     @extend_schema(responses={(200, "text/html"): OpenApiTypes.STR})
     def get(self, request: Request, invoice_id: int) -> HttpResponse:
-        invoice = selectors.invoice_get(user=request.user, invoice_id=invoice_id)
+        team = request_team(request, money=True)
+        invoice = selectors.invoice_get(team=team, invoice_id=invoice_id)
         if invoice is None:
             raise NotFound("no such invoice")
         html = render_to_string(
             "billing/invoice.html",
-            {"invoice": invoice, "customer": invoice.account.user, "lines": invoice.lines.all()},
+            {"invoice": invoice, "team": invoice.account.team, "lines": invoice.lines.all()},
         )
         return HttpResponse(html, content_type="text/html; charset=utf-8")
 
 
 class RentalTelemetryView(PaginatedListView):
-    """Per-minute GPU telemetry of one of your rentals (utilisation, memory, power, heat)."""
+    """Per-minute GPU telemetry of one of the team's rentals (utilisation, memory, power, heat)."""
 
     @extend_schema(
         parameters=[TelemetryQuerySerializer], responses=TelemetryMinuteSerializer(many=True)
     )
     def get(self, request: Request, rental_id) -> Response:
-        rental = selectors.own_rental(user=request.user, rental_id=rental_id)
+        rental = selectors.team_rental(team=request_team(request), rental_id=rental_id)
         if rental is None:
             raise NotFound("no such rental")
         query = TelemetryQuerySerializer(data=request.query_params)
@@ -144,11 +160,11 @@ class RentalTelemetryView(PaginatedListView):
 
 
 class RentalUsageView(APIView):
-    """What one of your rentals is billed for: its confirmed runs and rated seconds."""
+    """What one of the team's rentals is billed for: its confirmed runs and rated seconds."""
 
     @extend_schema(responses=RentalUsageSerializer)
     def get(self, request: Request, rental_id) -> Response:
-        rental = selectors.own_rental(user=request.user, rental_id=rental_id)
+        rental = selectors.team_rental(team=request_team(request), rental_id=rental_id)
         if rental is None:
             raise NotFound("no such rental")
         usage = {

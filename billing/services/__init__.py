@@ -3,8 +3,8 @@
 from billing.services.invoices import invoice_issue, invoices_issue_due
 from billing.services.ledger import (
     account_adjust,
-    account_for_customer,
     account_for_provider,
+    account_for_team,
     account_platform,
     funds_hold_create,
     hold_micros,
@@ -43,8 +43,8 @@ __all__ = [
     "UsageBatchResult",
     "UsageReport",
     "account_adjust",
-    "account_for_customer",
     "account_for_provider",
+    "account_for_team",
     "account_platform",
     "billing_pass_run",
     "funds_hold_create",

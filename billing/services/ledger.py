@@ -13,12 +13,12 @@ from django.utils import timezone
 from billing import conf, selectors
 from billing.models import Account, AccountKind, EntryKind, FundsHold, LedgerEntry
 from marketplace.errors import PaymentRequired, ValidationFailed
-from marketplace.models import Provider, Rental, User
+from marketplace.models import Provider, Rental, Team, User
 
 
-def account_for_customer(*, user: User) -> Account:
-    """The customer's account, created on first use."""
-    account, _ = Account.objects.get_or_create(kind=AccountKind.CUSTOMER, user=user)
+def account_for_team(*, team: Team) -> Account:
+    """The team's customer account (its balance), created on first use."""
+    account, _ = Account.objects.get_or_create(kind=AccountKind.CUSTOMER, team=team)
     return account
 
 
@@ -124,26 +124,26 @@ def hold_micros(*, price_per_gpu_hour: Decimal, gpus: int, duration_s: int) -> i
 
 
 def funds_hold_create(*, rental: Rental, price_per_gpu_hour: Decimal) -> FundsHold | None:
-    """Hold a new rental's whole booked cost against its customer's available balance, or
-    refuse it (402) naming the amount. Runs in the transaction that creates the rental.
+    """Hold a new rental's whole booked cost against its team's available balance, or refuse
+    it (402) naming the amount. Runs in the transaction that creates the rental.
 
-    The customer's account row is locked first: concurrent creates (and postings) of one
-    customer take turns, and each reads the holds every earlier one committed, so together
+    The team's account row is locked first: concurrent creates (and postings) of every member
+    of the team take turns, and each reads the holds every earlier one committed, so together
     they can never hold more than the balance.
     """
     if not conf.funds_check_enabled():
         return None
     if not connection.in_atomic_block:
         raise TransactionManagementError("a hold is taken in the transaction creating the rental")
-    account_id = account_for_customer(user=rental.customer).pk
+    account_id = account_for_team(team=rental.team).pk
     account = Account.objects.select_for_update().get(pk=account_id)
     amount = hold_micros(
         price_per_gpu_hour=price_per_gpu_hour,
         gpus=rental.gpus_per_node * rental.node_count,
         duration_s=rental.duration_s,
     )
-    available = selectors.customer_available_micros(
-        customer_id=rental.customer_id, balance_micros=account.balance_micros
+    available = selectors.team_available_micros(
+        team_id=rental.team_id, balance_micros=account.balance_micros
     )
     if available <= 0 or amount > available:
         raise PaymentRequired(

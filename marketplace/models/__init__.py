@@ -11,8 +11,10 @@ from marketplace.models.rentals import (
     RentalKind,
     RentalStatus,
 )
+from marketplace.models.teams import MONEY_ROLES, Invitation, Membership, Team, TeamRole
 
 __all__ = [
+    "MONEY_ROLES",
     "AdvisorCheck",
     "AdvisorPrior",
     "Allocation",
@@ -20,6 +22,8 @@ __all__ = [
     "Gpu",
     "GpuModel",
     "GpuTier",
+    "Invitation",
+    "Membership",
     "Node",
     "NodeEvent",
     "NodeStatus",
@@ -28,5 +32,7 @@ __all__ = [
     "RentalEvent",
     "RentalKind",
     "RentalStatus",
+    "Team",
+    "TeamRole",
     "User",
 ]

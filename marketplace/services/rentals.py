@@ -16,9 +16,9 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from marketplace.errors import ValidationFailed
+from marketplace.errors import NotFound, ValidationFailed
 from marketplace.lifecycle import rental_submit
-from marketplace.models import GpuModel, Node, Rental, RentalKind, User
+from marketplace.models import GpuModel, Membership, Node, Rental, RentalKind, Team, User
 from marketplace.selectors import engine_nodes
 from scheduler.engine import feasibility
 from scheduler.engine import types as engine
@@ -146,7 +146,7 @@ def _never_fits(
 
 
 class FundsHolder(Protocol):
-    """Holds a new rental's cost against its customer's balance in the creating transaction,
+    """Holds a new rental's cost against its team's balance in the creating transaction,
     or refuses it (raises)."""
 
     def __call__(self, *, rental: Rental, price_per_gpu_hour: Decimal) -> object: ...
@@ -162,12 +162,15 @@ def funds_hold_register(hold: FundsHolder) -> None:
     _funds_hold = hold
 
 
-def rental_create(*, customer: User, request: RentalRequest) -> Rental:
-    """Validate and store a PENDING rental, then queue a scheduler cycle after commit.
+def rental_create(*, customer: User, team: Team, request: RentalRequest) -> Rental:
+    """Validate and store a PENDING rental of the team (asked for by `customer`, one of its
+    members; any role may rent), then queue a scheduler cycle after commit.
 
     A request that can never fit (no node has that many matching GPUs, a model nobody lists,
     a price below every offer) is refused with the reason instead of waiting forever.
     """
+    if not Membership.objects.filter(team=team, user=customer).exists():
+        raise NotFound("no such team", field="team")
     now = timezone.now()
     start = request.start_at or now
     if start < now - timedelta(minutes=5):
@@ -197,6 +200,7 @@ def rental_create(*, customer: User, request: RentalRequest) -> Rental:
     with transaction.atomic():
         rental = rental_submit(
             customer=customer,
+            team=team,
             name=request.name,
             gpu_models=list(request.gpu_models),
             gpu_families=list(request.gpu_families),

@@ -10,4 +10,7 @@ urlpatterns = [
     path("rentals/<uuid:rental_id>/", views.rental_detail, name="web-rental"),
     path("tokens/", views.tokens, name="web-tokens"),
     path("provider/", views.provider, name="web-provider"),
+    path("team/", views.team, name="web-team"),
+    path("teams/switch/", views.team_switch, name="web-team-switch"),
+    path("teams/<int:team_id>/join/<str:key>/", views.invitation, name="web-invitation"),
 ]

@@ -22,6 +22,7 @@ from agentprotocol.untrusted import json_loads_bounded
 from marketplace.api.pagination import PaginatedListView
 from marketplace.errors import NotFound
 from marketplace.models import Node, Provider, Rental
+from marketplace.tenancy import request_team
 from provisioning import ratelimit, services
 from provisioning.api.serializers import (
     HeartbeatAnswerSerializer,
@@ -194,11 +195,11 @@ class JoinTokenCreateView(APIView):
 
 
 class RentalMetricsView(PaginatedListView):
-    """The harness metrics of one of your rentals (step, loss, throughput, MFU), in order."""
+    """The harness metrics of one of the team's rentals (step, loss, throughput, MFU), in order."""
 
     @extend_schema(parameters=[RunMetricQuerySerializer], responses=RunMetricSerializer(many=True))
     def get(self, request: Request, rental_id) -> Response:
-        if not Rental.objects.filter(pk=rental_id, customer=request.user).exists():
+        if not Rental.objects.filter(pk=rental_id, team=request_team(request)).exists():
             raise NotFound("no such rental")
         query = RunMetricQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)

@@ -9,10 +9,11 @@ import pytest
 from django.db import connection
 
 from billing.models import FundsHold
-from billing.services import account_adjust, account_for_customer
+from billing.services import account_adjust, account_for_team
 from marketplace.errors import PaymentRequired
 from marketplace.models import Rental
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
+from tests.factories import personal_team
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -39,6 +40,7 @@ def _create_in_parallel(customer) -> tuple[list[Rental], list[PaymentRequired]]:
             created.append(
                 rental_create(
                     customer=customer,
+                    team=personal_team(customer),
                     request=RentalRequest(
                         gpus_per_node=1,
                         duration_s=10 * 3600,
@@ -68,7 +70,7 @@ def test_parallel_creates_never_hold_more_than_the_balance(make_node, user, cred
     # Given a customer with `credit` and nodes with plenty of free GPUs at $0.50
     for _ in range(3):
         make_node(gpus=8, price="0.50")
-    account = account_for_customer(user=user)
+    account = account_for_team(team=personal_team(user))
     account_adjust(
         account_id=account.pk,
         amount_micros=int(Decimal(credit) * 1_000_000),

@@ -5,13 +5,14 @@ import pytest
 from marketplace.cli import main
 from marketplace.models import Rental
 from marketplace.services import api_token_create
+from tests.factories import personal_team
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture
 def cli(live_server, user, capsys):
-    _, token = api_token_create(user=user, name="cli")
+    _, token = api_token_create(user=user, team=personal_team(user), name="cli")
 
     def run(*argv: str) -> tuple[int, str, str]:
         code = main(["--server", live_server.url, "--token", token, *argv])
@@ -50,7 +51,11 @@ def test_a_provider_lists_prices_drains_and_joins_hosts(live_server, provider, m
     from marketplace.models import Node, NodeStatus
     from provisioning.models import JoinToken
 
-    _, token = api_token_create(user=provider.owner, name="cli")
+    _, token = api_token_create(
+        user=provider.owner,
+        team=personal_team(provider.owner),
+        name="cli",
+    )
 
     def cli(*argv: str) -> tuple[int, str, str]:
         code = main(["--server", live_server.url, "--token", token, *argv])
@@ -81,10 +86,10 @@ def test_a_provider_lists_prices_drains_and_joins_hosts(live_server, provider, m
 
 
 def test_balance_shows_the_customers_money(cli, user):
-    from billing.services.ledger import account_adjust, account_for_customer
+    from billing.services.ledger import account_adjust, account_for_team
 
     account_adjust(
-        account_id=account_for_customer(user=user).pk,
+        account_id=account_for_team(team=personal_team(user)).pk,
         amount_micros=7_500_000,
         reason="credit",
         actor=None,
