@@ -103,8 +103,8 @@ class PayoutForm(forms.Form):
 class AccountAdmin(admin.ModelAdmin):
     list_display = ["id", "kind", "owner", "balance", "low_balance_since", "depleted_since"]
     list_filter = ["kind"]
-    search_fields = ["user__username", "user__email", "provider__name"]
-    list_select_related = ["user", "provider"]
+    search_fields = ["team__name", "team__memberships__user__username", "provider__name"]
+    list_select_related = ["team", "provider"]
     fields = [
         "kind",
         "owner",
