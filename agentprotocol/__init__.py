@@ -315,7 +315,7 @@ class Heartbeat(Message):
     containers: tuple[ContainerReport, ...] = ()
     usage: tuple[UsageReport, ...] = ()
     metrics: tuple[MetricLine, ...] = ()
-    logs: tuple[LogLine, ...] = ()
+    logs: tuple[LogLine, ...] = dataclasses.field(default=(), metadata=OMIT_EMPTY)
     # A finished benchmark's result (the harness's benchmark mode prints it).
     benchmark: Mapping[str, Any] | None = dataclasses.field(default=None, metadata=OMIT_EMPTY)
 

@@ -71,8 +71,9 @@ class Api:
 FINAL_STATUSES = frozenset({"completed", "failed", "cancelled", "expired", "preempted"})
 
 
-def logs(args: argparse.Namespace, api: Api, out=sys.stdout) -> None:
+def logs(args: argparse.Namespace, api: Api) -> None:
     """Print a rental's output; with --follow, keep printing new lines until it has ended."""
+    out = sys.stdout
     path = f"/api/v1/rentals/{args.id}/logs/"
     params: dict[str, Any] = {"limit": 500}
     if args.tail:

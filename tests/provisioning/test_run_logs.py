@@ -50,8 +50,8 @@ def test_output_lines_are_kept_once_in_order_and_followed_by_id(agent, rent):  #
     assert [row["line_no"] for row in tail["results"]] == [6, 7]
 
 
-def test_lines_for_a_run_not_on_this_node_are_dropped_and_counted(agent, rent, api, provider):  # noqa: F811
-    rental, run = _running(agent, rent)
+def test_lines_for_a_run_not_on_this_node_are_dropped_and_counted(agent, rent):  # noqa: F811
+    rental, _ = _running(agent, rent)
     foreign = {"rental_id": str(rental.pk), "run_id": "not-a-run-of-this-node"}
     answer = _beat(agent, logs=_lines(foreign, range(3))).json()
     assert answer["dropped"] == {"logs": 3}
@@ -59,7 +59,7 @@ def test_lines_for_a_run_not_on_this_node_are_dropped_and_counted(agent, rent, a
 
 
 def test_a_bad_log_element_is_dropped_and_the_rest_applied(agent, rent):  # noqa: F811
-    rental, run = _running(agent, rent)
+    _, run = _running(agent, rent)
     run = {k: run[k] for k in ("rental_id", "run_id")}
     good = _lines(run, [0])
     bad = [{**run, "line_no": -1, "line": "x"}, {**run, "line_no": "one", "line": "x"}]
@@ -73,7 +73,7 @@ def test_a_bad_log_element_is_dropped_and_the_rest_applied(agent, rent):  # noqa
 
 
 def test_another_accounts_rental_log_and_series_are_404_and_bad_queries_400(agent, rent):  # noqa: F811
-    rental, run = _running(agent, rent)
+    rental, _ = _running(agent, rent)
     stranger = APIClient()
     stranger.force_authenticate(agent.node.provider.owner)
     for path in ("logs", "billing/gpu-series"):
@@ -96,7 +96,7 @@ def test_log_lines_past_the_retention_are_deleted(agent, rent, settings):  # noq
 
     from django.utils import timezone
 
-    rental, run = _running(agent, rent)
+    _, run = _running(agent, rent)
     run = {k: run[k] for k in ("rental_id", "run_id")}
     _beat(agent, logs=_lines(run, range(3)))
     RunLogLine.objects.filter(line_no__lt=2).update(
@@ -107,7 +107,7 @@ def test_log_lines_past_the_retention_are_deleted(agent, rent, settings):  # noq
 
 
 def test_the_gpu_series_has_a_line_per_gpu_from_the_samples_the_agent_sent(agent, rent):  # noqa: F811
-    rental, run = _running(agent, rent, gpus=2)
+    rental, _ = _running(agent, rent, gpus=2)
     start = rental.allocations.first().during.lower.timestamp()
     time.sleep(0.1)
     now = time.time()
@@ -116,8 +116,8 @@ def test_the_gpu_series_has_a_line_per_gpu_from_the_samples_the_agent_sent(agent
                              "power_w": 1.0, "temp_c": 1.0}])  # fmt: skip
     for t in range(3):
         samples = [
-            {"gpu_index": g, "ts": start + (now - start) * t / 3, "util_pct": 90.0 + g, "mem_used_mb": 1000 * t,
-             "power_w": 300.0, "temp_c": 60.0 + t}
+            {"gpu_index": g, "ts": start + (now - start) * t / 3, "util_pct": 90.0 + g,
+             "mem_used_mb": 1000 * t, "power_w": 300.0, "temp_c": 60.0 + t}
             for g in (0, 1, 2)  # GPU 2 is not the rental's
         ]  # fmt: skip
         _beat(agent, telemetry=samples)
