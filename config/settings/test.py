@@ -29,3 +29,7 @@ REST_FRAMEWORK = {
         "user": "100000/min",
     },
 }
+# Mail stays in memory unless a test points the SMTP backend at its own server; webhook tests
+# run their receiver on loopback.
+EMAIL_BACKEND = "django.core.mail.backends.locmem.EmailBackend"
+NOTIFICATIONS_WEBHOOK_ALLOW_LOOPBACK = True
