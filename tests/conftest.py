@@ -137,7 +137,7 @@ def smtp_server(settings):
     received: list = []
 
     class Handler:
-        async def handle_DATA(self, server, session, envelope):  # noqa: N802 - aiosmtpd's name
+        async def handle_DATA(self, server, session, envelope):
             message = email.message_from_bytes(envelope.content)
             message["X-Envelope-To"] = ", ".join(envelope.rcpt_tos)
             received.append(message)

@@ -67,7 +67,7 @@ def receiver():
     state = Receiver()
 
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 - http.server's name
+        def do_POST(self):
             body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             timestamp = self.headers.get("X-Gpumarket-Timestamp", "")
             signature = self.headers.get("X-Gpumarket-Signature", "")

@@ -154,7 +154,12 @@ def test_deliveries_are_scoped_to_their_owner(auth_api, user, rent, make_node):
     make_node()
     mine = move(rent(), RentalStatus.SCHEDULED, RentalStatus.PROVISIONING, RentalStatus.RUNNING)
     other = UserFactory()
-    move(rent(customer=other), RentalStatus.SCHEDULED, RentalStatus.PROVISIONING, RentalStatus.RUNNING)
+    move(
+        rent(customer=other),
+        RentalStatus.SCHEDULED,
+        RentalStatus.PROVISIONING,
+        RentalStatus.RUNNING,
+    )
     own = Delivery.objects.get(notification__owner=user)
     foreign = Delivery.objects.get(notification__owner=other)
     # When the customer lists and reads deliveries

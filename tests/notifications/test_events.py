@@ -88,9 +88,7 @@ def test_the_node_lost_path_of_the_lifecycle_notifies_too(rent):
 def test_switched_off_kinds_and_channels_record_nothing(rent, user):
     # Given a customer who switched "started" off for email, and a second customer who switched
     # email off altogether (and has no webhook)
-    notification_settings_update(
-        owner=user, email_kinds=["rental.completed", "rental.failed"]
-    )
+    notification_settings_update(owner=user, email_kinds=["rental.completed", "rental.failed"])
     quiet = UserFactory()
     notification_settings_update(owner=quiet, email_enabled=False)
     # When a rental of each runs and completes
