@@ -19,6 +19,7 @@ def _kinds_field(channel: str) -> serializers.ListField:
 
 
 class NotificationSettingsSerializer(serializers.ModelSerializer):
+    webhook_url = serializers.CharField(read_only=True, help_text="empty when there is none")
     email_kinds = serializers.SerializerMethodField()
     webhook_kinds = serializers.SerializerMethodField()
     webhook_secret_set = serializers.SerializerMethodField()

@@ -208,3 +208,21 @@ def test_an_unreachable_smtp_server_is_retried(rent, settings):
     delivery.refresh_from_db()
     assert (delivery.state, delivery.attempts) == ("pending", 1)
     assert delivery.last_error.startswith("ConnectionRefusedError")
+
+
+@pytest.mark.django_db
+def test_an_address_refused_at_delivery_time_fails_without_a_request(
+    rent, user, webhook_to, settings
+):
+    # Given a webhook accepted under development rules (a loopback receiver), then the rules of
+    # production (as if the name now resolved to a private address)
+    receiver = webhook_to(user)
+    move(rent(), *TO_RUNNING)
+    settings.NOTIFICATIONS_WEBHOOK_ALLOW_LOOPBACK = False
+    # When the delivery runs
+    tasks.deliver(Delivery.objects.get().pk)
+    # Then nothing is sent, and the delivery failed for good with the reason
+    delivery = Delivery.objects.get()
+    assert (delivery.state, delivery.attempts) == ("failed", 1)
+    assert delivery.last_error == "webhooks are sent over https only"
+    assert receiver.requests == []
