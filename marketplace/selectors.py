@@ -28,6 +28,7 @@ from marketplace.models import (
     Rental,
     RentalEvent,
     Team,
+    TeamRole,
     User,
 )
 from scheduler.engine import types as engine
@@ -274,6 +275,18 @@ def membership_list(*, user: User) -> QuerySet[Membership]:
         .filter(user=user)
         .order_by("team__name", "team_id")
     )
+
+
+def team_owner(*, team_id: int) -> User | None:
+    """The team's first owner: who hears about its money (low balance, budgets) while
+    notifications are kept per person."""
+    first = (
+        Membership.objects.select_related("user")
+        .filter(team_id=team_id, role=TeamRole.OWNER)
+        .order_by("pk")
+        .first()
+    )
+    return first.user if first is not None else None
 
 
 def team_members(*, team: Team) -> QuerySet[Membership]:

@@ -306,6 +306,7 @@ NOT_TEAM_OWNED = {
     "path",
     "team_id",  # the invitation link: its own test above
     "key",  # the invitation link, and sign-up's email confirmation
+    "delivery_id",  # notifications are kept per person (tests/notifications/test_api.py)
     "uidb64",  # password reset
     "token",
 }
