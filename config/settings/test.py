@@ -29,3 +29,11 @@ REST_FRAMEWORK = {
         "user": "100000/min",
     },
 }
+# allauth's own rate limits (sign-up, mails, failed sign-ins per address) would count across the
+# whole suite in the shared cache; django-axes still locks sign-ins out, and its tests lower that.
+ACCOUNT_RATE_LIMITS = False
+# Mail goes to the SMTP server a test starts (tests.conftest.smtp_server); none answers here.
+EMAIL_HOST = "127.0.0.1"
+EMAIL_PORT = 9
+EMAIL_TIMEOUT = 5
+EMAIL_SEND_ATTEMPTS = 1
