@@ -202,6 +202,8 @@ def cmd_up(port: int) -> int:
         SECURE_COOKIES="0",
         ALLOWED_HOSTS=env.get("ALLOWED_HOSTS", "localhost,127.0.0.1"),
         GPUMARKET_SERVER_URL=f"http://127.0.0.1:{port}",
+        # Verification and password-reset mails are printed into the web log, not sent.
+        EMAIL_BACKEND=env.get("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend"),
     )
     supervisor = Supervisor(env=env, cwd=ROOT)
     try:
@@ -219,7 +221,9 @@ def cmd_up(port: int) -> int:
         print(f"\nGPU marketplace on http://127.0.0.1:{port}/", flush=True)
         print("  web UI    log in as demo, see .var/dev/demo_password", flush=True)
         print(f"  API docs  http://127.0.0.1:{port}/api/docs/", flush=True)
-        print(f"  admin     http://127.0.0.1:{port}/admin/  (user: ops, see .var/dev/ops_password)")
+        print(f"  mail      printed into {logs / 'web.log'} (sign-up links, resets)", flush=True)
+        print(f"  admin     http://127.0.0.1:{port}/admin/  (user: ops, see .var/dev/ops_password;"
+              " staff set up TOTP on their first visit)")
         print("A process that dies is restarted; Ctrl-C stops everything.", flush=True)
         supervisor.run()
     except KeyboardInterrupt:
