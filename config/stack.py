@@ -222,8 +222,10 @@ def cmd_up(port: int) -> int:
         print("  web UI    log in as demo, see .var/dev/demo_password", flush=True)
         print(f"  API docs  http://127.0.0.1:{port}/api/docs/", flush=True)
         print(f"  mail      printed into {logs / 'web.log'} (sign-up links, resets)", flush=True)
-        print(f"  admin     http://127.0.0.1:{port}/admin/  (user: ops, see .var/dev/ops_password;"
-              " staff set up TOTP on their first visit)")
+        print(
+            f"  admin     http://127.0.0.1:{port}/admin/  (user: ops, see .var/dev/ops_password;"
+            " staff set up TOTP on their first visit)"
+        )
         print("A process that dies is restarted; Ctrl-C stops everything.", flush=True)
         supervisor.run()
     except KeyboardInterrupt:

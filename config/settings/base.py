@@ -161,7 +161,6 @@ ACCOUNT_EMAIL_CONFIRMATION_EXPIRE_DAYS = env.int("EMAIL_CONFIRMATION_EXPIRE_DAYS
 # A taken address is named as such on the sign-up form (the username says as much anyway).
 ACCOUNT_PREVENT_ENUMERATION = False
 ACCOUNT_EMAIL_SUBJECT_PREFIX = "[gpumarket] "
-ACCOUNT_LOGOUT_ON_PASSWORD_CHANGE = False
 MFA_SUPPORTED_TYPES = ["totp", "recovery_codes"]
 MFA_TOTP_ISSUER = env.str("MFA_TOTP_ISSUER", default="gpumarket")
 # One 30 s step either side, for the clock of a phone.

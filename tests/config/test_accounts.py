@@ -325,3 +325,34 @@ def test_a_sign_up_while_the_mail_server_is_down_keeps_the_account_and_says_so(c
     shown = client.get(page["Location"]).content.decode()
     assert "could not send the mail" in shown
     assert User.objects.filter(username="gil").exists()
+
+
+# People who existed before sign-up had verification.
+
+
+def test_the_migration_verifies_the_addresses_of_people_who_existed_before(client):
+    import importlib
+
+    from django.apps import apps
+
+    before = UserFactory(username="old", email="Old@Example.com", email_verified=False)
+    already = UserFactory(username="known")
+    assert not EmailAddress.objects.filter(user=before).exists()
+    migration = importlib.import_module(
+        "marketplace.migrations.0006_existing_users_verified_addresses"
+    )
+    migration.verify_existing(apps, None)
+    assert list(EmailAddress.objects.filter(user=before).values_list("email", "verified")) == [
+        ("old@example.com", True)
+    ]
+    assert EmailAddress.objects.filter(user=already).count() == 1
+    assert _sign_in(client, "old", "pw-not-secret")["Location"] == "/"
+
+
+def test_the_lockout_counts_sign_ins_by_address_as_well(settings):
+    settings.AXES_FAILURE_LIMIT = 2
+    UserFactory(username="kim", email="kim@example.com")
+    for _ in range(2):
+        last = _sign_in(Client(), "KIM@example.com", "wrong")
+    assert last.status_code == 429
+    assert _sign_in(Client(), "kim@example.com", "pw-not-secret").status_code == 429

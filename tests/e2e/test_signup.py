@@ -130,11 +130,13 @@ def test_a_new_person_becomes_a_provider_and_gets_a_join_command(
     _fill(driver, {"id_region": "eu-west", "id_price": "1.10", "id_min_bid": "0.40"})
     driver.find_element(By.CSS_SELECTOR, "#join-form button[type=submit]").click()
     command = _wait(driver, lambda d: d.find_element(By.ID, "join-command")).text
-    assert re.fullmatch(rf"gpumarket-agent --server {re.escape(base)} --join-token gpj_\S+", command)
+    assert re.fullmatch(
+        rf"gpumarket-agent --server {re.escape(base)} --join-token gpj_\S+", command
+    )
     provider = Provider.objects.get(name="Ida Compute")
     assert provider.owner.username == "ida"
     assert JoinToken.objects.filter(provider=provider, region="eu-west").count() == 1
     # The navigation now leads to the provider page
-    assert driver.find_element(By.LINK_TEXT, "Provider").get_attribute("href").endswith(
-        "/provider/"
+    assert (
+        driver.find_element(By.LINK_TEXT, "Provider").get_attribute("href").endswith("/provider/")
     )
