@@ -75,6 +75,8 @@ class AccountAdapter(DefaultAccountAdapter):
         try:
             email_send(self.render_mail(template_prefix, email, ctx))
         except EmailNotSent:
+            if request is None:
+                raise
             # The account exists; signing in again sends a new verification link.
             messages.error(
                 request,

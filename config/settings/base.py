@@ -158,7 +158,8 @@ ACCOUNT_SIGNUP_FIELDS = ["email*", "username*", "password1*", "password2*"]
 ACCOUNT_EMAIL_VERIFICATION = "mandatory"
 ACCOUNT_UNIQUE_EMAIL = True
 ACCOUNT_EMAIL_CONFIRMATION_EXPIRE_DAYS = env.int("EMAIL_CONFIRMATION_EXPIRE_DAYS", default=3)
-# A taken address is named as such on the sign-up form (the username says as much anyway).
+# A taken address is named on the sign-up form, an unknown one on the password-reset form (a
+# taken username says as much anyway); django-axes and allauth's rate limits slow guessing.
 ACCOUNT_PREVENT_ENUMERATION = False
 ACCOUNT_EMAIL_SUBJECT_PREFIX = "[gpumarket] "
 MFA_SUPPORTED_TYPES = ["totp", "recovery_codes"]
