@@ -155,12 +155,12 @@ def celery_worker():
 
 
 def funded_customer(username: str):
-    from billing.services.ledger import account_adjust, account_for_customer
-    from marketplace.models import User
+    from billing.services.ledger import account_adjust, account_for_team
+    from marketplace.services import team_personal_ensure, user_create
 
-    customer = User.objects.create_user(username, f"{username}@example.invalid", "x")
+    customer = user_create(username=username, email=f"{username}@example.invalid", password="x")
     account_adjust(
-        account_id=account_for_customer(user=customer).pk,
+        account_id=account_for_team(team=team_personal_ensure(user=customer)).pk,
         amount_micros=10**13,
         reason="benchmark credit",
         actor=None,
@@ -172,8 +172,10 @@ def offered_load(rate: float, seconds: float, customer) -> dict:
     """rental_create at `rate`/s for `seconds` from 4 threads; create->SCHEDULED of each."""
     from django.db import connection, connections
 
+    from marketplace.services import team_personal_ensure
     from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 
+    team = team_personal_ensure(user=customer)
     created: list[str] = []
     lag = 0.0
     threads_n = 4
@@ -193,6 +195,7 @@ def offered_load(rate: float, seconds: float, customer) -> dict:
                     lag = max(lag, now - due)
             rental = rental_create(
                 customer=customer,
+                team=team,
                 request=RentalRequest(
                     gpus_per_node=1, duration_s=3600, runtime=RuntimeSpec(image="img")
                 ),
@@ -245,14 +248,16 @@ def service_create_rate(customer, n: int = 200) -> float:
     for one caller (no scheduling, no queueing)."""
     from django.db import transaction
 
+    from marketplace.services import team_personal_ensure
     from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 
+    team = team_personal_ensure(user=customer)
     request = RentalRequest(gpus_per_node=1, duration_s=3600, runtime=RuntimeSpec(image="img"))
     with transaction.atomic():
         t0 = time.perf_counter()
         for _ in range(n):
             with transaction.atomic():
-                rental_create(customer=customer, request=request)
+                rental_create(customer=customer, team=team, request=request)
         rate = n / (time.perf_counter() - t0)
         transaction.set_rollback(True)
     return rate
