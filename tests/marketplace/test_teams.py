@@ -307,7 +307,8 @@ NOT_TEAM_OWNED = {
     "team_id",  # the invitation link: its own test above
     "key",  # the invitation link, and sign-up's email confirmation
     "delivery_id",  # notifications are kept per person (tests/notifications/test_api.py)
-    "uidb64",  # password reset
+    "uidb64",  # password reset (Django and allauth)
+    "uidb36",
     "token",
 }
 
