@@ -207,15 +207,18 @@ def start_seaweedfs(data_dir: Path, *, bucket: str) -> tuple[dict[str, str], sub
         "S3_REGION": "us-east-1",
     }
     try:
-        _s3_ready(env, proc, data_dir)
+        bucket_ensure(env, proc=proc, log_dir=data_dir)
     except BaseException:
         stop_process(proc)
         raise
     return env, proc
 
 
-def _s3_ready(env: dict[str, str], proc: subprocess.Popen, data_dir: Path) -> None:
-    """Wait (60 s at most) until the gateway answers a signed request, then make the bucket."""
+def bucket_ensure(
+    env: dict[str, str], *, proc: subprocess.Popen | None = None, log_dir: Path | None = None
+) -> None:
+    """Wait (60 s at most) until the S3 endpoint of `env` answers a signed request, then make
+    its bucket unless it exists."""
     import boto3
     from botocore.config import Config
     from botocore.exceptions import BotoCoreError, ClientError
@@ -233,8 +236,8 @@ def _s3_ready(env: dict[str, str], proc: subprocess.Popen, data_dir: Path) -> No
     )  # fmt: skip
     deadline = time.monotonic() + 60
     while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"weed exited with {proc.returncode}; see {data_dir / 'weed.log'}")
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"weed exited with {proc.returncode}; see {log_dir}")
         try:
             client.head_bucket(Bucket=env["S3_BUCKET"])
             return
@@ -248,7 +251,7 @@ def _s3_ready(env: dict[str, str], proc: subprocess.Popen, data_dir: Path) -> No
         except BotoCoreError:
             pass
         if time.monotonic() > deadline:
-            raise RuntimeError(f"SeaweedFS S3 did not answer within 60 s; see {data_dir}")
+            raise RuntimeError(f"S3 at {env['S3_ENDPOINT_URL']} did not answer within 60 s")
         time.sleep(0.3)
 
 
