@@ -70,7 +70,11 @@ def test_the_heartbeat_answer_in_the_schema_is_the_protocols(schema):
             ArtifactUploadRequest,
             ArtifactUploadAnswer,
         ),
-        ("/api/agent/v1/rentals/{rental_id}/artifacts/commit/", ArtifactCommit, ArtifactCommitAnswer),
+        (
+            "/api/agent/v1/rentals/{rental_id}/artifacts/commit/",
+            ArtifactCommit,
+            ArtifactCommitAnswer,
+        ),
     ],
 )
 def test_the_artifact_endpoints_in_the_schema_are_the_protocols(
