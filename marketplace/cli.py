@@ -4,10 +4,13 @@
     gpumarket advise --model llama2-7b --tokens-b 100 --deadline-hours 48
     gpumarket book --model llama2-7b --tokens-b 100 --plan h100-sxm5-80gb:2x8
     gpumarket rent --gpus 4 --gpu-family a100 --region eu --hours 12 --image IMAGE -- CMD ...
-    gpumarket rentals | show ID | metrics ID | stop ID | cancel ID
+    gpumarket rentals | show ID | metrics ID | logs [-f] ID | stop ID | cancel ID
     gpumarket data push PATH [--name NAME] | data ls | data rm NAME
     gpumarket rent ... --data NAME --resume-from RENTAL
     gpumarket artifacts ls RENTAL | artifacts pull RENTAL [DEST]
+
+Every command takes `--json`: it prints the server's answer as JSON instead of a table (one JSON
+object per line for `logs`), for scripts.
 
 The server and token come from flags or GPUMARKET_SERVER_URL / GPUMARKET_TOKEN.
 """
@@ -38,6 +41,7 @@ class Api:
     def __init__(self, server: str, token: str | None) -> None:
         self.base = server.rstrip("/")
         self.session = requests.Session()
+        self.last: Any = None  # the last answer's body, for --json
         if token:
             self.session.headers["Authorization"] = f"Bearer {token}"
 
@@ -65,7 +69,42 @@ class Api:
             raise CliError(
                 f"{r.status_code}: {json.dumps(body) if not isinstance(body, str) else body}"
             )
-        return r.json() if r.content else None
+        self.last = r.json() if r.content else None
+        return self.last
+
+
+# A followed rental that reached one of these has nothing more to print once its lines are read.
+FINAL_STATUSES = frozenset({"completed", "failed", "cancelled", "expired", "preempted"})
+
+
+def logs(args: argparse.Namespace, api: Api) -> None:
+    """Print a rental's output; with --follow, keep printing new lines until it has ended."""
+    out = sys.stdout
+    path = f"/api/v1/rentals/{args.id}/logs/"
+    params: dict[str, Any] = {"limit": 500}
+    if args.tail:
+        params["tail"] = args.tail
+    while True:
+        page = api.call("GET", path, params=params)
+        for row in page["results"]:
+            print(json.dumps(row) if args.json else row["line"], file=out, flush=True)
+        if page["results"]:
+            params = {"limit": 500, "after": page["results"][-1]["id"]}
+        if page.get("next"):
+            continue
+        if not args.follow:
+            return
+        status = api.call("GET", f"/api/v1/rentals/{args.id}/")["status"]
+        if status in FINAL_STATUSES:
+            # The last lines may arrive with the agent's next heartbeat after the end.
+            page = api.call("GET", path, params=params)
+            for row in page["results"]:
+                print(json.dumps(row) if args.json else row["line"], file=out, flush=True)
+            if not page["results"]:
+                return
+            params = {"limit": 500, "after": page["results"][-1]["id"]}
+            continue
+        time.sleep(args.interval)
 
 
 def _table(rows: list[dict], columns: list[str]) -> str:
@@ -146,8 +185,10 @@ def run(args: argparse.Namespace, api: Api) -> str:
         if args.artifacts_command == "pull":
             dest = Path(args.dest or args.rental)
             written = cli_transfer.pull(api, args.rental, dest)
+            api.last = {"files": [str(path) for path in written]}
             return f"{len(written)} files in {dest}"
         rows = list(cli_transfer.pages(api, f"/api/v1/rentals/{args.rental}/artifacts/"))
+        api.last = rows
         return _table(rows, ["path", "size_bytes", "reason", "synced_at"]) if rows else "none"
     if args.command == "balance":
         account = api.call("GET", "/api/v1/billing/account/")
@@ -165,6 +206,7 @@ def _data_run(args: argparse.Namespace, api: Api) -> str:
         dataset = cli_transfer.push(api, root, args.name or root.resolve().name)
         return f"{dataset['id']} {dataset['name']} {dataset['status']} {dataset['total_bytes']} B"
     rows = list(cli_transfer.pages(api, "/api/v1/datasets/"))
+    api.last = rows
     if args.data_command == "ls":
         columns = ["id", "name", "status", "total_bytes", "file_count", "created_at"]
         return _table(rows, columns) if rows else "no datasets"
@@ -183,6 +225,7 @@ def _provider_run(args: argparse.Namespace, api: Api) -> str:
             for provider in api.call("GET", "/api/v1/providers/")
             for row in api.call("GET", f"/api/v1/providers/{provider['id']}/nodes/")
         ]
+        api.last = rows
         columns = ["id", "hostname", "region", "status", "gpu_model", "rented_gpus", "gpu_count"]
         return _table(rows, [*columns, "price_per_gpu_hour", "min_bid_per_gpu_hour"])
     if args.command == "price":
@@ -217,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--server", default=os.environ.get("GPUMARKET_SERVER_URL", "http://127.0.0.1:8000")
     )
     parser.add_argument("--token", default=os.environ.get("GPUMARKET_TOKEN"))
+    parser.add_argument(
+        "--json", action="store_true", help="print the server's answer as JSON, for scripts"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     offers = sub.add_parser("offers", help="GPUs free now")
     offers.add_argument("--gpu-family")
@@ -272,6 +318,11 @@ def build_parser() -> argparse.ArgumentParser:
     pull = artifacts_sub.add_parser("pull", help="download a rental's output files")
     pull.add_argument("rental")
     pull.add_argument("dest", nargs="?", help="a folder (default: the rental id)")
+    log = sub.add_parser("logs", help="the output of a rental's container")
+    log.add_argument("id")
+    log.add_argument("-f", "--follow", action="store_true", help="keep printing until it ends")
+    log.add_argument("--tail", type=int, help="only the last N lines")
+    log.add_argument("--interval", type=float, default=2.0, help=argparse.SUPPRESS)
     sub.add_parser("balance", help="your credit, what is available, what running rentals cost")
     sub.add_parser("nodes", help="providers: your nodes and what is rented")
     price = sub.add_parser("price", help="providers: a node's prices for new bookings")
@@ -295,8 +346,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    api = Api(args.server, args.token)
     try:
-        print(run(args, Api(args.server, args.token)))
+        if args.command == "logs":
+            logs(args, api)
+            return 0
+        text = run(args, api)
+        print(json.dumps(api.last, indent=2) if args.json else text)
     except (CliError, cli_transfer.TransferError) as exc:
         print(f"gpumarket: {exc}", file=sys.stderr)
         return 1

@@ -131,6 +131,12 @@ def rental_detail(request: HttpRequest, rental_id) -> HttpResponse:
             "active": rental.status in lifecycle.ACTIVE,
             "cancellable": rental.status in lifecycle.CANCELLABLE,
             "stoppable": rental.status in lifecycle.BURNING,
+            "gpu_chart_kinds": [
+                ("util", "Utilisation"),
+                ("mem", "Memory used"),
+                ("power", "Power"),
+                ("temp", "Temperature"),
+            ],
             "artifacts": selectors.rental_artifacts(customer=request.user, rental_id=rental.pk),
             "retention_days": settings.STORAGE["ARTIFACT_RETENTION_DAYS"],
         },

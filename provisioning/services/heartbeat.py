@@ -44,6 +44,7 @@ from marketplace.selectors import (
     rentals_resume_checkpoints,
 )
 from provisioning.models import ContainerRun, NodeBenchmark, RunMetric
+from provisioning.services.logs import run_logs_store
 from provisioning.services.telemetry import telemetry_buffer
 
 log = logging.getLogger(__name__)
@@ -286,6 +287,7 @@ def node_heartbeat(
     usage: list[UsageReport],
     telemetry: list[dict],
     metrics: list[tuple[str, str, str]],
+    logs: list[tuple[str, int, str]] = (),
     benchmark: Mapping[str, Any] | None = None,
     dropped: Mapping[str, int] | None = None,
 ) -> HeartbeatAnswer:
@@ -313,6 +315,8 @@ def node_heartbeat(
             counts["usage"] += refused
         if metrics:
             counts["metrics"] += metrics_store(node=node, lines=metrics)
+        if logs:
+            counts["logs"] += run_logs_store(node=node, lines=logs)
         run_benchmark = node.benchmark_requested
         if benchmark:
             benchmark_record(node=node, result=benchmark)
