@@ -19,8 +19,8 @@ from agentprotocol import ContainerStatus, DesiredRun, PublishedPort
 from nodeagent.publish import (
     Forward,
     PublishConfig,
-    PublishError,
     Publisher,
+    PublishError,
     Wanted,
     preferred_port,
     wanted_ports,
@@ -230,9 +230,7 @@ def test_ssh_into_a_docker_run_with_its_key_only(docker_driver, docker_client, m
     # given a run that asks for SSH with one key, on an internal network
     allowed = keypair(tmp_path / "allowed")
     keypair(tmp_path / "other")
-    spec = make_spec(
-        "import time; time.sleep(600)", ports=(22,), ssh_authorized_keys=(allowed,)
-    )
+    spec = make_spec("import time; time.sleep(600)", ports=(22,), ssh_authorized_keys=(allowed,))
     state = docker_driver.start(spec)
     publisher = Publisher(config())
     try:
@@ -240,7 +238,8 @@ def test_ssh_into_a_docker_run_with_its_key_only(docker_driver, docker_client, m
         [published] = wait_for(lambda: publisher.published(spec.run_id), 60, "sshd to listen")
 
         # when the holder of the key runs a command: it runs inside the run's container
-        done = ssh(tmp_path / "allowed", published.host_port, "hostname; id -u; echo $GPUMARKET_RUN_ID")
+        command = "hostname; id -u; echo $GPUMARKET_RUN_ID"
+        done = ssh(tmp_path / "allowed", published.host_port, command)
         container = docker_client.containers.get(container_name(spec.run_id))
         assert done.returncode == 0, done.stderr
         assert done.stdout.split() == [container.attrs["Config"]["Hostname"], "1000", spec.run_id]
