@@ -203,3 +203,39 @@ def test_a_bad_published_port_drops_only_that_report(agent, rent, user, tmp_path
     assert answer.status_code == 200
     assert answer.json()["dropped"] == {"containers": 1}
     assert ContainerRun.objects.get(run_id=desired["run_id"]).published == []
+
+
+def test_the_keys_page_lists_only_the_accounts_keys(client, user, tmp_path):
+    mine = ssh_key_add(owner=user, public_key=_keygen(tmp_path, "ed25519"))
+    other = get_user_model().objects.create_user("other", "other@example.com", "pw")
+    theirs = ssh_key_add(owner=other, public_key=_keygen(tmp_path, "ecdsa", 256))
+    client.force_login(user)
+    page = client.get("/ssh-keys/").content.decode()
+    assert mine.fingerprint in page and theirs.fingerprint not in page
+    assert f'data-url="/api/v1/ssh-keys/{mine.pk}/"' in page
+
+
+def test_the_rental_page_shows_the_ssh_command(
+    client,
+    agent,  # noqa: F811
+    rent,
+    user,
+    tmp_path,
+):
+    ssh_key_add(owner=user, public_key=_keygen(tmp_path, "ed25519"))
+    rental = rent(1, ssh=True)
+    scheduler_cycle_run()
+    [desired] = _beat(agent).json()["desired"]
+    client.force_login(user)
+    assert (
+        "once the container&#x27;s sshd listens"
+        in client.get(f"/rentals/{rental.pk}/").content.decode()
+    )
+    report = {
+        "rental_id": str(rental.pk), "run_id": desired["run_id"], "status": "running",
+        "started_at": 1.0e9,
+        "published": [{"container_port": 22, "host": "gpu-host-1.example", "host_port": 42022}],
+    }  # fmt: skip
+    _beat(agent, containers=[report])
+    page = client.get(f"/rentals/{rental.pk}/").content.decode()
+    assert '<code class="ssh-command">ssh -p 42022 harness@gpu-host-1.example</code>' in page
