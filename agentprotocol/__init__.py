@@ -33,8 +33,8 @@ ARTIFACT_COMMIT_PATH = "/api/agent/v1/rentals/{rental_id}/artifacts/commit/"
 
 DEFAULT_STOP_GRACE_S = 30.0
 
-# A field with this metadata is left out of the payload while empty ("" or None): the receiver's
-# default is the same, and a report then says only what it has to say.
+# A field with this metadata is left out of the payload while empty ("", None or ()): the
+# receiver's default is the same, and a report then says only what it has to say.
 OMIT_EMPTY: Mapping[str, bool] = types.MappingProxyType({"omit_empty": True})
 
 
@@ -67,7 +67,7 @@ class Message:
         payload = {}
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
-            if f.metadata.get("omit_empty") and value in ("", None):
+            if f.metadata.get("omit_empty") and value in ("", None, ()):
                 continue
             payload[f.name] = _dump(value)
         return payload
@@ -254,7 +254,7 @@ class ContainerReport(Message):
     finished_at: float | None = None
     log_tail: str = dataclasses.field(default="", metadata=OMIT_EMPTY)  # of an exited run
     # Ports of the run reachable from outside the node (SSH, Jupyter), once they listen.
-    published: tuple[PublishedPort, ...] = ()
+    published: tuple[PublishedPort, ...] = dataclasses.field(default=(), metadata=OMIT_EMPTY)
     # Why the agent could not start the run at all (bad image, a runtime that cannot run it).
     error: str = dataclasses.field(default="", metadata=OMIT_EMPTY)
 

@@ -228,8 +228,7 @@ def test_the_rental_page_shows_the_ssh_command(
     [desired] = _beat(agent).json()["desired"]
     client.force_login(user)
     assert (
-        "once the container&#x27;s sshd listens"
-        in client.get(f"/rentals/{rental.pk}/").content.decode()
+        "once the container's sshd listens" in client.get(f"/rentals/{rental.pk}/").content.decode()
     )
     report = {
         "rental_id": str(rental.pk), "run_id": desired["run_id"], "status": "running",
