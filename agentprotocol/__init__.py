@@ -290,6 +290,20 @@ class MetricLine(Message):
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class LogLine(Message):
+    """One line of a run's own output (not a metric), for the live log. `line_no` is the line's
+    index in the run's output, from 0: a line sent twice is kept once, and a gap in the numbers
+    shows where the agent dropped lines it could not hold."""
+
+    wire_name: ClassVar[str] = "log line"
+
+    rental_id: str
+    run_id: str
+    line_no: int
+    line: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Heartbeat(Message):
     """What the agent sends every round: its runs' actual state and what they used."""
 
@@ -301,6 +315,7 @@ class Heartbeat(Message):
     containers: tuple[ContainerReport, ...] = ()
     usage: tuple[UsageReport, ...] = ()
     metrics: tuple[MetricLine, ...] = ()
+    logs: tuple[LogLine, ...] = dataclasses.field(default=(), metadata=OMIT_EMPTY)
     # A finished benchmark's result (the harness's benchmark mode prints it).
     benchmark: Mapping[str, Any] | None = dataclasses.field(default=None, metadata=OMIT_EMPTY)
 
@@ -351,16 +366,16 @@ class DesiredRun(Message):
     memory_limit_mb: int
     ports: tuple[int, ...]
     stop_grace_s: float = DEFAULT_STOP_GRACE_S
-    datasets: tuple[DatasetMount, ...] = ()
+    datasets: tuple[DatasetMount, ...] = dataclasses.field(default=(), metadata=OMIT_EMPTY)
     # Files written into the run's output directory (/workspace) before it starts: the last
     # synced checkpoint of the run it resumes (a requeued interruptible rental, or a rental
     # started from an earlier one's checkpoint).
-    resume_files: tuple[StagedFile, ...] = ()
+    resume_files: tuple[StagedFile, ...] = dataclasses.field(default=(), metadata=OMIT_EMPTY)
     # Sync the output directory to object storage (ARTIFACT_UPLOADS_PATH / ARTIFACT_COMMIT_PATH)
     # at every checkpoint and when the run stops, completes, is preempted or fails.
     sync_artifacts: bool = False
     # Public keys (OpenSSH format) allowed into the run's sshd, when the rental asked for SSH.
-    ssh_authorized_keys: tuple[str, ...] = ()
+    ssh_authorized_keys: tuple[str, ...] = dataclasses.field(default=(), metadata=OMIT_EMPTY)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -499,6 +514,7 @@ __all__ = [
     "Heartbeat",
     "HeartbeatAnswer",
     "JoinAnswer",
+    "LogLine",
     "Message",
     "MetricLine",
     "ProtocolError",

@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('provisioning', '0002_untrusted_node_reports'),
+        ('provisioning', '0003_run_log_lines'),
     ]
 
     operations = [
