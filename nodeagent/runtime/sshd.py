@@ -37,7 +37,7 @@ _SESSION_ENV = (
 
 # Run with `sh -c` by `docker exec` as the container's user; GPUMARKET_SSH_AUTHORIZED_KEYS and
 # GPUMARKET_SSH_PORT come in the exec's environment. `exec` leaves sshd in the foreground of
-# the exec'd process (-D), logging to its stderr (-e).
+# the exec'd process (-D), logging to a file beside its configuration (-E).
 LAUNCH_SCRIPT = rf"""set -eu
 d={SSH_DIR}
 umask 077
@@ -64,7 +64,7 @@ Subsystem sftp internal-sftp
 EOF
 [ -z "$session_env" ] || echo "SetEnv $session_env" >> "$d/sshd_config"
 sshd=$(command -v sshd || echo /usr/sbin/sshd)
-exec "$sshd" -D -e -f "$d/sshd_config"
+exec "$sshd" -D -E "$d/sshd.log" -f "$d/sshd_config"
 """
 
 

@@ -97,8 +97,9 @@ def test_ssh_into_a_rental_with_the_accounts_key_only_until_it_ends(
 
     # and a command run with the account's key runs inside the rental's container
     done = _ssh(tmp_path / "mine", port, "hostname; id -un; echo $GPUMARKET_RENTAL_ID")
-    assert done.returncode == 0, done.stderr
     [container] = managed_containers(docker_client, rental_id)
+    sshd_log = container.exec_run(["cat", "/tmp/.gpumarket-ssh/sshd.log"]).output.decode()
+    assert done.returncode == 0, (done.stderr, sshd_log, stack.log("agent")[-3000:])
     assert done.stdout.split() == [container.attrs["Config"]["Hostname"], "harness", rental_id]
 
     # and another key is refused
