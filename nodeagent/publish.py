@@ -279,6 +279,7 @@ class Publisher:
             if want is None or key[1] not in want.ports or want.netns_pid != forward.netns_pid:
                 forward.close()
                 del self._forwards[key]
+        self._failed = {failed for failed in self._failed if failed[0] in wanted}
         if self.config is None:
             return
         for run_id, want in wanted.items():
