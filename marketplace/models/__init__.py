@@ -11,6 +11,15 @@ from marketplace.models.rentals import (
     RentalKind,
     RentalStatus,
 )
+from marketplace.models.sshkeys import SshKey
+from marketplace.models.storage import (
+    Artifact,
+    Dataset,
+    DatasetFile,
+    DatasetStatus,
+    RentalDataset,
+    artifact_key,
+)
 from marketplace.models.teams import MONEY_ROLES, Invitation, Membership, Team, TeamRole
 
 __all__ = [
@@ -19,6 +28,10 @@ __all__ = [
     "AdvisorPrior",
     "Allocation",
     "ApiToken",
+    "Artifact",
+    "Dataset",
+    "DatasetFile",
+    "DatasetStatus",
     "Gpu",
     "GpuModel",
     "GpuTier",
@@ -29,10 +42,13 @@ __all__ = [
     "NodeStatus",
     "Provider",
     "Rental",
+    "RentalDataset",
     "RentalEvent",
     "RentalKind",
     "RentalStatus",
+    "SshKey",
     "Team",
     "TeamRole",
     "User",
+    "artifact_key",
 ]

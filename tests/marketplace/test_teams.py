@@ -307,6 +307,10 @@ NOT_TEAM_OWNED = {
     "team_id",  # the invitation link: its own test above
     "key",  # the invitation link, and sign-up's email confirmation
     "delivery_id",  # notifications are kept per person (tests/notifications/test_api.py)
+    # Datasets and SSH keys still belong to the person (their own 404 tests: test_datasets.py,
+    # test_ssh_keys.py); a rental reads its creator's.
+    "dataset_id",
+    "key_id",
     "uidb64",  # password reset (Django and allauth)
     "uidb36",
     "token",
@@ -325,7 +329,7 @@ def _patterns(resolver=None, prefix=""):
 
 def _id_routes():
     for route, pattern in _patterns():
-        if route.startswith("admin/"):
+        if route.startswith(("admin/", "api/agent/")):  # ops; nodes (their own credentials)
             continue
         names = re.findall(r"<(?:\w+:)?(\w+)>", route)
         if names:

@@ -8,7 +8,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('marketplace', '0006_existing_users_verified_addresses'),
+        ('marketplace', '0008_datasets_artifacts_resume'),
     ]
 
     operations = [

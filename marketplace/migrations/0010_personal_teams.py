@@ -18,7 +18,7 @@ def personal_teams(apps, schema_editor):
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("marketplace", "0007_teams"),
+        ("marketplace", "0009_teams"),
     ]
 
     operations = [
