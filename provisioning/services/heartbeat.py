@@ -38,6 +38,7 @@ from marketplace.models import (
 )
 from marketplace.selectors import measured_tflops_plausible
 from provisioning.models import ContainerRun, NodeBenchmark, RunMetric
+from provisioning.services.logs import run_logs_store
 from provisioning.services.telemetry import telemetry_buffer
 
 log = logging.getLogger(__name__)
@@ -245,6 +246,7 @@ def node_heartbeat(
     usage: list[UsageReport],
     telemetry: list[dict],
     metrics: list[tuple[str, str, str]],
+    logs: list[tuple[str, int, str]] = (),
     benchmark: Mapping[str, Any] | None = None,
     dropped: Mapping[str, int] | None = None,
 ) -> HeartbeatAnswer:
@@ -256,7 +258,8 @@ def node_heartbeat(
     now = timezone.now()
     counts: Counter[str] = Counter(dropped or {})
     run_benchmark = node.benchmark_requested
-    if _idle_and_online(node, containers, usage, metrics, benchmark):
+    # A report kind added to the heartbeat is named here too, or an idle node's would be lost.
+    if _idle_and_online(node, containers, usage, metrics, logs, benchmark):
         with connection.cursor() as cursor:
             cursor.execute(_SEEN_AND_HELD_SQL, [now, node.pk, *_held_params(node, now)])
             held = cursor.fetchall()
@@ -281,6 +284,8 @@ def node_heartbeat(
             counts["usage"] += refused
         if metrics:
             counts["metrics"] += metrics_store(node=node, lines=metrics)
+        if logs:
+            counts["logs"] += run_logs_store(node=node, lines=logs)
         if benchmark:
             benchmark_record(node=node, result=benchmark)
             run_benchmark = False
@@ -291,16 +296,10 @@ def node_heartbeat(
                    run_benchmark=run_benchmark)  # fmt: skip
 
 
-def _idle_and_online(
-    node: Node,
-    containers: list[ContainerReport],
-    usage: list[UsageReport],
-    metrics: list[tuple[str, str, str]],
-    benchmark: Mapping[str, Any] | None,
-) -> bool:
-    """A heartbeat that reports nothing but telemetry, from a node that is not coming back
-    from OFFLINE: it only marks the node seen."""
-    return not (containers or usage or metrics or benchmark) and node.status != NodeStatus.OFFLINE
+def _idle_and_online(node: Node, *reports: object) -> bool:
+    """A heartbeat whose reports (every kind but telemetry, each named by the caller) are all
+    empty, from a node that is not coming back from OFFLINE: it only marks the node seen."""
+    return not any(reports) and node.status != NodeStatus.OFFLINE
 
 
 def _answer(
