@@ -62,15 +62,28 @@ def _chromium(env: dict[str, str]) -> None:
     browser = env.get("GPUMARKET_CHROMIUM") or shutil.which("chromium")
     driver = env.get("GPUMARKET_CHROMEDRIVER") or shutil.which("chromedriver")
     if not (browser and driver):
-        apt = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *CHROMIUM_PACKAGES]
-        apt_env = {**env, "DEBIAN_FRONTEND": "noninteractive"}
-        if subprocess.run(apt, env=apt_env, check=False).returncode != 0:
-            subprocess.run(["apt-get", "update", "-q"], env=apt_env, check=True, timeout=600)
-            subprocess.run(apt, env=apt_env, check=True, timeout=900)
+        _apt_install(CHROMIUM_PACKAGES, env)
         browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
     if not (browser and driver):
         raise RuntimeError("Chromium or ChromeDriver is missing after installing them")
     env.update(GPUMARKET_CHROMIUM=browser, GPUMARKET_CHROMEDRIVER=driver)
+
+
+def _apt_install(packages: tuple[str, ...], env: dict[str, str]) -> None:
+    """Debian's packages, refreshing the package lists only when the first try fails."""
+    apt = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages]
+    apt_env = {**env, "DEBIAN_FRONTEND": "noninteractive"}
+    if subprocess.run(apt, env=apt_env, check=False).returncode != 0:
+        subprocess.run(["apt-get", "update", "-q"], env=apt_env, check=True, timeout=600)
+        subprocess.run(apt, env=apt_env, check=True, timeout=900)
+
+
+def _openssh_client(env: dict[str, str]) -> None:
+    """The ssh client of the SSH tests (a real client logs in to a rental's container)."""
+    if not (shutil.which("ssh") and shutil.which("ssh-keygen")):
+        _apt_install(("openssh-client",), env)
+    if not (shutil.which("ssh") and shutil.which("ssh-keygen")):
+        raise RuntimeError("ssh or ssh-keygen is missing after installing openssh-client")
 
 
 def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 30) -> None:
@@ -159,6 +172,8 @@ def cmd_test(pytest_args: list[str]) -> int:
         _docker_engine(env)
         print("== chromium for the browser tests", flush=True)
         _chromium(env)
+        print("== openssh client for the SSH tests", flush=True)
+        _openssh_client(env)
         print("== localstripe", flush=True)
         stripe_server = _localstripe(env)
         print("== pytest", flush=True)
@@ -202,6 +217,10 @@ def cmd_up(port: int) -> int:
         SECURE_COOKIES="0",
         ALLOWED_HOSTS=env.get("ALLOWED_HOSTS", "localhost,127.0.0.1"),
         GPUMARKET_SERVER_URL=f"http://127.0.0.1:{port}",
+        # Mails (verification, password reset, notifications) are printed in the web and worker
+        # logs, not sent; webhooks may go to a receiver on this machine.
+        EMAIL_BACKEND=env.get("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend"),
+        NOTIFICATIONS_WEBHOOK_ALLOW_LOOPBACK=env.get("NOTIFICATIONS_WEBHOOK_ALLOW_LOOPBACK", "1"),
     )
     supervisor = Supervisor(env=env, cwd=ROOT)
     try:
@@ -219,7 +238,11 @@ def cmd_up(port: int) -> int:
         print(f"\nGPU marketplace on http://127.0.0.1:{port}/", flush=True)
         print("  web UI    log in as demo, see .var/dev/demo_password", flush=True)
         print(f"  API docs  http://127.0.0.1:{port}/api/docs/", flush=True)
-        print(f"  admin     http://127.0.0.1:{port}/admin/  (user: ops, see .var/dev/ops_password)")
+        print(f"  mail      printed into {logs / 'web.log'} (sign-up links, resets)", flush=True)
+        print(
+            f"  admin     http://127.0.0.1:{port}/admin/  (user: ops, see .var/dev/ops_password;"
+            " staff set up TOTP on their first visit)"
+        )
         print("A process that dies is restarted; Ctrl-C stops everything.", flush=True)
         supervisor.run()
     except KeyboardInterrupt:

@@ -5,6 +5,9 @@
     gpumarket book --model llama2-7b --tokens-b 100 --plan h100-sxm5-80gb:2x8
     gpumarket rent --gpus 4 --gpu-family a100 --region eu --hours 12 --image IMAGE -- CMD ...
     gpumarket rentals | show ID | metrics ID | logs [-f] ID | stop ID | cancel ID
+    gpumarket ssh-key add ~/.ssh/id_ed25519.pub | ssh-key ls | ssh-key rm ID
+    gpumarket rent --ssh ... ; gpumarket ssh-command ID     (ssh -p PORT harness@HOST)
+    gpumarket notify show | set --webhook-url URL --email-off rental.started | deliveries
 
 Every command takes `--json`: it prints the server's answer as JSON instead of a table (one JSON
 object per line for `logs`), for scripts.
@@ -21,6 +24,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
@@ -184,6 +188,8 @@ def run(args: argparse.Namespace, api: Api) -> str:
             body["max_price_per_gpu_hour"] = args.max_price
         if args.bid:
             body.update(kind="interruptible", bid_per_gpu_hour=args.bid)
+        if args.ssh:
+            body["ssh"] = True
         rental = api.call("POST", "/api/v1/rentals/", json=body)
         return f"{rental['id']} {rental['status']}"
     if args.command == "rentals":
@@ -198,13 +204,80 @@ def run(args: argparse.Namespace, api: Api) -> str:
     if args.command in ("stop", "cancel"):
         rental = api.call("POST", f"/api/v1/rentals/{args.id}/{args.command}/")
         return f"{rental['id']} {rental['status']}"
+    if args.command in ("ssh-key", "ssh-command"):
+        return _ssh_run(args, api)
     if args.command == "balance":
         account = api.call("GET", "/api/v1/billing/account/")
         return "  ".join(
             f"{key.removesuffix('_micros')} ${account[key] / 1e6:,.2f}"
             for key in ("balance_micros", "available_micros", "hourly_burn_micros")
         )
+    if args.command == "notify":
+        return _notify_run(args, api)
     return _provider_run(args, api)
+
+
+def _ssh_run(args: argparse.Namespace, api: Api) -> str:
+    """SSH keys of the account, and the way into a rental."""
+    if args.command == "ssh-command":
+        rental = api.call("GET", f"/api/v1/rentals/{args.id}/")
+        commands = [a["command"] for a in rental.get("access", []) if a["command"]]
+        if not commands:
+            raise CliError(f"no SSH into {args.id} now (status {rental['status']})")
+        return "\n".join(commands)
+    if args.action == "ls":
+        rows = api.call("GET", "/api/v1/ssh-keys/")
+        return _table(rows, ["id", "name", "key_type", "bits", "fingerprint", "created_at"])
+    if args.action == "rm":
+        api.call("DELETE", f"/api/v1/ssh-keys/{args.key}/")
+        return f"removed {args.key}"
+    try:
+        text = sys.stdin.read() if args.key == "-" else Path(args.key).read_text()
+    except OSError as exc:
+        raise CliError(f"cannot read {args.key}: {exc.strerror}") from None
+    body = {"public_key": text, **({"name": args.name} if args.name else {})}
+    key = api.call("POST", "/api/v1/ssh-keys/", json=body)
+    return f"{key['id']} {key['key_type']} {key['fingerprint']} {key['name']}"
+
+
+def _kinds(text: str | None) -> set[str]:
+    return {k.strip() for k in (text or "").split(",") if k.strip()}
+
+
+def _notify_run(args: argparse.Namespace, api: Api) -> str:
+    """What you are told, by email and by webhook; each kind switched on or off per channel."""
+    path = "/api/v1/notifications/settings/"
+    if args.notify_command == "deliveries":
+        params = {"state": args.state} if args.state else {}
+        rows = api.call("GET", "/api/v1/notifications/deliveries/", params=params)["results"]
+        columns = ["id", "created_at", "kind", "channel", "state", "attempts", "last_status_code"]
+        return _table(rows, columns) if rows else "no deliveries"
+    if args.notify_command == "rotate-secret":
+        answer = api.call("POST", f"{path}rotate-secret/")
+    elif args.notify_command == "set":
+        current = api.call("GET", path)
+        body: dict[str, Any] = {}
+        if args.email is not None:
+            body["email_enabled"] = args.email
+        if args.webhook_url is not None:
+            body["webhook_url"] = args.webhook_url
+        for channel in ("email", "webhook"):
+            on, off = getattr(args, f"{channel}_on"), getattr(args, f"{channel}_off")
+            if on or off:
+                kinds = (set(current[f"{channel}_kinds"]) | _kinds(on)) - _kinds(off)
+                body[f"{channel}_kinds"] = [k for k in current["kinds"] if k in kinds] + sorted(
+                    kinds - set(current["kinds"])  # unknown ones: the server names them
+                )
+        answer = api.call("PATCH", path, json=body)
+    else:
+        answer = api.call("GET", path)
+    lines = [
+        f"email: {'on' if answer['email_enabled'] else 'off'}  {','.join(answer['email_kinds'])}",
+        f"webhook: {answer['webhook_url'] or 'none'}  {','.join(answer['webhook_kinds'])}",
+    ]
+    if answer.get("webhook_secret"):
+        lines.append(f"signing secret (shown once): {answer['webhook_secret']}")
+    return "\n".join(lines)
 
 
 def _provider_run(args: argparse.Namespace, api: Api) -> str:
@@ -288,6 +361,15 @@ def build_parser() -> argparse.ArgumentParser:
     rent.add_argument("--hours", type=float, default=1.0)
     rent.add_argument("--image", required=True)
     rent.add_argument("cmd", nargs="*", help="the command (after --)")
+    rent.add_argument("--ssh", action="store_true", help="an sshd for your SSH keys")
+    keys = sub.add_parser("ssh-key", help="your SSH public keys")
+    key_sub = keys.add_subparsers(dest="action", required=True)
+    add_key = key_sub.add_parser("add", help="add a public key")
+    add_key.add_argument("key", metavar="FILE", help="the .pub file, or - for standard input")
+    add_key.add_argument("--name")
+    key_sub.add_parser("ls", help="list them")
+    key_sub.add_parser("rm", help="remove one").add_argument("key", metavar="ID", type=int)
+    sub.add_parser("ssh-command", help="the ssh command into a rental").add_argument("id")
     sub.add_parser("rentals", help="your rentals")
     for name in ("show", "metrics", "stop", "cancel"):
         sub.add_parser(name).add_argument("id")
@@ -297,6 +379,21 @@ def build_parser() -> argparse.ArgumentParser:
     log.add_argument("--tail", type=int, help="only the last N lines")
     log.add_argument("--interval", type=float, default=2.0, help=argparse.SUPPRESS)
     sub.add_parser("balance", help="your credit, what is available, what running rentals cost")
+    notify = sub.add_parser("notify", help="what you are told by email and webhook")
+    notify_sub = notify.add_subparsers(dest="notify_command", required=True)
+    notify_sub.add_parser("show", help="your notification settings")
+    notify_set = notify_sub.add_parser("set", help="switch channels and kinds on or off")
+    notify_set.add_argument("--email", action=argparse.BooleanOptionalAction, default=None)
+    notify_set.add_argument("--webhook-url", help="https URL; empty turns the webhook off")
+    for channel in ("email", "webhook"):
+        for state in ("on", "off"):
+            notify_set.add_argument(
+                f"--{channel}-{state}", metavar="KINDS", help=f"comma-separated kinds, e.g. "
+                f"rental.started,balance.low: switch them {state} for {channel}"
+            )  # fmt: skip
+    notify_sub.add_parser("rotate-secret", help="a new webhook signing secret, shown once")
+    deliveries = notify_sub.add_parser("deliveries", help="recent deliveries and their attempts")
+    deliveries.add_argument("--state", choices=["pending", "delivered", "failed", "skipped"])
     sub.add_parser("nodes", help="providers: your nodes and what is rented")
     price = sub.add_parser("price", help="providers: a node's prices for new bookings")
     price.add_argument("node", type=int)

@@ -11,6 +11,7 @@ from marketplace.models.rentals import (
     RentalKind,
     RentalStatus,
 )
+from marketplace.models.sshkeys import SshKey
 
 __all__ = [
     "AdvisorCheck",
@@ -28,5 +29,6 @@ __all__ = [
     "RentalEvent",
     "RentalKind",
     "RentalStatus",
+    "SshKey",
     "User",
 ]

@@ -68,6 +68,8 @@ class Rental(models.Model):
     harness_config = models.JSONField(null=True, blank=True)
     env = models.JSONField(default=dict, blank=True)
     ports = ArrayField(models.PositiveIntegerField(), default=list, blank=True)
+    # An sshd in the container for the customer's SSH keys (marketplace.models.sshkeys).
+    ssh = models.BooleanField(default=False)
 
     # What happened.
     price_per_gpu_hour = models.DecimalField(

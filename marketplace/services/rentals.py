@@ -16,6 +16,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from marketplace import selectors
 from marketplace.errors import ValidationFailed
 from marketplace.lifecycle import rental_submit
 from marketplace.models import GpuModel, Node, Rental, RentalKind, User
@@ -62,6 +63,7 @@ class RentalRequest:
     start_at: datetime | None = None
     start_deadline: datetime | None = None
     priority: int = 0
+    ssh: bool = False  # an sshd in the container for the account's SSH keys
 
 
 def _harness_config(runtime: RuntimeSpec) -> dict | None:
@@ -191,6 +193,8 @@ def rental_create(*, customer: User, request: RentalRequest) -> Rental:
         unknown = sorted(set(request.gpu_models) - known)
         if unknown:
             raise ValidationFailed(f"unknown GPU model: {', '.join(unknown)}", field="gpu_models")
+    if request.ssh and not selectors.ssh_key_scope(user=customer).exists():
+        raise ValidationFailed("add an SSH public key to your account first", field="ssh")
     reason, cheapest = _never_fits(request, start, deadline)
     if reason is not None:
         raise ValidationFailed(f"this request can never be placed: {reason}", field="non_field")
@@ -219,6 +223,7 @@ def rental_create(*, customer: User, request: RentalRequest) -> Rental:
             harness_config=_harness_config(request.runtime),
             env=request.runtime.env,
             ports=request.runtime.ports,
+            ssh=request.ssh,
         )
         if _funds_hold is not None:
             # The whole booked time is held, at the most the rental can be charged per

@@ -9,5 +9,6 @@ urlpatterns = [
     path("rentals/new/", views.rental_new, name="web-rental-new"),
     path("rentals/<uuid:rental_id>/", views.rental_detail, name="web-rental"),
     path("tokens/", views.tokens, name="web-tokens"),
+    path("ssh-keys/", views.ssh_keys, name="web-ssh-keys"),
     path("provider/", views.provider, name="web-provider"),
 ]

@@ -100,6 +100,12 @@ class JoinSerializer(serializers.Serializer):
     simulated = serializers.BooleanField(default=False)
 
 
+class PublishedPortSerializer(serializers.Serializer):
+    container_port = serializers.IntegerField(min_value=1, max_value=65535)
+    host = serializers.RegexField(r"^[A-Za-z0-9.:\[\]-]{1,253}$", help_text="name or address")
+    host_port = serializers.IntegerField(min_value=1, max_value=65535)
+
+
 class ContainerReportSerializer(ElementSerializer):
     rental_id = serializers.UUIDField()
     run_id = serializers.CharField(max_length=128)
@@ -112,6 +118,8 @@ class ContainerReportSerializer(ElementSerializer):
     log_tail = ContainerTextField(
         max_length=8192, allow_blank=True, required=False, default="", trim_whitespace=False
     )
+    # Ports of the run reachable from outside the node (SSH), once they listen.
+    published = PublishedPortSerializer(many=True, max_length=16, required=False, default=list)
     # Why the agent could not start the run at all (bad image, a runtime that cannot run it).
     error = ContainerTextField(max_length=500, allow_blank=True, required=False, default="")
 
@@ -232,6 +240,9 @@ class DesiredRunSerializer(serializers.Serializer):
     memory_limit_mb = serializers.IntegerField()
     ports = serializers.ListField(child=serializers.IntegerField())
     stop_grace_s = serializers.FloatField()
+    ssh_authorized_keys = serializers.ListField(
+        child=serializers.CharField(), help_text="OpenSSH public key lines, when SSH was asked for"
+    )
 
 
 class HeartbeatAnswerSerializer(serializers.Serializer):

@@ -36,12 +36,15 @@ from marketplace.models import (
     NodeStatus,
     Rental,
 )
-from marketplace.selectors import measured_tflops_plausible
+from marketplace.selectors import measured_tflops_plausible, rental_ssh_keys
 from provisioning.models import ContainerRun, NodeBenchmark, RunMetric
 from provisioning.services.logs import run_logs_store
 from provisioning.services.telemetry import telemetry_buffer
 
 log = logging.getLogger(__name__)
+
+
+SSH_PORT = 22  # where the sshd of a rental that asked for SSH listens in its container
 
 
 def heartbeat_interval_s() -> int:
@@ -90,6 +93,11 @@ def _held_params(node: Node, now: datetime) -> list:
     return [node.pk, now, [str(s) for s in lifecycle.CONTAINER_WANTED]]
 
 
+def _ports(rental: Rental) -> tuple[int, ...]:
+    """The container ports to publish: the rental's own, and sshd's when it asked for SSH."""
+    return tuple(sorted({*rental.ports, SSH_PORT})) if rental.ssh else tuple(rental.ports)
+
+
 def desired_state(*, node: Node, now: datetime) -> list[DesiredRun]:
     """The containers that should run on the node now, from its active allocations."""
     with connection.cursor() as cursor:
@@ -108,6 +116,7 @@ def _desired_from(*, node: Node, held: list[tuple]) -> list[DesiredRun]:
     tensor_tflops = GpuModel.objects.values_list("tensor_tflops", flat=True).get(
         pk=node.gpu_model_id
     )
+    ssh_keys = rental_ssh_keys(rental for rental, _ in by_rental.values())
     desired = []
     for rental, gpus in by_rental.values():
         cpu, memory_mb = _cpu_and_memory(node, len(gpus))
@@ -133,7 +142,10 @@ def _desired_from(*, node: Node, held: list[tuple]) -> list[DesiredRun]:
                 gpu_uuids=tuple(gpu_uuid for _, gpu_uuid in gpus),
                 cpu_limit=cpu,
                 memory_limit_mb=memory_mb,
-                ports=tuple(rental.ports),
+                ports=tuple(sorted({*rental.ports, SSH_PORT}))
+                if rental.ssh
+                else tuple(rental.ports),
+                ssh_authorized_keys=ssh_keys.get(rental.pk, ()),
             )
         )
     return desired
@@ -156,6 +168,13 @@ def _apply_container(node: Node, report: ContainerReport, now: datetime) -> None
     run.finished_at = _dt(report.finished_at) or run.finished_at
     if report.log_tail:
         run.log_tail = report.log_tail[-8192:]
+    # Only a running container is reachable; a port the rental did not ask for is not shown.
+    wanted_ports = set(_ports(rental))
+    run.published = [
+        port.to_payload()
+        for port in report.published
+        if report.status == ContainerStatus.RUNNING and port.container_port in wanted_ports
+    ]
     run.last_report_at = now
     run.save()
     if report.status in (ContainerStatus.RUNNING, ContainerStatus.EXITED):
