@@ -5,6 +5,9 @@
     gpumarket book --model llama2-7b --tokens-b 100 --plan h100-sxm5-80gb:2x8
     gpumarket rent --gpus 4 --gpu-family a100 --region eu --hours 12 --image IMAGE -- CMD ...
     gpumarket rentals | show ID | metrics ID | logs [-f] ID | stop ID | cancel ID
+    gpumarket data push PATH [--name NAME] | data ls | data rm NAME
+    gpumarket rent ... --data NAME --resume-from RENTAL
+    gpumarket artifacts ls RENTAL | artifacts pull RENTAL [DEST]
     gpumarket ssh-key add ~/.ssh/id_ed25519.pub | ssh-key ls | ssh-key rm ID
     gpumarket rent --ssh ... ; gpumarket ssh-command ID     (ssh -p PORT harness@HOST)
     gpumarket notify show | set --webhook-url URL --email-off rental.started | deliveries
@@ -31,7 +34,8 @@ from urllib.parse import urlencode, urlsplit
 _json = json  # Api.call takes a keyword named json, as requests did
 
 # The standard library's HTTP client rather than requests: one call is one short process, and
-# importing requests (urllib3, charset detection, idna) costs more than the call itself.
+# importing requests (urllib3, charset detection, idna) costs more than the call itself. Only
+# the file commands (datasets, artifacts) load the transfers module, which streams with requests.
 TIMEOUT_S = 30
 RETRIES = 3
 
@@ -188,6 +192,10 @@ def run(args: argparse.Namespace, api: Api) -> str:
             body["max_price_per_gpu_hour"] = args.max_price
         if args.bid:
             body.update(kind="interruptible", bid_per_gpu_hour=args.bid)
+        if args.data:
+            body["datasets"] = args.data
+        if args.resume_from:
+            body["resume_from"] = args.resume_from
         if args.ssh:
             body["ssh"] = True
         rental = api.call("POST", "/api/v1/rentals/", json=body)
@@ -204,6 +212,17 @@ def run(args: argparse.Namespace, api: Api) -> str:
     if args.command in ("stop", "cancel"):
         rental = api.call("POST", f"/api/v1/rentals/{args.id}/{args.command}/")
         return f"{rental['id']} {rental['status']}"
+    if args.command == "data":
+        return _data_run(args, api)
+    if args.command == "artifacts":
+        if args.artifacts_command == "pull":
+            dest = Path(args.dest or args.rental)
+            written = _transfer().pull(api, args.rental, dest)
+            api.last = {"files": [str(path) for path in written]}
+            return f"{len(written)} files in {dest}"
+        rows = list(_transfer().pages(api, f"/api/v1/rentals/{args.rental}/artifacts/"))
+        api.last = rows
+        return _table(rows, ["path", "size_bytes", "reason", "synced_at"]) if rows else "none"
     if args.command in ("ssh-key", "ssh-command"):
         return _ssh_run(args, api)
     if args.command == "balance":
@@ -215,6 +234,24 @@ def run(args: argparse.Namespace, api: Api) -> str:
     if args.command == "notify":
         return _notify_run(args, api)
     return _provider_run(args, api)
+
+
+def _data_run(args: argparse.Namespace, api: Api) -> str:
+    """Datasets: push a file or directory, list them, remove one by name (or id)."""
+    if args.data_command == "push":
+        root = Path(args.path)
+        dataset = _transfer().push(api, root, args.name or root.resolve().name)
+        return f"{dataset['id']} {dataset['name']} {dataset['status']} {dataset['total_bytes']} B"
+    rows = list(_transfer().pages(api, "/api/v1/datasets/"))
+    api.last = rows
+    if args.data_command == "ls":
+        columns = ["id", "name", "status", "total_bytes", "file_count", "created_at"]
+        return _table(rows, columns) if rows else "no datasets"
+    match = [d for d in rows if args.dataset in (d["name"], d["id"])]
+    if not match:
+        raise CliError(f"no dataset {args.dataset}")
+    api.call("DELETE", f"/api/v1/datasets/{match[0]['id']}/")
+    return f"removed {match[0]['name']}"
 
 
 def _ssh_run(args: argparse.Namespace, api: Api) -> str:
@@ -360,6 +397,10 @@ def build_parser() -> argparse.ArgumentParser:
     rent.add_argument("--bid", help="interruptible, with this bid per GPU-hour")
     rent.add_argument("--hours", type=float, default=1.0)
     rent.add_argument("--image", required=True)
+    rent.add_argument(
+        "--data", action="append", default=[], help="a dataset (repeatable): /data/NAME"
+    )
+    rent.add_argument("--resume-from", help="a rental: start from its last synced checkpoint")
     rent.add_argument("cmd", nargs="*", help="the command (after --)")
     rent.add_argument("--ssh", action="store_true", help="an sshd for your SSH keys")
     keys = sub.add_parser("ssh-key", help="your SSH public keys")
@@ -373,6 +414,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("rentals", help="your rentals")
     for name in ("show", "metrics", "stop", "cancel"):
         sub.add_parser(name).add_argument("id")
+    data = sub.add_parser("data", help="datasets: push, ls, rm")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    push = data_sub.add_parser("push", help="upload a file or a directory as a dataset")
+    push.add_argument("path")
+    push.add_argument("--name", help="the dataset's name (default: the file or folder name)")
+    data_sub.add_parser("ls", help="your datasets")
+    data_sub.add_parser("rm", help="delete a dataset").add_argument("dataset", help="name or id")
+    artifacts = sub.add_parser("artifacts", help="a rental's synced output: ls, pull")
+    artifacts_sub = artifacts.add_subparsers(dest="artifacts_command", required=True)
+    artifacts_sub.add_parser("ls").add_argument("rental")
+    pull = artifacts_sub.add_parser("pull", help="download a rental's output files")
+    pull.add_argument("rental")
+    pull.add_argument("dest", nargs="?", help="a folder (default: the rental id)")
     log = sub.add_parser("logs", help="the output of a rental's container")
     log.add_argument("id")
     log.add_argument("-f", "--follow", action="store_true", help="keep printing until it ends")
@@ -414,6 +468,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _transfer():
+    from marketplace import cli_transfer
+
+    return cli_transfer
+
+
+def _transfer_errors() -> tuple[type[Exception], ...]:
+    """TransferError once a file command loaded the transfers module (only then can it raise)."""
+    module = sys.modules.get("marketplace.cli_transfer")
+    return (module.TransferError,) if module else ()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     api = Api(args.server, args.token)
@@ -423,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         text = run(args, api)
         print(json.dumps(api.last, indent=2) if args.json else text)
-    except CliError as exc:
+    except (CliError, *_transfer_errors()) as exc:
         print(f"gpumarket: {exc}", file=sys.stderr)
         return 1
     return 0

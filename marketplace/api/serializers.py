@@ -265,6 +265,19 @@ class RentalCreateSerializer(serializers.Serializer):
     ssh = serializers.BooleanField(
         required=False, default=False, help_text="an sshd in the container for your SSH keys"
     )
+    datasets = serializers.ListField(
+        child=serializers.CharField(max_length=80),
+        required=False,
+        default=list,
+        max_length=16,
+        help_text="names of your ready datasets, staged read-only at /data/<name>",
+    )
+    resume_from = serializers.UUIDField(
+        required=False,
+        allow_null=True,
+        default=None,
+        help_text="one of your earlier rentals: start from its last synced checkpoint",
+    )
 
     def validate(self, attrs):
         refuse_unknown(self)
@@ -331,6 +344,7 @@ class RentalSerializer(serializers.Serializer):
     command = serializers.JSONField()
     harness_config = serializers.JSONField()
     ports = serializers.ListField(child=serializers.IntegerField())
+    resume_from = serializers.UUIDField(source="resume_from_id", allow_null=True)
     ssh = serializers.BooleanField()
     created_at = serializers.DateTimeField()
 
@@ -351,6 +365,10 @@ class RentalDetailSerializer(RentalSerializer):
     access = RentalAccessSerializer(
         many=True, help_text="how to reach the running container (SSH), once its ports listen"
     )
+    datasets = serializers.SerializerMethodField(help_text="the datasets the rental reads")
+
+    def get_datasets(self, rental) -> list[str]:
+        return [link.dataset.name for link in rental.dataset_links.all()]
 
 
 class SshKeySerializer(serializers.Serializer):

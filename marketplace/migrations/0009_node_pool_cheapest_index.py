@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('marketplace', '0007_ssh_keys_and_rental_ssh'),
+        ('marketplace', '0008_datasets_artifacts_resume'),
     ]
 
     operations = [
