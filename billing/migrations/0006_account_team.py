@@ -5,7 +5,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
     dependencies = [
         ("billing", "0005_meter_locked_price"),
-        ("marketplace", "0011_team_required"),
+        ("marketplace", "0012_team_required"),
     ]
 
     operations = [

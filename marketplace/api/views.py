@@ -189,7 +189,7 @@ class RentalListCreateView(PaginatedListView):
                 **data,
             ),
         )
-        rental = selectors.rental_get(team=team, rental_id=rental.pk)
+        rental = selectors.rental_with_detail(rental=rental)
         return Response(RentalDetailSerializer(rental).data, status=status.HTTP_201_CREATED)
 
 

@@ -12,9 +12,9 @@ from django.utils import timezone
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-TEAMS = ("marketplace", "0009_teams")
+TEAMS = ("marketplace", "0010_teams")
 ACCOUNTS = ("billing", "0006_account_team")
-AFTER = [("marketplace", "0011_team_required"), ("billing", "0008_account_owned_by_team")]
+AFTER = [("marketplace", "0012_team_required"), ("billing", "0008_account_owned_by_team")]
 
 
 def _migrate(targets):

@@ -8,7 +8,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('marketplace', '0008_datasets_artifacts_resume'),
+        ('marketplace', '0009_node_pool_cheapest_index'),
     ]
 
     operations = [

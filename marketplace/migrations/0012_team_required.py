@@ -4,7 +4,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("marketplace", "0010_personal_teams"),
+        ("marketplace", "0011_personal_teams"),
     ]
 
     operations = [

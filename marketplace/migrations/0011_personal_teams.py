@@ -18,7 +18,7 @@ def personal_teams(apps, schema_editor):
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("marketplace", "0009_teams"),
+        ("marketplace", "0010_teams"),
     ]
 
     operations = [
