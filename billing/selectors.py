@@ -278,6 +278,8 @@ def accounts_month_spent_micros(*, now: datetime, account_id: int | None = None)
 
 
 def account_month_spent_micros(*, account: Account, now: datetime | None = None) -> int:
+    if account.pk is None:
+        return 0
     now = now or timezone.now()
     with connection.cursor() as cursor:
         cursor.execute(
@@ -304,8 +306,10 @@ class BudgetSummary:
     billing_pass_interval_s: int
 
 
-def budget_summary(*, account: Account, now: datetime | None = None) -> BudgetSummary:
+def budget_summary(*, user: User, now: datetime | None = None) -> BudgetSummary:
+    """The customer's budgets and limits; before the account exists, its defaults."""
     now = now or timezone.now()
+    account = customer_account(customer_id=user.pk) or Account(kind=AccountKind.CUSTOMER, user=user)
     return BudgetSummary(
         account=account,
         limits=account_limits(account=account),
@@ -321,10 +325,16 @@ def budget_summary(*, account: Account, now: datetime | None = None) -> BudgetSu
     )
 
 
-def rental_cap(*, rental: Rental) -> int | None:
-    """The rental's own cap on its charge (max_charge), in micro-dollars, or None."""
-    return (
-        FundsHold.objects.filter(rental=rental).values_list("max_charge_micros", flat=True).first()
+def rental_cap(*, rental: Rental) -> tuple[int | None, int | None]:
+    """The rental's own cap on its charge (max_charge) and how far past it the charge can go
+    (at the locked price, or the most it can be placed at before), in micro-dollars."""
+    hold = FundsHold.objects.filter(rental=rental).only("max_charge_micros", "price_per_gpu_hour")
+    hold = hold.first()
+    if hold is None or hold.max_charge_micros is None:
+        return None, None
+    price = rental.price_per_gpu_hour or hold.price_per_gpu_hour
+    return hold.max_charge_micros, cap_overrun_bound_micros(
+        price_per_gpu_hour=price, gpus=rental.gpu_count
     )
 
 

@@ -42,7 +42,7 @@ from billing import conf, selectors
 from billing.errors import BudgetExceeded, LimitExceeded, RateLimited
 from billing.models import Account, BalanceNotice, NoticeKind
 from marketplace import lifecycle
-from marketplace.errors import ValidationFailed
+from marketplace.errors import NotFound, ValidationFailed
 from marketplace.models import Rental, User
 
 # Dollar amounts a budget may be set to: a cent up to a million dollars.
@@ -132,6 +132,11 @@ def _limit(value, *, field: str, ceiling: int | None) -> int | None:
 _UNSET = object()
 
 
+def _may_manage_money(*, account: Account, actor: User) -> bool:
+    """Who may change an account's budgets and limits: its customer."""
+    return account.user_id == actor.pk
+
+
 @transaction.atomic
 def account_budgets_set(
     *,
@@ -145,6 +150,8 @@ def account_budgets_set(
     """Set the account's own budgets and limits (each argument left out is kept; None clears
     it). Limits stay at most the account's ceiling. A new monthly budget re-arms its notices."""
     account = Account.objects.select_for_update().get(pk=account_id)
+    if not _may_manage_money(account=account, actor=actor):
+        raise NotFound("no such account")
     limits = selectors.account_limits(account=account)
     fields = []
     if monthly_budget is not _UNSET:
