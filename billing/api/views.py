@@ -173,20 +173,13 @@ class RentalUsageView(APIView):
         rental = selectors.own_rental(user=request.user, rental_id=rental_id)
         if rental is None:
             raise NotFound("no such rental")
-        cap = selectors.rental_cap(rental=rental)
-        price = (
-            rental.price_per_gpu_hour or rental.bid_per_gpu_hour or rental.max_price_per_gpu_hour
-        )
+        cap, bound = selectors.rental_cap(rental=rental)
         usage = {
             "rental": rental,
             "meters": selectors.rental_meters(rental=rental),
             "segments": selectors.rental_segments(rental=rental),
             "max_charge_micros": cap,
-            "cap_overrun_bound_micros": selectors.cap_overrun_bound_micros(
-                price_per_gpu_hour=price, gpus=rental.gpu_count
-            )
-            if cap is not None and price is not None
-            else None,
+            "cap_overrun_bound_micros": bound,
         }
         return Response(RentalUsageSerializer(usage).data)
 
