@@ -27,9 +27,20 @@ MAX_TELEMETRY_RANGE = timedelta(days=7)
 
 
 class NoticeSerializer(serializers.ModelSerializer):
+    rental = serializers.UUIDField(
+        source="rental_id", allow_null=True, help_text="the rental a budget_reached is about"
+    )
+
     class Meta:
         model = BalanceNotice
-        fields = ["kind", "available_micros", "hourly_burn_micros", "detail", "created_at"]
+        fields = [
+            "kind",
+            "rental",
+            "available_micros",
+            "hourly_burn_micros",
+            "detail",
+            "created_at",
+        ]
 
 
 class AccountSerializer(serializers.Serializer):
