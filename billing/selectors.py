@@ -299,7 +299,8 @@ def account_rentals_created_since(*, account: Account, since: datetime) -> list[
 
 
 # The month's usage charges of budgeted customer accounts: usage posted to the ledger since
-# the month began, plus usage rated and not yet posted.
+# the month began, plus usage rated and not yet posted; and what their running rentals cost
+# per hour.
 _MONTH_SPENT_SQL = """
 SELECT a.id,
        coalesce((SELECT -sum(e.amount_micros) FROM billing_ledgerentry e
@@ -308,21 +309,39 @@ SELECT a.id,
        + coalesce((SELECT sum(m.charge_micros - m.posted_charge_micros)
                    FROM billing_usagemeter m JOIN marketplace_rental r ON r.id = m.rental_id
                    WHERE r.customer_id = a.user_id
-                     AND m.charge_micros <> m.posted_charge_micros), 0) AS spent
+                     AND m.charge_micros <> m.posted_charge_micros), 0) AS spent,
+       coalesce((SELECT sum(round(r.price_per_gpu_hour * 1000000) * r.gpus_per_node
+                            * r.node_count)
+                 FROM marketplace_rental r
+                 WHERE r.customer_id = a.user_id AND r.status = ANY(%(burning)s)
+                   AND r.price_per_gpu_hour IS NOT NULL), 0) AS burn
 FROM billing_account a
 WHERE a.kind = 'customer' AND a.monthly_budget_micros IS NOT NULL
   AND (%(account_id)s::bigint IS NULL OR a.id = %(account_id)s::bigint)
 """
 
 
-def accounts_month_spent_micros(*, now: datetime, account_id: int | None = None) -> dict[int, int]:
-    """Account id -> this month's usage charges, for every account with a monthly budget (or
-    only `account_id`)."""
+@dataclass(frozen=True, slots=True)
+class MonthSpent:
+    """A budgeted account's month so far, in micro-dollars."""
+
+    spent_micros: int
+    hourly_burn_micros: int
+
+
+def accounts_month_spent(*, now: datetime, account_id: int | None = None) -> dict[int, MonthSpent]:
+    """Account id -> this month's usage charges and hourly burn, for every account with a
+    monthly budget (or only `account_id`): one statement for all of them."""
     with connection.cursor() as cursor:
         cursor.execute(
-            _MONTH_SPENT_SQL, {"month_start": month_start(now), "account_id": account_id}
+            _MONTH_SPENT_SQL,
+            {
+                "month_start": month_start(now),
+                "account_id": account_id,
+                "burning": [str(s) for s in lifecycle.BURNING],
+            },
         )
-        return {row[0]: int(row[1]) for row in cursor.fetchall()}
+        return {row[0]: MonthSpent(int(row[1]), int(row[2])) for row in cursor.fetchall()}
 
 
 def account_month_spent_micros(*, account: Account, now: datetime | None = None) -> int:
@@ -332,7 +351,11 @@ def account_month_spent_micros(*, account: Account, now: datetime | None = None)
     with connection.cursor() as cursor:
         cursor.execute(
             _MONTH_SPENT_SQL.replace("AND a.monthly_budget_micros IS NOT NULL", ""),
-            {"month_start": month_start(now), "account_id": account.pk},
+            {
+                "month_start": month_start(now),
+                "account_id": account.pk,
+                "burning": [str(s) for s in lifecycle.BURNING],
+            },
         )
         row = cursor.fetchone()
     return int(row[1]) if row else 0

@@ -288,19 +288,23 @@ def _rental_caps_enforce(*, now: datetime, result: BudgetPassResult) -> None:
 
 
 def _monthly_budgets_enforce(*, now: datetime, result: BudgetPassResult) -> None:
-    spent_by_account = selectors.accounts_month_spent_micros(now=now)
-    if not spent_by_account:
-        return
     month = selectors.month_start(now)
-    for account in Account.objects.filter(pk__in=spent_by_account).order_by("pk"):
+
+    def noticed(at: datetime | None) -> bool:
+        return at is not None and at >= month
+
+    budgeted = selectors.accounts_month_spent(now=now)
+    # Only the accounts with something to do are read again: a pass over many budgeted
+    # accounts far from their budgets is the one statement above.
+    for account in Account.objects.filter(
+        pk__in=[pk for pk, m in budgeted.items() if m.spent_micros > 0 or m.hourly_burn_micros]
+    ).order_by("pk"):
         budget = account.monthly_budget_micros
-        spent = spent_by_account[account.pk]
-        burn = selectors.customer_hourly_burn_micros(customer_id=account.user_id)
-        projected = spent + math.ceil(burn * _ahead_s() / 3600)
-        reached = projected >= budget
-        warn = spent * 100 >= budget * account.budget_warn_percent
+        spent = budgeted[account.pk].spent_micros
+        burn = budgeted[account.pk].hourly_burn_micros
+        reached = spent + math.ceil(burn * _ahead_s() / 3600) >= budget
+        warn = reached or spent * 100 >= budget * account.budget_warn_percent
         if reached:
-            stopped = 0
             for rental_id in (
                 Rental.objects.filter(customer_id=account.user_id, status__in=lifecycle.STOPPABLE)
                 .order_by("created_at")
@@ -311,18 +315,20 @@ def _monthly_budgets_enforce(*, now: datetime, result: BudgetPassResult) -> None
                     reason=f"the account's monthly budget of {_usd(budget)} is reached"
                     f" ({_usd(spent)} charged this month)",
                 ):
-                    stopped += 1
-            result.rentals_stopped += stopped
-        _monthly_notices(
-            account_id=account.pk,
-            now=now,
-            month=month,
-            spent=spent,
-            burn=burn,
-            warn=warn or reached,
-            reached=reached,
-            result=result,
-        )
+                    result.rentals_stopped += 1
+        if (warn and not noticed(account.budget_warned_at)) or (
+            reached and not noticed(account.budget_reached_at)
+        ):
+            _monthly_notices(
+                account_id=account.pk,
+                now=now,
+                month=month,
+                spent=spent,
+                burn=burn,
+                warn=warn,
+                reached=reached,
+                result=result,
+            )
 
 
 def _monthly_notices(
