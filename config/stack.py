@@ -202,6 +202,9 @@ def cmd_up(port: int) -> int:
         SECURE_COOKIES="0",
         ALLOWED_HOSTS=env.get("ALLOWED_HOSTS", "localhost,127.0.0.1"),
         GPUMARKET_SERVER_URL=f"http://127.0.0.1:{port}",
+        # Mails are printed in the worker's log; webhooks may go to a receiver on this machine.
+        EMAIL_BACKEND=env.get("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend"),
+        NOTIFICATIONS_WEBHOOK_ALLOW_LOOPBACK=env.get("NOTIFICATIONS_WEBHOOK_ALLOW_LOOPBACK", "1"),
     )
     supervisor = Supervisor(env=env, cwd=ROOT)
     try:

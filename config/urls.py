@@ -18,6 +18,8 @@ urlpatterns = [
     path("api/v1/", include("marketplace.api.urls")),
     path("api/v1/billing/", include("billing.api.urls")),
     path("billing/", include("billing.urls")),
+    path("api/v1/notifications/", include("notifications.api.urls")),
+    path("notifications/", include("notifications.urls")),
     path("api/v1/providers/", include(provider_urlpatterns)),
     path("api/v1/rentals/", include(rental_urlpatterns)),
     path("api/agent/v1/", include(agent_urlpatterns)),

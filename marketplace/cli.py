@@ -6,6 +6,7 @@
     gpumarket rent --gpus 4 --gpu-family a100 --region eu --hours 12 --image IMAGE -- CMD ...
     gpumarket rentals | show ID | metrics ID | logs [-f] ID | stop ID | cancel ID
     gpumarket budget [--monthly 500 --warn-percent 80 --max-gpus 16 --max-rentals-per-minute 10]
+    gpumarket notify show | set --webhook-url URL --email-off rental.started | deliveries
 
 Every command takes `--json`: it prints the server's answer as JSON instead of a table (one JSON
 object per line for `logs`), for scripts.
@@ -180,6 +181,8 @@ def run(args: argparse.Namespace, api: Api) -> str:
         )
     if args.command == "budget":
         return _budget_run(args, api)
+    if args.command == "notify":
+        return _notify_run(args, api)
     return _provider_run(args, api)
 
 
@@ -225,6 +228,46 @@ def _budget_run(args: argparse.Namespace, api: Api) -> str:
         f"rentals per minute  {b['rentals_last_minute']} of "
         + limit(b["max_rentals_per_minute"], b["ceiling_rentals_per_minute"]),
     ])  # fmt: skip
+
+
+def _kinds(text: str | None) -> set[str]:
+    return {k.strip() for k in (text or "").split(",") if k.strip()}
+
+
+def _notify_run(args: argparse.Namespace, api: Api) -> str:
+    """What you are told, by email and by webhook; each kind switched on or off per channel."""
+    path = "/api/v1/notifications/settings/"
+    if args.notify_command == "deliveries":
+        params = {"state": args.state} if args.state else {}
+        rows = api.call("GET", "/api/v1/notifications/deliveries/", params=params)["results"]
+        columns = ["id", "created_at", "kind", "channel", "state", "attempts", "last_status_code"]
+        return _table(rows, columns) if rows else "no deliveries"
+    if args.notify_command == "rotate-secret":
+        answer = api.call("POST", f"{path}rotate-secret/")
+    elif args.notify_command == "set":
+        current = api.call("GET", path)
+        body: dict[str, Any] = {}
+        if args.email is not None:
+            body["email_enabled"] = args.email
+        if args.webhook_url is not None:
+            body["webhook_url"] = args.webhook_url
+        for channel in ("email", "webhook"):
+            on, off = getattr(args, f"{channel}_on"), getattr(args, f"{channel}_off")
+            if on or off:
+                kinds = (set(current[f"{channel}_kinds"]) | _kinds(on)) - _kinds(off)
+                body[f"{channel}_kinds"] = [k for k in current["kinds"] if k in kinds] + sorted(
+                    kinds - set(current["kinds"])  # unknown ones: the server names them
+                )
+        answer = api.call("PATCH", path, json=body)
+    else:
+        answer = api.call("GET", path)
+    lines = [
+        f"email: {'on' if answer['email_enabled'] else 'off'}  {','.join(answer['email_kinds'])}",
+        f"webhook: {answer['webhook_url'] or 'none'}  {','.join(answer['webhook_kinds'])}",
+    ]
+    if answer.get("webhook_secret"):
+        lines.append(f"signing secret (shown once): {answer['webhook_secret']}")
+    return "\n".join(lines)
 
 
 def _provider_run(args: argparse.Namespace, api: Api) -> str:
@@ -325,6 +368,21 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--warn-percent", help="warn at this share of the monthly budget")
     budget.add_argument("--max-gpus", help="GPUs at once; 'none': the account's ceiling")
     budget.add_argument("--max-rentals-per-minute", help="'none': the account's ceiling")
+    notify = sub.add_parser("notify", help="what you are told by email and webhook")
+    notify_sub = notify.add_subparsers(dest="notify_command", required=True)
+    notify_sub.add_parser("show", help="your notification settings")
+    notify_set = notify_sub.add_parser("set", help="switch channels and kinds on or off")
+    notify_set.add_argument("--email", action=argparse.BooleanOptionalAction, default=None)
+    notify_set.add_argument("--webhook-url", help="https URL; empty turns the webhook off")
+    for channel in ("email", "webhook"):
+        for state in ("on", "off"):
+            notify_set.add_argument(
+                f"--{channel}-{state}", metavar="KINDS", help=f"comma-separated kinds, e.g. "
+                f"rental.started,balance.low: switch them {state} for {channel}"
+            )  # fmt: skip
+    notify_sub.add_parser("rotate-secret", help="a new webhook signing secret, shown once")
+    deliveries = notify_sub.add_parser("deliveries", help="recent deliveries and their attempts")
+    deliveries.add_argument("--state", choices=["pending", "delivered", "failed", "skipped"])
     sub.add_parser("nodes", help="providers: your nodes and what is rented")
     price = sub.add_parser("price", help="providers: a node's prices for new bookings")
     price.add_argument("node", type=int)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
@@ -78,6 +78,19 @@ SCHEDULER_CYCLE_TASK = "scheduler.cycle"
 log = logging.getLogger(__name__)
 
 
+# The notifications app records what a transition is worth telling in the transition's own
+# transaction (its outbox). It depends on the marketplace, not the reverse, so it hands its
+# recorder in when its app is ready.
+EventRecorder = Callable[..., object]
+_event_recorder: EventRecorder | None = None
+
+
+def event_recorder_register(recorder: EventRecorder) -> None:
+    """Called as `recorder(rental=..., event=...)` after each transition, in its transaction."""
+    global _event_recorder
+    _event_recorder = recorder
+
+
 def _require_transaction() -> None:
     if not connection.in_atomic_block:
         raise TransactionManagementError(
@@ -98,7 +111,7 @@ def rental_transition(
     _require_transaction()
     if to_status not in ALLOWED_TRANSITIONS[rental.status]:
         raise Conflict(f"a {rental.status} rental cannot become {to_status}")
-    RentalEvent.objects.create(
+    event = RentalEvent.objects.create(
         rental=rental,
         from_status=rental.status,
         to_status=to_status,
@@ -111,6 +124,8 @@ def rental_transition(
     for name, value in fields.items():
         setattr(rental, name, value)
     rental.save(update_fields=["status", "status_reason", "updated_at", *fields])
+    if _event_recorder is not None:
+        _event_recorder(rental=rental, event=event)
     return rental
 
 

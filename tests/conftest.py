@@ -122,3 +122,37 @@ def rent(user):
         )
 
     return make
+
+
+@pytest.fixture
+def smtp_server(settings):
+    """A real SMTP server (aiosmtpd) on a free port, with Django's SMTP backend pointed at it.
+    Yields the list the received messages (email.message.Message) are appended to."""
+    import contextlib
+    import email
+    import socket
+
+    from aiosmtpd.controller import Controller
+
+    received: list = []
+
+    class Handler:
+        async def handle_DATA(self, server, session, envelope):
+            message = email.message_from_bytes(envelope.content)
+            message["X-Envelope-To"] = ", ".join(envelope.rcpt_tos)
+            received.append(message)
+            return "250 OK"
+
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    controller = Controller(Handler(), hostname="127.0.0.1", port=port)
+    controller.start()
+    settings.EMAIL_BACKEND = "django.core.mail.backends.smtp.EmailBackend"
+    settings.EMAIL_HOST, settings.EMAIL_PORT = "127.0.0.1", port
+    settings.EMAIL_USE_TLS = settings.EMAIL_USE_SSL = False
+    settings.EMAIL_HOST_USER = settings.EMAIL_HOST_PASSWORD = ""
+    try:
+        yield received
+    finally:
+        controller.stop()

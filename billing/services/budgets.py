@@ -22,9 +22,10 @@ Running (`budgets_enforce`, step 4 of every billing pass, after rating):
   month; at the budget (same planning, with the account's hourly burn) its rentals are stopped
   and one BUDGET_REACHED notice is recorded.
 
-Each stop goes through `lifecycle.rental_stop_for_budget` (reason "budget reached: ..."), and
-each notice is a BalanceNotice of kind BUDGET_WARNING or BUDGET_REACHED (with the rental for a
-per-rental cap): the places notifications hook.
+Each stop goes through `lifecycle.rental_stop_for_budget` (reason "budget reached: ..."); each
+notice is a BalanceNotice of kind BUDGET_WARNING or BUDGET_REACHED (with the rental for a
+per-rental cap), and a BUDGET_REACHED one tells the owner (`budget_reached_notify`, once per
+rental or per account and month) in the same transaction.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from billing.models import Account, BalanceNotice, NoticeKind
 from marketplace import lifecycle
 from marketplace.errors import NotFound, ValidationFailed
 from marketplace.models import Rental, User
+from notifications.services import budget_reached_notify
 
 # Dollar amounts a budget may be set to: a cent up to a million dollars.
 MIN_BUDGET_USD = Decimal("0.01")
@@ -274,16 +276,32 @@ def _rental_caps_enforce(*, now: datetime, result: BudgetPassResult) -> None:
         result.rentals_stopped += 1
         result.reached += 1
         account = selectors.customer_account(customer_id=customer_id)
-        if account is not None:
+        if account is None:
+            continue
+        detail = (
+            f"rental {rental_id} reached its cap: charged {_usd(charged)} of {_usd(cap)};"
+            " it checkpoints and stops"
+        )
+        with transaction.atomic():
             BalanceNotice.objects.create(
                 account=account,
                 rental_id=rental_id,
                 kind=NoticeKind.BUDGET_REACHED,
                 available_micros=cap - charged,
                 hourly_burn_micros=per_hour,
-                detail=f"rental {rental_id} reached its cap: charged {_usd(charged)} of"
-                f" {_usd(cap)}; it checkpoints and stops",
+                detail=detail,
                 created_at=now,
+            )
+            budget_reached_notify(
+                owner=account.user,
+                budget_key=f"rental:{rental_id}",
+                summary=f"Budget reached: {detail}",
+                data={
+                    "scope": "rental",
+                    "rental": str(rental_id),
+                    "cap_micros": cap,
+                    "charged_micros": charged,
+                },
             )
 
 
@@ -381,6 +399,18 @@ def _monthly_notices(
             )
             for kind, detail in notices
         )
+        if reached and account.budget_reached_at == now:
+            budget_reached_notify(
+                owner=account.user,
+                budget_key=f"account:{account.pk}:{month:%Y-%m}",
+                summary=f"Budget reached: {notices[-1][1]}",
+                data={
+                    "scope": "monthly",
+                    "budget_micros": budget,
+                    "spent_micros": spent,
+                    "month": f"{month:%Y-%m}",
+                },
+            )
 
 
 def budgets_enforce(*, now: datetime) -> BudgetPassResult:

@@ -46,6 +46,7 @@ INSTALLED_APPS = [
     "scheduler",
     "provisioning",
     "billing",
+    "notifications",
 ]
 
 MIDDLEWARE = [
@@ -236,6 +237,7 @@ PERIODIC_TASKS: dict[str, tuple[str, timedelta]] = {
     "billing-telemetry-prune": ("billing.telemetry_prune", timedelta(hours=1)),
     "billing-invoices-issue": ("billing.invoices_issue", timedelta(hours=1)),
     "billing-payments-retry": ("billing.payments_retry", timedelta(minutes=5)),
+    "notifications-sweep": ("notifications.sweep", timedelta(seconds=15)),
 }
 _beat_cap = env.float("BEAT_MAX_INTERVAL_S", default=0.0)
 CELERY_BEAT_SCHEDULE: dict[str, dict] = {
@@ -292,3 +294,29 @@ LOGGING = logging_config(
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 METRICS_TOKEN = env.str("METRICS_TOKEN", default="")
 OBJECT_STORAGE_URL = env.str("OBJECT_STORAGE_URL", default="")
+
+# Email (notifications): SMTP from the environment; every connection times out.
+EMAIL_BACKEND = env.str("EMAIL_BACKEND", default="django.core.mail.backends.smtp.EmailBackend")
+EMAIL_HOST = env.str("EMAIL_HOST", default="localhost")
+EMAIL_PORT = env.int("EMAIL_PORT", default=25)
+EMAIL_HOST_USER = env.str("EMAIL_HOST_USER", default="")
+EMAIL_HOST_PASSWORD = env.str("EMAIL_HOST_PASSWORD", default="")
+EMAIL_USE_TLS = env.bool("EMAIL_USE_TLS", default=False)
+EMAIL_USE_SSL = env.bool("EMAIL_USE_SSL", default=False)
+EMAIL_TIMEOUT = env.int("EMAIL_TIMEOUT", default=10)
+DEFAULT_FROM_EMAIL = env.str("DEFAULT_FROM_EMAIL", default="gpumarket <noreply@localhost>")
+
+# Notifications: a failed delivery is retried after 30 s, doubling to at most an hour, 8 times.
+NOTIFICATIONS_MAX_ATTEMPTS = env.int("NOTIFICATIONS_MAX_ATTEMPTS", default=8)
+NOTIFICATIONS_RETRY_BASE_S = env.float("NOTIFICATIONS_RETRY_BASE_S", default=30.0)
+NOTIFICATIONS_RETRY_MAX_DELAY_S = env.float("NOTIFICATIONS_RETRY_MAX_DELAY_S", default=3600.0)
+NOTIFICATIONS_WEBHOOK_CONNECT_TIMEOUT_S = env.float(
+    "NOTIFICATIONS_WEBHOOK_CONNECT_TIMEOUT_S", default=5.0
+)
+NOTIFICATIONS_WEBHOOK_READ_TIMEOUT_S = env.float(
+    "NOTIFICATIONS_WEBHOOK_READ_TIMEOUT_S", default=10.0
+)
+# Webhooks go to public https URLs only; development may also send them over http to loopback.
+NOTIFICATIONS_WEBHOOK_ALLOW_LOOPBACK = env.bool(
+    "NOTIFICATIONS_WEBHOOK_ALLOW_LOOPBACK", default=DEBUG
+)

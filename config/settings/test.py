@@ -32,3 +32,8 @@ REST_FRAMEWORK = {
         "user": "100000/min",
     },
 }
+# Mail stays in memory unless a test points the SMTP backend at its own server; webhook tests
+# run their receiver on loopback.
+# (A worker started by an end-to-end test gets its SMTP server from the environment.)
+EMAIL_BACKEND = os.environ.get("EMAIL_BACKEND", "django.core.mail.backends.locmem.EmailBackend")
+NOTIFICATIONS_WEBHOOK_ALLOW_LOOPBACK = True

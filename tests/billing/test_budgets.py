@@ -20,6 +20,7 @@ from billing.services import (
 )
 from marketplace.lifecycle import BUDGET_REACHED
 from marketplace.models import Rental, RentalEvent, RentalStatus
+from notifications.models import Notification, NotificationKind
 from tests.billing.conftest import usd
 from tests.factories import UserFactory
 
@@ -92,6 +93,9 @@ def test_a_capped_rental_is_stopped_by_the_billing_pass_within_the_stated_bound(
     assert list(notices.values_list("rental_id", flat=True)) == [rental.pk]
     billing_pass_run(now=booked.at(stopped_at + 120))
     assert notices.count() == 1
+    # and the owner is told once
+    told = Notification.objects.filter(owner=user, kind=NotificationKind.BUDGET_REACHED)
+    assert list(told.values_list("source_key", flat=True)) == [f"budget:rental:{rental.pk}"]
 
 
 def test_the_rental_usage_api_states_the_cap_and_its_bound(make_node, book, user, auth_api):
@@ -139,6 +143,8 @@ def test_the_monthly_budget_warns_then_stops_running_rentals(make_node, book, us
     ]
     billing_pass_run(now=booked.at(2015))
     assert notices.count() == 2
+    told = Notification.objects.filter(owner=user, kind=NotificationKind.BUDGET_REACHED)
+    assert told.count() == 1 and "monthly budget of $2.00 reached" in told.get().summary
 
 
 def test_the_monthly_budget_refuses_the_next_create_and_creates_nothing(
