@@ -181,7 +181,7 @@ def test_an_email_reaches_a_real_smtp_server_once(rent, user, smtp_server):
     assert len(smtp_server) == 1
     message = smtp_server[0]
     notification = Notification.objects.get()
-    assert message["X-Envelope-To"] == user.email
+    assert message["To"] == user.email
     assert message["Subject"].startswith("[gpumarket] rental ")
     assert "started" in message["Subject"]
     assert message["X-Gpumarket-Event-Id"] == str(notification.pk)
