@@ -6,6 +6,11 @@
     gpumarket rent --gpus 4 --gpu-family a100 --region eu --hours 12 --image IMAGE -- CMD ...
     gpumarket rentals | show ID | metrics ID | logs [-f] ID | stop ID | cancel ID
     gpumarket budget [--monthly 500 --warn-percent 80 --max-gpus 16 --max-rentals-per-minute 10]
+    gpumarket data push PATH [--name NAME] | data ls | data rm NAME
+    gpumarket rent ... --data NAME --resume-from RENTAL
+    gpumarket artifacts ls RENTAL | artifacts pull RENTAL [DEST]
+    gpumarket ssh-key add ~/.ssh/id_ed25519.pub | ssh-key ls | ssh-key rm ID
+    gpumarket rent --ssh ... ; gpumarket ssh-command ID     (ssh -p PORT harness@HOST)
     gpumarket notify show | set --webhook-url URL --email-off rental.started | deliveries
 
 Every command takes `--json`: it prints the server's answer as JSON instead of a table (one JSON
@@ -21,9 +26,12 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import requests
+
+from marketplace import cli_transfer
 
 TIMEOUT_S = 30
 RETRIES = 3
@@ -159,6 +167,12 @@ def run(args: argparse.Namespace, api: Api) -> str:
             body.update(kind="interruptible", bid_per_gpu_hour=args.bid)
         if args.max_cost:
             body["max_charge"] = args.max_cost
+        if args.data:
+            body["datasets"] = args.data
+        if args.resume_from:
+            body["resume_from"] = args.resume_from
+        if args.ssh:
+            body["ssh"] = True
         rental = api.call("POST", "/api/v1/rentals/", json=body)
         return f"{rental['id']} {rental['status']}"
     if args.command == "rentals":
@@ -173,6 +187,19 @@ def run(args: argparse.Namespace, api: Api) -> str:
     if args.command in ("stop", "cancel"):
         rental = api.call("POST", f"/api/v1/rentals/{args.id}/{args.command}/")
         return f"{rental['id']} {rental['status']}"
+    if args.command == "data":
+        return _data_run(args, api)
+    if args.command == "artifacts":
+        if args.artifacts_command == "pull":
+            dest = Path(args.dest or args.rental)
+            written = cli_transfer.pull(api, args.rental, dest)
+            api.last = {"files": [str(path) for path in written]}
+            return f"{len(written)} files in {dest}"
+        rows = list(cli_transfer.pages(api, f"/api/v1/rentals/{args.rental}/artifacts/"))
+        api.last = rows
+        return _table(rows, ["path", "size_bytes", "reason", "synced_at"]) if rows else "none"
+    if args.command in ("ssh-key", "ssh-command"):
+        return _ssh_run(args, api)
     if args.command == "balance":
         account = api.call("GET", "/api/v1/billing/account/")
         return "  ".join(
@@ -228,6 +255,47 @@ def _budget_run(args: argparse.Namespace, api: Api) -> str:
         f"rentals per minute  {b['rentals_last_minute']} of "
         + limit(b["max_rentals_per_minute"], b["ceiling_rentals_per_minute"]),
     ])  # fmt: skip
+
+
+def _data_run(args: argparse.Namespace, api: Api) -> str:
+    """Datasets: push a file or directory, list them, remove one by name (or id)."""
+    if args.data_command == "push":
+        root = Path(args.path)
+        dataset = cli_transfer.push(api, root, args.name or root.resolve().name)
+        return f"{dataset['id']} {dataset['name']} {dataset['status']} {dataset['total_bytes']} B"
+    rows = list(cli_transfer.pages(api, "/api/v1/datasets/"))
+    api.last = rows
+    if args.data_command == "ls":
+        columns = ["id", "name", "status", "total_bytes", "file_count", "created_at"]
+        return _table(rows, columns) if rows else "no datasets"
+    match = [d for d in rows if args.dataset in (d["name"], d["id"])]
+    if not match:
+        raise CliError(f"no dataset {args.dataset}")
+    api.call("DELETE", f"/api/v1/datasets/{match[0]['id']}/")
+    return f"removed {match[0]['name']}"
+
+
+def _ssh_run(args: argparse.Namespace, api: Api) -> str:
+    """SSH keys of the account, and the way into a rental."""
+    if args.command == "ssh-command":
+        rental = api.call("GET", f"/api/v1/rentals/{args.id}/")
+        commands = [a["command"] for a in rental.get("access", []) if a["command"]]
+        if not commands:
+            raise CliError(f"no SSH into {args.id} now (status {rental['status']})")
+        return "\n".join(commands)
+    if args.action == "ls":
+        rows = api.call("GET", "/api/v1/ssh-keys/")
+        return _table(rows, ["id", "name", "key_type", "bits", "fingerprint", "created_at"])
+    if args.action == "rm":
+        api.call("DELETE", f"/api/v1/ssh-keys/{args.key}/")
+        return f"removed {args.key}"
+    try:
+        text = sys.stdin.read() if args.key == "-" else Path(args.key).read_text()
+    except OSError as exc:
+        raise CliError(f"cannot read {args.key}: {exc.strerror}") from None
+    body = {"public_key": text, **({"name": args.name} if args.name else {})}
+    key = api.call("POST", "/api/v1/ssh-keys/", json=body)
+    return f"{key['id']} {key['key_type']} {key['fingerprint']} {key['name']}"
 
 
 def _kinds(text: str | None) -> set[str]:
@@ -353,10 +421,36 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-cost", help="dollars: the rental checkpoints and stops when its charge reaches this"
     )
     rent.add_argument("--image", required=True)
+    rent.add_argument(
+        "--data", action="append", default=[], help="a dataset (repeatable): /data/NAME"
+    )
+    rent.add_argument("--resume-from", help="a rental: start from its last synced checkpoint")
     rent.add_argument("cmd", nargs="*", help="the command (after --)")
+    rent.add_argument("--ssh", action="store_true", help="an sshd for your SSH keys")
+    keys = sub.add_parser("ssh-key", help="your SSH public keys")
+    key_sub = keys.add_subparsers(dest="action", required=True)
+    add_key = key_sub.add_parser("add", help="add a public key")
+    add_key.add_argument("key", metavar="FILE", help="the .pub file, or - for standard input")
+    add_key.add_argument("--name")
+    key_sub.add_parser("ls", help="list them")
+    key_sub.add_parser("rm", help="remove one").add_argument("key", metavar="ID", type=int)
+    sub.add_parser("ssh-command", help="the ssh command into a rental").add_argument("id")
     sub.add_parser("rentals", help="your rentals")
     for name in ("show", "metrics", "stop", "cancel"):
         sub.add_parser(name).add_argument("id")
+    data = sub.add_parser("data", help="datasets: push, ls, rm")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    push = data_sub.add_parser("push", help="upload a file or a directory as a dataset")
+    push.add_argument("path")
+    push.add_argument("--name", help="the dataset's name (default: the file or folder name)")
+    data_sub.add_parser("ls", help="your datasets")
+    data_sub.add_parser("rm", help="delete a dataset").add_argument("dataset", help="name or id")
+    artifacts = sub.add_parser("artifacts", help="a rental's synced output: ls, pull")
+    artifacts_sub = artifacts.add_subparsers(dest="artifacts_command", required=True)
+    artifacts_sub.add_parser("ls").add_argument("rental")
+    pull = artifacts_sub.add_parser("pull", help="download a rental's output files")
+    pull.add_argument("rental")
+    pull.add_argument("dest", nargs="?", help="a folder (default: the rental id)")
     log = sub.add_parser("logs", help="the output of a rental's container")
     log.add_argument("id")
     log.add_argument("-f", "--follow", action="store_true", help="keep printing until it ends")
@@ -412,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         text = run(args, api)
         print(json.dumps(api.last, indent=2) if args.json else text)
-    except CliError as exc:
+    except (CliError, cli_transfer.TransferError) as exc:
         print(f"gpumarket: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -70,6 +70,7 @@ from nodeagent.client import (
     backoff_delay,
 )
 from nodeagent.config import AgentConfig, ConfigError
+from nodeagent.publish import Publisher, wanted_ports
 from nodeagent.reconcile import plan_reconcile
 from nodeagent.runtime import create_driver
 from nodeagent.runtime.base import (
@@ -280,6 +281,7 @@ class Agent:
         self._watchdog: SampleWatchdog | None = None
         self._driver: RuntimeDriver | None = None
         self._credentials: Credentials | None = None
+        self._publisher = Publisher(config.publish)
 
     # -- the program ---------------------------------------------------------------------------
 
@@ -363,6 +365,7 @@ class Agent:
 
     def _close(self) -> None:
         self._ops.shutdown()
+        self._publisher.close()
         if self._watchdog is not None:
             self._watchdog.close()
         self._client.close()
@@ -495,6 +498,7 @@ class Agent:
         self._forget(desired, actual)
         self.ledger.flush()
         self._reconcile(desired, actual, now)
+        self._publisher.reconcile(wanted_ports(desired, actual))
         metrics_module.SPOOL_DEPTH.set(len(self.spool))
         if answer.run_benchmark:
             if self.config.once:
@@ -647,6 +651,7 @@ class Agent:
                 exit_code=state.exit_code,
                 started_at=state.started_at,
                 finished_at=state.finished_at,
+                published=self._publisher.published(state.run_id),
             )
             if state.status == ContainerStatus.EXITED:
                 if live.log_tail is None:

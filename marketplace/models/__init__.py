@@ -11,12 +11,25 @@ from marketplace.models.rentals import (
     RentalKind,
     RentalStatus,
 )
+from marketplace.models.sshkeys import SshKey
+from marketplace.models.storage import (
+    Artifact,
+    Dataset,
+    DatasetFile,
+    DatasetStatus,
+    RentalDataset,
+    artifact_key,
+)
 
 __all__ = [
     "AdvisorCheck",
     "AdvisorPrior",
     "Allocation",
     "ApiToken",
+    "Artifact",
+    "Dataset",
+    "DatasetFile",
+    "DatasetStatus",
     "Gpu",
     "GpuModel",
     "GpuTier",
@@ -25,8 +38,11 @@ __all__ = [
     "NodeStatus",
     "Provider",
     "Rental",
+    "RentalDataset",
     "RentalEvent",
     "RentalKind",
     "RentalStatus",
+    "SshKey",
     "User",
+    "artifact_key",
 ]

@@ -20,15 +20,17 @@ from django.utils import timezone
 from agentprotocol import (
     ContainerReport,
     ContainerStatus,
+    DatasetMount,
     DesiredRun,
     HeartbeatAnswer,
     ProtocolError,
+    StagedFile,
     UsageReport,
 )
 from agentprotocol.untrusted import metric_line_parse
 from billing.services.metering import UsageReport as MeteredUsage
 from billing.services.metering import usage_reports_apply
-from marketplace import lifecycle
+from marketplace import lifecycle, objectstore
 from marketplace.models import (
     GpuModel,
     Node,
@@ -36,12 +38,20 @@ from marketplace.models import (
     NodeStatus,
     Rental,
 )
-from marketplace.selectors import measured_tflops_plausible
+from marketplace.selectors import (
+    measured_tflops_plausible,
+    rental_ssh_keys,
+    rentals_dataset_files,
+    rentals_resume_checkpoints,
+)
 from provisioning.models import ContainerRun, NodeBenchmark, RunMetric
 from provisioning.services.logs import run_logs_store
 from provisioning.services.telemetry import telemetry_buffer
 
 log = logging.getLogger(__name__)
+
+
+SSH_PORT = 22  # where the sshd of a rental that asked for SSH listens in its container
 
 
 def heartbeat_interval_s() -> int:
@@ -81,6 +91,11 @@ def _cpu_and_memory(node: Node, gpus: int) -> tuple[float, int]:
     return max(1.0, round(node.cpu_cores * share, 2)), max(2048, int(node.ram_gb * 1024 * share))
 
 
+def _ports(rental: Rental) -> tuple[int, ...]:
+    """The container ports to publish: the rental's own, and sshd's when it asked for SSH."""
+    return tuple(sorted({*rental.ports, SSH_PORT})) if rental.ssh else tuple(rental.ports)
+
+
 def desired_state(*, node: Node, now: datetime) -> list[DesiredRun]:
     """The containers that should run on the node now, from its active allocations."""
     with connection.cursor() as cursor:
@@ -95,6 +110,8 @@ def desired_state(*, node: Node, now: datetime) -> list[DesiredRun]:
     tensor_tflops = GpuModel.objects.values_list("tensor_tflops", flat=True).get(
         pk=node.gpu_model_id
     )
+    ssh_keys = rental_ssh_keys(rental for rental, _ in by_rental.values())
+    staging = _staging(rentals.values())
     desired = []
     for rental, gpus in by_rental.values():
         cpu, memory_mb = _cpu_and_memory(node, len(gpus))
@@ -120,10 +137,60 @@ def desired_state(*, node: Node, now: datetime) -> list[DesiredRun]:
                 gpu_uuids=tuple(gpu_uuid for _, gpu_uuid in gpus),
                 cpu_limit=cpu,
                 memory_limit_mb=memory_mb,
-                ports=tuple(rental.ports),
+                ports=tuple(sorted({*rental.ports, SSH_PORT}))
+                if rental.ssh
+                else tuple(rental.ports),
+                ssh_authorized_keys=ssh_keys.get(rental.pk, ()),
+                # Every container has an output directory (/workspace); it is synced out.
+                sync_artifacts=True,
+                **staging.get(rental.pk, {}),
             )
         )
     return desired
+
+
+def _staging(rentals) -> dict:
+    """rental id -> the DesiredRun fields of what its agent stages before the start: its
+    datasets, and the checkpoint it resumes from, as presigned GETs. Presigning is local (no
+    request to the store); without object storage a run gets neither, and the rest of the
+    desired state still goes out."""
+    rentals = list(rentals)
+    if not objectstore.configured():
+        return {}
+    datasets = rentals_dataset_files(r.pk for r in rentals)
+    checkpoints = rentals_resume_checkpoints(rentals)
+    staging: dict = {}
+    for rental in rentals:
+        fields: dict = {}
+        if mounts := datasets.get(rental.pk):
+            fields["datasets"] = tuple(
+                DatasetMount(
+                    dataset_id=str(dataset.pk),
+                    name=dataset.name,
+                    files=tuple(
+                        StagedFile(
+                            path=f.path,
+                            url=objectstore.presign_get(f.key),
+                            sha256=f.sha256,
+                            size_bytes=f.size_bytes,
+                        )
+                        for f in files
+                    ),
+                )
+                for dataset, files in mounts
+            )
+        if checkpoint := checkpoints.get(rental.pk):
+            fields["resume_files"] = (
+                StagedFile(
+                    path=checkpoint.path,
+                    url=objectstore.presign_get(checkpoint.key),
+                    sha256=checkpoint.sha256,
+                    size_bytes=checkpoint.size_bytes,
+                ),
+            )
+        if fields:
+            staging[rental.pk] = fields
+    return staging
 
 
 def _apply_container(node: Node, report: ContainerReport, now: datetime) -> None:
@@ -143,6 +210,13 @@ def _apply_container(node: Node, report: ContainerReport, now: datetime) -> None
     run.finished_at = _dt(report.finished_at) or run.finished_at
     if report.log_tail:
         run.log_tail = report.log_tail[-8192:]
+    # Only a running container is reachable; a port the rental did not ask for is not shown.
+    wanted_ports = set(_ports(rental))
+    run.published = [
+        port.to_payload()
+        for port in report.published
+        if report.status == ContainerStatus.RUNNING and port.container_port in wanted_ports
+    ]
     run.last_report_at = now
     run.save()
     if report.status in (ContainerStatus.RUNNING, ContainerStatus.EXITED):
