@@ -139,8 +139,7 @@ def funds_hold_create(
     if not connection.in_atomic_block:
         raise TransactionManagementError("a hold is taken in the transaction creating the rental")
     cap = None if max_charge is None else budgets.budget_micros(max_charge, field="max_charge")
-    account_id = account_for_customer(user=rental.customer).pk
-    account = Account.objects.select_for_update().get(pk=account_id)
+    account = _customer_account_locked(customer_id=rental.customer_id)
     amount = hold_micros(
         price_per_gpu_hour=price_per_gpu_hour,
         gpus=rental.gpus_per_node * rental.node_count,
@@ -170,6 +169,17 @@ def funds_hold_create(
         amount_micros=amount,
         max_charge_micros=cap,
     )
+
+
+def _customer_account_locked(*, customer_id: int) -> Account:
+    """The customer's account row, locked: one query when it exists (every customer who can
+    pay has one), created first otherwise."""
+    customer_accounts = Account.objects.select_for_update().filter(kind=AccountKind.CUSTOMER)
+    account = customer_accounts.filter(user_id=customer_id).first()
+    if account is None:
+        Account.objects.get_or_create(kind=AccountKind.CUSTOMER, user_id=customer_id)
+        account = customer_accounts.get(user_id=customer_id)
+    return account
 
 
 def _usd(micros: int) -> str:
