@@ -89,6 +89,7 @@ def account_page(request: HttpRequest) -> HttpResponse:
             if burn > 0
             else None,
             "manages_money": money,
+            "budget": selectors.budget_summary(team=team),
             "notices": selectors.notice_list(team=team)[:5],
             "invoices": selectors.invoice_list(team=team)[:24] if money else [],
             "entries": entries[:LEDGER_ROWS],

@@ -14,6 +14,8 @@ from rest_framework.views import APIView
 from billing import selectors, services
 from billing.api.serializers import (
     AccountSerializer,
+    BudgetSerializer,
+    BudgetUpdateSerializer,
     GpuSeriesAnswerSerializer,
     InvoiceDetailSerializer,
     InvoiceSerializer,
@@ -52,6 +54,29 @@ class AccountView(APIView):
     def get(self, request: Request) -> Response:
         summary = selectors.account_summary(team=request_team(request))
         return Response(AccountSerializer(summary).data)
+
+
+class BudgetView(APIView):
+    """The team's budgets and limits: the monthly budget, the concurrent-GPU and per-minute
+    limits, and where it stands against each (every member). PATCH sets them (dollars for the
+    budget): owners and billing members only."""
+
+    @extend_schema(responses=BudgetSerializer)
+    def get(self, request: Request) -> Response:
+        team = request_team(request)
+        return Response(BudgetSerializer(selectors.budget_summary(team=team)).data)
+
+    @extend_schema(request=BudgetUpdateSerializer, responses=BudgetSerializer)
+    def patch(self, request: Request) -> Response:
+        body = BudgetUpdateSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        team = request_team(request, money=True)
+        services.account_budgets_set(
+            account_id=services.account_for_team(team=team).pk,
+            actor=request.user,
+            **body.validated_data,
+        )
+        return Response(BudgetSerializer(selectors.budget_summary(team=team)).data)
 
 
 class LedgerListView(_ListView):
@@ -186,10 +211,13 @@ class RentalUsageView(APIView):
         rental = selectors.team_rental(team=request_team(request), rental_id=rental_id)
         if rental is None:
             raise NotFound("no such rental")
+        cap, bound = selectors.rental_cap(rental=rental)
         usage = {
             "rental": rental,
             "meters": selectors.rental_meters(rental=rental),
             "segments": selectors.rental_segments(rental=rental),
+            "max_charge_micros": cap,
+            "cap_overrun_bound_micros": bound,
         }
         return Response(RentalUsageSerializer(usage).data)
 

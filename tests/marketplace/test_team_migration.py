@@ -13,8 +13,8 @@ from django.utils import timezone
 pytestmark = pytest.mark.django_db(transaction=True)
 
 TEAMS = ("marketplace", "0010_teams")
-ACCOUNTS = ("billing", "0006_account_team")
-AFTER = [("marketplace", "0012_team_required"), ("billing", "0008_account_owned_by_team")]
+ACCOUNTS = ("billing", "0007_account_team")
+AFTER = [("marketplace", "0012_team_required"), ("billing", "0009_account_owned_by_team")]
 
 
 def _migrate(targets):

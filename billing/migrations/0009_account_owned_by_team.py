@@ -3,7 +3,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("billing", "0007_account_to_personal_team"),
+        ("billing", "0008_account_to_personal_team"),
     ]
 
     operations = [

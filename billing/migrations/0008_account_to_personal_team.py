@@ -12,7 +12,7 @@ def accounts_to_teams(apps, schema_editor):
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("billing", "0006_account_team"),
+        ("billing", "0007_account_team"),
     ]
 
     operations = [

@@ -4,7 +4,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("billing", "0005_meter_locked_price"),
+        ("billing", "0006_budgets_and_limits"),
         ("marketplace", "0012_team_required"),
     ]
 
