@@ -231,7 +231,7 @@ def test_budgets_are_shown_and_set_through_the_api(user, auth_api):
     assert (body["monthly_budget_micros"], body["budget_warn_percent"]) == (usd("250.50"), 90)
     assert body["max_concurrent_gpus"] == 8
     # A ceiling set by ops caps the customer's own limit, and refuses a higher one
-    account = Account.objects.get(user=user)
+    account = Account.objects.get(team__personal_of=user)
     account_ceilings_set(account_id=account.pk, max_concurrent_gpus=6, max_rentals_per_minute=None)
     body = auth_api.get("/api/v1/billing/budgets/").json()
     assert (body["max_concurrent_gpus"], body["ceiling_concurrent_gpus"]) == (6, 6)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from rest_framework.test import APIClient
 
-from billing.models import TopUp
+from billing.models import Account, TopUp
 from marketplace.models import TeamRole
 from marketplace.services import (
     api_token_create,
@@ -89,3 +89,16 @@ def test_the_top_up_page_is_refused_to_a_member_and_open_to_billing(stripe_on, c
         account = client.get("/billing/").content.decode()
         assert 'id="balance"' in account
         assert ('id="ledger"' in account) is (status == 200)
+
+
+def test_a_member_sees_the_teams_budget_but_only_billing_members_set_it(acme, user):
+    member = _api(_join(acme, user, TeamRole.MEMBER), acme)
+    billing = _api(_join(acme, user, TeamRole.BILLING), acme)
+    assert member.get("/api/v1/billing/budgets/").status_code == 200
+    refused = member.patch("/api/v1/billing/budgets/", {"monthly_budget": "50.00"}, format="json")
+    assert refused.status_code == 403
+    assert Account.objects.filter(team=acme, monthly_budget_micros__isnull=False).count() == 0
+    done = billing.patch("/api/v1/billing/budgets/", {"monthly_budget": "50.00"}, format="json")
+    assert done.status_code == 200
+    assert Account.objects.get(team=acme).monthly_budget_micros == 50_000_000
+    assert member.get("/api/v1/billing/budgets/").json()["monthly_budget_micros"] == 50_000_000
