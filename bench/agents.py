@@ -44,10 +44,11 @@ def server_cpu_seconds(server: subprocess.Popen) -> float:
 
 
 def join_tokens(n: int) -> list[str]:
-    from marketplace.models import Provider, User
+    from marketplace.models import Provider
+    from marketplace.services import user_create
     from provisioning.services import join_token_create
 
-    owner = User.objects.create_user("provider", "p@example.invalid", "x")
+    owner = user_create(username="provider", email="p@example.invalid", password="x")
     provider = Provider.objects.create(name="bench", owner=owner)
     return [
         join_token_create(
@@ -137,7 +138,8 @@ def scheduled_to_running(base: str) -> tuple[float, str]:
     """One real agent, one rental: seconds from the SCHEDULED event to the RUNNING event."""
     import docker
 
-    from marketplace.models import Rental, RentalEvent, RentalStatus, User
+    from marketplace.models import Rental, RentalEvent, RentalStatus
+    from marketplace.services import team_personal_ensure, user_create
     from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
     from scheduler.services import scheduler_cycle_run
 
@@ -171,17 +173,18 @@ def scheduled_to_running(base: str) -> tuple[float, str]:
             if time.monotonic() > deadline:
                 raise RuntimeError("the real agent did not join")
             time.sleep(0.2)
-        customer = User.objects.create_user("renter", "r@example.invalid", "x")
-        from billing.services.ledger import account_adjust, account_for_customer
+        customer = user_create(username="renter", email="r@example.invalid", password="x")
+        from billing.services.ledger import account_adjust, account_for_team
 
         account_adjust(
-            account_id=account_for_customer(user=customer).pk,
+            account_id=account_for_team(team=team_personal_ensure(user=customer)).pk,
             amount_micros=10_000_000,
             reason="benchmark credit",
             actor=None,
         )
         rental = rental_create(
             customer=customer,
+            team=team_personal_ensure(user=customer),
             request=RentalRequest(
                 gpus_per_node=1,
                 duration_s=600,
@@ -203,7 +206,7 @@ def scheduled_to_running(base: str) -> tuple[float, str]:
         seconds = (events["running"] - events["scheduled"]).total_seconds()
         from marketplace.lifecycle import rental_stop
 
-        rental_stop(customer=customer, rental_id=rental.pk)
+        rental_stop(team=team_personal_ensure(user=customer), actor=customer, rental_id=rental.pk)
         deadline = time.monotonic() + 60
         while Rental.objects.get(pk=rental.pk).status == RentalStatus.STOPPING:
             if time.monotonic() > deadline:

@@ -158,12 +158,12 @@ def celery_worker():
 
 
 def funded_customer(username: str):
-    from billing.services.ledger import account_adjust, account_for_customer
-    from marketplace.models import User
+    from billing.services.ledger import account_adjust, account_for_team
+    from marketplace.services import team_personal_ensure, user_create
 
-    customer = User.objects.create_user(username, f"{username}@example.invalid", "x")
+    customer = user_create(username=username, email=f"{username}@example.invalid", password="x")
     account_adjust(
-        account_id=account_for_customer(user=customer).pk,
+        account_id=account_for_team(team=team_personal_ensure(user=customer)).pk,
         amount_micros=10**13,
         reason="benchmark credit",
         actor=None,
@@ -175,8 +175,10 @@ def offered_load(rate: float, seconds: float, customer) -> dict:
     """rental_create at `rate`/s for `seconds` from 4 threads; create->SCHEDULED of each."""
     from django.db import connection, connections
 
+    from marketplace.services import team_personal_ensure
     from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 
+    team = team_personal_ensure(user=customer)
     created: list[str] = []
     lag = 0.0
     threads_n = 4
@@ -196,6 +198,7 @@ def offered_load(rate: float, seconds: float, customer) -> dict:
                     lag = max(lag, now - due)
             rental = rental_create(
                 customer=customer,
+                team=team,
                 request=RentalRequest(
                     gpus_per_node=1, duration_s=3600, runtime=RuntimeSpec(image="img")
                 ),
@@ -248,14 +251,16 @@ def service_create_rate(customer, n: int = 200) -> float:
     for one caller (no scheduling, no queueing)."""
     from django.db import transaction
 
+    from marketplace.services import team_personal_ensure
     from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 
+    team = team_personal_ensure(user=customer)
     request = RentalRequest(gpus_per_node=1, duration_s=3600, runtime=RuntimeSpec(image="img"))
     with transaction.atomic():
         t0 = time.perf_counter()
         for _ in range(n):
             with transaction.atomic():
-                rental_create(customer=customer, request=request)
+                rental_create(customer=customer, team=team, request=request)
         rate = n / (time.perf_counter() - t0)
         transaction.set_rollback(True)
     return rate
@@ -266,9 +271,11 @@ def api_creates(customer, seconds: float = 10.0, threads_n: int = 4) -> dict:
     the same server's GET /healthz rate from the same clients (the HTTP stack's ceiling)."""
     import requests
 
+    from marketplace.services import team_personal_ensure
     from marketplace.services.accounts import api_token_create
 
-    _, token = api_token_create(user=customer, name="bench")
+    team = team_personal_ensure(user=customer)
+    _, token = api_token_create(user=customer, team=team, name="bench")
     body = {"gpus_per_node": 1, "duration_s": 3600, "runtime": {"image": "img"}}
 
     def hammer(base: str, path: str, post: bool) -> float:

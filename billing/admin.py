@@ -114,8 +114,8 @@ class PayoutForm(forms.Form):
 class AccountAdmin(admin.ModelAdmin):
     list_display = ["id", "kind", "owner", "balance", "low_balance_since", "depleted_since"]
     list_filter = ["kind"]
-    search_fields = ["user__username", "user__email", "provider__name"]
-    list_select_related = ["user", "provider"]
+    search_fields = ["team__name", "team__memberships__user__username", "provider__name"]
+    list_select_related = ["team", "provider"]
     fields = [
         "kind",
         "owner",
@@ -146,7 +146,7 @@ class AccountAdmin(admin.ModelAdmin):
     @admin.display(description="owner")
     def owner(self, account: Account) -> str:
         if account.kind == AccountKind.CUSTOMER:
-            return f"{account.user.username} <{account.user.email}>"
+            return f"team {account.team.name} (#{account.team_id})"
         if account.kind == AccountKind.PROVIDER:
             return account.provider.name
         return "the platform"
@@ -367,7 +367,7 @@ class LedgerEntryAdmin(ReadOnlyAdmin):
         "actor",
     ]
     list_filter = ["kind", "account__kind"]
-    search_fields = ["=key", "memo", "account__user__username", "account__provider__name"]
+    search_fields = ["=key", "memo", "account__team__name", "account__provider__name"]
     list_select_related = ["account", "actor"]
     # The ledger grows by millions of rows: no COUNT(*) of the whole table on every page.
     show_full_result_count = False
@@ -388,7 +388,7 @@ class TopUpAdmin(ReadOnlyAdmin):
         "payment_intent_id",
     ]
     list_filter = ["status"]
-    search_fields = ["=payment_intent_id", "account__user__username"]
+    search_fields = ["=payment_intent_id", "account__team__name"]
     list_select_related = ["account"]
 
 
@@ -506,6 +506,6 @@ class InvoiceAdmin(ReadOnlyAdmin):
         "closing_balance_micros",
         "issued_at",
     ]
-    search_fields = ["=number", "account__user__username"]
+    search_fields = ["=number", "account__team__name"]
     list_select_related = ["account"]
     inlines = [InvoiceLineInline]

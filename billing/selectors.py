@@ -1,4 +1,4 @@
-"""Every read of billing, owner-scoped where a customer asks."""
+"""Every read of billing, scoped to the asking team where a customer asks."""
 
 from __future__ import annotations
 
@@ -27,12 +27,12 @@ from billing.models import (
     UsageSegment,
 )
 from marketplace import lifecycle
-from marketplace.models import Node, Provider, Rental, User
+from marketplace.models import Node, Provider, Rental, Team, User
 
 
 @dataclass(frozen=True, slots=True)
 class AccountSummary:
-    """A customer's money right now, in micro-dollars."""
+    """A team's money right now, in micro-dollars."""
 
     account: Account | None
     balance_micros: int
@@ -42,16 +42,16 @@ class AccountSummary:
     hourly_burn_micros: int
 
 
-def customer_account(*, customer_id: int) -> Account | None:
-    return Account.objects.filter(kind=AccountKind.CUSTOMER, user_id=customer_id).first()
+def team_account(*, team_id: int) -> Account | None:
+    return Account.objects.filter(kind=AccountKind.CUSTOMER, team_id=team_id).first()
 
 
-# What the customer owes beyond the balance, as scalar subqueries on the customer's id, so
+# What the team owes beyond the balance, as scalar subqueries on the team's id, so
 # that the funds check reads both in one round trip.
 _ACCRUED_SQL = """
     SELECT coalesce(sum(m.charge_micros - m.posted_charge_micros), 0)
     FROM billing_usagemeter m JOIN marketplace_rental r ON r.id = m.rental_id
-    WHERE r.customer_id = %s AND m.charge_micros <> m.posted_charge_micros
+    WHERE r.team_id = %s AND m.charge_micros <> m.posted_charge_micros
 """
 _HELD_SQL = """
     SELECT coalesce(sum(greatest(
@@ -64,34 +64,34 @@ _HELD_SQL = """
                     WHERE m.rental_id = r.id), 0),
         0)), 0)
     FROM marketplace_rental r JOIN billing_fundshold h ON h.rental_id = r.id
-    WHERE r.customer_id = %s AND r.status = ANY(%s)
+    WHERE r.team_id = %s AND r.status = ANY(%s)
 """
 
 
-def customer_accrued_micros(*, customer_id: int) -> int:
+def team_accrued_micros(*, team_id: int) -> int:
     """Usage rated but not yet posted to the ledger (it still counts against the balance)."""
     with connection.cursor() as cursor:
-        cursor.execute(_ACCRUED_SQL, [customer_id])
+        cursor.execute(_ACCRUED_SQL, [team_id])
         return int(cursor.fetchone()[0])
 
 
-def customer_hourly_burn_micros(*, customer_id: int) -> int:
-    """What the customer's provisioning and running rentals cost per hour."""
+def team_hourly_burn_micros(*, team_id: int) -> int:
+    """What the team's provisioning and running rentals cost per hour."""
     with connection.cursor() as cursor:
         cursor.execute(
             """
             SELECT coalesce(sum(round(price_per_gpu_hour * 1000000)
                                 * gpus_per_node * node_count), 0)
             FROM marketplace_rental
-            WHERE customer_id = %s AND status = ANY(%s) AND price_per_gpu_hour IS NOT NULL
+            WHERE team_id = %s AND status = ANY(%s) AND price_per_gpu_hour IS NOT NULL
             """,
-            [customer_id, [str(s) for s in lifecycle.BURNING]],
+            [team_id, [str(s) for s in lifecycle.BURNING]],
         )
         return int(cursor.fetchone()[0])
 
 
-def customer_held_micros(*, customer_id: int) -> int:
-    """What the customer's unfinished rentals may still cost: each hold, at the price locked at
+def team_held_micros(*, team_id: int) -> int:
+    """What the team's unfinished rentals may still cost: each hold, at the price locked at
     placement once there is one (at the estimate of its creation before), never more than the
     rental's own cap (max_charge), less what the rental
     has been charged so far, never below zero; a rental that has ended holds nothing.
@@ -100,20 +100,20 @@ def customer_held_micros(*, customer_id: int) -> int:
     charge lowers the hold as it lowers the balance (or is accrued), and an end releases it.
     """
     with connection.cursor() as cursor:
-        cursor.execute(_HELD_SQL, [customer_id, _active()])
+        cursor.execute(_HELD_SQL, [team_id, _active()])
         return int(cursor.fetchone()[0])
 
 
-def customer_available_micros(*, customer_id: int, balance_micros: int | None = None) -> int:
+def team_available_micros(*, team_id: int, balance_micros: int | None = None) -> int:
     """What a new rental or a refund can use: the balance less accrued usage and holds.
     `balance_micros` is the balance the caller read under the account's row lock."""
     if balance_micros is None:
-        account = customer_account(customer_id=customer_id)
+        account = team_account(team_id=team_id)
         balance_micros = account.balance_micros if account else 0
     with connection.cursor() as cursor:
         cursor.execute(
             f"SELECT ({_ACCRUED_SQL}), ({_HELD_SQL})",
-            [customer_id, customer_id, _active()],
+            [team_id, team_id, _active()],
         )
         accrued, held = cursor.fetchone()
     return balance_micros - int(accrued) - int(held)
@@ -123,60 +123,60 @@ def _active() -> list[str]:
     return [str(s) for s in lifecycle.ACTIVE]
 
 
-def account_summary(*, user: User) -> AccountSummary:
-    account = customer_account(customer_id=user.pk)
+def account_summary(*, team: Team) -> AccountSummary:
+    account = team_account(team_id=team.pk)
     balance = account.balance_micros if account else 0
-    accrued = customer_accrued_micros(customer_id=user.pk)
-    held = customer_held_micros(customer_id=user.pk)
+    accrued = team_accrued_micros(team_id=team.pk)
+    held = team_held_micros(team_id=team.pk)
     return AccountSummary(
         account=account,
         balance_micros=balance,
         accrued_micros=accrued,
         held_micros=held,
         available_micros=balance - accrued - held,
-        hourly_burn_micros=customer_hourly_burn_micros(customer_id=user.pk),
+        hourly_burn_micros=team_hourly_burn_micros(team_id=team.pk),
     )
 
 
-def notice_list(*, user: User) -> QuerySet[BalanceNotice]:
+def notice_list(*, team: Team) -> QuerySet[BalanceNotice]:
     return BalanceNotice.objects.filter(
-        account__kind=AccountKind.CUSTOMER, account__user=user
+        account__kind=AccountKind.CUSTOMER, account__team=team
     ).order_by("-created_at", "-id")
 
 
-def ledger_list(*, user: User) -> QuerySet[LedgerEntry]:
+def ledger_list(*, team: Team) -> QuerySet[LedgerEntry]:
     return (
-        LedgerEntry.objects.filter(account__kind=AccountKind.CUSTOMER, account__user=user)
+        LedgerEntry.objects.filter(account__kind=AccountKind.CUSTOMER, account__team=team)
         .select_related("rental")
         .order_by("-created_at", "-id")
     )
 
 
-def topup_list(*, user: User) -> QuerySet[TopUp]:
-    return TopUp.objects.filter(account__kind=AccountKind.CUSTOMER, account__user=user).order_by(
+def topup_list(*, team: Team) -> QuerySet[TopUp]:
+    return TopUp.objects.filter(account__kind=AccountKind.CUSTOMER, account__team=team).order_by(
         "-created_at"
     )
 
 
-def invoice_list(*, user: User) -> QuerySet[Invoice]:
-    return Invoice.objects.filter(account__kind=AccountKind.CUSTOMER, account__user=user).order_by(
+def invoice_list(*, team: Team) -> QuerySet[Invoice]:
+    return Invoice.objects.filter(account__kind=AccountKind.CUSTOMER, account__team=team).order_by(
         "-period_start", "-id"
     )
 
 
-def invoice_get(*, user: User, invoice_id: int) -> Invoice | None:
-    """One of the customer's statements with its lines; another account's id gives None."""
+def invoice_get(*, team: Team, invoice_id: int) -> Invoice | None:
+    """One of the team's statements with its lines; another team's id gives None."""
     return (
-        invoice_list(user=user)
-        .select_related("account__user")
+        invoice_list(team=team)
+        .select_related("account__team")
         .prefetch_related("lines")
         .filter(pk=invoice_id)
         .first()
     )
 
 
-def own_rental(*, user: User, rental_id) -> Rental | None:
-    return Rental.objects.filter(pk=rental_id, customer=user).first()
+def team_rental(*, team: Team, rental_id) -> Rental | None:
+    return Rental.objects.filter(pk=rental_id, team=team).first()
 
 
 def rental_telemetry(
@@ -288,7 +288,7 @@ def account_active_gpus(*, account: Account) -> int:
     """GPUs of the account's rentals that are not over: waiting, placed, starting, running or
     stopping (each holds, or will hold, its GPUs)."""
     return (
-        Rental.objects.filter(customer_id=account.user_id, status__in=lifecycle.ACTIVE).aggregate(
+        Rental.objects.filter(team_id=account.team_id, status__in=lifecycle.ACTIVE).aggregate(
             n=Sum(F("gpus_per_node") * F("node_count"))
         )["n"]
         or 0
@@ -298,7 +298,7 @@ def account_active_gpus(*, account: Account) -> int:
 def account_rentals_created_since(*, account: Account, since: datetime) -> list[datetime]:
     """When each of the account's rentals created since `since` was created, oldest first."""
     return list(
-        Rental.objects.filter(customer_id=account.user_id, created_at__gte=since)
+        Rental.objects.filter(team_id=account.team_id, created_at__gte=since)
         .order_by("created_at")
         .values_list("created_at", flat=True)
     )
@@ -314,12 +314,12 @@ SELECT a.id,
                    AND e.created_at >= %(month_start)s), 0)
        + coalesce((SELECT sum(m.charge_micros - m.posted_charge_micros)
                    FROM billing_usagemeter m JOIN marketplace_rental r ON r.id = m.rental_id
-                   WHERE r.customer_id = a.user_id
+                   WHERE r.team_id = a.team_id
                      AND m.charge_micros <> m.posted_charge_micros), 0) AS spent,
        coalesce((SELECT sum(round(r.price_per_gpu_hour * 1000000) * r.gpus_per_node
                             * r.node_count)
                  FROM marketplace_rental r
-                 WHERE r.customer_id = a.user_id AND r.status = ANY(%(burning)s)
+                 WHERE r.team_id = a.team_id AND r.status = ANY(%(burning)s)
                    AND r.price_per_gpu_hour IS NOT NULL), 0) AS burn
 FROM billing_account a
 WHERE a.kind = 'customer' AND a.monthly_budget_micros IS NOT NULL
@@ -383,17 +383,17 @@ class BudgetSummary:
     billing_pass_interval_s: int
 
 
-def budget_summary(*, user: User, now: datetime | None = None) -> BudgetSummary:
-    """The customer's budgets and limits; before the account exists, its defaults."""
+def budget_summary(*, team: Team, now: datetime | None = None) -> BudgetSummary:
+    """The team's budgets and limits; before the account exists, its defaults."""
     now = now or timezone.now()
-    account = customer_account(customer_id=user.pk) or Account(kind=AccountKind.CUSTOMER, user=user)
+    account = team_account(team_id=team.pk) or Account(kind=AccountKind.CUSTOMER, team=team)
     return BudgetSummary(
         account=account,
         limits=account_limits(account=account),
         monthly_budget_micros=account.monthly_budget_micros,
         budget_warn_percent=account.budget_warn_percent,
         month_spent_micros=account_month_spent_micros(account=account, now=now),
-        held_micros=customer_held_micros(customer_id=account.user_id),
+        held_micros=team_held_micros(team_id=team.pk),
         active_gpus=account_active_gpus(account=account),
         rentals_last_minute=len(
             account_rentals_created_since(account=account, since=now - timedelta(minutes=1))

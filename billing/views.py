@@ -12,6 +12,7 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
 from billing import conf, selectors, services, stripe_adapter
+from marketplace.tenancy import request_membership, request_team, team_page
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +45,11 @@ def _stripe_js_url() -> str:
 
 @require_GET
 @login_required
+@team_page
 def topup_page(request: HttpRequest) -> HttpResponse:
-    """Add funds by card with Stripe Elements; the webhook credits the account."""
+    """Add funds to the team's balance by card with Stripe Elements; the webhook credits the
+    account. Owners and billing members only: other members get the refusal page (403)."""
+    team = request_team(request, money=True)
     low, high = conf.topup_limits_cents()
     return render(
         request,
@@ -54,6 +58,7 @@ def topup_page(request: HttpRequest) -> HttpResponse:
             "publishable_key": settings.STRIPE_PUBLISHABLE_KEY,
             "stripe_js_url": _stripe_js_url(),
             "enabled": stripe_adapter.is_configured() and bool(settings.STRIPE_PUBLISHABLE_KEY),
+            "team": team,
             "min_usd": low / 100,
             "max_usd": high / 100,
         },
@@ -65,10 +70,14 @@ LEDGER_ROWS = 50
 
 @require_GET
 @login_required
+@team_page
 def account_page(request: HttpRequest) -> HttpResponse:
-    """Balance, what running rentals cost, statements and the latest ledger entries."""
-    summary = selectors.account_summary(user=request.user)
-    entries = list(selectors.ledger_list(user=request.user)[: LEDGER_ROWS + 1])
+    """The team's balance and what its running rentals cost (every member); statements and the
+    latest ledger entries for owners and billing members."""
+    team = request_team(request)
+    money = request_membership(request).manages_money
+    summary = selectors.account_summary(team=team)
+    entries = list(selectors.ledger_list(team=team)[: LEDGER_ROWS + 1]) if money else []
     burn = summary.hourly_burn_micros
     return render(
         request,
@@ -79,9 +88,10 @@ def account_page(request: HttpRequest) -> HttpResponse:
             "runway_hours": max(0, summary.balance_micros - summary.accrued_micros) / burn
             if burn > 0
             else None,
-            "budget": selectors.budget_summary(user=request.user),
-            "notices": selectors.notice_list(user=request.user)[:5],
-            "invoices": selectors.invoice_list(user=request.user)[:24],
+            "manages_money": money,
+            "budget": selectors.budget_summary(team=team),
+            "notices": selectors.notice_list(team=team)[:5],
+            "invoices": selectors.invoice_list(team=team)[:24] if money else [],
             "entries": entries[:LEDGER_ROWS],
             "more_entries": len(entries) > LEDGER_ROWS,
         },

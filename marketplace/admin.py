@@ -1,4 +1,5 @@
-"""The ops console: inventory, catalog, rentals and tokens (staff only, as the admin always is)."""
+"""The ops console: inventory, catalog, rentals, teams and tokens (staff only, as the admin
+always is)."""
 
 from __future__ import annotations
 
@@ -18,18 +19,92 @@ from marketplace.models import (
     DatasetFile,
     Gpu,
     GpuModel,
+    Invitation,
+    Membership,
     Node,
     NodeEvent,
     Provider,
     Rental,
     RentalEvent,
+    Team,
     User,
 )
 
 
+class UserMembershipInline(admin.TabularInline):
+    model = Membership
+    fields = ["team", "role", "created_at"]
+    readonly_fields = ["created_at"]
+    raw_id_fields = ["team"]
+    extra = 0
+
+
 @admin.register(User)
 class MarketplaceUserAdmin(UserAdmin):
-    pass
+    inlines = [UserMembershipInline]
+
+    def save_model(self, request, obj, form, change) -> None:
+        super().save_model(request, obj, form, change)
+        if not change:
+            # Every person has a personal team, however their account was made.
+            services.team_personal_ensure(user=obj)
+
+
+class MembershipInline(admin.TabularInline):
+    model = Membership
+    fields = ["user", "role", "created_at"]
+    readonly_fields = ["created_at"]
+    raw_id_fields = ["user"]
+    extra = 0
+
+
+@admin.register(Team)
+class TeamAdmin(admin.ModelAdmin):
+    list_display = ["name", "personal_of", "created_at"]
+    search_fields = ["name", "memberships__user__username", "memberships__user__email"]
+    list_select_related = ["personal_of"]
+    readonly_fields = ["personal_of", "created_at"]
+    inlines = [MembershipInline]
+
+
+@admin.register(Membership)
+class MembershipAdmin(admin.ModelAdmin):
+    list_display = ["team", "user", "role", "created_at"]
+    list_filter = ["role"]
+    search_fields = ["team__name", "user__username", "user__email"]
+    list_select_related = ["team", "user"]
+    raw_id_fields = ["team", "user"]
+
+
+@admin.register(Invitation)
+class InvitationAdmin(admin.ModelAdmin):
+    list_display = [
+        "email",
+        "team",
+        "role",
+        "created_at",
+        "expires_at",
+        "accepted_at",
+        "revoked_at",
+    ]
+    list_filter = ["role"]
+    search_fields = ["email", "team__name"]
+    list_select_related = ["team"]
+    readonly_fields = [
+        "team",
+        "email",
+        "role",
+        "key_hash",
+        "invited_by",
+        "created_at",
+        "expires_at",
+        "accepted_at",
+        "accepted_by",
+    ]
+
+    def has_add_permission(self, request) -> bool:
+        # Invitations are made by a team's owners so that the link reaches the invited only.
+        return False
 
 
 @admin.register(Provider)
@@ -168,10 +243,19 @@ class RentalEventInline(admin.TabularInline):
 
 @admin.register(Rental)
 class RentalAdmin(admin.ModelAdmin):
-    list_display = ["id", "customer", "status", "gpus_per_node", "node_count", "kind", "created_at"]
+    list_display = [
+        "id",
+        "team",
+        "customer",
+        "status",
+        "gpus_per_node",
+        "node_count",
+        "kind",
+        "created_at",
+    ]
     list_filter = ["status", "kind"]
-    search_fields = ["id", "customer__username", "name"]
-    list_select_related = ["customer"]
+    search_fields = ["id", "customer__username", "team__name", "name"]
+    list_select_related = ["customer", "team"]
     inlines = [RentalEventInline]
     readonly_fields = ["status", "status_reason", "price_per_gpu_hour", "created_at", "updated_at"]
     raw_id_fields = ["resume_from"]
@@ -186,10 +270,10 @@ class AllocationAdmin(admin.ModelAdmin):
 
 @admin.register(ApiToken)
 class ApiTokenAdmin(admin.ModelAdmin):
-    list_display = ["name", "user", "prefix", "created_at", "last_used_at", "revoked_at"]
-    list_select_related = ["user"]
+    list_display = ["name", "user", "team", "prefix", "created_at", "last_used_at", "revoked_at"]
+    list_select_related = ["user", "team"]
     readonly_fields = ["prefix", "key_hash", "created_at", "last_used_at"]
-    search_fields = ["name", "prefix", "user__username"]
+    search_fields = ["name", "prefix", "user__username", "team__name"]
 
     def has_add_permission(self, request) -> bool:
         # Tokens are created through the API so that the secret is shown to its owner only.

@@ -1,4 +1,5 @@
-"""Bearer-token authentication for programs: `Authorization: Bearer gpm_...`."""
+"""Bearer-token authentication for programs: `Authorization: Bearer gpm_...`; a token acts
+for the one team it was created in (marketplace.tenancy)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from django.db.models import Q
 from django.utils import timezone
 from rest_framework import authentication, exceptions
 
+from marketplace import selectors
 from marketplace.models import ApiToken
 from marketplace.services import token_hash
+from marketplace.tenancy import membership_decided
 
 # Writing last_used_at on every request would turn reads into writes; a minute is precise enough.
 _LAST_USED_GRANULARITY = timedelta(minutes=1)
@@ -28,7 +31,9 @@ class ApiTokenAuthentication(authentication.BaseAuthentication):
             raw = header[1].decode()
         except UnicodeError as exc:
             raise exceptions.AuthenticationFailed("malformed token") from exc
-        token = ApiToken.objects.select_related("user").filter(key_hash=token_hash(raw)).first()
+        token = (
+            ApiToken.objects.select_related("user", "team").filter(key_hash=token_hash(raw)).first()
+        )
         now = timezone.now()
         if (
             token is None
@@ -37,6 +42,11 @@ class ApiTokenAuthentication(authentication.BaseAuthentication):
             or not token.user.is_active
         ):
             raise exceptions.AuthenticationFailed("invalid or revoked token")
+        membership = selectors.membership_get(user=token.user, team_id=token.team_id)
+        if membership is None:
+            # Leaving a team revokes its tokens; this covers a membership deleted by other means.
+            raise exceptions.AuthenticationFailed("the token's user is no longer in its team")
+        membership_decided(request, membership)
         if token.last_used_at is None or now - token.last_used_at > _LAST_USED_GRANULARITY:
             ApiToken.objects.filter(pk=token.pk).filter(
                 Q(last_used_at__isnull=True) | Q(last_used_at__lt=now - _LAST_USED_GRANULARITY)

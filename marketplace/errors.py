@@ -39,3 +39,10 @@ class InsufficientCapacity(Conflict):
 class PaymentRequired(DomainError):
     status = 402
     code = "payment_required"
+
+
+class Forbidden(DomainError):
+    """The caller is known but their role does not allow this (e.g. a member paying)."""
+
+    status = 403
+    code = "forbidden"

@@ -27,7 +27,7 @@ from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
 from marketplace.errors import Conflict, NotFound
-from marketplace.models import Allocation, Rental, RentalEvent, RentalStatus, User
+from marketplace.models import Allocation, Rental, RentalEvent, RentalStatus, Team, User
 
 S = RentalStatus
 A = RentalEvent.Actor
@@ -151,12 +151,13 @@ def _allocations_release(*, rental: Rental, at: datetime) -> int:
     return released
 
 
-def rental_submit(*, customer: User, **fields) -> Rental:
-    """Store a validated request as a PENDING rental with its first event; a scheduler cycle
-    for its pool is queued after commit."""
+def rental_submit(*, customer: User, team: Team, **fields) -> Rental:
+    """Store a validated request as a PENDING rental of the team, created by `customer`, with
+    its first event; a scheduler cycle for its pool is queued after commit."""
     _require_transaction()
     rental = Rental.objects.create(
         customer=customer,
+        team=team,
         status=S.PENDING,
         status_reason="waiting for the scheduler",
         **fields,
@@ -390,8 +391,8 @@ def _cancel(*, rental: Rental, actor_kind: str, actor: User | None, reason: str)
     )
 
 
-def _locked_own_rental(*, customer: User, rental_id) -> Rental:
-    rental = Rental.objects.select_for_update().filter(pk=rental_id, customer=customer).first()
+def _locked_team_rental(*, team: Team, rental_id) -> Rental:
+    rental = Rental.objects.select_for_update().filter(pk=rental_id, team=team).first()
     if rental is None:
         raise NotFound("no such rental")
     return rental
@@ -399,28 +400,30 @@ def _locked_own_rental(*, customer: User, rental_id) -> Rental:
 
 @transaction.atomic(durable=True)
 def rental_cancel(
-    *, customer: User, rental_id, reason: str = "cancelled by the customer"
+    *, team: Team, actor: User, rental_id, reason: str = "cancelled by the customer"
 ) -> Rental:
-    """Cancel a rental that has not started running; its GPUs are freed at once."""
-    rental = _locked_own_rental(customer=customer, rental_id=rental_id)
+    """A member of the rental's team cancels it before it runs; its GPUs are freed at once."""
+    rental = _locked_team_rental(team=team, rental_id=rental_id)
     if rental.status not in CANCELLABLE:
         raise Conflict(f"a {rental.status} rental cannot be cancelled; stop it instead")
-    return _cancel(rental=rental, actor_kind=A.CUSTOMER, actor=customer, reason=reason)
+    return _cancel(rental=rental, actor_kind=A.CUSTOMER, actor=actor, reason=reason)
 
 
 @transaction.atomic(durable=True)
-def rental_stop(*, customer: User, rental_id, reason: str = "stopped by the customer") -> Rental:
-    """Ask a running rental to stop: the agent checkpoints (SIGTERM), stops and reports. One
-    not yet started is cancelled."""
-    rental = _locked_own_rental(customer=customer, rental_id=rental_id)
+def rental_stop(
+    *, team: Team, actor: User, rental_id, reason: str = "stopped by the customer"
+) -> Rental:
+    """A member of the rental's team asks it to stop: the agent checkpoints (SIGTERM), stops
+    and reports. One not yet started is cancelled."""
+    rental = _locked_team_rental(team=team, rental_id=rental_id)
     if rental.status in CANCELLABLE:
-        return _cancel(rental=rental, actor_kind=A.CUSTOMER, actor=customer, reason=reason)
+        return _cancel(rental=rental, actor_kind=A.CUSTOMER, actor=actor, reason=reason)
     if rental.status == S.STOPPING:
         return rental
     if rental.status in TERMINAL:
         raise Conflict(f"the rental is already {rental.status}")
     return rental_transition(
-        rental=rental, to_status=S.STOPPING, actor_kind=A.CUSTOMER, actor=customer, reason=reason
+        rental=rental, to_status=S.STOPPING, actor_kind=A.CUSTOMER, actor=actor, reason=reason
     )
 
 

@@ -36,12 +36,16 @@ from marketplace.models import (
     DatasetFile,
     Gpu,
     GpuModel,
+    Invitation,
+    Membership,
     Node,
     Provider,
     Rental,
     RentalDataset,
     RentalEvent,
     SshKey,
+    Team,
+    TeamRole,
     User,
 )
 from scheduler.engine import types as engine
@@ -264,12 +268,73 @@ def offer_list(*, filters: OfferFilters, limit: int, offset: int) -> list[dict]:
         return [dict(zip(columns, row, strict=True)) for row in cursor.fetchall()]
 
 
-def api_token_list(*, user: User) -> QuerySet[ApiToken]:
-    return ApiToken.objects.filter(user=user)
+def membership_get(*, user: User, team_id) -> Membership | None:
+    """The user's membership of one team (with the team); a team they are not in is None."""
+    if not isinstance(team_id, int) or isinstance(team_id, bool):
+        return None
+    return Membership.objects.select_related("team").filter(user=user, team_id=team_id).first()
 
 
-def rental_list(*, customer: User, status: str | None = None) -> QuerySet[Rental]:
-    rentals = Rental.objects.filter(customer=customer)
+def membership_current(*, user: User, team_id=None) -> Membership | None:
+    """The team a signed-in person acts for: `team_id` when they are in it, else their
+    personal team, else the first team they joined."""
+    chosen = membership_get(user=user, team_id=team_id) if team_id is not None else None
+    if chosen is not None:
+        return chosen
+    memberships = Membership.objects.select_related("team").filter(user=user)
+    return memberships.filter(team__personal_of=user).first() or memberships.order_by("pk").first()
+
+
+def membership_list(*, user: User) -> QuerySet[Membership]:
+    """The teams a person belongs to, with their role in each (the switcher, GET /teams/)."""
+    return (
+        Membership.objects.select_related("team")
+        .filter(user=user)
+        .order_by("team__name", "team_id")
+    )
+
+
+def team_owner(*, team_id: int) -> User | None:
+    """The team's first owner: who hears about its money (low balance, budgets) while
+    notifications are kept per person."""
+    first = (
+        Membership.objects.select_related("user")
+        .filter(team_id=team_id, role=TeamRole.OWNER)
+        .order_by("pk")
+        .first()
+    )
+    return first.user if first is not None else None
+
+
+def team_members(*, team: Team) -> QuerySet[Membership]:
+    return Membership.objects.select_related("user").filter(team=team).order_by("created_at", "pk")
+
+
+def invitation_pending_list(*, team: Team) -> QuerySet[Invitation]:
+    return Invitation.objects.filter(
+        team=team,
+        accepted_at__isnull=True,
+        revoked_at__isnull=True,
+        expires_at__gt=timezone.now(),
+    ).order_by("-created_at", "-id")
+
+
+def invitation_by_key(*, raw: str) -> Invitation | None:
+    """The invitation a link's secret names, whatever its state (the accept page shows why a
+    link no longer works)."""
+    from marketplace.services.accounts import token_hash
+
+    return Invitation.objects.select_related("team").filter(key_hash=token_hash(raw)).first()
+
+
+def api_token_list(*, team: Team, user: User) -> QuerySet[ApiToken]:
+    """The user's own tokens for the team."""
+    return ApiToken.objects.filter(team=team, user=user)
+
+
+def rental_list(*, team: Team, status: str | None = None) -> QuerySet[Rental]:
+    """The team's rentals, whoever of its members created them."""
+    rentals = Rental.objects.filter(team=team).select_related("customer")
     if status:
         rentals = rentals.filter(status=status)
     return rentals.order_by("-created_at")
@@ -288,11 +353,12 @@ def _rental_detail_prefetches() -> tuple[Prefetch, ...]:
     )
 
 
-def rental_get(*, customer: User, rental_id) -> Rental | None:
-    """One of the customer's rentals with its history, its GPUs and how to reach it (`access`,
-    see rental_access); another account's id is None."""
+def rental_get(*, team: Team, rental_id) -> Rental | None:
+    """One of the team's rentals with its history, its GPUs and how to reach it (`access`, see
+    rental_access); another team's id is None."""
     rental = (
-        Rental.objects.filter(customer=customer, pk=rental_id)
+        Rental.objects.filter(team=team, pk=rental_id)
+        .select_related("customer")
         .prefetch_related(*_rental_detail_prefetches())
         .first()
     )
@@ -447,16 +513,17 @@ def dataset_bytes_used(owner: User) -> int:
     return datasets_owned(owner).aggregate(total=Coalesce(Sum("total_bytes"), 0))["total"]
 
 
-def rental_owned(*, customer: User, rental_id) -> Rental:
-    rental = Rental.objects.filter(pk=rental_id, customer=customer).first()
+def rental_owned(*, team: Team, rental_id) -> Rental:
+    """One of the team's rentals (NotFound for another team's)."""
+    rental = Rental.objects.filter(pk=rental_id, team=team).first()
     if rental is None:
         raise NotFound("no such rental")
     return rental
 
 
-def rental_artifacts(*, customer: User, rental_id) -> QuerySet[Artifact]:
-    """The synced output files of one of the customer's rentals (NotFound for another's)."""
-    rental = rental_owned(customer=customer, rental_id=rental_id)
+def rental_artifacts(*, team: Team, rental_id) -> QuerySet[Artifact]:
+    """The synced output files of one of the team's rentals (NotFound for another team's)."""
+    rental = rental_owned(team=team, rental_id=rental_id)
     return Artifact.objects.filter(rental=rental).order_by("path")
 
 

@@ -13,7 +13,7 @@ from django.db import transaction
 
 from billing.services import account_adjust, customer_onboard
 from marketplace.models import Node, NodeStatus, Provider, User
-from marketplace.services import GpuSpec, node_register, user_email_verified_set
+from marketplace.services import GpuSpec, node_register, user_create, user_email_verified_set
 from provisioning.services import join_token_create
 
 # hostname, region, card, GPUs, NVLink groups, $/GPU-hour, reliability
@@ -55,13 +55,19 @@ def load_demo(*, var_dir: Path | None = None) -> dict[str, int]:
     ops = User.objects.filter(username="ops").first()
     if ops is None:
         password = secrets.token_urlsafe(12)
-        ops = User.objects.create_superuser("ops", "ops@example.invalid", password)
+        ops = user_create(
+            username="ops",
+            email="ops@example.invalid",
+            password=password,
+            is_staff=True,
+            is_superuser=True,
+        )
         password_file.write_text(password + "\n")
         password_file.chmod(0o600)
     demo = User.objects.filter(username="demo").first()
     if demo is None:
         password = secrets.token_urlsafe(12)
-        demo = User.objects.create_user("demo", "demo@example.invalid", password)
+        demo = user_create(username="demo", email="demo@example.invalid", password=password)
         (var_dir / "demo_password").write_text(password + "\n")
     # The seed vouches for its own people: no verification mail to an .invalid address.
     for person in (ops, demo):

@@ -24,10 +24,10 @@ from decimal import Decimal
 import pytest
 from rest_framework.test import APIClient
 
-from marketplace.models import NodeStatus, Provider, User
-from marketplace.services import GpuSpec, api_token_create, node_register
+from marketplace.models import NodeStatus, Provider, Team, User
+from marketplace.services import GpuSpec, api_token_create, node_register, team_personal_ensure
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
-from tests.factories import ProviderFactory, UserFactory
+from tests.factories import ProviderFactory, UserFactory, personal_team
 
 _host_seq = itertools.count(1)
 
@@ -35,6 +35,12 @@ _host_seq = itertools.count(1)
 @pytest.fixture
 def user(db) -> User:
     return UserFactory()
+
+
+@pytest.fixture
+def team(user) -> Team:
+    """`user`'s personal team (made with the user), which owns what they rent."""
+    return team_personal_ensure(user=user)
 
 
 @pytest.fixture
@@ -49,8 +55,8 @@ def api() -> APIClient:
 
 @pytest.fixture
 def auth_api(user) -> APIClient:
-    """An API client authenticated by a real bearer token of `user`."""
-    _, raw = api_token_create(user=user, name="tests")
+    """An API client authenticated by a real bearer token of `user` for their personal team."""
+    _, raw = api_token_create(user=user, team=personal_team(user), name="tests")
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
     return client
@@ -123,13 +129,15 @@ def _catalog(request):
 def rent(user):
     """Create a rental through the real service."""
 
-    def make(gpus: int = 1, *, customer=None, **kwargs):
+    def make(gpus: int = 1, *, customer=None, team=None, **kwargs):
         for name in ("max_price_per_gpu_hour", "bid_per_gpu_hour", "min_tensor_tflops"):
             if isinstance(kwargs.get(name), str):
                 kwargs[name] = Decimal(kwargs[name])
         kwargs.setdefault("duration_s", 3600)
+        customer = customer or user
         return rental_create(
-            customer=customer or user,
+            customer=customer,
+            team=team or personal_team(customer),
             request=RentalRequest(
                 gpus_per_node=gpus, runtime=RuntimeSpec(image="gpumarket/harness:dev"), **kwargs
             ),

@@ -3,8 +3,8 @@
 import factory
 from allauth.mfa.totp.internal.auth import TOTP
 
-from marketplace.models import Provider, User
-from marketplace.services import user_email_verified_set
+from marketplace.models import Provider, Team, User
+from marketplace.services import team_personal_ensure, user_email_verified_set
 
 STAFF_TOTP_SECRET = "JBSWY3DPEHPK3PXP"
 
@@ -17,6 +17,12 @@ class UserFactory(factory.django.DjangoModelFactory):
     username = factory.Sequence(lambda n: f"user{n}")
     email = factory.LazyAttribute(lambda u: f"{u.username}@example.invalid")
     password = factory.django.Password("pw-not-secret")
+    # As marketplace.services.user_create does: every person owns a personal team.
+    personal_team = factory.PostGeneration(
+        lambda user, create, extracted, **kwargs: (
+            team_personal_ensure(user=user) if create else None
+        )
+    )
 
     @factory.post_generation
     def email_verified(obj, create, extracted, **kwargs):
@@ -39,3 +45,8 @@ class ProviderFactory(factory.django.DjangoModelFactory):
 
     name = factory.Sequence(lambda n: f"provider{n}")
     owner = factory.SubFactory(UserFactory)
+
+
+def personal_team(user: User) -> Team:
+    """The person's personal team (what they own unless they act for another team)."""
+    return team_personal_ensure(user=user)

@@ -31,48 +31,58 @@ from billing.api.serializers import (
 )
 from marketplace.api.pagination import PaginatedListView
 from marketplace.errors import NotFound
+from marketplace.tenancy import request_team
 
 
 class _ListView(PaginatedListView):
-    """A paginated, owner-scoped list."""
+    """A paginated list of the current team's; `money`: owners and billing members only."""
 
     serializer_class: type
     selector: staticmethod
+    money = False
 
     def get(self, request: Request) -> Response:
-        return self.paginated(self.selector(user=request.user), self.serializer_class)
+        team = request_team(request, money=self.money)
+        return self.paginated(self.selector(team=team), self.serializer_class)
 
 
 class AccountView(APIView):
-    """Your balance, what is accrued but not yet posted, and what running rentals cost."""
+    """The team's balance, what is accrued but not yet posted, and what running rentals cost
+    (every member sees it: it decides whether a rental can be created)."""
 
     @extend_schema(responses=AccountSerializer)
     def get(self, request: Request) -> Response:
-        return Response(AccountSerializer(selectors.account_summary(user=request.user)).data)
+        summary = selectors.account_summary(team=request_team(request))
+        return Response(AccountSerializer(summary).data)
 
 
 class BudgetView(APIView):
-    """Your account's budgets and limits: the monthly budget, the concurrent-GPU and per-minute
-    limits, and where you stand against each. PATCH sets them (dollars for the budget)."""
+    """The team's budgets and limits: the monthly budget, the concurrent-GPU and per-minute
+    limits, and where it stands against each (every member). PATCH sets them (dollars for the
+    budget): owners and billing members only."""
 
     @extend_schema(responses=BudgetSerializer)
     def get(self, request: Request) -> Response:
-        return Response(BudgetSerializer(selectors.budget_summary(user=request.user)).data)
+        team = request_team(request)
+        return Response(BudgetSerializer(selectors.budget_summary(team=team)).data)
 
     @extend_schema(request=BudgetUpdateSerializer, responses=BudgetSerializer)
     def patch(self, request: Request) -> Response:
         body = BudgetUpdateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
+        team = request_team(request, money=True)
         services.account_budgets_set(
-            account_id=services.account_for_customer(user=request.user).pk,
+            account_id=services.account_for_team(team=team).pk,
             actor=request.user,
             **body.validated_data,
         )
-        return Response(BudgetSerializer(selectors.budget_summary(user=request.user)).data)
+        return Response(BudgetSerializer(selectors.budget_summary(team=team)).data)
 
 
 class LedgerListView(_ListView):
-    """Your ledger entries, newest first."""
+    """The team's ledger entries, newest first (owners and billing members)."""
+
+    money = True
 
     serializer_class = LedgerEntrySerializer
     selector = staticmethod(selectors.ledger_list)
@@ -83,7 +93,7 @@ class LedgerListView(_ListView):
 
 
 class NoticeListView(_ListView):
-    """Low-balance warnings and stops, newest first."""
+    """The team's low-balance warnings and stops, newest first (every member)."""
 
     serializer_class = NoticeSerializer
     selector = staticmethod(selectors.notice_list)
@@ -94,18 +104,22 @@ class NoticeListView(_ListView):
 
 
 class TopUpListCreateView(PaginatedListView):
-    """Your card top-ups; POST starts one and returns the PaymentIntent's client_secret."""
+    """The team's card top-ups; POST starts one and returns the PaymentIntent's client_secret.
+    Owners and billing members only (403 for other members)."""
 
     @extend_schema(responses=TopUpSerializer(many=True))
     def get(self, request: Request) -> Response:
-        return self.paginated(selectors.topup_list(user=request.user), TopUpSerializer)
+        team = request_team(request, money=True)
+        return self.paginated(selectors.topup_list(team=team), TopUpSerializer)
 
     @extend_schema(request=TopUpCreateSerializer, responses={201: TopUpCreatedSerializer})
     def post(self, request: Request) -> Response:
         body = TopUpCreateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         started = services.topup_create(
-            customer=request.user, amount_cents=body.validated_data["amount_cents"]
+            team=request_team(request, money=True),
+            user=request.user,
+            amount_cents=body.validated_data["amount_cents"],
         )
         topup = started.topup
         topup.client_secret = started.client_secret
@@ -114,7 +128,9 @@ class TopUpListCreateView(PaginatedListView):
 
 
 class InvoiceListView(_ListView):
-    """Your monthly statements, newest first."""
+    """The team's monthly statements, newest first (owners and billing members)."""
+
+    money = True
 
     serializer_class = InvoiceSerializer
     selector = staticmethod(selectors.invoice_list)
@@ -125,11 +141,13 @@ class InvoiceListView(_ListView):
 
 
 class InvoiceDetailView(APIView):
-    """One of your statements with a line per rental; another account's id answers 404."""
+    """One of the team's statements with a line per rental; another team's id answers 404
+    (owners and billing members)."""
 
     @extend_schema(responses=InvoiceDetailSerializer)
     def get(self, request: Request, invoice_id: int) -> Response:
-        invoice = selectors.invoice_get(user=request.user, invoice_id=invoice_id)
+        team = request_team(request, money=True)
+        invoice = selectors.invoice_get(team=team, invoice_id=invoice_id)
         if invoice is None:
             raise NotFound("no such invoice")
         return Response(InvoiceDetailSerializer(invoice).data)
@@ -140,24 +158,25 @@ class InvoicePrintView(APIView):
 
     @extend_schema(responses={(200, "text/html"): OpenApiTypes.STR})
     def get(self, request: Request, invoice_id: int) -> HttpResponse:
-        invoice = selectors.invoice_get(user=request.user, invoice_id=invoice_id)
+        team = request_team(request, money=True)
+        invoice = selectors.invoice_get(team=team, invoice_id=invoice_id)
         if invoice is None:
             raise NotFound("no such invoice")
         html = render_to_string(
             "billing/invoice.html",
-            {"invoice": invoice, "customer": invoice.account.user, "lines": invoice.lines.all()},
+            {"invoice": invoice, "team": invoice.account.team, "lines": invoice.lines.all()},
         )
         return HttpResponse(html, content_type="text/html; charset=utf-8")
 
 
 class RentalTelemetryView(PaginatedListView):
-    """Per-minute GPU telemetry of one of your rentals (utilisation, memory, power, heat)."""
+    """Per-minute GPU telemetry of one of the team's rentals (utilisation, memory, power, heat)."""
 
     @extend_schema(
         parameters=[TelemetryQuerySerializer], responses=TelemetryMinuteSerializer(many=True)
     )
     def get(self, request: Request, rental_id) -> Response:
-        rental = selectors.own_rental(user=request.user, rental_id=rental_id)
+        rental = selectors.team_rental(team=request_team(request), rental_id=rental_id)
         if rental is None:
             raise NotFound("no such rental")
         query = TelemetryQuerySerializer(data=request.query_params)
@@ -167,13 +186,13 @@ class RentalTelemetryView(PaginatedListView):
 
 
 class RentalGpuSeriesView(APIView):
-    """Per-GPU utilisation, memory, power and temperature of one of your rentals over time, for
-    charts: raw samples for a window of up to 2 hours (the last hour by default), minute rollups
-    for a longer one; at most 600 points per GPU."""
+    """Per-GPU utilisation, memory, power and temperature of one of the team's rentals over
+    time, for charts: raw samples for a window of up to 2 hours (the last hour by default),
+    minute rollups for a longer one; at most 600 points per GPU."""
 
     @extend_schema(parameters=[TelemetryQuerySerializer], responses=GpuSeriesAnswerSerializer)
     def get(self, request: Request, rental_id) -> Response:
-        rental = selectors.own_rental(user=request.user, rental_id=rental_id)
+        rental = selectors.team_rental(team=request_team(request), rental_id=rental_id)
         if rental is None:
             raise NotFound("no such rental")
         query = TelemetryQuerySerializer(data=request.query_params)
@@ -185,11 +204,11 @@ class RentalGpuSeriesView(APIView):
 
 
 class RentalUsageView(APIView):
-    """What one of your rentals is billed for: its confirmed runs and rated seconds."""
+    """What one of the team's rentals is billed for: its confirmed runs and rated seconds."""
 
     @extend_schema(responses=RentalUsageSerializer)
     def get(self, request: Request, rental_id) -> Response:
-        rental = selectors.own_rental(user=request.user, rental_id=rental_id)
+        rental = selectors.team_rental(team=request_team(request), rental_id=rental_id)
         if rental is None:
             raise NotFound("no such rental")
         cap, bound = selectors.rental_cap(rental=rental)

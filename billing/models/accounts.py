@@ -1,8 +1,8 @@
-"""Accounts: one per customer, per provider and one for the platform, with a cached balance."""
+"""Accounts: one per customer team, per provider and one for the platform, with a cached
+balance."""
 
 from __future__ import annotations
 
-from django.conf import settings
 from django.db import models
 from django.db.models import Q
 
@@ -18,8 +18,9 @@ class Account(models.Model):
     every posting in the same transaction so reads never sum the ledger."""
 
     kind = models.CharField(max_length=10, choices=AccountKind.choices)
-    user = models.ForeignKey(
-        settings.AUTH_USER_MODEL,
+    # A customer account belongs to a team: its members' rentals are held and charged here.
+    team = models.ForeignKey(
+        "marketplace.Team",
         null=True,
         blank=True,
         on_delete=models.PROTECT,
@@ -81,13 +82,13 @@ class Account(models.Model):
                 name="account_limits_positive",
             ),
             models.CheckConstraint(
-                condition=Q(kind="customer", user__isnull=False, provider__isnull=True)
-                | Q(kind="provider", user__isnull=True, provider__isnull=False)
-                | Q(kind="platform", user__isnull=True, provider__isnull=True),
+                condition=Q(kind="customer", team__isnull=False, provider__isnull=True)
+                | Q(kind="provider", team__isnull=True, provider__isnull=False)
+                | Q(kind="platform", team__isnull=True, provider__isnull=True),
                 name="account_owner_matches_kind",
             ),
             models.UniqueConstraint(
-                fields=["user"], condition=Q(kind="customer"), name="account_one_per_customer"
+                fields=["team"], condition=Q(kind="customer"), name="account_one_per_team"
             ),
             models.UniqueConstraint(
                 fields=["provider"], condition=Q(kind="provider"), name="account_one_per_provider"
@@ -107,7 +108,7 @@ class Account(models.Model):
 
     def __str__(self) -> str:
         if self.kind == AccountKind.CUSTOMER:
-            return f"customer {self.user_id}"
+            return f"team {self.team_id}"
         if self.kind == AccountKind.PROVIDER:
             return f"provider {self.provider_id}"
         return "platform"
@@ -146,9 +147,9 @@ class BalanceNotice(models.Model):
 
 
 class FundsHold(models.Model):
-    """What a rental may cost, held against its customer's balance from its creation, so the
+    """What a rental may cost, held against its team's balance from its creation, so the
     same money cannot back two rentals. Never updated: how much of it still counts is computed
-    from the rental's status, its locked price and its charges (selectors.customer_held_micros),
+    from the rental's status, its locked price and its charges (selectors.team_held_micros),
     so nothing has to be released and nothing can drift."""
 
     rental = models.OneToOneField(

@@ -8,8 +8,8 @@ from billing.services.budgets import (
 from billing.services.invoices import invoice_issue, invoices_issue_due
 from billing.services.ledger import (
     account_adjust,
-    account_for_customer,
     account_for_provider,
+    account_for_team,
     account_platform,
     funds_hold_create,
     hold_micros,
@@ -55,8 +55,8 @@ __all__ = [
     "account_adjust",
     "account_budgets_set",
     "account_ceilings_set",
-    "account_for_customer",
     "account_for_provider",
+    "account_for_team",
     "account_platform",
     "billing_pass_run",
     "budgets_enforce",

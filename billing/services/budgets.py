@@ -43,8 +43,9 @@ from billing import conf, selectors
 from billing.errors import BudgetExceeded, LimitExceeded, RateLimited
 from billing.models import Account, BalanceNotice, NoticeKind
 from marketplace import lifecycle
+from marketplace import selectors as marketplace_selectors
 from marketplace.errors import NotFound, ValidationFailed
-from marketplace.models import Rental, User
+from marketplace.models import MONEY_ROLES, Membership, Rental, User
 from notifications.services import budget_reached_notify
 
 # Dollar amounts a budget may be set to: a cent up to a million dollars.
@@ -107,7 +108,7 @@ def rental_budgets_check(
     budget = account.monthly_budget_micros
     if budget is not None:
         spent = selectors.account_month_spent_micros(account=account, now=now)
-        held = selectors.customer_held_micros(customer_id=account.user_id)
+        held = selectors.team_held_micros(team_id=account.team_id)
         if spent + held + hold_micros > budget:
             raise BudgetExceeded(
                 f"this rental may cost {_usd(hold_micros)}; with {_usd(spent)} charged this month"
@@ -135,8 +136,10 @@ _UNSET = object()
 
 
 def _may_manage_money(*, account: Account, actor: User) -> bool:
-    """Who may change an account's budgets and limits: its customer."""
-    return account.user_id == actor.pk
+    """Who may change an account's budgets and limits: its team's owners and billing members."""
+    return Membership.objects.filter(
+        team_id=account.team_id, user=actor, role__in=MONEY_ROLES
+    ).exists()
 
 
 @transaction.atomic
@@ -222,7 +225,7 @@ class BudgetPassResult:
 # node has not reported yet).
 _CAPPED_SQL = """
 WITH capped AS (
-    SELECT r.id, r.customer_id, r.started_at, r.node_count, h.max_charge_micros AS cap,
+    SELECT r.id, r.team_id, r.started_at, r.node_count, h.max_charge_micros AS cap,
            round(r.price_per_gpu_hour * 1000000 * r.gpus_per_node * r.node_count)::bigint
                AS per_hour
     FROM marketplace_rental r JOIN billing_fundshold h ON h.rental_id = r.id
@@ -242,7 +245,7 @@ confirmed AS (
     SELECT p.rental_id, count(*) AS nodes, min(p.last) AS until
     FROM per_node p GROUP BY p.rental_id
 )
-SELECT c.id, c.customer_id, c.cap, coalesce(ch.micros, 0), c.per_hour,
+SELECT c.id, c.team_id, c.cap, coalesce(ch.micros, 0), c.per_hour,
        CASE WHEN coalesce(cf.nodes, 0) >= c.node_count THEN cf.until ELSE c.started_at END
 FROM capped c
 LEFT JOIN charged ch ON ch.rental_id = c.id
@@ -261,7 +264,7 @@ def _rental_caps_enforce(*, now: datetime, result: BudgetPassResult) -> None:
     with connection.cursor() as cursor:
         cursor.execute(_CAPPED_SQL, {"burning": [str(s) for s in lifecycle.BURNING]})
         rows = cursor.fetchall()
-    for rental_id, customer_id, cap, charged, per_hour, confirmed in rows:
+    for rental_id, team_id, cap, charged, per_hour, confirmed in rows:
         lag = (now - confirmed).total_seconds() if confirmed is not None else 0.0
         projected = charged + math.ceil(per_hour * _ahead_s(lag) / 3600)
         if projected < cap:
@@ -275,7 +278,7 @@ def _rental_caps_enforce(*, now: datetime, result: BudgetPassResult) -> None:
             continue
         result.rentals_stopped += 1
         result.reached += 1
-        account = selectors.customer_account(customer_id=customer_id)
+        account = selectors.team_account(team_id=team_id)
         if account is None:
             continue
         detail = (
@@ -293,7 +296,7 @@ def _rental_caps_enforce(*, now: datetime, result: BudgetPassResult) -> None:
                 created_at=now,
             )
             budget_reached_notify(
-                owner=account.user,
+                owner=marketplace_selectors.team_owner(team_id=account.team_id),
                 budget_key=f"rental:{rental_id}",
                 summary=f"Budget reached: {detail}",
                 data={
@@ -324,7 +327,7 @@ def _monthly_budgets_enforce(*, now: datetime, result: BudgetPassResult) -> None
         warn = reached or spent * 100 >= budget * account.budget_warn_percent
         if reached:
             for rental_id in (
-                Rental.objects.filter(customer_id=account.user_id, status__in=lifecycle.STOPPABLE)
+                Rental.objects.filter(team_id=account.team_id, status__in=lifecycle.STOPPABLE)
                 .order_by("created_at")
                 .values_list("pk", flat=True)
             ):
@@ -401,7 +404,7 @@ def _monthly_notices(
         )
         if reached and account.budget_reached_at == now:
             budget_reached_notify(
-                owner=account.user,
+                owner=marketplace_selectors.team_owner(team_id=account.team_id),
                 budget_key=f"account:{account.pk}:{month:%Y-%m}",
                 summary=f"Budget reached: {notices[-1][1]}",
                 data={

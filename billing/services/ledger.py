@@ -14,12 +14,12 @@ from billing import conf, selectors
 from billing.models import Account, AccountKind, EntryKind, FundsHold, LedgerEntry
 from billing.services import budgets
 from marketplace.errors import PaymentRequired, ValidationFailed
-from marketplace.models import Provider, Rental, User
+from marketplace.models import Provider, Rental, Team, User
 
 
-def account_for_customer(*, user: User) -> Account:
-    """The customer's account, created on first use."""
-    account, _ = Account.objects.get_or_create(kind=AccountKind.CUSTOMER, user=user)
+def account_for_team(*, team: Team) -> Account:
+    """The team's customer account (its balance), created on first use."""
+    account, _ = Account.objects.get_or_create(kind=AccountKind.CUSTOMER, team=team)
     return account
 
 
@@ -119,7 +119,7 @@ def micros_from_usd(amount: Decimal) -> int:
 
 def hold_micros(*, price_per_gpu_hour: Decimal, gpus: int, duration_s: int) -> int:
     """The whole booked time of `gpus` GPUs at the rate, rounded up to a whole micro (the same
-    formula as the locked-price hold in selectors.customer_held_micros)."""
+    formula as the locked-price hold in selectors.team_held_micros)."""
     micros = price_per_gpu_hour * conf.MICROS_PER_USD * gpus * duration_s / 3600
     return int(micros.to_integral_value(ROUND_CEILING))
 
@@ -128,18 +128,18 @@ def funds_hold_create(
     *, rental: Rental, price_per_gpu_hour: Decimal, max_charge: Decimal | None = None
 ) -> FundsHold | None:
     """Hold a new rental's whole booked cost (never more than its own cap, `max_charge` in
-    dollars) against its customer's available balance, or refuse it: 402 naming the amount,
+    dollars) against its team's available balance, or refuse it: 402 naming the amount,
     or the account's limits and monthly budget (billing.services.budgets). Runs in the
     transaction that creates the rental.
 
-    The customer's account row is locked first: concurrent creates (and postings) of one
-    customer take turns, and each reads the rentals and holds every earlier one committed, so
-    together they can never hold more than the balance nor pass a limit or budget.
+    The team's account row is locked first: concurrent creates (and postings) of every member
+    of the team take turns, and each reads the rentals and holds every earlier one committed,
+    so together they can never hold more than the balance nor pass a limit or budget.
     """
     if not connection.in_atomic_block:
         raise TransactionManagementError("a hold is taken in the transaction creating the rental")
     cap = None if max_charge is None else budgets.budget_micros(max_charge, field="max_charge")
-    account = _customer_account_locked(customer_id=rental.customer_id)
+    account = _team_account_locked(team_id=rental.team_id)
     amount = hold_micros(
         price_per_gpu_hour=price_per_gpu_hour,
         gpus=rental.gpus_per_node * rental.node_count,
@@ -149,8 +149,8 @@ def funds_hold_create(
         amount = min(amount, cap)
     budgets.rental_budgets_check(account=account, rental=rental, hold_micros=amount)
     if conf.funds_check_enabled():
-        available = selectors.customer_available_micros(
-            customer_id=rental.customer_id, balance_micros=account.balance_micros
+        available = selectors.team_available_micros(
+            team_id=rental.team_id, balance_micros=account.balance_micros
         )
         if available <= 0 or amount > available:
             raise PaymentRequired(
@@ -171,14 +171,14 @@ def funds_hold_create(
     )
 
 
-def _customer_account_locked(*, customer_id: int) -> Account:
-    """The customer's account row, locked: one query when it exists (every customer who can
-    pay has one), created first otherwise."""
+def _team_account_locked(*, team_id: int) -> Account:
+    """The team's account row, locked: one query when it exists (every team that can pay has
+    one), created first otherwise. Every member's creates take turns on this one row."""
     customer_accounts = Account.objects.select_for_update().filter(kind=AccountKind.CUSTOMER)
-    account = customer_accounts.filter(user_id=customer_id).first()
+    account = customer_accounts.filter(team_id=team_id).first()
     if account is None:
-        Account.objects.get_or_create(kind=AccountKind.CUSTOMER, user_id=customer_id)
-        account = customer_accounts.get(user_id=customer_id)
+        Account.objects.get_or_create(kind=AccountKind.CUSTOMER, team_id=team_id)
+        account = customer_accounts.get(team_id=team_id)
     return account
 
 

@@ -11,20 +11,21 @@ from django.db import transaction
 from billing import stripe_adapter
 from billing.errors import PaymentsUnavailable
 from billing.models import Account
-from billing.services.ledger import account_for_customer, account_for_provider
+from billing.services.ledger import account_for_provider, account_for_team
 from billing.stripe_adapter import StripePermanentError, StripeRetryableError
 from marketplace.errors import NotFound, ValidationFailed
 from marketplace.models import Provider, User
-from marketplace.services import provider_create
+from marketplace.services import provider_create, team_personal_ensure
 
 log = logging.getLogger(__name__)
 
 
 def customer_onboard(*, user: User) -> Account:
-    """Everything a new customer needs: its billing account (no credit: top-ups or ops add
-    that). Idempotent, so a seed run twice or a retried sign-up changes nothing."""
+    """Everything a new customer needs: their personal team, which they own, and its billing
+    account (no credit: top-ups or ops add that). Idempotent, so a seed run twice or a retried
+    sign-up changes nothing."""
     with transaction.atomic():
-        return account_for_customer(user=user)
+        return account_for_team(team=team_personal_ensure(user=user))
 
 
 def provider_onboard(*, owner: User, name: str) -> Provider:

@@ -32,10 +32,10 @@ from billing.models import (
     TopUp,
     TopUpStatus,
 )
-from billing.services.ledger import account_for_customer, ledger_post
+from billing.services.ledger import account_for_team, ledger_post
 from billing.stripe_adapter import PaymentIntentInfo, StripePermanentError, StripeRetryableError
-from marketplace.errors import Conflict, NotFound, PaymentRequired, ValidationFailed
-from marketplace.models import User
+from marketplace.errors import Conflict, Forbidden, NotFound, PaymentRequired, ValidationFailed
+from marketplace.models import Membership, Team, TeamRole, User
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +61,18 @@ def _uuid(value: Any) -> uuid.UUID | None:
 
 
 def stripe_customer_ensure(*, account: Account) -> str:
-    """The Stripe customer of a customer account, created once (idempotency key per account)."""
+    """The Stripe customer of a team's account, created once (idempotency key per account);
+    its email is the team's first owner's, where Stripe sends receipts."""
     if account.stripe_customer_id:
         return account.stripe_customer_id
-    user = account.user
+    owner = (
+        Membership.objects.select_related("user")
+        .filter(team_id=account.team_id, role=TeamRole.OWNER)
+        .order_by("pk")
+        .first()
+    )
     customer_id = stripe_adapter.customer_create(
-        account_id=account.pk, email=user.email, name=user.get_full_name() or user.username
+        account_id=account.pk, email=owner.user.email if owner else "", name=account.team.name
     )
     Account.objects.filter(pk=account.pk, stripe_customer_id="").update(
         stripe_customer_id=customer_id
@@ -75,11 +81,23 @@ def stripe_customer_ensure(*, account: Account) -> str:
     return account.stripe_customer_id
 
 
+def money_manager_require(*, team: Team, user: User) -> None:
+    """Only the team's owners and billing members move its money (top-ups, invoices, budgets);
+    a member who may not is refused (403), someone outside the team finds no team (404)."""
+    membership = Membership.objects.filter(team=team, user=user).first()
+    if membership is None:
+        raise NotFound("no such team")
+    if not membership.manages_money:
+        raise Forbidden("only the team's owners and billing members manage its money")
+
+
 def topup_create(
-    *, customer: User, amount_cents: int, payment_method: str | None = None
+    *, team: Team, user: User, amount_cents: int, payment_method: str | None = None
 ) -> TopUpStarted:
-    """Start a card top-up: a PaymentIntent whose client_secret the browser confirms with
-    Stripe.js. With a saved payment method it is charged at once (off-session)."""
+    """Start a card top-up of the team's balance: a PaymentIntent whose client_secret the
+    browser confirms with Stripe.js. With a saved payment method it is charged at once
+    (off-session). Owners and billing members only."""
+    money_manager_require(team=team, user=user)
     low, high = conf.topup_limits_cents()
     if isinstance(amount_cents, bool) or not isinstance(amount_cents, int):
         raise ValidationFailed("amount_cents must be an integer", field="amount_cents")
@@ -89,7 +107,7 @@ def topup_create(
         )
     if not stripe_adapter.is_configured():
         raise PaymentsUnavailable("card payments are not configured; ask ops for a credit")
-    account = account_for_customer(user=customer)
+    account = account_for_team(team=team)
     topup = TopUp.objects.create(
         account=account, amount_cents=amount_cents, currency=conf.currency()
     )
@@ -307,8 +325,8 @@ def refund_create(
             if amount_micros > left:
                 raise Conflict(f"only {_usd(left)} of this top-up is left to refund")
         # Money held for booked rentals is not refundable until they end.
-        available = selectors.customer_available_micros(
-            customer_id=account.user_id, balance_micros=account.balance_micros
+        available = selectors.team_available_micros(
+            team_id=account.team_id, balance_micros=account.balance_micros
         )
         if amount_micros > available:
             raise Conflict(f"only {_usd(max(available, 0))} is available to refund")

@@ -40,6 +40,7 @@ from billing.models import Account, AccountKind, BalanceNotice, NoticeKind
 from billing.services.budgets import budgets_enforce
 from billing.services.ledger import account_platform
 from marketplace import lifecycle
+from marketplace import selectors as marketplace_selectors
 from marketplace.locks import advisory_lock
 from marketplace.models import Rental
 from notifications.services import balance_low_notify
@@ -74,7 +75,7 @@ _CANDIDATES = """
            -- release): those can only shorten what may be billed.
            ((m.rated_version < m.usage_version OR r.updated_at > m.rated_at)
             AND coalesce(m.price_per_gpu_hour, r.price_per_gpu_hour) IS NOT NULL) AS dirty,
-           r.started_at, r.ended_at, r.status, r.customer_id, n.provider_id
+           r.started_at, r.ended_at, r.status, r.team_id, n.provider_id
     FROM billing_usagemeter m
     JOIN marketplace_rental r ON r.id = m.rental_id
     JOIN marketplace_node n ON n.id = m.node_id
@@ -86,12 +87,12 @@ _CANDIDATES = """
 _ENSURE_ACCOUNTS_SQL = f"""
 WITH c AS ({_CANDIDATES}),
 customers AS (
-    INSERT INTO billing_account (kind, user_id, balance_micros, stripe_customer_id,
+    INSERT INTO billing_account (kind, team_id, balance_micros, stripe_customer_id,
                                  stripe_connect_account_id, created_at)
-    SELECT 'customer', u.customer_id, 0, '', '', %(now)s
-    FROM (SELECT DISTINCT customer_id FROM c) u
+    SELECT 'customer', u.team_id, 0, '', '', %(now)s
+    FROM (SELECT DISTINCT team_id FROM c) u
     WHERE NOT EXISTS (SELECT 1 FROM billing_account a
-                      WHERE a.kind = 'customer' AND a.user_id = u.customer_id)
+                      WHERE a.kind = 'customer' AND a.team_id = u.team_id)
     ON CONFLICT DO NOTHING
     RETURNING id
 )
@@ -171,7 +172,7 @@ rated AS (
                 ELSE c.charge_micros END AS new_charge
     FROM c
     LEFT JOIN used ON used.id = c.id
-    LEFT JOIN billing_account ca ON ca.kind = 'customer' AND ca.user_id = c.customer_id
+    LEFT JOIN billing_account ca ON ca.kind = 'customer' AND ca.team_id = c.team_id
     LEFT JOIN billing_account pa ON pa.kind = 'provider' AND pa.provider_id = c.provider_id
 ),
 decided AS (
@@ -233,37 +234,37 @@ SELECT (SELECT count(*) FROM decided WHERE dirty), (SELECT count(*) FROM decided
        (SELECT count(*) FROM entries), (SELECT count(*) FROM balances), (SELECT count(*) FROM moved)
 """  # noqa: S608 - a constant fragment, no user text
 
-# Customers with money at stake: a running rental, accrued usage, or a flag to clear.
+# Teams with money at stake: a running rental, accrued usage, or a flag to clear.
 _POSITIONS_SQL = """
 WITH burn AS (
-    SELECT customer_id,
+    SELECT team_id,
            sum(round(price_per_gpu_hour * 1000000) * gpus_per_node * node_count)::bigint
                AS micros_per_hour
     FROM marketplace_rental
     WHERE status = ANY(%(burning)s) AND price_per_gpu_hour IS NOT NULL
-    GROUP BY customer_id
+    GROUP BY team_id
 ),
 accrued AS (
-    SELECT r.customer_id, sum(m.charge_micros - m.posted_charge_micros)::bigint AS micros
+    SELECT r.team_id, sum(m.charge_micros - m.posted_charge_micros)::bigint AS micros
     FROM billing_usagemeter m JOIN marketplace_rental r ON r.id = m.rental_id
     WHERE m.charge_micros <> m.posted_charge_micros
-    GROUP BY r.customer_id
+    GROUP BY r.team_id
 ),
 who AS (
-    SELECT customer_id FROM burn
-    UNION SELECT customer_id FROM accrued
-    UNION SELECT user_id FROM billing_account
+    SELECT team_id FROM burn
+    UNION SELECT team_id FROM accrued
+    UNION SELECT team_id FROM billing_account
           WHERE kind = 'customer'
             AND (low_balance_since IS NOT NULL OR depleted_since IS NOT NULL)
 )
-SELECT who.customer_id, a.id,
+SELECT who.team_id, a.id,
        coalesce(a.balance_micros, 0) - coalesce(accrued.micros, 0) AS available,
        coalesce(burn.micros_per_hour, 0) AS burn,
        a.low_balance_since IS NOT NULL, a.depleted_since IS NOT NULL
 FROM who
-LEFT JOIN billing_account a ON a.kind = 'customer' AND a.user_id = who.customer_id
-LEFT JOIN burn ON burn.customer_id = who.customer_id
-LEFT JOIN accrued ON accrued.customer_id = who.customer_id
+LEFT JOIN billing_account a ON a.kind = 'customer' AND a.team_id = who.team_id
+LEFT JOIN burn ON burn.team_id = who.team_id
+LEFT JOIN accrued ON accrued.team_id = who.team_id
 """
 
 
@@ -306,17 +307,17 @@ def _usd(micros: int) -> str:
 
 
 def balances_enforce(*, now: datetime, result: BillingPassResult) -> None:
-    """Step 3: low-balance notices, and at zero stop the customer's rentals."""
+    """Step 3: low-balance notices, and at zero stop the team's rentals."""
     with connection.cursor() as cursor:
         cursor.execute(_POSITIONS_SQL, {"burning": [str(s) for s in lifecycle.BURNING]})
         positions = cursor.fetchall()
     hours = conf.low_balance_hours()
-    for customer_id, account_id, available, burn, was_low, was_depleted in positions:
+    for team_id, account_id, available, burn, was_low, was_depleted in positions:
         depleted = available <= 0
         low = depleted or (burn > 0 and available < burn * hours)
         if (low, depleted) != (was_low, was_depleted):
             _account_flags_set(
-                customer_id=customer_id,
+                team_id=team_id,
                 account_id=account_id,
                 now=now,
                 available=available,
@@ -326,12 +327,12 @@ def balances_enforce(*, now: datetime, result: BillingPassResult) -> None:
                 result=result,
             )
         if depleted:
-            result.rentals_stopped += _rentals_stop(customer_id=customer_id, available=available)
+            result.rentals_stopped += _rentals_stop(team_id=team_id, available=available)
 
 
 def _account_flags_set(
     *,
-    customer_id: int,
+    team_id: int,
     account_id: int | None,
     now: datetime,
     available: int,
@@ -344,9 +345,9 @@ def _account_flags_set(
     with transaction.atomic():
         if account_id is None:
             # Rentals run without an account only when the funds check is off.
-            account_id = Account.objects.get_or_create(
-                kind=AccountKind.CUSTOMER, user_id=customer_id
-            )[0].pk
+            account_id = Account.objects.get_or_create(kind=AccountKind.CUSTOMER, team_id=team_id)[
+                0
+            ].pk
         account = Account.objects.select_for_update().get(pk=account_id)
         was_flagged = account.low_balance_since is not None or account.depleted_since is not None
         notices = []
@@ -385,10 +386,11 @@ def _account_flags_set(
             )
             for kind, detail in notices
         )
+        owner = marketplace_selectors.team_owner(team_id=account.team_id)
         for notice in created:
-            if notice.kind in (NoticeKind.LOW_BALANCE, NoticeKind.DEPLETED):
+            if owner is not None and notice.kind in (NoticeKind.LOW_BALANCE, NoticeKind.DEPLETED):
                 balance_low_notify(
-                    owner=account.user,
+                    owner=owner,
                     notice_id=notice.pk,
                     detail=notice.detail,
                     available_micros=available,
@@ -396,12 +398,12 @@ def _account_flags_set(
                 )
 
 
-def _rentals_stop(*, customer_id: int, available: int) -> int:
-    """Stop every rental of the customer that still holds or waits for GPUs."""
+def _rentals_stop(*, team_id: int, available: int) -> int:
+    """Stop every rental of the team that still holds or waits for GPUs."""
     stopped = 0
     reason = f"balance exhausted (available {_usd(available)}): top up to rent again"
     for rental_id in (
-        Rental.objects.filter(customer_id=customer_id, status__in=lifecycle.STOPPABLE)
+        Rental.objects.filter(team_id=team_id, status__in=lifecycle.STOPPABLE)
         .order_by("created_at")
         .values_list("pk", flat=True)
     ):

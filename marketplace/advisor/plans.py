@@ -22,6 +22,7 @@ from marketplace.models import (
     RentalEvent,
     RentalKind,
     RentalStatus,
+    Team,
     User,
 )
 from marketplace.selectors import OfferFilters, advisor_card_get, advisor_cards, offer_list
@@ -158,6 +159,7 @@ def plan_estimate(plan: Plan) -> dict:
 def plan_book(
     *,
     customer: User,
+    team: Team,
     query: Query,
     plan_id: str | None,
     card: str | None,
@@ -186,6 +188,7 @@ def plan_book(
     with transaction.atomic():
         rental = rental_create(
             customer=customer,
+            team=team,
             request=RentalRequest(
                 name=name or f"advisor: {chosen.estimate.card.name or chosen.estimate.card.slug}",
                 gpu_models=(chosen.estimate.card.slug,),

@@ -17,6 +17,7 @@ from marketplace.advisor.presets import PRESETS, ModelShape, decoder_shape, with
 from marketplace.api.serializers import RentalDetailSerializer, RuntimeSerializer, refuse_unknown
 from marketplace.errors import ValidationFailed
 from marketplace.models import GpuModel
+from marketplace.tenancy import request_team
 
 MAX_GPUS = 100_000
 
@@ -360,13 +361,15 @@ class AdvisorBookView(APIView):
         body = AdvisorBookSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         data = body.validated_data
+        team = request_team(request)
         rental = plans.plan_book(
             customer=request.user,
+            team=team,
             query=body.query(),
             plan_id=data.get("plan"),
             card=data.get("card"),
             name=data["name"],
             runtime=data.get("runtime"),
         )
-        rental = selectors.rental_get(customer=request.user, rental_id=rental.pk)
+        rental = selectors.rental_get(team=team, rental_id=rental.pk)
         return Response(RentalDetailSerializer(rental).data, status=status.HTTP_201_CREATED)

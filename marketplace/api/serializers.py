@@ -6,12 +6,13 @@ import math
 from collections.abc import Iterable
 from decimal import Decimal
 
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from marketplace.advisor.presets import PRESETS, decoder_shape
 from marketplace.api.fields import INT32_MAX, BoundedDateTimeField
 from marketplace.api.pagination import MAX_OFFSET
-from marketplace.models import ApiToken, GpuModel, RentalStatus
+from marketplace.models import ApiToken, GpuModel, RentalStatus, TeamRole
 from marketplace.selectors import OFFER_ORDERINGS
 
 
@@ -318,6 +319,10 @@ class AllocationSerializer(serializers.Serializer):
 
 class RentalSerializer(serializers.Serializer):
     id = serializers.UUIDField()
+    team = serializers.IntegerField(source="team_id", help_text="the team that owns the rental")
+    created_by = serializers.CharField(
+        source="customer.username", help_text="the member who created it"
+    )
     name = serializers.CharField()
     status = serializers.CharField()
     status_reason = serializers.CharField()
@@ -398,15 +403,75 @@ class SshKeyCreateSerializer(serializers.Serializer):
         return attrs
 
 
+class TeamSerializer(serializers.Serializer):
+    """A team as one of its members sees it."""
+
+    id = serializers.IntegerField(source="team_id")
+    name = serializers.CharField(source="team.name")
+    personal = serializers.SerializerMethodField()
+    role = serializers.CharField(help_text="your role: owner, billing or member")
+
+    def get_personal(self, membership) -> bool:
+        return membership.team.personal_of_id == membership.user_id
+
+
 class MeSerializer(serializers.Serializer):
     id = serializers.IntegerField()
     username = serializers.CharField()
     email = serializers.CharField()
     is_staff = serializers.BooleanField()
     providers = serializers.SerializerMethodField(help_text="the names of the providers you own")
+    team = serializers.SerializerMethodField(
+        help_text="the team these credentials act for: a token's own team, a session's current"
+    )
 
     def get_providers(self, user) -> list[str]:
         return list(user.providers.values_list("name", flat=True))
+
+    @extend_schema_field(TeamSerializer(allow_null=True))
+    def get_team(self, user) -> dict | None:
+        membership = self.context.get("membership")
+        return TeamSerializer(membership).data if membership is not None else None
+
+
+class TeamCreateSerializer(serializers.Serializer):
+    name = serializers.CharField(max_length=80)
+
+
+class MemberSerializer(serializers.Serializer):
+    id = serializers.IntegerField(help_text="the membership's id")
+    user = serializers.IntegerField(source="user_id")
+    username = serializers.CharField(source="user.username")
+    email = serializers.CharField(source="user.email")
+    role = serializers.CharField()
+    created_at = serializers.DateTimeField()
+
+
+class MemberRoleSerializer(serializers.Serializer):
+    role = serializers.ChoiceField(choices=TeamRole.choices)
+
+
+class InvitationSerializer(serializers.Serializer):
+    id = serializers.IntegerField()
+    email = serializers.EmailField()
+    role = serializers.CharField()
+    created_at = serializers.DateTimeField()
+    expires_at = serializers.DateTimeField()
+
+
+class InvitationCreateSerializer(serializers.Serializer):
+    email = serializers.EmailField(max_length=254)
+    role = serializers.ChoiceField(choices=TeamRole.choices, default=TeamRole.MEMBER)
+
+
+class InvitationCreatedSerializer(InvitationSerializer):
+    link = serializers.CharField(help_text="the accept link, shown once (also mailed)")
+    mailed = serializers.BooleanField(help_text="whether the mail went out")
+
+
+class InvitationAcceptSerializer(serializers.Serializer):
+    team = serializers.IntegerField(help_text="the team id in the invitation's link")
+    key = serializers.CharField(max_length=200, help_text="the secret in the invitation's link")
 
 
 class RentalListQuerySerializer(serializers.Serializer):

@@ -24,6 +24,7 @@ from marketplace.api.pagination import PaginatedListView
 from marketplace.api.serializers import refuse_unknown
 from marketplace.errors import NotFound
 from marketplace.services import storage
+from marketplace.tenancy import request_team
 
 
 class DatasetFileInSerializer(serializers.Serializer):
@@ -201,12 +202,12 @@ class DatasetCompleteView(APIView):
 
 
 class RentalArtifactListView(PaginatedListView):
-    """The synced output files of one of your rentals, each with a presigned download URL."""
+    """The synced output files of one of the team's rentals, each with a presigned download URL."""
 
     @extend_schema(responses=ArtifactSerializer(many=True))
     def get(self, request: Request, rental_id) -> Response:
         return self.paginated(
-            selectors.rental_artifacts(customer=request.user, rental_id=rental_id),
+            selectors.rental_artifacts(team=request_team(request), rental_id=rental_id),
             ArtifactSerializer,
         )
 
@@ -218,7 +219,7 @@ class RentalArtifactDownloadView(APIView):
     def get(self, request: Request, rental_id) -> HttpResponseRedirect:
         path = request.query_params.get("path", "")
         artifact = (
-            selectors.rental_artifacts(customer=request.user, rental_id=rental_id)
+            selectors.rental_artifacts(team=request_team(request), rental_id=rental_id)
             .filter(path=path)
             .first()
         )

@@ -20,8 +20,10 @@ from marketplace.models.storage import (
     RentalDataset,
     artifact_key,
 )
+from marketplace.models.teams import MONEY_ROLES, Invitation, Membership, Team, TeamRole
 
 __all__ = [
+    "MONEY_ROLES",
     "AdvisorCheck",
     "AdvisorPrior",
     "Allocation",
@@ -33,6 +35,8 @@ __all__ = [
     "Gpu",
     "GpuModel",
     "GpuTier",
+    "Invitation",
+    "Membership",
     "Node",
     "NodeEvent",
     "NodeStatus",
@@ -43,6 +47,8 @@ __all__ = [
     "RentalKind",
     "RentalStatus",
     "SshKey",
+    "Team",
+    "TeamRole",
     "User",
     "artifact_key",
 ]

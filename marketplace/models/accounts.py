@@ -37,10 +37,14 @@ class Provider(models.Model):
 
 
 class ApiToken(models.Model):
-    """A bearer token for programs; only its SHA-256 is stored, the secret is shown once."""
+    """A bearer token for programs, acting as its user for one team; only its SHA-256 is
+    stored, the secret is shown once."""
 
     user = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens"
+    )
+    team = models.ForeignKey(
+        "marketplace.Team", on_delete=models.CASCADE, related_name="api_tokens"
     )
     name = models.CharField(max_length=80)
     # The public prefix lets a user recognise a token in a list without the secret.

@@ -31,9 +31,11 @@ class Rental(models.Model):
     """A customer's request for GPUs and, once placed, the booking that runs and is billed."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    # Who asked for it; the team owns it (sees it, pays for it, may stop it).
     customer = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="rentals"
     )
+    team = models.ForeignKey("marketplace.Team", on_delete=models.PROTECT, related_name="rentals")
     name = models.CharField(max_length=80, blank=True)
     status = models.CharField(
         max_length=12, choices=RentalStatus.choices, default=RentalStatus.PENDING
@@ -109,6 +111,7 @@ class Rental(models.Model):
         indexes = [
             models.Index(fields=["status", "pool", "created_at"], name="rental_queue"),
             models.Index(fields=["customer", "-created_at"], name="rental_by_customer"),
+            models.Index(fields=["team", "-created_at"], name="rental_by_team"),
         ]
 
     def __str__(self) -> str:

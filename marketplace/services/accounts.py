@@ -1,5 +1,7 @@
 """Account writes: verified addresses of people ops vouch for, API tokens (stored hashed, shown
-once)."""
+once), each acting for one team.
+
+People and their teams are created in marketplace.services.teams (`user_create`)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from marketplace.errors import NotFound, ValidationFailed
-from marketplace.models import ApiToken, User
+from marketplace.models import ApiToken, Team, User
 
 TOKEN_PREFIX = "gpm"
 
@@ -48,6 +50,7 @@ def user_email_verified_set(*, user: User) -> EmailAddress:
 def api_token_create(
     *,
     user: User,
+    team: Team,
     name: str,
     expires_at: datetime | None = None,
     issued_by: ApiToken | None = None,
@@ -73,14 +76,22 @@ def api_token_create(
             )
     prefix, raw = token_mint(TOKEN_PREFIX)
     token = ApiToken.objects.create(
-        user=user, name=name, prefix=prefix, key_hash=token_hash(raw), expires_at=expires_at
+        user=user,
+        team=team,
+        name=name,
+        prefix=prefix,
+        key_hash=token_hash(raw),
+        expires_at=expires_at,
     )
     return token, raw
 
 
-def api_token_revoke(*, user: User, token_id: int) -> ApiToken:
+def api_token_revoke(*, team: Team, user: User, token_id: int) -> ApiToken:
+    """Revoke one of the user's tokens for the team; any other id is not found."""
     with transaction.atomic():
-        token = ApiToken.objects.select_for_update().filter(user=user, pk=token_id).first()
+        token = (
+            ApiToken.objects.select_for_update().filter(team=team, user=user, pk=token_id).first()
+        )
         if token is None:
             raise NotFound("no such token")
         if token.revoked_at is None:

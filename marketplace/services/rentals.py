@@ -18,16 +18,18 @@ from django.db.models import Q
 from django.utils import timezone
 
 from marketplace import selectors
-from marketplace.errors import ValidationFailed
+from marketplace.errors import NotFound, ValidationFailed
 from marketplace.lifecycle import rental_submit
 from marketplace.models import (
     Dataset,
     DatasetStatus,
     GpuModel,
+    Membership,
     Node,
     Rental,
     RentalDataset,
     RentalKind,
+    Team,
     User,
 )
 from marketplace.selectors import datasets_owned, engine_nodes_few, rental_owned
@@ -164,7 +166,7 @@ def _never_fits(
 
 
 class FundsHolder(Protocol):
-    """Holds a new rental's cost against its customer's balance in the creating transaction,
+    """Holds a new rental's cost against its team's balance in the creating transaction,
     checking the account's limits and budgets, or refuses it (raises)."""
 
     def __call__(
@@ -205,12 +207,15 @@ def _datasets_ready(*, customer: User, names: tuple[str, ...]) -> list[Dataset]:
     return [found[name] for name in names]
 
 
-def rental_create(*, customer: User, request: RentalRequest) -> Rental:
-    """Validate and store a PENDING rental, then queue a scheduler cycle after commit.
+def rental_create(*, customer: User, team: Team, request: RentalRequest) -> Rental:
+    """Validate and store a PENDING rental of the team (asked for by `customer`, one of its
+    members; any role may rent), then queue a scheduler cycle after commit.
 
     A request that can never fit (no node has that many matching GPUs, a model nobody lists,
     a price below every offer) is refused with the reason instead of waiting forever.
     """
+    if not Membership.objects.filter(team=team, user=customer).exists():
+        raise NotFound("no such team", field="team")
     now = timezone.now()
     start = request.start_at or now
     if start < now - timedelta(minutes=5):
@@ -237,7 +242,7 @@ def rental_create(*, customer: User, request: RentalRequest) -> Rental:
     if request.ssh and not selectors.ssh_key_scope(user=customer).exists():
         raise ValidationFailed("add an SSH public key to your account first", field="ssh")
     resume_from = (
-        rental_owned(customer=customer, rental_id=request.resume_from)
+        rental_owned(team=team, rental_id=request.resume_from)
         if request.resume_from is not None
         else None
     )
@@ -248,6 +253,7 @@ def rental_create(*, customer: User, request: RentalRequest) -> Rental:
         datasets = _datasets_ready(customer=customer, names=request.datasets)
         rental = rental_submit(
             customer=customer,
+            team=team,
             name=request.name,
             gpu_models=list(request.gpu_models),
             gpu_families=list(request.gpu_families),

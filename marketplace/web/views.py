@@ -10,14 +10,23 @@ from django.conf import settings
 from django.contrib.auth.decorators import login_required
 from django.core.paginator import Paginator
 from django.http import Http404, HttpRequest, HttpResponse
-from django.shortcuts import render
-from django.views.decorators.http import require_GET
+from django.shortcuts import redirect, render
+from django.utils.http import url_has_allowed_host_and_scheme
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from marketplace import lifecycle, selectors
+from marketplace import lifecycle, selectors, services
 from marketplace.advisor.calibration import accuracy
 from marketplace.advisor.presets import PRESETS
 from marketplace.api.serializers import OfferQuerySerializer
-from marketplace.models import DatasetStatus, RentalStatus
+from marketplace.errors import DomainError, Forbidden
+from marketplace.models import DatasetStatus, RentalStatus, TeamRole
+from marketplace.tenancy import (
+    refused,
+    request_membership,
+    request_team,
+    session_team_set,
+    team_page,
+)
 
 OFFER_PAGE = 50
 ORDERINGS = [
@@ -74,6 +83,7 @@ def advisor(request: HttpRequest) -> HttpResponse:
 
 @require_GET
 @login_required
+@team_page
 def rentals(request: HttpRequest) -> HttpResponse:
     status = request.GET.get("status") or None
     if status is not None and status not in RentalStatus.values:
@@ -83,7 +93,8 @@ def rentals(request: HttpRequest) -> HttpResponse:
             {"errors": [f"status: unknown status {status!r}"], "statuses": RentalStatus.values},
             status=400,
         )
-    page = Paginator(selectors.rental_list(customer=request.user, status=status), 50).get_page(
+    team = request_team(request)
+    page = Paginator(selectors.rental_list(team=team, status=status), 50).get_page(
         request.GET.get("page")
     )
     return render(
@@ -119,9 +130,10 @@ def rental_new(request: HttpRequest) -> HttpResponse:
 
 @require_GET
 @login_required
+@team_page
 def rental_detail(request: HttpRequest, rental_id) -> HttpResponse:
-    rental = selectors.rental_get(customer=request.user, rental_id=rental_id)
-    if rental is None:  # another account's rental is as absent as one that never existed
+    rental = selectors.rental_get(team=request_team(request), rental_id=rental_id)
+    if rental is None:  # another team's rental is as absent as one that never existed
         raise Http404("no such rental")
     return render(
         request,
@@ -137,7 +149,7 @@ def rental_detail(request: HttpRequest, rental_id) -> HttpResponse:
                 ("power", "Power"),
                 ("temp", "Temperature"),
             ],
-            "artifacts": selectors.rental_artifacts(customer=request.user, rental_id=rental.pk),
+            "artifacts": selectors.rental_artifacts(team=rental.team, rental_id=rental.pk),
             "retention_days": settings.STORAGE["ARTIFACT_RETENTION_DAYS"],
         },
     )
@@ -161,11 +173,16 @@ def datasets(request: HttpRequest) -> HttpResponse:
 
 @require_GET
 @login_required
+@team_page
 def tokens(request: HttpRequest) -> HttpResponse:
     return render(
         request,
         "web/tokens.html",
-        {"tokens": selectors.api_token_list(user=request.user).order_by("-created_at")},
+        {
+            "tokens": selectors.api_token_list(
+                team=request_team(request), user=request.user
+            ).order_by("-created_at")
+        },
     )
 
 
@@ -189,3 +206,63 @@ def provider(request: HttpRequest) -> HttpResponse:
         "web/provider.html",
         {"providers": providers, "server_url": request.build_absolute_uri("/").rstrip("/")},
     )
+
+
+@require_GET
+@login_required
+def team(request: HttpRequest) -> HttpResponse:
+    """The current team: its members and roles; owners invite and manage them from here."""
+    membership = request_membership(request)
+    if membership is None:
+        return refused(request, Forbidden("you belong to no team"))
+    return render(
+        request,
+        "web/team.html",
+        {
+            "team": membership.team,
+            "members": selectors.team_members(team=membership.team),
+            "invitations": selectors.invitation_pending_list(team=membership.team),
+            "roles": TeamRole.choices,
+        },
+    )
+
+
+@require_POST
+@login_required
+def team_switch(request: HttpRequest) -> HttpResponse:
+    """The team switcher: the session acts for another of the person's teams from now on."""
+    try:
+        team_id = int(request.POST.get("team", ""))
+    except ValueError:
+        raise Http404("no such team") from None
+    try:
+        session_team_set(request, team_id=team_id)
+    except DomainError as exc:
+        raise Http404(exc.message) from exc
+    back = request.POST.get("next") or "/"
+    if not url_has_allowed_host_and_scheme(back, allowed_hosts={request.get_host()}):
+        back = "/"
+    return redirect(back)
+
+
+@require_http_methods(["GET", "POST"])
+@login_required
+def invitation(request: HttpRequest, team_id: int, key: str) -> HttpResponse:
+    """An invitation's link: shows the team; the button joins it (signed in as the address it
+    was sent to), makes it the session's team and opens its rentals."""
+    found = selectors.invitation_by_key(raw=key)
+    if found is None or found.team_id != team_id:
+        return render(request, "web/invitation.html", {"error": "no such invitation"}, status=404)
+    if request.method == "GET":
+        return render(request, "web/invitation.html", {"invitation": found})
+    try:
+        membership = services.invitation_accept(user=request.user, team_id=team_id, raw=key)
+    except DomainError as exc:
+        return render(
+            request,
+            "web/invitation.html",
+            {"invitation": found, "error": exc.message},
+            status=exc.status,
+        )
+    session_team_set(request, team_id=membership.team_id)
+    return redirect("web-rentals")

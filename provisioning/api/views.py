@@ -32,6 +32,7 @@ from marketplace.api.pagination import PaginatedListView
 from marketplace.errors import NotFound
 from marketplace.models import Node, Provider, Rental
 from marketplace.services.storage import FileSpec, UploadedFile
+from marketplace.tenancy import request_team
 from provisioning import ratelimit, services
 from provisioning.api.serializers import (
     ArtifactCommitAnswerSerializer,
@@ -279,11 +280,11 @@ class JoinTokenCreateView(APIView):
 
 
 class RentalMetricsView(PaginatedListView):
-    """The harness metrics of one of your rentals (step, loss, throughput, MFU), in order."""
+    """The harness metrics of one of the team's rentals (step, loss, throughput, MFU), in order."""
 
     @extend_schema(parameters=[RunMetricQuerySerializer], responses=RunMetricSerializer(many=True))
     def get(self, request: Request, rental_id) -> Response:
-        if not Rental.objects.filter(pk=rental_id, customer=request.user).exists():
+        if not Rental.objects.filter(pk=rental_id, team=request_team(request)).exists():
             raise NotFound("no such rental")
         query = RunMetricQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)
@@ -296,12 +297,12 @@ class RentalMetricsView(PaginatedListView):
 
 
 class RentalLogsView(PaginatedListView):
-    """The output of one of your rentals' containers, oldest first: `?after=ID` gives the lines
-    after the last one you have (follow), `?tail=N` the last N."""
+    """The output of one of the team's rentals' containers, oldest first: `?after=ID` gives the
+    lines after the last one you have (follow), `?tail=N` the last N."""
 
     @extend_schema(parameters=[RunLogQuerySerializer], responses=RunLogLineSerializer(many=True))
     def get(self, request: Request, rental_id) -> Response:
-        if not Rental.objects.filter(pk=rental_id, customer=request.user).exists():
+        if not Rental.objects.filter(pk=rental_id, team=request_team(request)).exists():
             raise NotFound("no such rental")
         query = RunLogQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)

@@ -22,7 +22,7 @@ from scheduler.services import scheduler_cycle_run
 
 # The live-agent fixtures of the end-to-end suite (a real `python -m nodeagent` process).
 from tests.e2e.conftest import join_token, stack_env, start_agent, wait_for  # noqa: F401
-from tests.factories import ProviderFactory
+from tests.factories import ProviderFactory, personal_team
 
 # A root agent runs process-runtime commands as nobody, through the 0700 pytest directories.
 from tests.nodeagent.conftest import agent_dirs_searchable  # noqa: F401
@@ -332,6 +332,7 @@ def test_a_container_printing_hostile_output_does_not_take_the_node_down(start_a
     def rent(command):
         return rental_create(
             customer=user,
+            team=personal_team(user),
             request=RentalRequest(
                 gpus_per_node=1, duration_s=3600,
                 runtime=RuntimeSpec(image="gpumarket/harness:dev", command=command),

@@ -16,6 +16,7 @@ from rest_framework.test import APIClient
 from marketplace.api.guards import client_ip
 from marketplace.models import ApiToken
 from marketplace.services import api_token_create
+from tests.factories import personal_team
 
 pytestmark = pytest.mark.django_db
 
@@ -32,7 +33,12 @@ def _client_for(raw: str) -> APIClient:
 @pytest.fixture
 def expiring(user):
     expires = timezone.now() + timedelta(hours=1)
-    token, raw = api_token_create(user=user, name="short", expires_at=expires)
+    token, raw = api_token_create(
+        user=user,
+        team=personal_team(user),
+        name="short",
+        expires_at=expires,
+    )
     return token, _client_for(raw)
 
 

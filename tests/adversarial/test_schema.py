@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import CHECKS, load_all_checks
 
 from marketplace.services import api_token_create
+from tests.factories import personal_team
 
 pytestmark = pytest.mark.e2e
 
@@ -36,7 +37,7 @@ def customer(transactional_db, make_node, rent, user):
     """A customer with data: a free node to book on, a rental on it and an API token."""
     make_node(card="rtx4090-24gb", gpus=2, region="local", price="0.40", group_size=2)
     rent(1, region="local")
-    _, raw = api_token_create(user=user, name="schemathesis")
+    _, raw = api_token_create(user=user, team=personal_team(user), name="schemathesis")
     return raw
 
 

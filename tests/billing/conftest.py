@@ -22,11 +22,12 @@ from django.db.backends.postgresql.psycopg_any import DateTimeTZRange
 from django.utils import timezone
 
 from billing.conf import MICROS_PER_USD
-from billing.services import account_adjust, account_for_customer, usage_report_apply
+from billing.services import account_adjust, account_for_team, usage_report_apply
 from marketplace.lifecycle import rental_transition
 from marketplace.models import Allocation, Rental, RentalEvent, RentalStatus
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 from scheduler.services import scheduler_cycle_run
+from tests.factories import personal_team
 
 WEBHOOK_SECRET = "whsec_test_localstripe"
 
@@ -117,7 +118,7 @@ def usd(amount: str) -> int:
 @pytest.fixture
 def fund():
     def give(user, amount: str = "1000.00"):
-        account = account_for_customer(user=user)
+        account = account_for_team(team=personal_team(user))
         account_adjust(
             account_id=account.pk, amount_micros=usd(amount), reason="test funds", actor=None
         )
@@ -157,11 +158,12 @@ def book_many(user, fund):
 
     def make(specs: list[dict], *, customer=None) -> list[Booked]:
         customer = customer or user
-        if account_for_customer(user=customer).balance_micros <= 0:
+        if account_for_team(team=personal_team(customer)).balance_micros <= 0:
             fund(customer)
         rentals = [
             rental_create(
                 customer=customer,
+                team=personal_team(customer),
                 request=RentalRequest(
                     gpus_per_node=spec.get("gpus", 1),
                     node_count=spec.get("nodes", 1),

@@ -13,11 +13,11 @@ from django.urls import reverse
 from billing.models import Account, EntryKind, LedgerEntry, MoneyOutStatus, Payout, Refund
 from billing.services import (
     account_adjust,
-    account_for_customer,
     account_for_provider,
+    account_for_team,
     payout_create,
 )
-from tests.factories import UserFactory
+from tests.factories import UserFactory, personal_team
 
 pytestmark = pytest.mark.django_db
 
@@ -32,7 +32,7 @@ def ops():
 
 def test_a_credit_needs_a_reason_and_a_resubmitted_form_posts_once(ops, user):
     client, staff = ops
-    account = account_for_customer(user=user)
+    account = account_for_team(team=personal_team(user))
     url = reverse("admin:billing_account_adjust", args=[account.pk])
     assert client.get(url).status_code == 200
     key = str(uuid.uuid4())
@@ -55,7 +55,7 @@ def test_a_credit_needs_a_reason_and_a_resubmitted_form_posts_once(ops, user):
 
 def test_the_ledger_is_read_only_in_the_admin(ops, user):
     client, _ = ops
-    account = account_for_customer(user=user)
+    account = account_for_team(team=personal_team(user))
     account_adjust(account_id=account.pk, amount_micros=1, reason="x", actor=None)
     entry = LedgerEntry.objects.get()
     assert client.get(reverse("admin:billing_ledgerentry_changelist")).status_code == 200
@@ -72,7 +72,7 @@ def test_the_ledger_is_read_only_in_the_admin(ops, user):
 
 def test_an_out_of_band_refund_from_the_admin_requires_a_reason(ops, user):
     client, staff = ops
-    account = account_for_customer(user=user)
+    account = account_for_team(team=personal_team(user))
     account_adjust(account_id=account.pk, amount_micros=10_000_000, reason="x", actor=None)
     url = reverse("admin:billing_account_refund", args=[account.pk])
     r = client.post(url, {"amount": "4.00", "reason": "  ", "key": str(uuid.uuid4())})
@@ -117,7 +117,7 @@ def test_a_provider_is_paid_out_and_ops_mark_the_bank_transfer_done(ops, provide
 
 def test_account_pages_render(ops, user, provider):
     client, _ = ops
-    customer = account_for_customer(user=user)
+    customer = account_for_team(team=personal_team(user))
     supplier = account_for_provider(provider=provider)
     for account in (customer, supplier):
         r = client.get(reverse("admin:billing_account_change", args=[account.pk]))
@@ -157,7 +157,7 @@ def _money_state() -> tuple:
 
 def test_staff_without_the_money_permissions_are_refused_and_nothing_moves(user, provider):
     # Given a funded customer, a provider with earnings and a pending manual payout
-    customer = account_for_customer(user=user)
+    customer = account_for_team(team=personal_team(user))
     supplier = account_for_provider(provider=provider)
     account_adjust(account_id=customer.pk, amount_micros=10_000_000, reason="x", actor=None)
     account_adjust(account_id=supplier.pk, amount_micros=9_000_000, reason="x", actor=None)
@@ -210,7 +210,7 @@ def test_staff_without_the_money_permissions_are_refused_and_nothing_moves(user,
 def test_a_money_action_with_its_permission_is_audited_with_actor_and_reason(
     user, perm, url, form, check
 ):
-    customer = account_for_customer(user=user)
+    customer = account_for_team(team=personal_team(user))
     account_adjust(account_id=customer.pk, amount_micros=10_000_000, reason="x", actor=None)
     client, staff = _staff(perm)
     # A missing reason is refused with nothing written

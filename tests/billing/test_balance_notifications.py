@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 
 from billing.models import BalanceNotice, NoticeKind
-from billing.services import account_adjust, account_for_customer, billing_pass_run
+from billing.services import account_adjust, account_for_team, billing_pass_run
 from notifications.models import Delivery, Notification
 from notifications.services import notification_settings_update
 from tests.billing.conftest import usd
+from tests.factories import personal_team
 
 pytestmark = pytest.mark.django_db
 
@@ -19,7 +20,7 @@ def test_a_low_balance_and_then_an_exhausted_one_are_each_told_once(make_node, b
     fund(user, "8.00")
     booked = book(gpus=1, hours=8, hours_ago=7)
     account_adjust(
-        account_id=account_for_customer(user=user).pk,
+        account_id=account_for_team(team=personal_team(user)).pk,
         amount_micros=-usd("3.00"),
         reason="chargeback",
         actor=None,
@@ -51,7 +52,7 @@ def test_a_customer_who_switched_balance_low_off_is_not_told(make_node, book, fu
     fund(user, "8.00")
     booked = book(gpus=1, hours=8, hours_ago=7)
     account_adjust(
-        account_id=account_for_customer(user=user).pk,
+        account_id=account_for_team(team=personal_team(user)).pk,
         amount_micros=-usd("3.00"),
         reason="chargeback",
         actor=None,

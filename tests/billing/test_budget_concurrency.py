@@ -12,11 +12,11 @@ from django.db.models import F, Sum
 
 from billing.errors import BudgetExceeded, LimitExceeded, RateLimited
 from billing.models import FundsHold
-from billing.services import account_budgets_set, account_ceilings_set, account_for_customer
+from billing.services import account_budgets_set, account_ceilings_set, account_for_team
 from marketplace.models import Rental
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 from tests.billing.conftest import usd
-from tests.factories import UserFactory
+from tests.factories import UserFactory, personal_team
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -37,6 +37,7 @@ def _create_in_parallel(customer, *, gpus=lambda i: 1, **request):
             created.append(
                 rental_create(
                     customer=customer,
+                    team=personal_team(customer),
                     request=RentalRequest(
                         gpus_per_node=gpus(i),
                         duration_s=3600,
@@ -82,7 +83,7 @@ def _gpus(customer) -> int:
 
 def test_parallel_creates_never_exceed_the_concurrent_gpu_limit(customer):
     # Given an account limited to 7 GPUs at once
-    account = account_for_customer(user=customer)
+    account = account_for_team(team=personal_team(customer))
     account_ceilings_set(account_id=account.pk, max_concurrent_gpus=7, max_rentals_per_minute=None)
 
     # When 20 creates of 1, 2 or 3 GPUs race each other
@@ -107,7 +108,7 @@ def test_parallel_creates_never_exceed_the_concurrent_gpu_limit(customer):
 
 def test_parallel_creates_never_exceed_the_rentals_per_minute_limit(customer):
     # Given an account limited to 7 rentals created per minute
-    account = account_for_customer(user=customer)
+    account = account_for_team(team=personal_team(customer))
     account_budgets_set(account_id=account.pk, actor=customer, max_rentals_per_minute=7)
 
     # When 20 creates race each other
@@ -125,7 +126,7 @@ def test_parallel_creates_never_exceed_the_rentals_per_minute_limit(customer):
 
 def test_parallel_creates_never_pass_the_monthly_budget(customer):
     # Given a monthly budget of $2.00 and rentals that each hold $0.50 (1 GPU-hour at $0.50)
-    account = account_for_customer(user=customer)
+    account = account_for_team(team=personal_team(customer))
     account_budgets_set(account_id=account.pk, actor=customer, monthly_budget=Decimal("2.00"))
 
     # When 20 creates race each other
@@ -140,7 +141,7 @@ def test_parallel_creates_never_pass_the_monthly_budget(customer):
 
 def test_one_accounts_limit_leaves_another_account_alone(customer, fund):
     # Given one account at its GPU limit
-    account = account_for_customer(user=customer)
+    account = account_for_team(team=personal_team(customer))
     account_ceilings_set(account_id=account.pk, max_concurrent_gpus=2, max_rentals_per_minute=None)
     other = UserFactory()
     fund(other, "100.00")

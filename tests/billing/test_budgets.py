@@ -15,14 +15,14 @@ from billing.selectors import cap_overrun_bound_micros
 from billing.services import (
     account_budgets_set,
     account_ceilings_set,
-    account_for_customer,
+    account_for_team,
     billing_pass_run,
 )
 from marketplace.lifecycle import BUDGET_REACHED
 from marketplace.models import Rental, RentalEvent, RentalStatus
 from notifications.models import Notification, NotificationKind
 from tests.billing.conftest import usd
-from tests.factories import UserFactory
+from tests.factories import UserFactory, personal_team
 
 pytestmark = pytest.mark.django_db
 
@@ -110,7 +110,7 @@ def test_the_monthly_budget_warns_then_stops_running_rentals(make_node, book, us
     # Given a running 1-GPU rental at $3.60/h and a monthly budget of $2.00, warned at 50 %
     make_node(price="3.60")
     booked = book(gpus=1, hours=3, hours_ago=2)
-    account = account_for_customer(user=user)
+    account = account_for_team(team=personal_team(user))
     account_budgets_set(
         account_id=account.pk, actor=user, monthly_budget=Decimal("2.00"), budget_warn_percent=50
     )
@@ -156,7 +156,7 @@ def test_the_monthly_budget_refuses_the_next_create_and_creates_nothing(
     booked = book(gpus=1, hours=1, hours_ago=1)
     booked.report(seq=1, confirmed_s=1800)
     billing_pass_run(now=booked.at(3600))
-    account = account_for_customer(user=user)
+    account = account_for_team(team=personal_team(user))
     account_budgets_set(account_id=account.pk, actor=user, monthly_budget=Decimal("10.00"))
     hour = {**BODY, "duration_s": 3600}
     # A rental holding $3.60 fits ($1.80 + $1.80 + $3.60 <= $10.00)
@@ -185,7 +185,7 @@ def test_the_monthly_budget_refuses_the_next_create_and_creates_nothing(
 def test_limits_are_refused_naming_them(make_node, user, auth_api, fund):
     make_node(price="1.00")
     fund(user, "100.00")
-    account = account_for_customer(user=user)
+    account = account_for_team(team=personal_team(user))
     account_ceilings_set(account_id=account.pk, max_concurrent_gpus=4, max_rentals_per_minute=3)
     # GPUs: 3 + 2 > 4
     assert (
@@ -231,7 +231,7 @@ def test_budgets_are_shown_and_set_through_the_api(user, auth_api):
     assert (body["monthly_budget_micros"], body["budget_warn_percent"]) == (usd("250.50"), 90)
     assert body["max_concurrent_gpus"] == 8
     # A ceiling set by ops caps the customer's own limit, and refuses a higher one
-    account = Account.objects.get(user=user)
+    account = Account.objects.get(team__personal_of=user)
     account_ceilings_set(account_id=account.pk, max_concurrent_gpus=6, max_rentals_per_minute=None)
     body = auth_api.get("/api/v1/billing/budgets/").json()
     assert (body["max_concurrent_gpus"], body["ceiling_concurrent_gpus"]) == (6, 6)
@@ -277,7 +277,7 @@ def test_a_bad_max_charge_is_a_400_naming_it_and_creates_nothing(make_node, auth
 def test_bad_budget_input_is_a_400_naming_the_field_and_changes_nothing(
     user, auth_api, field, value
 ):
-    account = account_for_customer(user=user)
+    account = account_for_team(team=personal_team(user))
     account_budgets_set(account_id=account.pk, actor=user, monthly_budget=Decimal("50.00"))
     before = Account.objects.filter(pk=account.pk).values().get()
     r = auth_api.patch("/api/v1/billing/budgets/", {field: value}, "json")
@@ -290,7 +290,7 @@ def test_only_the_accounts_customer_may_change_its_budgets(user):
     from marketplace.errors import NotFound
 
     other = UserFactory()
-    account = account_for_customer(user=user)
+    account = account_for_team(team=personal_team(user))
     with pytest.raises(NotFound):
         account_budgets_set(account_id=account.pk, actor=other, monthly_budget=Decimal("1.00"))
     account.refresh_from_db()
@@ -299,7 +299,7 @@ def test_only_the_accounts_customer_may_change_its_budgets(user):
 
 def test_the_billing_page_shows_and_the_admin_sets_the_limits(user, settings):
     settings.BILLING_MAX_CONCURRENT_GPUS = 64
-    account = account_for_customer(user=user)
+    account = account_for_team(team=personal_team(user))
     account_budgets_set(account_id=account.pk, actor=user, monthly_budget=Decimal("300.00"))
     client = Client()
     client.force_login(user)

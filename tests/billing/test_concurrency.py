@@ -19,8 +19,9 @@ from billing.models import (
     TopUpStatus,
     UsageMeter,
 )
-from billing.services import account_for_customer, billing_pass_run, topup_create
+from billing.services import account_for_team, billing_pass_run, topup_create
 from tests.billing.conftest import signed, stripe_events
+from tests.factories import personal_team
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -58,13 +59,13 @@ def test_concurrent_top_up_webhooks_and_charges_keep_the_balance_exact(
     booked = book(gpus=1, hours=3, hours_ago=3)
     events = []
     for i in range(12):
-        started = topup_create(customer=user, amount_cents=1000 + i)
+        started = topup_create(team=personal_team(user), user=user, amount_cents=1000 + i)
         intent = started.topup.payment_intent_id
         stripe_on.v1.payment_intents.update(intent, params={"payment_method": "pm_card_visa"})
         stripe_on.v1.payment_intents.confirm(intent)
         (event,) = stripe_events(stripe_on, "payment_intent.succeeded", intent)
         events.append(event)
-    start_balance = account_for_customer(user=user).balance_micros
+    start_balance = account_for_team(team=personal_team(user)).balance_micros
 
     # When four threads deliver the events (each event by two threads at once, twice each)
     # while a fifth confirms usage and runs billing passes
@@ -92,7 +93,7 @@ def test_concurrent_top_up_webhooks_and_charges_keep_the_balance_exact(
     assert errors == []
 
     # Then each top-up is credited once, all usage is charged, and the balance is exact
-    account = Account.objects.get(pk=account_for_customer(user=user).pk)
+    account = Account.objects.get(pk=account_for_team(team=personal_team(user)).pk)
     credits = sum(1000 + i for i in range(12)) * 10_000
     charged = 60 * 40 * 1000  # 2400 GPU-seconds at 1000 micros
     assert StripeEvent.objects.count() == 12

@@ -15,6 +15,7 @@ from marketplace.errors import Conflict, PaymentRequired
 from marketplace.lifecycle import rental_cancel, rental_transition
 from marketplace.models import Rental, RentalEvent, RentalStatus
 from tests.billing.conftest import usd
+from tests.factories import personal_team
 
 pytestmark = pytest.mark.django_db
 
@@ -28,7 +29,7 @@ def test_a_pending_rental_holds_its_booked_time_at_its_price_cap(make_node, rent
     # Then $6.00 is held while it waits, and only $14.00 is left for anything else
     hold = FundsHold.objects.get(rental=rental)
     assert (hold.amount_micros, hold.price_per_gpu_hour) == (usd("6.00"), Decimal("1.0000"))
-    summary = account_summary(user=user)
+    summary = account_summary(team=personal_team(user))
     assert (summary.held_micros, summary.available_micros) == (usd("6.00"), usd("14.00"))
     # Two more fit ($2.00 left); a fourth is refused, naming the hold and what is available
     rent(2, duration_s=3 * 3600, max_price_per_gpu_hour="1.00")
@@ -37,8 +38,8 @@ def test_a_pending_rental_holds_its_booked_time_at_its_price_cap(make_node, rent
         rent(2, duration_s=3 * 3600, max_price_per_gpu_hour="1.00")
     assert Rental.objects.count() == FundsHold.objects.count() == 3
     # When one is cancelled its hold is released at once
-    rental_cancel(customer=user, rental_id=rental.pk)
-    assert account_summary(user=user).available_micros == usd("8.00")
+    rental_cancel(team=personal_team(user), actor=user, rental_id=rental.pk)
+    assert account_summary(team=personal_team(user)).available_micros == usd("8.00")
 
 
 def test_without_a_cap_the_cheapest_node_that_fits_is_held(make_node, rent, fund, user):
@@ -55,13 +56,13 @@ def test_the_hold_follows_the_locked_price_shrinks_with_charges_and_ends_with_th
     # Given a 1-GPU 2-hour rental placed and running at $3.60 ($0.001 per GPU-second)
     make_node(price="3.60")
     booked = book(gpus=1, hours=2, hours_ago=1)
-    balance = account_summary(user=user).balance_micros
-    assert account_summary(user=user).held_micros == usd("7.20")
+    balance = account_summary(team=personal_team(user)).balance_micros
+    assert account_summary(team=personal_team(user)).held_micros == usd("7.20")
     # When 600 s are confirmed and rated (not yet posted) and then posted
     booked.report(seq=1, confirmed_s=600)
     billing_pass_run(now=booked.at(3600))
     # Then the hold is what is left of the booking: available moves only by the hold
-    summary = account_summary(user=user)
+    summary = account_summary(team=personal_team(user))
     assert summary.held_micros == usd("7.20") - 600_000
     assert summary.available_micros == balance - usd("7.20")
     # When the rental completes, nothing is held and only the charge is gone
@@ -70,7 +71,7 @@ def test_the_hold_follows_the_locked_price_shrinks_with_charges_and_ends_with_th
         rental_transition(
             rental=rental, to_status=RentalStatus.COMPLETED, actor_kind=RentalEvent.Actor.AGENT
         )
-    summary = account_summary(user=user)
+    summary = account_summary(team=personal_team(user))
     assert summary.held_micros == 0
     assert summary.available_micros == balance - 600_000
 

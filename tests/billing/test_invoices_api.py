@@ -14,7 +14,7 @@ from billing.services import billing_pass_run, invoice_issue, invoices_issue_due
 from marketplace.errors import ValidationFailed
 from marketplace.models import GpuModel
 from marketplace.services import api_token_create
-from tests.factories import UserFactory
+from tests.factories import UserFactory, personal_team
 
 pytestmark = pytest.mark.django_db
 
@@ -62,9 +62,9 @@ def test_last_months_statement_has_a_line_per_rental(last_month_usage, user):
 
 
 def test_the_current_month_cannot_be_invoiced_yet(user):
-    from billing.services import account_for_customer
+    from billing.services import account_for_team
 
-    account = account_for_customer(user=user)
+    account = account_for_team(team=personal_team(user))
     with pytest.raises(ValidationFailed, match="once it is over"):
         invoice_issue(account_id=account.pk, period_start=timezone.now().date())
 
@@ -87,7 +87,8 @@ def test_invoices_are_shown_to_their_owner_only(last_month_usage, auth_api):
     # Another customer gets 404 for this id, on every view of it.
     other = APIClient()
     other.credentials(
-        HTTP_AUTHORIZATION=f"Bearer {api_token_create(user=UserFactory(), name='t')[1]}"
+        HTTP_AUTHORIZATION="Bearer "
+        + api_token_create(user=(them := UserFactory()), team=personal_team(them), name="t")[1]
     )
     assert other.get("/api/v1/billing/invoices/").json()["results"] == []
     assert other.get(f"/api/v1/billing/invoices/{invoice.pk}/").status_code == 404

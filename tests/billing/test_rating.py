@@ -24,14 +24,14 @@ from billing.selectors import account_summary
 from billing.services import (
     UsageReport,
     account_adjust,
-    account_for_customer,
+    account_for_team,
     billing_pass_run,
     usage_reports_apply,
 )
 from marketplace.lifecycle import rental_transition
 from marketplace.models import Rental, RentalEvent, RentalStatus
 from tests.billing.conftest import usd
-from tests.factories import UserFactory
+from tests.factories import UserFactory, personal_team
 
 pytestmark = pytest.mark.django_db
 
@@ -55,7 +55,7 @@ def test_a_charge_is_posted_with_the_provider_earning_and_the_platform_fee(make_
     make_node(price="1.2345")
     booked = book(gpus=2, hours=2, hours_ago=3)
     booked.report(seq=1, confirmed_s=1000)
-    customer = account_for_customer(user=booked.rental.customer)
+    customer = account_for_team(team=personal_team(booked.rental.customer))
     before = customer.balance_micros
     # When the pass runs
     result = billing_pass_run()
@@ -97,12 +97,12 @@ def test_usage_is_posted_hourly_and_accrued_usage_counts_against_the_balance(mak
     booked.report(seq=1, confirmed_s=600)
     billing_pass_run(now=t0)
     user = booked.rental.customer
-    balance = account_summary(user=user).balance_micros
+    balance = account_summary(team=personal_team(user)).balance_micros
     # Ten minutes later: rated, not yet posted; it counts against the available balance.
     booked.report(seq=2, confirmed_s=1200)
     result = billing_pass_run(now=t0 + timedelta(minutes=10))
     assert (result.meters_rated, result.meters_posted) == (1, 0)
-    summary = account_summary(user=user)
+    summary = account_summary(team=personal_team(user))
     assert (summary.balance_micros, summary.accrued_micros) == (balance, 600_000)
     # (the rest of the 4 booked hours, $14.40 less the $1.20 rated, is held)
     assert summary.held_micros == 14_400_000 - 1_200_000
@@ -110,7 +110,7 @@ def test_usage_is_posted_hourly_and_accrued_usage_counts_against_the_balance(mak
     # An hour after the last posting it is posted; nothing is accrued any more.
     result = billing_pass_run(now=t0 + timedelta(hours=1))
     assert result.meters_posted == 1
-    summary = account_summary(user=user)
+    summary = account_summary(team=personal_team(user))
     assert (summary.balance_micros, summary.accrued_micros) == (balance - 600_000, 0)
 
 
@@ -209,14 +209,14 @@ def test_low_balance_warns_then_zero_stops_the_rentals_then_a_top_up_restores(
     fund(user, "8.00")
     booked = book(gpus=1, hours=8, hours_ago=7)
     account_adjust(
-        account_id=account_for_customer(user=user).pk,
+        account_id=account_for_team(team=personal_team(user)).pk,
         amount_micros=-usd("3.00"),
         reason="chargeback",
         actor=None,
     )
     bystander = book(gpus=1, hours=8, hours_ago=7, customer=UserFactory())
     bystander.report(seq=1, confirmed_s=60)
-    account = account_for_customer(user=user)
+    account = account_for_team(team=personal_team(user))
     # When usage leaves less than an hour: a low-balance notice, once
     booked.report(seq=2, confirmed_s=int(4.2 * 3600))
     result = billing_pass_run()
@@ -257,7 +257,7 @@ def test_low_balance_warns_then_zero_stops_the_rentals_then_a_top_up_restores(
 def test_the_ledger_refuses_updates_and_deletes(make_node, book):
     make_node(price="1.00")
     booked = book(gpus=1, hours=2, hours_ago=3)
-    entry = LedgerEntry.objects.filter(account__user=booked.rental.customer).first()
+    entry = LedgerEntry.objects.filter(account__team__personal_of=booked.rental.customer).first()
     for attempt in (
         lambda: LedgerEntry.objects.filter(pk=entry.pk).update(memo="rewritten"),
         lambda: LedgerEntry.objects.filter(pk=entry.pk).delete(),
@@ -269,7 +269,7 @@ def test_the_ledger_refuses_updates_and_deletes(make_node, book):
 
 
 def test_the_same_posting_key_cannot_be_written_twice(user):
-    account = account_for_customer(user=user)
+    account = account_for_team(team=personal_team(user))
     first = account_adjust(
         account_id=account.pk, amount_micros=5, reason="once", actor=None, key="k1"
     )

@@ -26,8 +26,8 @@ from billing.models import (
 )
 from billing.services import (
     account_adjust,
-    account_for_customer,
     account_for_provider,
+    account_for_team,
     payments_retry_pending,
     payout_create,
     refund_create,
@@ -35,7 +35,7 @@ from billing.services import (
 )
 from marketplace.errors import Conflict, PaymentRequired
 from tests.billing.conftest import WEBHOOK_SECRET, signed, stripe_events, usd
-from tests.factories import UserFactory
+from tests.factories import UserFactory, personal_team
 
 pytestmark = pytest.mark.django_db
 
@@ -54,7 +54,7 @@ def _browser_pays(stripe_on, intent_id: str, card: str = "pm_card_visa") -> None
 
 
 def _state(user) -> tuple:
-    account = account_for_customer(user=user)
+    account = account_for_team(team=personal_team(user))
     return (
         account.balance_micros,
         LedgerEntry.objects.count(),
@@ -74,11 +74,11 @@ def test_a_card_top_up_is_credited_once_by_its_signed_webhook(stripe_on, auth_ap
     # When the browser pays and Stripe sends payment_intent.succeeded
     _browser_pays(stripe_on, topup.payment_intent_id)
     (event,) = stripe_events(stripe_on, "payment_intent.succeeded", topup.payment_intent_id)
-    assert account_for_customer(user=user).balance_micros == 0
+    assert account_for_team(team=personal_team(user)).balance_micros == 0
     r = _post(client, *signed(event))
     # Then the account holds $25 exactly, and the top-up succeeded
     assert r.status_code == 200 and r.json()["outcome"] == "credited"
-    assert account_for_customer(user=user).balance_micros == usd("25.00")
+    assert account_for_team(team=personal_team(user)).balance_micros == usd("25.00")
     topup.refresh_from_db()
     assert topup.status == TopUpStatus.SUCCEEDED
     # A replay (same event id, freshly signed) changes nothing
@@ -91,18 +91,25 @@ def test_a_card_top_up_is_credited_once_by_its_signed_webhook(stripe_on, auth_ap
 
 
 def test_a_saved_card_settles_at_once_and_its_webhook_is_then_a_no_op(stripe_on, user, client):
-    started = topup_create(customer=user, amount_cents=1000, payment_method="pm_card_visa")
+    started = topup_create(
+        team=personal_team(user), user=user, amount_cents=1000, payment_method="pm_card_visa"
+    )
     assert started.topup.status == TopUpStatus.SUCCEEDED
-    assert account_for_customer(user=user).balance_micros == usd("10.00")
+    assert account_for_team(team=personal_team(user)).balance_micros == usd("10.00")
     (event,) = stripe_events(stripe_on, "payment_intent.succeeded", started.topup.payment_intent_id)
     r = _post(client, *signed(event))
     assert r.json()["outcome"] == "already credited"
-    assert account_for_customer(user=user).balance_micros == usd("10.00")
+    assert account_for_team(team=personal_team(user)).balance_micros == usd("10.00")
 
 
 def test_a_declined_card_is_402_and_credits_nothing(stripe_on, user):
     with pytest.raises(PaymentRequired, match="declined"):
-        topup_create(customer=user, amount_cents=1000, payment_method="pm_card_chargeCustomerFail")
+        topup_create(
+            team=personal_team(user),
+            user=user,
+            amount_cents=1000,
+            payment_method="pm_card_chargeCustomerFail",
+        )
     topup = TopUp.objects.get()
     assert topup.status == TopUpStatus.FAILED
     assert not LedgerEntry.objects.exists()
@@ -110,14 +117,14 @@ def test_a_declined_card_is_402_and_credits_nothing(stripe_on, user):
 
 def test_the_webhook_that_arrives_before_our_call_returns_still_credits(stripe_on, user, client):
     # The intent id is not stored yet (our call has not returned): the metadata finds it.
-    started = topup_create(customer=user, amount_cents=700)
+    started = topup_create(team=personal_team(user), user=user, amount_cents=700)
     intent_id = started.topup.payment_intent_id
     TopUp.objects.filter(pk=started.topup.pk).update(payment_intent_id=None)
     _browser_pays(stripe_on, intent_id)
     (event,) = stripe_events(stripe_on, "payment_intent.succeeded", intent_id)
     assert _post(client, *signed(event)).json()["outcome"] == "credited"
     assert TopUp.objects.get().payment_intent_id == intent_id
-    assert account_for_customer(user=user).balance_micros == usd("7.00")
+    assert account_for_team(team=personal_team(user)).balance_micros == usd("7.00")
 
 
 @pytest.mark.parametrize(
@@ -132,7 +139,7 @@ def test_the_webhook_that_arrives_before_our_call_returns_still_credits(stripe_o
     ],
 )
 def test_a_forged_webhook_is_400_and_changes_nothing(stripe_on, user, client, forge):
-    started = topup_create(customer=user, amount_cents=900)
+    started = topup_create(team=personal_team(user), user=user, amount_cents=900)
     _browser_pays(stripe_on, started.topup.payment_intent_id)
     (event,) = stripe_events(stripe_on, "payment_intent.succeeded", started.topup.payment_intent_id)
     body, header = signed(event)
@@ -157,8 +164,10 @@ def test_a_forged_webhook_is_400_and_changes_nothing(stripe_on, user, client, fo
 
 
 def test_a_refund_to_the_card_goes_through_stripe_and_debits_the_ledger(stripe_on, user):
-    started = topup_create(customer=user, amount_cents=5000, payment_method="pm_card_visa")
-    account = account_for_customer(user=user)
+    started = topup_create(
+        team=personal_team(user), user=user, amount_cents=5000, payment_method="pm_card_visa"
+    )
+    account = account_for_team(team=personal_team(user))
     refund = refund_create(
         account_id=account.pk,
         amount_micros=usd("12.34"),
@@ -187,7 +196,7 @@ def test_a_refund_to_the_card_goes_through_stripe_and_debits_the_ledger(stripe_o
 
 
 def test_a_refund_beyond_the_available_balance_is_refused(stripe_on, user):
-    account = account_for_customer(user=user)
+    account = account_for_team(team=personal_team(user))
     account_adjust(account_id=account.pk, amount_micros=usd("3.00"), reason="credit", actor=None)
     with pytest.raises(Conflict, match=r"only \$3.00 is available"):
         refund_create(account_id=account.pk, amount_micros=usd("3.01"), reason="x", actor=None)
@@ -200,8 +209,10 @@ def test_a_refund_beyond_the_available_balance_is_refused(stripe_on, user):
 
 
 def test_a_refund_that_fails_later_is_credited_back_once(stripe_on, user, client):
-    started = topup_create(customer=user, amount_cents=2000, payment_method="pm_card_visa")
-    account = account_for_customer(user=user)
+    started = topup_create(
+        team=personal_team(user), user=user, amount_cents=2000, payment_method="pm_card_visa"
+    )
+    account = account_for_team(team=personal_team(user))
     refund = refund_create(
         account_id=account.pk,
         amount_micros=usd("5.00"),
@@ -232,8 +243,10 @@ def test_a_refund_that_fails_later_is_credited_back_once(stripe_on, user, client
 
 
 def test_stripe_unreachable_is_retryable_and_the_retry_uses_the_same_key(stripe_on, settings, user):
-    started = topup_create(customer=user, amount_cents=3000, payment_method="pm_card_visa")
-    account = account_for_customer(user=user)
+    started = topup_create(
+        team=personal_team(user), user=user, amount_cents=3000, payment_method="pm_card_visa"
+    )
+    account = account_for_team(team=personal_team(user))
     good_base = settings.STRIPE_API_BASE
     settings.STRIPE_API_BASE = "http://127.0.0.1:9"  # nothing listens on the discard port
     settings.STRIPE_MAX_NETWORK_RETRIES = 0
@@ -260,7 +273,7 @@ def test_without_stripe_keys_top_ups_are_503_and_ops_credits_work(stripe_off, au
     assert r.json()["code"] == "payments_unavailable"
     assert not TopUp.objects.exists()
     account_adjust(
-        account_id=account_for_customer(user=user).pk,
+        account_id=account_for_team(team=personal_team(user)).pk,
         amount_micros=usd("50.00"),
         reason="invoice paid by bank transfer",
         actor=None,
@@ -373,7 +386,7 @@ def test_localstripe_delivers_the_signed_webhook_to_the_live_server(
         timeout=5,
     ).raise_for_status()
     try:
-        started = topup_create(customer=user, amount_cents=1500)
+        started = topup_create(team=personal_team(user), user=user, amount_cents=1500)
         _browser_pays(stripe_on, started.topup.payment_intent_id)
         deadline = time.monotonic() + 15
         while not LedgerEntry.objects.filter(kind=EntryKind.TOPUP).exists():
@@ -386,7 +399,7 @@ def test_localstripe_delivers_the_signed_webhook_to_the_live_server(
             json={"url": f"{live_server.url}{WEBHOOK}", "secret": WEBHOOK_SECRET, "events": []},
             timeout=5,
         ).raise_for_status()
-    assert account_for_customer(user=user).balance_micros == usd("15.00")
+    assert account_for_team(team=personal_team(user)).balance_micros == usd("15.00")
     # (Events of earlier tests still in localstripe's one-second delivery delay may arrive too;
     # they name intents this database does not know and credit nothing.)
     intent_id = started.topup.payment_intent_id
@@ -444,8 +457,10 @@ def test_a_signed_event_that_does_not_match_our_top_up_credits_nothing(
     stripe_on, user, client, what
 ):
     # Given a $9.00 top-up paid in the browser, and another customer's pending top-up
-    started = topup_create(customer=user, amount_cents=900)
-    other = topup_create(customer=UserFactory(), amount_cents=900).topup
+    started = topup_create(team=personal_team(user), user=user, amount_cents=900)
+    other = topup_create(
+        team=personal_team(them := UserFactory()), user=them, amount_cents=900
+    ).topup
     _browser_pays(stripe_on, started.topup.payment_intent_id)
     (event,) = stripe_events(stripe_on, "payment_intent.succeeded", started.topup.payment_intent_id)
     before = _state(user)
@@ -462,7 +477,7 @@ def test_a_signed_event_that_does_not_match_our_top_up_credits_nothing(
     assert other.status == TopUpStatus.PENDING
     # And Stripe's own event still credits exactly the top-up's amount
     assert _post(client, *signed(event)).json()["outcome"] == "credited"
-    assert account_for_customer(user=user).balance_micros == usd("9.00")
+    assert account_for_team(team=personal_team(user)).balance_micros == usd("9.00")
 
 
 @pytest.mark.parametrize(
@@ -482,7 +497,7 @@ def test_a_signed_event_that_does_not_match_our_top_up_credits_nothing(
 def test_a_signed_event_of_the_wrong_shape_is_400_and_stores_nothing(
     stripe_on, user, client, shape
 ):
-    started = topup_create(customer=user, amount_cents=900)
+    started = topup_create(team=personal_team(user), user=user, amount_cents=900)
     _browser_pays(stripe_on, started.topup.payment_intent_id)
     (event,) = stripe_events(stripe_on, "payment_intent.succeeded", started.topup.payment_intent_id)
     obj = event["data"]["object"]

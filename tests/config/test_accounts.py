@@ -79,7 +79,9 @@ def test_a_sign_up_verifies_the_address_by_mail_before_the_first_sign_in(client,
     assert (page.status_code, page["Location"]) == (302, reverse("account_email_verification_sent"))
     user = User.objects.get(username="ada")
     assert _counts() == (before[0] + 1, before[1] + 1, before[2] + 1)
-    assert Account.objects.get(kind=AccountKind.CUSTOMER, user=user).balance_micros == 0
+    assert (
+        Account.objects.get(kind=AccountKind.CUSTOMER, team__personal_of=user).balance_micros == 0
+    )
     assert list(EmailAddress.objects.filter(user=user).values_list("email", "verified")) == [
         ("ada@example.com", False)
     ]

@@ -24,6 +24,8 @@ import pytest
 from django.conf import settings
 from django.db import connection
 
+from tests.factories import personal_team
+
 # A root agent runs process-runtime commands as nobody: the agents here keep their dirs in
 # pytest's (0700) temporary directories, which must then be searchable.
 from tests.nodeagent.conftest import agent_dirs_searchable  # noqa: F401
@@ -34,9 +36,9 @@ HARNESS_IMAGE = os.environ.get("GPUMARKET_HARNESS_IMAGE", "gpumarket/harness:dev
 
 def credit_customer(user, *, dollars: int = 50) -> None:
     """Credit from ops, so the funds check and billing's pass let the customer's rentals run."""
-    from billing.services.ledger import account_adjust, account_for_customer
+    from billing.services.ledger import account_adjust, account_for_team
 
-    account = account_for_customer(user=user)
+    account = account_for_team(team=personal_team(user))
     account_adjust(
         account_id=account.pk, amount_micros=dollars * 1_000_000, reason="e2e credit", actor=None
     )

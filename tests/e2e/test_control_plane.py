@@ -41,6 +41,7 @@ from tests.e2e.conftest import (
     wait_for,
 )
 from tests.e2e.stack import Stack, agent_command
+from tests.factories import personal_team
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
@@ -55,7 +56,7 @@ def _funded_customer(user):
 
 @pytest.fixture
 def token(user) -> str:
-    return api_token_create(user=user, name="control-plane")[1]
+    return api_token_create(user=user, team=personal_team(user), name="control-plane")[1]
 
 
 def _status(rental_id) -> str:
@@ -72,6 +73,7 @@ def _sleeper(user, *, duration_s: int = 3600, deadline: timedelta = timedelta(ho
     now = timezone.now()
     return rental_create(
         customer=user,
+        team=personal_team(user),
         request=RentalRequest(
             gpus_per_node=1,
             duration_s=duration_s,
@@ -220,6 +222,7 @@ def _pooled(user, stack: Stack, pool: str) -> str:
     down, as a web process's would be)."""
     rental = rental_create(
         customer=user,
+        team=personal_team(user),
         request=RentalRequest(
             gpus_per_node=1, duration_s=3600, region="e2e", pool=pool,
             runtime=RuntimeSpec(image=HARNESS_IMAGE, command=["sleep", "3600"]),

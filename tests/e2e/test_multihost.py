@@ -25,6 +25,7 @@ from provisioning.models import ContainerRun
 from provisioning.services import join_token_create
 from tests.e2e.conftest import HARNESS_IMAGE, credit_customer, wait_for
 from tests.e2e.stack import Stack, agent_command
+from tests.factories import personal_team
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
@@ -134,6 +135,7 @@ def _rent(user, kind: str) -> Rental:
     extra = {"bid_per_gpu_hour": Decimal("0.50")} if kind == RentalKind.INTERRUPTIBLE else {}
     return rental_create(
         customer=user,
+        team=personal_team(user),
         request=RentalRequest(
             gpus_per_node=1, duration_s=3600, region="mh", kind=kind,
             start_deadline=timezone.now() + timedelta(hours=1),

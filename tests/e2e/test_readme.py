@@ -15,6 +15,7 @@ import pytest
 from marketplace.models import Rental, RentalStatus
 from marketplace.services import api_token_create
 from tests.e2e.conftest import ROOT, wait_for
+from tests.factories import personal_team
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
@@ -29,16 +30,16 @@ def quickstart_lines() -> list[str]:
 
 
 def test_the_quickstart_block_runs_as_written(start_stack, user):
-    from billing.services.ledger import account_adjust, account_for_customer
+    from billing.services.ledger import account_adjust, account_for_team
 
-    account = account_for_customer(user=user)
+    account = account_for_team(team=personal_team(user))
     account_adjust(account_id=account.pk, amount_micros=20_000_000, reason="demo", actor=None)
     stack = start_stack(runtime="process", gpus=2, region="local")
     wait_for(lambda: stack.log_bytes("agent").count(b"joined"), 120, "the agent to join")
     env = {
         **stack.env,
         "GPUMARKET_SERVER_URL": stack.url,
-        "GPUMARKET_TOKEN": api_token_create(user=user, name="readme")[1],
+        "GPUMARKET_TOKEN": api_token_create(user=user, team=personal_team(user), name="readme")[1],
     }
     lines = quickstart_lines()
     assert lines[0].startswith("export GPUMARKET_SERVER_URL=")

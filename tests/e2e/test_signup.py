@@ -83,10 +83,10 @@ def test_a_person_signs_up_verifies_by_mail_and_signs_in(browser, live_server, s
     # Signed in: the header names them and the customer pages open
     assert driver.find_element(By.CSS_SELECTOR, "header .who a").text == "grace"
     user = User.objects.get(username="grace")
-    assert Account.objects.filter(kind=AccountKind.CUSTOMER, user=user).count() == 1
+    assert Account.objects.filter(kind=AccountKind.CUSTOMER, team__personal_of=user).count() == 1
     driver.get(f"{base}/rentals/")
     _landed(driver, "/rentals/")
-    assert driver.find_element(By.TAG_NAME, "h1").text == "Your rentals"
+    assert driver.find_element(By.TAG_NAME, "h1").text == "Rentals · team grace"
     # Exactly one mail, the verification
     (mail,) = smtp_server.to("grace@example.com")
     assert "confirm" in mail["Subject"].lower()

@@ -8,6 +8,7 @@ import pytest
 from marketplace.cli import main
 from marketplace.models import Rental
 from marketplace.services import api_token_create
+from tests.factories import personal_team
 from tests.provisioning.test_agent_api import _beat, agent, join_token  # noqa: F401
 from tests.provisioning.test_run_logs import _running
 
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.fixture
 def cli(live_server, user, capsys):
-    _, token = api_token_create(user=user, name="cli")
+    _, token = api_token_create(user=user, team=personal_team(user), name="cli")
 
     def run(*argv: str) -> tuple[int, str, str]:
         code = main(["--server", live_server.url, "--token", token, *argv])
@@ -55,7 +56,11 @@ def test_a_provider_lists_prices_drains_and_joins_hosts(live_server, provider, m
     from marketplace.models import Node, NodeStatus
     from provisioning.models import JoinToken
 
-    _, token = api_token_create(user=provider.owner, name="cli")
+    _, token = api_token_create(
+        user=provider.owner,
+        team=personal_team(provider.owner),
+        name="cli",
+    )
 
     def cli(*argv: str) -> tuple[int, str, str]:
         code = main(["--server", live_server.url, "--token", token, *argv])
@@ -86,10 +91,10 @@ def test_a_provider_lists_prices_drains_and_joins_hosts(live_server, provider, m
 
 
 def test_balance_shows_the_customers_money(cli, user):
-    from billing.services.ledger import account_adjust, account_for_customer
+    from billing.services.ledger import account_adjust, account_for_team
 
     account_adjust(
-        account_id=account_for_customer(user=user).pk,
+        account_id=account_for_team(team=personal_team(user)).pk,
         amount_micros=7_500_000,
         reason="credit",
         actor=None,
@@ -139,7 +144,7 @@ def test_logs_prints_a_rentals_output_and_follows_it_to_the_end(cli, agent, rent
     )
     follower.start()
     _beat(agent, logs=[{**ids, "line_no": n, "line": f"epoch {n}"} for n in range(3, 6)])
-    rental_stop(customer=rental.customer, rental_id=rental.pk)
+    rental_stop(team=rental.team, actor=rental.customer, rental_id=rental.pk)
     exited = {**run, "status": "exited", "exit_code": 0, "finished_at": time.time()}
     _beat(agent, containers=[exited], logs=[{**ids, "line_no": 6, "line": "saved"}])
     follower.join(60)

@@ -11,6 +11,7 @@ from marketplace import objectstore
 from marketplace.cli import main
 from marketplace.models import Dataset, DatasetStatus, Rental
 from marketplace.services import api_token_create, storage
+from tests.factories import personal_team
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -19,7 +20,7 @@ MIB = 1 << 20
 
 @pytest.fixture
 def cli(live_server, user, capsys, object_store):
-    _, token = api_token_create(user=user, name="cli")
+    _, token = api_token_create(user=user, team=personal_team(user), name="cli")
 
     def run(*argv: str) -> tuple[int, str, str]:
         code = main(["--server", live_server.url, "--token", token, *argv])

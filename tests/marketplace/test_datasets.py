@@ -17,7 +17,7 @@ from rest_framework.test import APIClient
 from marketplace.models import Dataset, DatasetFile, DatasetStatus, RentalDataset
 from marketplace.services import api_token_create
 from marketplace.services import storage as storage_services
-from tests.factories import UserFactory
+from tests.factories import UserFactory, personal_team
 
 pytestmark = pytest.mark.django_db
 
@@ -58,7 +58,8 @@ def small_parts(settings):
 
 @pytest.fixture
 def stranger_api(db) -> APIClient:
-    _, raw = api_token_create(user=UserFactory(), name="stranger")
+    stranger = UserFactory()
+    _, raw = api_token_create(user=stranger, team=personal_team(stranger), name="stranger")
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
     return client

@@ -7,6 +7,7 @@ from django.db.backends.postgresql.psycopg_any import DateTimeTZRange
 from django.utils import timezone
 
 from marketplace.models import Allocation, NodeStatus, Rental
+from tests.factories import personal_team
 
 pytestmark = pytest.mark.django_db
 
@@ -15,6 +16,7 @@ def _hold(node, count, *, start, end, released=False):
     """Bind `count` GPUs of `node` to a throwaway rental for [start, end)."""
     rental = Rental.objects.create(
         customer=node.provider.owner,
+        team=personal_team(node.provider.owner),
         gpus_per_node=count,
         start_at=start,
         start_deadline=start,

@@ -5,7 +5,7 @@ import pytest
 from marketplace.models import Rental, RentalEvent, RentalStatus
 from marketplace.services import api_token_create
 from scheduler.services import scheduler_cycle_run
-from tests.factories import UserFactory
+from tests.factories import UserFactory, personal_team
 
 pytestmark = pytest.mark.django_db
 
@@ -104,7 +104,7 @@ def test_a_request_that_can_never_fit_is_refused_with_the_reason(auth_api, node,
 def test_customers_see_and_touch_only_their_own_rentals(auth_api, node):
     mine = auth_api.post("/api/v1/rentals/", BODY, format="json").json()["id"]
     other = UserFactory()
-    _, raw = api_token_create(user=other, name="t")
+    _, raw = api_token_create(user=other, team=personal_team(other), name="t")
     from rest_framework.test import APIClient
 
     theirs = APIClient()
@@ -164,13 +164,13 @@ def test_a_bad_harness_config_is_400_naming_the_key(auth_api, node):
 def test_the_booked_time_must_be_covered_at_the_cheapest_node_that_fits(
     auth_api, user, make_node, settings
 ):
-    from billing.services.ledger import account_adjust, account_for_customer
+    from billing.services.ledger import account_adjust, account_for_team
 
     settings.BILLING_FUNDS_CHECK = True
     make_node(card="a100-sxm4-80gb", price="1.50", region="eu-west")
     make_node(card="a100-sxm4-80gb", price="1.00", region="eu-west")
     account_adjust(
-        account_id=account_for_customer(user=user).pk,
+        account_id=account_for_team(team=personal_team(user)).pk,
         amount_micros=7_990_000,
         reason="test credit",
         actor=None,
@@ -182,7 +182,7 @@ def test_the_booked_time_must_be_covered_at_the_cheapest_node_that_fits(
     assert "$8.00" in r.json()["detail"]
     assert Rental.objects.count() == 0
     account_adjust(
-        account_id=account_for_customer(user=user).pk,
+        account_id=account_for_team(team=personal_team(user)).pk,
         amount_micros=10_000,
         reason="one more cent",
         actor=None,

@@ -8,6 +8,7 @@ from rest_framework.test import APIClient
 
 from marketplace.models import ApiToken
 from marketplace.services import api_token_create, token_hash
+from tests.factories import personal_team
 
 pytestmark = pytest.mark.django_db
 
@@ -48,7 +49,7 @@ def test_wrong_or_malformed_token_is_401(header):
 
 
 def test_revoked_token_is_401(user):
-    token, raw = api_token_create(user=user, name="old")
+    token, raw = api_token_create(user=user, team=personal_team(user), name="old")
     client = _bearer(raw)
     assert client.get("/api/v1/me/").status_code == 200
     assert client.post(f"/api/v1/tokens/{token.pk}/revoke/").status_code == 200
@@ -57,7 +58,10 @@ def test_revoked_token_is_401(user):
 
 def test_expired_token_is_401(user):
     token, raw = api_token_create(
-        user=user, name="short", expires_at=timezone.now() + timedelta(minutes=1)
+        user=user,
+        team=personal_team(user),
+        name="short",
+        expires_at=timezone.now() + timedelta(minutes=1),
     )
     ApiToken.objects.filter(pk=token.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
     assert _bearer(raw).get("/api/v1/me/").status_code == 401
@@ -66,7 +70,9 @@ def test_expired_token_is_401(user):
 def test_another_accounts_token_is_404_and_unchanged(auth_api, db):
     from tests.factories import UserFactory
 
-    other_token, _ = api_token_create(user=UserFactory(), name="theirs")
+    other_token, _ = api_token_create(
+        user=(them := UserFactory()), team=personal_team(them), name="theirs"
+    )
     r = auth_api.post(f"/api/v1/tokens/{other_token.pk}/revoke/")
     assert r.status_code == 404
     other_token.refresh_from_db()

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from django.test import Client
 
-from billing.services.ledger import account_adjust, account_for_customer
+from billing.services.ledger import account_adjust, account_for_team
 from marketplace.models import Rental
 from marketplace.services import api_token_create
-from tests.factories import UserFactory
+from tests.factories import UserFactory, personal_team
 
 pytestmark = pytest.mark.django_db
 
@@ -91,15 +91,17 @@ def test_a_rental_page_shows_its_history_and_another_customers_id_is_404(
 
 
 def test_the_tokens_page_lists_only_your_tokens_and_never_a_secret(browser_client, user):
-    _, mine = api_token_create(user=user, name="laptop")
-    _, theirs = api_token_create(user=UserFactory(), name="someone-elses")
+    _, mine = api_token_create(user=user, team=personal_team(user), name="laptop")
+    _, theirs = api_token_create(
+        user=(them := UserFactory()), team=personal_team(them), name="someone-elses"
+    )
     html = browser_client.get("/tokens/").content.decode()
     assert "laptop" in html and "someone-elses" not in html
     assert mine not in html and theirs not in html
 
 
 def test_the_billing_page_shows_the_balance_and_ledger(browser_client, user):
-    account = account_for_customer(user=user)
+    account = account_for_team(team=personal_team(user))
     account_adjust(
         account_id=account.pk, amount_micros=12_340_000, reason="welcome credit", actor=None
     )

@@ -5,13 +5,14 @@ import pytest
 from marketplace.cli import main
 from marketplace.services import api_token_create
 from notifications.models import NotificationSettings
+from tests.factories import personal_team
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture
 def cli(live_server, user, capsys):
-    _, token = api_token_create(user=user, name="cli")
+    _, token = api_token_create(user=user, team=personal_team(user), name="cli")
 
     def run(*argv: str) -> tuple[int, str, str]:
         code = main(["--server", live_server.url, "--token", token, "notify", *argv])

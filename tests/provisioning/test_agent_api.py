@@ -10,6 +10,7 @@ from marketplace.models import Allocation, Node, NodeStatus, Rental, RentalStatu
 from provisioning.models import ContainerRun, NodeCredential, RunMetric
 from provisioning.services import join_token_create, node_credential_revoke, nodes_mark_silent
 from scheduler.services import scheduler_cycle_run
+from tests.factories import personal_team
 
 pytestmark = pytest.mark.django_db
 
@@ -180,7 +181,7 @@ def test_a_run_goes_provisioning_running_stopping_completed(agent, rent):
     assert stranger.get(f"/api/v1/rentals/{rental.pk}/metrics/").status_code == 404
     from marketplace.lifecycle import rental_stop
 
-    rental_stop(customer=rental.customer, rental_id=rental.pk)
+    rental_stop(team=personal_team(rental.customer), actor=rental.customer, rental_id=rental.pk)
     assert _beat(agent, containers=[{**run, "status": "running"}]).json()["desired"] == []
     _beat(agent, containers=[{**run, "status": "exited", "exit_code": 0, "finished_at": 1.0e9}])
     rental.refresh_from_db()

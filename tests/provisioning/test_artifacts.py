@@ -33,7 +33,7 @@ from marketplace.services import storage
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 from provisioning.services import join_token_create, nodes_mark_silent
 from scheduler.services import scheduler_cycle_run
-from tests.factories import UserFactory
+from tests.factories import UserFactory, personal_team
 
 pytestmark = pytest.mark.django_db
 
@@ -269,7 +269,7 @@ def test_a_stopped_run_may_sync_within_the_grace_period_only(
     rental, run = _placed(rent, agent)
     state = {"rental_id": str(rental.pk), "run_id": run.run_id}
     _beat(agent, containers=[{**state, "status": "running", "started_at": 1.0e9}])
-    rental_stop(customer=rental.customer, rental_id=rental.pk)
+    rental_stop(team=personal_team(rental.customer), actor=rental.customer, rental_id=rental.pk)
     _beat(agent, containers=[{**state, "status": "exited", "exit_code": 0}])
     rental.refresh_from_db()
     assert rental.status == RentalStatus.COMPLETED
@@ -290,7 +290,7 @@ def test_a_rental_resumes_from_an_earlier_rentals_latest_checkpoint(
         "logs/train.log": b"log",
     }
     assert _sync(agent, first.pk, run.run_id, checkpoints).stored == 3
-    rental_stop(customer=user, rental_id=first.pk)
+    rental_stop(team=personal_team(user), actor=user, rental_id=first.pk)
     # given a new rental created to resume from the first one
     second, second_run = _placed(rent, agent, resume_from=first.pk)
     assert second.resume_from_id == first.pk
@@ -387,6 +387,7 @@ def test_a_rental_naming_a_dataset_that_is_not_ready_or_not_the_customers_is_ref
         with pytest.raises(ValidationFailed) as refused:
             rental_create(
                 customer=user,
+                team=personal_team(user),
                 request=RentalRequest(
                     gpus_per_node=1,
                     duration_s=3600,
@@ -426,7 +427,7 @@ def test_retention_deletes_the_artifacts_of_rentals_ended_long_enough_ago(
             synced_at=timezone.now(),
         )  # fmt: skip
     for rental in (old, recent):
-        rental_cancel(customer=user, rental_id=rental.pk)
+        rental_cancel(team=personal_team(user), actor=user, rental_id=rental.pk)
     Rental.objects.filter(pk=old.pk).update(ended_at=timezone.now() - timedelta(days=8))
     Rental.objects.filter(pk=recent.pk).update(ended_at=timezone.now() - timedelta(days=6))
     # when the periodic task runs

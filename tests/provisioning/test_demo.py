@@ -18,7 +18,7 @@ def test_the_demo_people_sign_in_and_a_second_load_changes_nothing(tmp_path):
     load_demo(var_dir=tmp_path)
     load_demo(var_dir=tmp_path)
     demo = User.objects.get(username="demo")
-    account = Account.objects.get(kind=AccountKind.CUSTOMER, user=demo)
+    account = Account.objects.get(kind=AccountKind.CUSTOMER, team__personal_of=demo)
     assert account.balance_micros == 100_000_000
     for name in ("ops", "demo"):
         assert list(EmailAddress.objects.filter(user__username=name).values_list("verified")) == [

@@ -13,6 +13,7 @@ from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_crea
 from provisioning.services import nodes_reliability_update
 from provisioning.services.reliability import PRIOR_HOURS
 from scheduler.services import scheduler_cycle_run
+from tests.factories import personal_team
 
 pytestmark = pytest.mark.django_db
 
@@ -27,7 +28,8 @@ def _rental_on(node: Node, user, *, failed_because: str | None, days_ago: float)
     """A rental handed to the node `days_ago`, that ended by the node's fault or finished."""
     at = timezone.now() - timedelta(days=days_ago)
     rental = Rental.objects.create(
-        customer=user, status=RentalStatus.FAILED if failed_because else RentalStatus.COMPLETED,
+        customer=user, team=personal_team(user),
+        status=RentalStatus.FAILED if failed_because else RentalStatus.COMPLETED,
         gpus_per_node=1, start_at=at, start_deadline=at, duration_s=3600, image="img",
     )  # fmt: skip
     gpu = node.gpus.first()
@@ -83,6 +85,7 @@ def test_a_node_that_failed_its_rentals_ranks_below_a_clean_one(make_node, user)
     # And the scheduler, reading the node rows, places the next rental on the clean node
     rental = rental_create(
         customer=user,
+        team=personal_team(user),
         request=RentalRequest(
             gpus_per_node=1, duration_s=3600, runtime=RuntimeSpec(image="gpumarket/harness:dev")
         ),
