@@ -17,6 +17,7 @@ from marketplace.models import Rental, SshKey
 from marketplace.services.sshkeys import ssh_key_add, ssh_key_parse
 from provisioning.models import ContainerRun
 from scheduler.services import scheduler_cycle_run
+from tests.factories import personal_team
 from tests.provisioning.test_agent_api import _beat, agent, join_token  # noqa: F401
 
 pytestmark = pytest.mark.django_db
@@ -101,7 +102,7 @@ def test_keys_are_added_listed_and_deleted_through_the_api(auth_api, user, tmp_p
     # the same key again is refused, and nothing more is stored
     again = auth_api.post("/api/v1/ssh-keys/", {"public_key": line, "name": "x"}, format="json")
     assert again.status_code == 400
-    assert "already on your account" in again.json()["public_key"][0]
+    assert "already on your team" in again.json()["public_key"][0]
     assert SshKey.objects.count() == 1
 
     assert auth_api.delete(f"/api/v1/ssh-keys/{created['id']}/").status_code == 204
@@ -125,7 +126,9 @@ def test_a_malformed_key_is_a_400_naming_the_field_and_stores_nothing(auth_api):
 
 def test_another_accounts_key_is_404_and_not_listed(auth_api, tmp_path):
     other = get_user_model().objects.create_user("other", "other@example.com", "pw")
-    theirs = ssh_key_add(owner=other, public_key=_keygen(tmp_path, "ed25519"))
+    theirs = ssh_key_add(
+        team=personal_team(other), owner=other, public_key=_keygen(tmp_path, "ed25519")
+    )
     assert auth_api.get("/api/v1/ssh-keys/").json() == []
     assert auth_api.delete(f"/api/v1/ssh-keys/{theirs.pk}/").status_code == 404
     assert auth_api.delete("/api/v1/ssh-keys/999999/").status_code == 404
@@ -152,9 +155,9 @@ def test_the_agent_gets_the_keys_and_port_22_and_the_published_port_is_shown(
     # given a customer with two keys (and another account with one) and a rental with SSH
     mine = [_keygen(tmp_path, "ed25519"), _keygen(tmp_path, "rsa", 3072)]
     for line in mine:
-        ssh_key_add(owner=user, public_key=line)
+        ssh_key_add(team=personal_team(user), owner=user, public_key=line)
     other = get_user_model().objects.create_user("other", "other@example.com", "pw")
-    ssh_key_add(owner=other, public_key=_keygen(tmp_path, "ecdsa", 256))
+    ssh_key_add(team=personal_team(other), owner=other, public_key=_keygen(tmp_path, "ecdsa", 256))
     rental = rent(1, ssh=True)
     scheduler_cycle_run()
 
@@ -190,7 +193,7 @@ def test_the_agent_gets_the_keys_and_port_22_and_the_published_port_is_shown(
 
 
 def test_a_bad_published_port_drops_only_that_report(agent, rent, user, tmp_path):  # noqa: F811
-    ssh_key_add(owner=user, public_key=_keygen(tmp_path, "ed25519"))
+    ssh_key_add(team=personal_team(user), owner=user, public_key=_keygen(tmp_path, "ed25519"))
     rental = rent(1, ssh=True)
     scheduler_cycle_run()
     [desired] = _beat(agent).json()["desired"]
@@ -206,9 +209,13 @@ def test_a_bad_published_port_drops_only_that_report(agent, rent, user, tmp_path
 
 
 def test_the_keys_page_lists_only_the_accounts_keys(client, user, tmp_path):
-    mine = ssh_key_add(owner=user, public_key=_keygen(tmp_path, "ed25519"))
+    mine = ssh_key_add(
+        team=personal_team(user), owner=user, public_key=_keygen(tmp_path, "ed25519")
+    )
     other = get_user_model().objects.create_user("other", "other@example.com", "pw")
-    theirs = ssh_key_add(owner=other, public_key=_keygen(tmp_path, "ecdsa", 256))
+    theirs = ssh_key_add(
+        team=personal_team(other), owner=other, public_key=_keygen(tmp_path, "ecdsa", 256)
+    )
     client.force_login(user)
     page = client.get("/ssh-keys/").content.decode()
     assert mine.fingerprint in page and theirs.fingerprint not in page
@@ -222,7 +229,7 @@ def test_the_rental_page_shows_the_ssh_command(
     user,
     tmp_path,
 ):
-    ssh_key_add(owner=user, public_key=_keygen(tmp_path, "ed25519"))
+    ssh_key_add(team=personal_team(user), owner=user, public_key=_keygen(tmp_path, "ed25519"))
     rental = rent(1, ssh=True)
     scheduler_cycle_run()
     [desired] = _beat(agent).json()["desired"]

@@ -346,6 +346,7 @@ def test_a_requeued_interruptible_rental_resumes_from_its_own_checkpoint_on_anot
 
 def _ready_dataset(owner, name: str, contents: dict[str, bytes]):
     dataset, uploads = storage.dataset_upload_create(
+        team=personal_team(owner),
         owner=owner,
         name=name,
         files=[
@@ -355,7 +356,9 @@ def _ready_dataset(owner, name: str, contents: dict[str, bytes]):
     )
     for upload in uploads:
         requests.put(upload.url, data=contents[upload.path], timeout=10)
-    return storage.dataset_upload_complete(owner=owner, dataset_id=dataset.pk, parts={})
+    return storage.dataset_upload_complete(
+        team=personal_team(owner), dataset_id=dataset.pk, parts={}
+    )
 
 
 def test_the_desired_run_stages_the_rentals_datasets_through_presigned_gets(
@@ -379,6 +382,7 @@ def test_a_rental_naming_a_dataset_that_is_not_ready_or_not_the_customers_is_ref
     make_node(gpus=2)
     _ready_dataset(UserFactory(), "theirs", {"f": b"x"})
     storage.dataset_upload_create(
+        team=personal_team(user),
         owner=user,
         name="half",
         files=[storage.FileSpec(path="f", size_bytes=1, sha256="0" * 64)],
