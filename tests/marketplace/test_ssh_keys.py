@@ -14,6 +14,7 @@ from rest_framework.test import APIClient
 
 from marketplace.errors import ValidationFailed
 from marketplace.models import Rental, SshKey
+from marketplace.services import api_token_create
 from marketplace.services.sshkeys import ssh_key_add, ssh_key_parse
 from provisioning.models import ContainerRun
 from scheduler.services import scheduler_cycle_run
@@ -190,6 +191,59 @@ def test_the_agent_gets_the_keys_and_port_22_and_the_published_port_is_shown(
     _beat(agent, containers=[exited])
     assert ContainerRun.objects.get(run_id=desired["run_id"]).published == []
     assert owner.get(f"/api/v1/rentals/{rental.pk}/").json()["access"] == []
+
+
+def test_a_key_one_member_added_opens_the_rentals_another_member_creates_in_that_team_only(
+    agent,  # noqa: F811
+    rent,
+    user,
+    tmp_path,
+):
+    from marketplace.services import team_create
+    from tests.marketplace.test_teams import _join
+
+    # Given a team whose member A added a key through the API (listed with who added it)
+    acme = team_create(owner=user, name="acme")
+    colleague = get_user_model().objects.create_user("b", "b@example.com", "pw")
+    _join(acme, user, colleague)
+    _, raw = api_token_create(user=user, team=acme, name="t")
+    as_a = APIClient()
+    as_a.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
+    line = _keygen(tmp_path, "ed25519")
+    added = as_a.post("/api/v1/ssh-keys/", {"public_key": line}, format="json")
+    assert added.status_code == 201 and added.json()["added_by"] == user.username
+    # And a key in another team (A's personal one)
+    other_line = _keygen(tmp_path, "ecdsa", 256)
+    ssh_key_add(team=personal_team(user), owner=user, public_key=other_line)
+    # When member B rents with SSH for the team
+    rental = rent(1, customer=colleague, team=acme, ssh=True)
+    scheduler_cycle_run()
+    # Then the node lets A's team key in, and not the other team's
+    [desired] = [d for d in _beat(agent).json()["desired"] if d["rental_id"] == str(rental.pk)]
+    assert desired["ssh_authorized_keys"] == [" ".join(line.split()[:2])]
+    # And B lists and removes the key A added; another team's key id is 404 for B
+    _, raw_b = api_token_create(user=colleague, team=acme, name="t")
+    as_b = APIClient()
+    as_b.credentials(HTTP_AUTHORIZATION=f"Bearer {raw_b}")
+    [listed] = as_b.get("/api/v1/ssh-keys/").json()
+    assert listed["id"] == added.json()["id"] and listed["added_by"] == user.username
+    [theirs] = SshKey.objects.exclude(team=acme)
+    assert as_b.delete(f"/api/v1/ssh-keys/{theirs.pk}/").status_code == 404
+    assert as_b.delete(f"/api/v1/ssh-keys/{listed['id']}/").status_code == 204
+    assert list(SshKey.objects.values_list("pk", flat=True)) == [theirs.pk]
+
+
+def test_a_member_of_a_team_without_keys_is_refused_ssh_even_with_keys_elsewhere(
+    rent, user, tmp_path
+):
+    from marketplace.services import team_create
+
+    ssh_key_add(team=personal_team(user), owner=user, public_key=_keygen(tmp_path, "ed25519"))
+    acme = team_create(owner=user, name="acme")
+    with pytest.raises(ValidationFailed) as refused:
+        rent(1, team=acme, ssh=True)
+    assert refused.value.field == "ssh"
+    assert not Rental.objects.filter(team=acme).exists()
 
 
 def test_a_bad_published_port_drops_only_that_report(agent, rent, user, tmp_path):  # noqa: F811
