@@ -45,7 +45,6 @@ from marketplace.models import (
     RentalEvent,
     SshKey,
     Team,
-    TeamRole,
     User,
 )
 from scheduler.engine import types as engine
@@ -292,18 +291,6 @@ def membership_list(*, user: User) -> QuerySet[Membership]:
         .filter(user=user)
         .order_by("team__name", "team_id")
     )
-
-
-def team_owner(*, team_id: int) -> User | None:
-    """The team's first owner: who hears about its money (low balance, budgets) while
-    notifications are kept per person."""
-    first = (
-        Membership.objects.select_related("user")
-        .filter(team_id=team_id, role=TeamRole.OWNER)
-        .order_by("pk")
-        .first()
-    )
-    return first.user if first is not None else None
 
 
 def team_members(*, team: Team) -> QuerySet[Membership]:

@@ -36,6 +36,8 @@ from marketplace.services import (
 )
 from marketplace.services.sshkeys import ssh_key_add
 from marketplace.services.teams import invitation_path
+from notifications.models import Delivery
+from notifications.services import notification_record
 from tests.factories import UserFactory, personal_team
 
 pytestmark = pytest.mark.django_db
@@ -342,7 +344,6 @@ NOT_TEAM_OWNED = {
     "path",
     "team_id",  # the invitation link: its own test above
     "key",  # the invitation link, and sign-up's email confirmation
-    "delivery_id",  # notifications are kept per person (tests/notifications/test_api.py)
     "uidb64",  # password reset (Django and allauth)
     "uidb36",
     "token",
@@ -391,7 +392,11 @@ def theirs(make_node, rent, tmp_path):
         timeout=60,
     )
     key = ssh_key_add(team=team, owner=colleague, public_key=(tmp_path / "k.pub").read_text())
+    told = notification_record(
+        team=team, kind="balance.low", source_key="theirs", summary="low", data={}
+    )
     return {
+        "delivery_id": told.deliveries.get().pk,
         "dataset_id": str(dataset.pk),
         "key_id": key.pk,
         "rental_id": str(rental.pk),
@@ -420,6 +425,7 @@ TEAM_OWNED = {
     "invitation_id",
     "dataset_id",
     "key_id",
+    "delivery_id",
 }
 
 
@@ -451,6 +457,7 @@ def test_another_teams_id_is_404_on_every_endpoint_that_takes_one(
         list(Invitation.objects.values_list("pk", "revoked_at")),
         list(Dataset.objects.values_list("pk", "status", "total_bytes")),
         list(SshKey.objects.values_list("pk", "team_id")),
+        list(Delivery.objects.values_list("pk", "state", "attempts")),
     )
     body = {"role": "owner"} if method == "patch" else None
     answer = (
@@ -467,6 +474,7 @@ def test_another_teams_id_is_404_on_every_endpoint_that_takes_one(
         list(Invitation.objects.values_list("pk", "revoked_at")),
         list(Dataset.objects.values_list("pk", "status", "total_bytes")),
         list(SshKey.objects.values_list("pk", "team_id")),
+        list(Delivery.objects.values_list("pk", "state", "attempts")),
     )
     assert after == before
 
@@ -483,5 +491,6 @@ def test_the_scoping_test_covers_the_team_endpoints():
         "api/v1/datasets/<uuid:dataset_id>/",
         "api/v1/datasets/<uuid:dataset_id>/complete/",
         "api/v1/ssh-keys/<int:key_id>/",
+        "api/v1/notifications/deliveries/<int:delivery_id>/",
     ):
         assert expected in routes
