@@ -52,6 +52,7 @@ _OPTIONS: dict[str, tuple[str, str | None]] = {
     "log_format": ("GPUMARKET_LOG_FORMAT", "logfmt"),
     "metrics_port": ("GPUMARKET_METRICS_PORT", "0"),
     "metrics_address": ("GPUMARKET_METRICS_ADDRESS", "127.0.0.1"),
+    "cache_gb": ("GPUMARKET_CACHE_GB", "100"),
 }
 
 
@@ -86,6 +87,8 @@ class AgentConfig:
     log_format: str = "logfmt"  # "logfmt" | "json"
     metrics_port: int = 0  # 0: no metrics endpoint
     metrics_address: str = "127.0.0.1"
+    # The node's cache of staged files (datasets, resume checkpoints), least recently used out.
+    cache_max_bytes: int = 100 * 1024**3
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--log-format", choices=["logfmt", "json"], help="[GPUMARKET_LOG_FORMAT] (logfmt)")
     add("--metrics-port", help="serve Prometheus metrics on this port [GPUMARKET_METRICS_PORT]")
     add("--metrics-address", help="address of the metrics port (127.0.0.1)")
+    add(
+        "--cache-gb",
+        help="size of the node's cache of staged datasets and checkpoints "
+        "[GPUMARKET_CACHE_GB] (100)",
+    )
     add("--once", action="store_true", help="one heartbeat and reconcile, then exit")
     add("--dev-local", action="store_true", help=f"the dev stack's profile (reads {DEV_ENV_FILE})")
     return parser
@@ -202,6 +210,7 @@ def load_config(
         request_timeout = float(get("request_timeout") or 0)
         benchmark_timeout = float(get("benchmark_timeout") or 0)
         disk_quota_gb = float(get("disk_quota_gb") or 0)
+        cache_gb = float(get("cache_gb") or 0)
     except ValueError as exc:
         raise ConfigError(f"not a number: {exc}") from None
     try:
@@ -217,6 +226,8 @@ def load_config(
         raise ConfigError("interval and timeouts must be positive")
     if disk_quota_gb < 0 or 0 < disk_quota_gb * 1024 < 16:
         raise ConfigError("the disk quota is 0 (none) or at least 16 MiB")
+    if cache_gb <= 0:
+        raise ConfigError("--cache-gb must be positive")
     benchmark_command = tuple(shlex.split(get("benchmark_command") or ""))
     if not benchmark_command:
         raise ConfigError("the benchmark command is empty")
@@ -244,4 +255,5 @@ def load_config(
         log_format=log_format,
         metrics_port=metrics_port,
         metrics_address=get("metrics_address") or "127.0.0.1",
+        cache_max_bytes=int(cache_gb * 1024**3),
     )
