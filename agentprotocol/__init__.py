@@ -33,8 +33,8 @@ ARTIFACT_COMMIT_PATH = "/api/agent/v1/rentals/{rental_id}/artifacts/commit/"
 
 DEFAULT_STOP_GRACE_S = 30.0
 
-# A field with this metadata is left out of the payload while empty ("" or None): the receiver's
-# default is the same, and a report then says only what it has to say.
+# A field with this metadata is left out of the payload while empty ("", None or ()): the
+# receiver's default is the same, and a report then says only what it has to say.
 OMIT_EMPTY: Mapping[str, bool] = types.MappingProxyType({"omit_empty": True})
 
 
@@ -67,7 +67,7 @@ class Message:
         payload = {}
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
-            if f.metadata.get("omit_empty") and value in ("", None):
+            if f.metadata.get("omit_empty") and value in ("", None, ()):
                 continue
             payload[f.name] = _dump(value)
         return payload
@@ -254,7 +254,7 @@ class ContainerReport(Message):
     finished_at: float | None = None
     log_tail: str = dataclasses.field(default="", metadata=OMIT_EMPTY)  # of an exited run
     # Ports of the run reachable from outside the node (SSH, Jupyter), once they listen.
-    published: tuple[PublishedPort, ...] = ()
+    published: tuple[PublishedPort, ...] = dataclasses.field(default=(), metadata=OMIT_EMPTY)
     # Why the agent could not start the run at all (bad image, a runtime that cannot run it).
     error: str = dataclasses.field(default="", metadata=OMIT_EMPTY)
 
@@ -290,6 +290,20 @@ class MetricLine(Message):
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class LogLine(Message):
+    """One line of a run's own output (not a metric), for the live log. `line_no` is the line's
+    index in the run's output, from 0: a line sent twice is kept once, and a gap in the numbers
+    shows where the agent dropped lines it could not hold."""
+
+    wire_name: ClassVar[str] = "log line"
+
+    rental_id: str
+    run_id: str
+    line_no: int
+    line: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Heartbeat(Message):
     """What the agent sends every round: its runs' actual state and what they used."""
 
@@ -301,6 +315,7 @@ class Heartbeat(Message):
     containers: tuple[ContainerReport, ...] = ()
     usage: tuple[UsageReport, ...] = ()
     metrics: tuple[MetricLine, ...] = ()
+    logs: tuple[LogLine, ...] = dataclasses.field(default=(), metadata=OMIT_EMPTY)
     # A finished benchmark's result (the harness's benchmark mode prints it).
     benchmark: Mapping[str, Any] | None = dataclasses.field(default=None, metadata=OMIT_EMPTY)
 
@@ -351,16 +366,16 @@ class DesiredRun(Message):
     memory_limit_mb: int
     ports: tuple[int, ...]
     stop_grace_s: float = DEFAULT_STOP_GRACE_S
-    datasets: tuple[DatasetMount, ...] = ()
+    datasets: tuple[DatasetMount, ...] = dataclasses.field(default=(), metadata=OMIT_EMPTY)
     # Files written into the run's output directory (/workspace) before it starts: the last
     # synced checkpoint of the run it resumes (a requeued interruptible rental, or a rental
     # started from an earlier one's checkpoint).
-    resume_files: tuple[StagedFile, ...] = ()
+    resume_files: tuple[StagedFile, ...] = dataclasses.field(default=(), metadata=OMIT_EMPTY)
     # Sync the output directory to object storage (ARTIFACT_UPLOADS_PATH / ARTIFACT_COMMIT_PATH)
     # at every checkpoint and when the run stops, completes, is preempted or fails.
     sync_artifacts: bool = False
     # Public keys (OpenSSH format) allowed into the run's sshd, when the rental asked for SSH.
-    ssh_authorized_keys: tuple[str, ...] = ()
+    ssh_authorized_keys: tuple[str, ...] = dataclasses.field(default=(), metadata=OMIT_EMPTY)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -499,6 +514,7 @@ __all__ = [
     "Heartbeat",
     "HeartbeatAnswer",
     "JoinAnswer",
+    "LogLine",
     "Message",
     "MetricLine",
     "ProtocolError",

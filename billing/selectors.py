@@ -18,12 +18,13 @@ from billing.models import (
     LedgerEntry,
     Payout,
     TelemetryMinute,
+    TelemetrySample,
     TopUp,
     UsageMeter,
     UsageSegment,
 )
 from marketplace import lifecycle
-from marketplace.models import Provider, Rental, User
+from marketplace.models import Node, Provider, Rental, User
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +177,53 @@ def rental_telemetry(
     if gpu_index is not None:
         rows = rows.filter(gpu_index=gpu_index)
     return rows.order_by("minute", "node_id", "gpu_index")
+
+
+# Raw samples answer a window up to this long; a longer one is drawn from the minute rollups.
+RAW_SERIES_MAX_S = 2 * 3600
+SERIES_MAX_POINTS = 600
+
+
+def rental_gpu_series(*, rental: Rental, since: datetime, until: datetime) -> dict:
+    """Per-GPU time series of a rental for charts: `{"resolution", "series": [{node, gpu_index,
+    points: [[unix_s, util_pct, mem_mb, power_w, temp_c], ...]}]}`, at most SERIES_MAX_POINTS
+    points per GPU (evenly thinned). Raw samples for a short window, minute rollups (average
+    utilisation and power, peak memory and temperature) for a long one."""
+    raw = (until - since).total_seconds() <= RAW_SERIES_MAX_S
+    series: dict[tuple[int, int], list[list[float]]] = {}
+    if raw:
+        rows = (
+            TelemetrySample.objects.filter(rental_id=rental.pk, ts__gte=since, ts__lt=until)
+            .order_by("ts")
+            .values_list(
+                "node_id", "gpu_index", "ts", "util_pct", "mem_used_mb", "power_w", "temp_c"
+            )
+        )
+        for node_id, gpu, ts, util, mem, power, temp in rows:
+            series.setdefault((node_id, gpu), []).append([ts.timestamp(), util, mem, power, temp])
+    else:
+        rows = (
+            TelemetryMinute.objects.filter(rental=rental, minute__gte=since, minute__lt=until)
+            .order_by("minute")
+            .values_list(
+                "node_id", "gpu_index", "minute", "samples", "util_sum", "mem_max_mb",
+                "power_sum", "temp_max",
+            )
+        )  # fmt: skip
+        for node_id, gpu, minute, n, util_sum, mem, power_sum, temp in rows:
+            point = [minute.timestamp(), util_sum / n, mem, power_sum / n, temp]
+            series.setdefault((node_id, gpu), []).append(point)
+    hostnames = dict(
+        Node.objects.filter(pk__in={node for node, _ in series}).values_list("pk", "hostname")
+    )
+    out = []
+    for (node_id, gpu), points in sorted(series.items()):
+        if len(points) > SERIES_MAX_POINTS:
+            step = len(points) / SERIES_MAX_POINTS
+            points = [points[int(i * step)] for i in range(SERIES_MAX_POINTS)] + [points[-1]]
+        out.append({"node": hostnames.get(node_id, str(node_id)), "gpu_index": gpu,
+                    "points": [[round(v, 3) for v in p] for p in points]})  # fmt: skip
+    return {"resolution": "raw" if raw else "minute", "series": out}
 
 
 def rental_segments(*, rental: Rental) -> QuerySet[UsageSegment]:

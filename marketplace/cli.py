@@ -4,7 +4,10 @@
     gpumarket advise --model llama2-7b --tokens-b 100 --deadline-hours 48
     gpumarket book --model llama2-7b --tokens-b 100 --plan h100-sxm5-80gb:2x8
     gpumarket rent --gpus 4 --gpu-family a100 --region eu --hours 12 --image IMAGE -- CMD ...
-    gpumarket rentals | show ID | metrics ID | stop ID | cancel ID
+    gpumarket rentals | show ID | metrics ID | logs [-f] ID | stop ID | cancel ID
+
+Every command takes `--json`: it prints the server's answer as JSON instead of a table (one JSON
+object per line for `logs`), for scripts.
 
 The server and token come from flags or GPUMARKET_SERVER_URL / GPUMARKET_TOKEN.
 """
@@ -32,6 +35,7 @@ class Api:
     def __init__(self, server: str, token: str | None) -> None:
         self.base = server.rstrip("/")
         self.session = requests.Session()
+        self.last: Any = None  # the last answer's body, for --json
         if token:
             self.session.headers["Authorization"] = f"Bearer {token}"
 
@@ -59,7 +63,42 @@ class Api:
             raise CliError(
                 f"{r.status_code}: {json.dumps(body) if not isinstance(body, str) else body}"
             )
-        return r.json() if r.content else None
+        self.last = r.json() if r.content else None
+        return self.last
+
+
+# A followed rental that reached one of these has nothing more to print once its lines are read.
+FINAL_STATUSES = frozenset({"completed", "failed", "cancelled", "expired", "preempted"})
+
+
+def logs(args: argparse.Namespace, api: Api) -> None:
+    """Print a rental's output; with --follow, keep printing new lines until it has ended."""
+    out = sys.stdout
+    path = f"/api/v1/rentals/{args.id}/logs/"
+    params: dict[str, Any] = {"limit": 500}
+    if args.tail:
+        params["tail"] = args.tail
+    while True:
+        page = api.call("GET", path, params=params)
+        for row in page["results"]:
+            print(json.dumps(row) if args.json else row["line"], file=out, flush=True)
+        if page["results"]:
+            params = {"limit": 500, "after": page["results"][-1]["id"]}
+        if page.get("next"):
+            continue
+        if not args.follow:
+            return
+        status = api.call("GET", f"/api/v1/rentals/{args.id}/")["status"]
+        if status in FINAL_STATUSES:
+            # The last lines may arrive with the agent's next heartbeat after the end.
+            page = api.call("GET", path, params=params)
+            for row in page["results"]:
+                print(json.dumps(row) if args.json else row["line"], file=out, flush=True)
+            if not page["results"]:
+                return
+            params = {"limit": 500, "after": page["results"][-1]["id"]}
+            continue
+        time.sleep(args.interval)
 
 
 def _table(rows: list[dict], columns: list[str]) -> str:
@@ -147,6 +186,7 @@ def _provider_run(args: argparse.Namespace, api: Api) -> str:
             for provider in api.call("GET", "/api/v1/providers/")
             for row in api.call("GET", f"/api/v1/providers/{provider['id']}/nodes/")
         ]
+        api.last = rows
         columns = ["id", "hostname", "region", "status", "gpu_model", "rented_gpus", "gpu_count"]
         return _table(rows, [*columns, "price_per_gpu_hour", "min_bid_per_gpu_hour"])
     if args.command == "price":
@@ -181,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--server", default=os.environ.get("GPUMARKET_SERVER_URL", "http://127.0.0.1:8000")
     )
     parser.add_argument("--token", default=os.environ.get("GPUMARKET_TOKEN"))
+    parser.add_argument(
+        "--json", action="store_true", help="print the server's answer as JSON, for scripts"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     offers = sub.add_parser("offers", help="GPUs free now")
     offers.add_argument("--gpu-family")
@@ -219,6 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("rentals", help="your rentals")
     for name in ("show", "metrics", "stop", "cancel"):
         sub.add_parser(name).add_argument("id")
+    log = sub.add_parser("logs", help="the output of a rental's container")
+    log.add_argument("id")
+    log.add_argument("-f", "--follow", action="store_true", help="keep printing until it ends")
+    log.add_argument("--tail", type=int, help="only the last N lines")
+    log.add_argument("--interval", type=float, default=2.0, help=argparse.SUPPRESS)
     sub.add_parser("balance", help="your credit, what is available, what running rentals cost")
     sub.add_parser("nodes", help="providers: your nodes and what is rented")
     price = sub.add_parser("price", help="providers: a node's prices for new bookings")
@@ -242,8 +290,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    api = Api(args.server, args.token)
     try:
-        print(run(args, Api(args.server, args.token)))
+        if args.command == "logs":
+            logs(args, api)
+            return 0
+        text = run(args, api)
+        print(json.dumps(api.last, indent=2) if args.json else text)
     except CliError as exc:
         print(f"gpumarket: {exc}", file=sys.stderr)
         return 1

@@ -52,6 +52,7 @@ from agentprotocol import (
     Heartbeat,
     HeartbeatAnswer,
     JoinAnswer,
+    LogLine,
     MetricLine,
     ProtocolError,
     UsageReport,
@@ -109,6 +110,13 @@ METRICS_BYTES_PER_HEARTBEAT = 512 * 1024
 # A run's unsent lines: past this, its output waits in the runtime's log instead of in memory.
 RUN_BUFFER_LINES = 2 * METRICS_PER_HEARTBEAT
 LOG_TAIL_LINES = 50
+# The live log: every output line, numbered; a run's unsent lines past LOG_BUFFER_LINES are
+# dropped oldest first (the numbers then show the gap), and a heartbeat carries at most
+# LOGS_PER_HEARTBEAT lines / LOGS_BYTES_PER_HEARTBEAT, LOG_LINE_MAX_CHARS each.
+LOG_BUFFER_LINES = 2000
+LOGS_PER_HEARTBEAT = 400
+LOGS_BYTES_PER_HEARTBEAT = 128 * 1024
+LOG_LINE_MAX_CHARS = 2000
 LOG_TAIL_MAX_BYTES = 8192
 MIN_INTERVAL_S, MAX_INTERVAL_S = 1.0, 300.0
 MAX_RETRY_DELAY_S = 60.0
@@ -184,6 +192,18 @@ def _is_checkpoint(line: str) -> bool:
         return False
 
 
+def _log_extend(live: _Live, lines: Sequence[str]) -> None:
+    """Number a read's lines and keep them for the live log, bounded: the oldest go first."""
+    for line in lines:
+        if live.next_line > live.log_sent:  # lines read again after a restart are not resent
+            live.log_buffer.append((live.next_line, text_sanitize(line[:LOG_LINE_MAX_CHARS])))
+        live.next_line += 1
+    excess = len(live.log_buffer) - LOG_BUFFER_LINES
+    if excess > 0:
+        del live.log_buffer[:excess]
+        live.log_dropped += excess
+
+
 def _missing_report(rental_id: str, run_id: str, error: str) -> ContainerReport:
     return ContainerReport(
         rental_id=rental_id,
@@ -217,6 +237,13 @@ class _Live:
     last_sync_at: float = 0.0
     stop_requested: bool = False  # the server no longer wants it: its exit is a stop
     final_requested: bool = False
+    # The live log: (line_no, line) read and not yet delivered; line numbers count every output
+    # line of the run from 0, base_line being the number of the line at base_cursor.
+    log_buffer: list[tuple[int, str]] = field(default_factory=list)
+    base_line: int = 0
+    next_line: int = 0
+    log_dropped: int = 0
+    log_sent: int = -1  # the highest line number delivered (persisted: a restart skips them)
 
 
 class _Operations:
@@ -469,6 +496,7 @@ class Agent:
         self._sync_artifacts(actual, now)
 
         metrics, taken = self._take_metrics()
+        logs, logs_taken = self._take_logs()
         benchmark = self._benchmark.result()
         heartbeat = Heartbeat(
             agent_version=AGENT_VERSION,
@@ -479,6 +507,7 @@ class Agent:
                 UsageReport.from_payload(r) for r in self.spool.pending(USAGE_PER_HEARTBEAT)
             ),
             metrics=tuple(metrics),
+            logs=tuple(logs),
             benchmark=benchmark,
         )
         payload = self._client.heartbeat(heartbeat.to_payload(), token=self._credentials.node_token)
@@ -490,6 +519,12 @@ class Agent:
         if answer.dropped:
             # Applied all the same: resending would be refused again, the counts say what to fix.
             logger.warning("the server dropped report elements", extra=dict(answer.dropped))
+        for run_id, count in logs_taken.items():
+            live = self._live[run_id]
+            live.log_sent = max(live.log_sent, live.log_buffer[count - 1][0])
+            del live.log_buffer[:count]
+            if run_id in self.ledger:
+                self.ledger.update(run_id, log_sent=live.log_sent)
         self._after_delivery(answer, actual, taken, benchmark_sent=benchmark is not None)
         desired = answer.desired
         self._remember(desired)
@@ -556,6 +591,9 @@ class Agent:
             record = self.ledger.get(state.run_id)
             if first_read and record is not None:
                 live.base_cursor, live.base_skip = record.cursor, record.skip
+                live.base_line, live.log_sent = record.line, record.log_sent
+            if first_read:
+                live.next_line = live.base_line
             cursor = live.base_cursor if first_read else live.read_cursor
             try:
                 lines, read_cursor = self._driver.output_since(state.run_id, cursor)
@@ -574,9 +612,11 @@ class Agent:
             fresh = metrics[live.base_skip :] if first_read else metrics
             live.checkpoint_seen |= any(_is_checkpoint(line) for line in fresh)
             live.buffer.extend(fresh)
+            _log_extend(live, lines)
             live.read_cursor = read_cursor
-            if not live.buffer:
+            if not live.buffer and not live.log_buffer:
                 live.base_cursor, live.base_skip = read_cursor, 0
+                live.base_line = live.next_line
             if state.status == ContainerStatus.EXITED:
                 live.read_after_exit = True
 
@@ -640,6 +680,25 @@ class Agent:
                 taken[run_id] += 1
                 progressed = True
         return metrics, taken
+
+    def _take_logs(self) -> tuple[list[LogLine], dict[str, int]]:
+        """Up to the per-heartbeat limits, an equal share per run, oldest lines first."""
+        order = sorted(run_id for run_id, live in self._live.items() if live.log_buffer)
+        logs: list[LogLine] = []
+        taken = dict.fromkeys(order, 0)
+        size = 0
+        share = LOGS_PER_HEARTBEAT // max(1, len(order))
+        for run_id in order:
+            live = self._live[run_id]
+            for line_no, line in live.log_buffer[: max(1, share)]:
+                size += len(json.dumps(line)) + len(run_id) + 120
+                if size > LOGS_BYTES_PER_HEARTBEAT or len(logs) >= LOGS_PER_HEARTBEAT:
+                    return logs, taken
+                logs.append(
+                    LogLine(rental_id=live.rental_id, run_id=run_id, line_no=line_no, line=line)
+                )
+                taken[run_id] += 1
+        return logs, taken
 
     def _telemetry_samples(self, actual: Sequence[ContainerState]) -> list[GpuSample]:
         assert self._watchdog is not None
@@ -706,14 +765,21 @@ class Agent:
             live = self._live[state.run_id]
             if live.read_cursor is None:
                 continue  # not read yet: nothing delivered
-            if not live.buffer:
+            if not live.buffer and not live.log_buffer:
                 live.base_cursor, live.base_skip = live.read_cursor, 0
+                live.base_line = live.next_line
             if state.run_id in self.ledger:
-                self.ledger.update(state.run_id, cursor=live.base_cursor, skip=live.base_skip)
+                self.ledger.update(
+                    state.run_id,
+                    cursor=live.base_cursor,
+                    skip=live.base_skip,
+                    line=live.base_line,
+                )
             if (
                 state.status == ContainerStatus.EXITED
                 and live.read_after_exit
                 and not live.buffer
+                and not live.log_buffer
                 and not self._awaits_final_sync(state)
             ):
                 live.delivered = True

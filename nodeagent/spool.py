@@ -162,6 +162,8 @@ class RunRecord:
     # Metrics delivered: from `cursor` (the driver's, opaque) on, `skip` metrics lines.
     cursor: str | None = None
     skip: int = 0
+    line: int = 0  # the index of the output line at `cursor` (log lines are numbered from it)
+    log_sent: int = -1  # the highest log line number the server has taken
     final_spooled: bool = False
     # Artifact sync (nodeagent.artifacts): asked for by the desired entry; the final sync
     # after the run ended is done (its exited state may then be reported).

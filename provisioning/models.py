@@ -115,6 +115,34 @@ class RunMetric(models.Model):
         return f"{self.run_id} {self.event} {self.step}"
 
 
+class RunLogLine(models.Model):
+    """One line of a run's output, for the live log (`gpumarket logs -f`, the rental page).
+
+    `line_no` is the line's index in the run's output as the agent numbered it: a line sent
+    again after an agent restart or a retried heartbeat is kept once. Kept LOG_RETENTION_DAYS."""
+
+    id = models.BigAutoField(primary_key=True)
+    rental = models.ForeignKey(
+        "marketplace.Rental", on_delete=models.CASCADE, related_name="log_lines", db_index=False
+    )
+    run_id = models.CharField(max_length=128)
+    line_no = models.BigIntegerField()
+    line = models.TextField()
+    received_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["run_id", "line_no"], name="log_line_once"),
+        ]
+        indexes = [
+            models.Index(fields=["rental", "id"], name="log_by_rental"),
+            models.Index(fields=["received_at"], name="log_by_age"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.run_id}:{self.line_no}"
+
+
 class NodeBenchmark(models.Model):
     """A measured benchmark of a node's GPU (the harness's benchmark mode), not its claims."""
 

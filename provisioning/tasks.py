@@ -40,3 +40,10 @@ def calibrate_advisor() -> None:
 )
 def measure_reliability() -> None:
     services.nodes_reliability_update()
+
+
+@shared_task(
+    name="provisioning.expire_run_logs", ignore_result=True, time_limit=600, soft_time_limit=540
+)
+def expire_run_logs() -> None:
+    services.run_logs_expire()

@@ -147,6 +147,20 @@ class TelemetryQuerySerializer(serializers.Serializer):
         return {**attrs, "since": since, "until": until}
 
 
+class GpuSeriesSerializer(serializers.Serializer):
+    node = serializers.CharField()
+    gpu_index = serializers.IntegerField()
+    points = serializers.ListField(
+        child=serializers.ListField(child=serializers.FloatField()),
+        help_text="[unix seconds, utilisation %, memory MB, power W, temperature C] per point",
+    )
+
+
+class GpuSeriesAnswerSerializer(serializers.Serializer):
+    resolution = serializers.ChoiceField(choices=["raw", "minute"])
+    series = GpuSeriesSerializer(many=True)
+
+
 class TelemetryMinuteSerializer(serializers.ModelSerializer):
     node = serializers.CharField(source="node.hostname")
     util_avg_pct = serializers.SerializerMethodField()

@@ -25,6 +25,11 @@ urlpatterns = [
         name="billing-rental-telemetry",
     ),
     path(
+        "rentals/<uuid:rental_id>/gpu-series/",
+        views.RentalGpuSeriesView.as_view(),
+        name="billing-rental-gpu-series",
+    ),
+    path(
         "rentals/<uuid:rental_id>/usage/",
         views.RentalUsageView.as_view(),
         name="billing-rental-usage",

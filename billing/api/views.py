@@ -14,6 +14,7 @@ from rest_framework.views import APIView
 from billing import selectors, services
 from billing.api.serializers import (
     AccountSerializer,
+    GpuSeriesAnswerSerializer,
     InvoiceDetailSerializer,
     InvoiceSerializer,
     LedgerEntrySerializer,
@@ -141,6 +142,24 @@ class RentalTelemetryView(PaginatedListView):
         query.is_valid(raise_exception=True)
         rows = selectors.rental_telemetry(rental=rental, **query.validated_data)
         return self.paginated(rows, TelemetryMinuteSerializer)
+
+
+class RentalGpuSeriesView(APIView):
+    """Per-GPU utilisation, memory, power and temperature of one of your rentals over time, for
+    charts: raw samples for a window of up to 2 hours (the last hour by default), minute rollups
+    for a longer one; at most 600 points per GPU."""
+
+    @extend_schema(parameters=[TelemetryQuerySerializer], responses=GpuSeriesAnswerSerializer)
+    def get(self, request: Request, rental_id) -> Response:
+        rental = selectors.own_rental(user=request.user, rental_id=rental_id)
+        if rental is None:
+            raise NotFound("no such rental")
+        query = TelemetryQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        series = selectors.rental_gpu_series(
+            rental=rental, since=query.validated_data["since"], until=query.validated_data["until"]
+        )
+        return Response(GpuSeriesAnswerSerializer(series).data)
 
 
 class RentalUsageView(APIView):

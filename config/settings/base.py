@@ -231,6 +231,7 @@ PERIODIC_TASKS: dict[str, tuple[str, timedelta]] = {
     "node-reliability": ("provisioning.measure_reliability", timedelta(hours=1)),
     "telemetry-flush": ("provisioning.flush_telemetry", timedelta(seconds=5)),
     "advisor-calibrate": ("provisioning.calibrate_advisor", timedelta(minutes=5)),
+    "run-logs-expire": ("provisioning.expire_run_logs", timedelta(hours=1)),
     "billing-pass": ("billing.pass", timedelta(seconds=60)),
     "billing-telemetry-prune": ("billing.telemetry_prune", timedelta(hours=1)),
     "billing-invoices-issue": ("billing.invoices_issue", timedelta(hours=1)),
@@ -275,6 +276,8 @@ GPUMARKET = {
     "HARNESS_IMAGE": env.str("HARNESS_IMAGE", default="gpumarket/harness:dev"),
     # What happens to a started rental whose node goes silent: "fail" or "requeue".
     "NODE_LOST_POLICY": env.str("NODE_LOST_POLICY", default="fail"),
+    # How long the live log of a run (its output lines) is kept.
+    "LOG_RETENTION_DAYS": env.int("LOG_RETENTION_DAYS", default=7),
 }
 
 # Observability: structured logs (LOG_FORMAT=json in production, console locally), the bearer

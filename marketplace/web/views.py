@@ -127,6 +127,12 @@ def rental_detail(request: HttpRequest, rental_id) -> HttpResponse:
             "active": rental.status in lifecycle.ACTIVE,
             "cancellable": rental.status in lifecycle.CANCELLABLE,
             "stoppable": rental.status in lifecycle.BURNING,
+            "gpu_chart_kinds": [
+                ("util", "Utilisation"),
+                ("mem", "Memory used"),
+                ("power", "Power"),
+                ("temp", "Temperature"),
+            ],
         },
     )
 

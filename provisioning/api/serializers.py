@@ -153,6 +153,13 @@ class MetricLineSerializer(ElementSerializer):
     line = serializers.CharField(max_length=4096)
 
 
+class LogLineSerializer(ElementSerializer):
+    rental_id = serializers.UUIDField()
+    run_id = serializers.CharField(max_length=128)
+    line_no = serializers.IntegerField(min_value=0, max_value=(1 << 63) - 1)
+    line = ContainerTextField(max_length=4096, allow_blank=True, trim_whitespace=False)
+
+
 class BenchmarkSerializer(serializers.Serializer):
     """A finished benchmark (the harness's benchmark mode); the whole result is kept as `raw`."""
 
@@ -195,10 +202,11 @@ class HeartbeatSerializer(serializers.Serializer):
     containers = ContainerReportSerializer(many=True, max_length=256, required=False, default=list)
     usage = UsageReportSerializer(many=True, max_length=5000, required=False, default=list)
     metrics = MetricLineSerializer(many=True, max_length=500, required=False, default=list)
+    logs = LogLineSerializer(many=True, max_length=1000, required=False, default=list)
     benchmark = BenchmarkSerializer(required=False, allow_null=True, default=None)
 
     # The element fields whose bad elements are dropped and counted.
-    ELEMENTS = ("telemetry", "containers", "usage", "metrics", "benchmark")
+    ELEMENTS = ("telemetry", "containers", "usage", "metrics", "logs", "benchmark")
 
     def dropped(self) -> dict[str, int]:
         """After validation: how many elements of each kind were dropped."""
@@ -251,6 +259,28 @@ class RunMetricQuerySerializer(serializers.Serializer):
     after_step = serializers.IntegerField(
         required=False, min_value=-(2**31), max_value=2**31 - 1, help_text="steps after this one"
     )
+
+
+class RunLogQuerySerializer(serializers.Serializer):
+    after = serializers.IntegerField(
+        required=False,
+        min_value=0,
+        max_value=(1 << 63) - 1,
+        help_text="lines after this id (the `id` of the last line you have): for following",
+    )
+    tail = serializers.IntegerField(
+        required=False, min_value=1, max_value=10_000, help_text="only the last N lines"
+    )
+
+
+class RunLogLineSerializer(serializers.Serializer):
+    """One output line of the rental's container, in the order the agent read them."""
+
+    id = serializers.IntegerField()
+    run_id = serializers.CharField()
+    line_no = serializers.IntegerField()
+    line = serializers.CharField()
+    received_at = serializers.DateTimeField()
 
 
 class RunMetricSerializer(serializers.Serializer):

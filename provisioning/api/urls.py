@@ -9,6 +9,7 @@ agent_urlpatterns = [
 
 rental_urlpatterns = [
     path("<uuid:rental_id>/metrics/", views.RentalMetricsView.as_view(), name="rental-metrics"),
+    path("<uuid:rental_id>/logs/", views.RentalLogsView.as_view(), name="rental-logs"),
 ]
 
 provider_urlpatterns = [

@@ -29,10 +29,12 @@ from provisioning.api.serializers import (
     JoinAnswerSerializer,
     JoinSerializer,
     JoinTokenCreateSerializer,
+    RunLogLineSerializer,
+    RunLogQuerySerializer,
     RunMetricQuerySerializer,
     RunMetricSerializer,
 )
-from provisioning.models import RunMetric
+from provisioning.models import RunLogLine, RunMetric
 from provisioning.redis_clients import redis_clients
 
 M = TypeVar("M", bound=Message)
@@ -169,6 +171,7 @@ class HeartbeatView(APIView):
             usage=[_message(UsageReport, u) for u in data["usage"]],
             telemetry=data["telemetry"],
             metrics=[(str(m["rental_id"]), m["run_id"], m["line"]) for m in data["metrics"]],
+            logs=[(m["run_id"], m["line_no"], m["line"]) for m in data["logs"]],
             benchmark=data["benchmark"],
             dropped=body.dropped(),
         )
@@ -208,3 +211,24 @@ class RentalMetricsView(PaginatedListView):
         if (after := query.validated_data.get("after_step")) is not None:
             metrics = metrics.filter(step__gt=after)
         return self.paginated(metrics.values("data", "received_at"), RunMetricSerializer)
+
+
+class RentalLogsView(PaginatedListView):
+    """The output of one of your rentals' containers, oldest first: `?after=ID` gives the lines
+    after the last one you have (follow), `?tail=N` the last N."""
+
+    @extend_schema(parameters=[RunLogQuerySerializer], responses=RunLogLineSerializer(many=True))
+    def get(self, request: Request, rental_id) -> Response:
+        if not Rental.objects.filter(pk=rental_id, customer=request.user).exists():
+            raise NotFound("no such rental")
+        query = RunLogQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        lines = RunLogLine.objects.filter(rental_id=rental_id)
+        if (after := query.validated_data.get("after")) is not None:
+            lines = lines.filter(id__gt=after)
+        if tail := query.validated_data.get("tail"):
+            last = list(lines.order_by("-id").values_list("id", flat=True)[tail - 1 : tail])
+            if last:
+                lines = lines.filter(id__gte=last[0])
+        fields = ("id", "run_id", "line_no", "line", "received_at")
+        return self.paginated(lines.order_by("id").values(*fields), RunLogLineSerializer)

@@ -20,6 +20,7 @@ from provisioning.services.join import (
     node_credential_revoke,
     node_join,
 )
+from provisioning.services.logs import run_logs_expire, run_logs_store
 from provisioning.services.reliability import nodes_reliability_update
 from provisioning.services.sweeps import nodes_mark_silent, rentals_end_booked_time
 from provisioning.services.telemetry import (
@@ -46,6 +47,8 @@ __all__ = [
     "nodes_reliability_update",
     "rentals_end_booked_time",
     "run_id_for",
+    "run_logs_expire",
+    "run_logs_store",
     "telemetry_buffer",
     "telemetry_flush",
 ]

@@ -38,6 +38,7 @@ from marketplace.models import (
 )
 from marketplace.selectors import measured_tflops_plausible
 from provisioning.models import ContainerRun, NodeBenchmark, RunMetric
+from provisioning.services.logs import run_logs_store
 from provisioning.services.telemetry import telemetry_buffer
 
 log = logging.getLogger(__name__)
@@ -232,6 +233,7 @@ def node_heartbeat(
     usage: list[UsageReport],
     telemetry: list[dict],
     metrics: list[tuple[str, str, str]],
+    logs: list[tuple[str, int, str]] = (),
     benchmark: Mapping[str, Any] | None = None,
     dropped: Mapping[str, int] | None = None,
 ) -> HeartbeatAnswer:
@@ -259,6 +261,8 @@ def node_heartbeat(
             counts["usage"] += refused
         if metrics:
             counts["metrics"] += metrics_store(node=node, lines=metrics)
+        if logs:
+            counts["logs"] += run_logs_store(node=node, lines=logs)
         run_benchmark = node.benchmark_requested
         if benchmark:
             benchmark_record(node=node, result=benchmark)

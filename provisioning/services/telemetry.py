@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
+from datetime import UTC, datetime, timedelta
 
 import redis
 from django.db import IntegrityError
+from django.db.backends.postgresql.psycopg_any import DateTimeTZRange
 
 from billing.services import telemetry_ingest
 from marketplace.errors import ValidationFailed
+from marketplace.models import Allocation
 from provisioning.redis_clients import redis_clients
 
 log = logging.getLogger(__name__)
@@ -48,6 +51,7 @@ def telemetry_flush(*, batch: int = TELEMETRY_FLUSH_BATCH) -> int:
             entry = json.loads(raw)
             by_node.setdefault(entry["node"], []).extend(entry["samples"])
         for node_id, samples in sorted(by_node.items()):
+            _attribute(node_id=node_id, samples=samples)
             try:
                 stored += telemetry_ingest(node_id=node_id, samples=samples)
             except ValidationFailed as exc:
@@ -56,3 +60,40 @@ def telemetry_flush(*, batch: int = TELEMETRY_FLUSH_BATCH) -> int:
                 log.warning("telemetry of a node that no longer exists dropped node=%s", node_id)
         if len(entries) < batch:
             return stored
+
+
+def _epoch(sample: object) -> float | None:
+    ts = sample.get("ts") if isinstance(sample, dict) else None
+    if type(ts) in (int, float) and 0 <= ts < 32503680000:  # before year 3000
+        return float(ts)
+    return None  # left for the ingest's validation to refuse
+
+
+def _attribute(*, node_id: int, samples: list[dict]) -> None:
+    """Name the rental each sample's GPU was allocated to at its time (the allocation on that
+    node and GPU index whose range holds it, and not yet released then), so a rental's charts
+    and rollups show its own GPUs only. A sample of a free GPU stays unattributed."""
+    stamps = [ts for ts in map(_epoch, samples) if ts is not None]
+    if not stamps:
+        return
+    low = datetime.fromtimestamp(min(stamps), UTC)
+    high = datetime.fromtimestamp(max(stamps), UTC) + timedelta(seconds=1)
+    held: dict[int, list[tuple[float, float, str]]] = {}
+    for index, during, released_at, rental_id in Allocation.objects.filter(
+        node_id=node_id, during__overlap=DateTimeTZRange(low, high, "[)")
+    ).values_list("gpu__index", "during", "released_at", "rental_id"):
+        start = during.lower.timestamp() if during.lower else float("-inf")
+        end = during.upper.timestamp() if during.upper else float("inf")
+        if released_at is not None:
+            end = min(end, released_at.timestamp())
+        held.setdefault(index, []).append((start, end, str(rental_id)))
+    if not held:
+        return
+    for sample in samples:
+        ts = _epoch(sample)
+        if ts is None or sample.get("rental_id"):
+            continue
+        for start, end, rental_id in held.get(sample.get("gpu_index"), ()):
+            if start <= ts < end:
+                sample["rental_id"] = rental_id
+                break

@@ -17,9 +17,11 @@ from selenium.common.exceptions import (
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
+from billing.models import TelemetrySample
 from marketplace.models import ApiToken, Node, NodeStatus, Rental, RentalStatus
 from marketplace.services import token_hash
 from provisioning.models import RunMetric
+from provisioning.services import telemetry_flush
 from tests.e2e.conftest import credit_customer, managed_containers, remove_managed, wait_for
 from tests.factories import UserFactory
 
@@ -160,6 +162,36 @@ def test_a_customer_finds_a_card_books_the_advice_and_stops_it_in_the_browser(
     assert float(_text(browser, "m-loss")) > 0
     assert "tokens/s" in _text(browser, "m-speed")
     assert browser.find_element(By.CSS_SELECTOR, "#loss-chart polyline").get_attribute("points")
+
+    # Per-GPU charts from the telemetry the agent sent (stored by the periodic flush, run here)
+    # and the live log of the container's output
+    def attributed_samples() -> int:
+        telemetry_flush()
+        return TelemetrySample.objects.filter(rental_id=rental_id).count()
+
+    wait_for(lambda: attributed_samples() >= 2 * rental.gpus_per_node, 60, "GPU samples")
+
+    def chart_points(d) -> dict[str, int]:
+        lines = d.find_elements(By.CSS_SELECTOR, ".gpu-chart[data-kind=util] polyline")
+        return {line.get_attribute("data-gpu"): len(line.get_attribute("points").split())
+                for line in lines}  # fmt: skip
+
+    _wait(
+        browser,
+        lambda d: (
+            d.find_element(By.ID, "gpu-charts").is_displayed()
+            and len(chart_points(d)) == rental.gpus_per_node
+            and min(chart_points(d).values()) >= 2
+        ),
+        60,
+        "a line per GPU with data points in the charts",
+    )
+    for kind in ("mem", "power", "temp"):
+        assert (
+            len(browser.find_elements(By.CSS_SELECTOR, f".gpu-chart[data-kind={kind}] polyline"))
+            == rental.gpus_per_node
+        )
+    _wait(browser, lambda d: '"event"' in _text(d, "log-lines"), 60, "the live log")
     browser.find_element(By.ID, "stop").click()
     browser.switch_to.alert.accept()
     _wait(browser, lambda d: _status_badge(d) == "COMPLETED", 180, "COMPLETED")

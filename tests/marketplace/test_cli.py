@@ -1,10 +1,15 @@
 """The command line against the live server over real HTTP."""
 
+import json
+import time
+
 import pytest
 
 from marketplace.cli import main
 from marketplace.models import Rental
 from marketplace.services import api_token_create
+from tests.provisioning.test_agent_api import _beat, agent, join_token  # noqa: F401
+from tests.provisioning.test_run_logs import _running
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -91,3 +96,57 @@ def test_balance_shows_the_customers_money(cli, user):
     )
     code, out, _ = cli("balance")
     assert code == 0 and "balance $7.50" in out and "available $7.50" in out
+
+
+def test_logs_prints_a_rentals_output_and_follows_it_to_the_end(cli, agent, rent):  # noqa: F811
+    import threading
+
+    from marketplace.lifecycle import rental_stop
+
+    rental, run = _running(agent, rent)
+    ids = {k: run[k] for k in ("rental_id", "run_id")}
+    _beat(agent, logs=[{**ids, "line_no": n, "line": f"epoch {n}"} for n in range(3)])
+    code, out, _ = cli("logs", str(rental.pk))
+    assert code == 0 and out.splitlines() == ["epoch 0", "epoch 1", "epoch 2"]
+    code, out, _ = cli("logs", "--tail", "1", str(rental.pk))
+    assert out.splitlines() == ["epoch 2"]
+
+    # Following: lines that arrive later are printed as they come, until the rental has ended.
+    result = {}
+    follower = threading.Thread(
+        target=lambda: result.update(code=cli("logs", "-f", "--interval", "0.1", str(rental.pk)))
+    )
+    follower.start()
+    _beat(agent, logs=[{**ids, "line_no": n, "line": f"epoch {n}"} for n in range(3, 6)])
+    rental_stop(customer=rental.customer, rental_id=rental.pk)
+    exited = {**run, "status": "exited", "exit_code": 0, "finished_at": time.time()}
+    _beat(agent, containers=[exited], logs=[{**ids, "line_no": 6, "line": "saved"}])
+    follower.join(60)
+    assert not follower.is_alive()
+    code, out, _ = result["code"]
+    assert code == 0 and out.splitlines() == [*(f"epoch {n}" for n in range(6)), "saved"]
+
+
+def test_every_command_prints_the_servers_answer_as_json(cli, make_node, agent, rent):  # noqa: F811
+    make_node(card="h100-sxm5-80gb", price="2.50", hostname="fra-1")
+    code, out, _ = cli("--json", "offers", "--gpu-family", "h100")
+    offers = json.loads(out)
+    assert code == 0 and offers["results"][0]["hostname"] == "fra-1"
+    code, out, _ = cli(
+        "--json", "rent", "--gpus", "1", "--gpu-family", "h100", "--image", "img", "--", "train"
+    )
+    created = json.loads(out)
+    assert created["status"] == "pending" and created["command"] == ["train"]
+    code, out, _ = cli("--json", "rentals")
+    assert created["id"] in {r["id"] for r in json.loads(out)["results"]}
+    code, out, _ = cli("--json", "balance")
+    assert "balance_micros" in json.loads(out)
+    rental, run = _running(agent, rent)
+    ids = {k: run[k] for k in ("rental_id", "run_id")}
+    _beat(agent, logs=[{**ids, "line_no": 0, "line": "hello"}])
+    code, out, _ = cli("--json", "logs", str(rental.pk))
+    [line] = [json.loads(text) for text in out.splitlines()]
+    assert (line["line"], line["line_no"], line["run_id"]) == ("hello", 0, run["run_id"])
+    # Errors stay on stderr with a non-zero exit, --json or not.
+    code, out, err = cli("--json", "show", "00000000-0000-0000-0000-000000000000")
+    assert code == 1 and out == "" and "404" in err

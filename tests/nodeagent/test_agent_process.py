@@ -316,6 +316,41 @@ def test_metrics_beyond_one_heartbeat_are_delivered_once_in_order_across_restart
     assert [json.loads(line)["step"] for lines in sent for line in lines] == list(range(1200))
 
 
+def test_every_output_line_reaches_the_live_log_once_numbered_across_restarts(
+    server, agent, driver
+):
+    # given a run that prints 600 metrics and 600 plain lines, with a NUL among them
+    script = (
+        "import json, time\n"
+        "for i in range(600):\n"
+        "    print(json.dumps({'step': i}))\n"
+        "    print(f'plain {i}' + ('\\x00' if i == 7 else ''))\n"
+        "time.sleep(30)\n"
+    )
+    entry = desired_entry(str(uuid.uuid4()), script=script)
+    server.desired = [entry]
+    assert agent().returncode == 0
+    deadline = time.monotonic() + 15
+    while len(driver.output_since(entry.run_id, None)[0]) < 1200:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    # when the agent restarts for every heartbeat
+    for _ in range(4):
+        assert agent().returncode == 0
+    # then each heartbeat carries at most 400 lines, and every line arrives once, in order,
+    # numbered by its place in the output, cleaned of control characters
+    sent = [hb.get("logs", []) for hb in server.heartbeats()]
+    assert [len(lines) for lines in sent] == [0, 400, 400, 400, 0]
+    lines = [line for batch in sent for line in batch]
+    assert [line["line_no"] for line in lines] == list(range(1200))
+    assert {line["run_id"] for line in lines} == {entry.run_id}
+    assert lines[1]["line"] == "plain 0" and json.loads(lines[2]["line"]) == {"step": 1}
+    assert "\x00" not in lines[15]["line"] and lines[15]["line"].startswith("plain 7")
+    # and the metrics went as before, all once
+    steps = [json.loads(m["line"])["step"] for hb in server.heartbeats() for m in hb["metrics"]]
+    assert steps == list(range(600))
+
+
 def test_usage_waits_in_the_spool_while_the_server_is_down(server, agent, driver):
     server.desired = [desired_entry(str(uuid.uuid4()))]
     assert agent().returncode == 0
