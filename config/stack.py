@@ -1,4 +1,5 @@
-"""Run the stack or the checks on embedded services (or on DATABASE_URL / REDIS_URL when set).
+"""Run the stack or the checks on embedded services (or on DATABASE_URL / REDIS_URL /
+S3_ENDPOINT_URL when set).
 
     python -m config.stack up [--port 8000]   # web + worker + beat + a local agent, demo inventory
     python -m config.stack test [pytest args] # ruff, Django checks, migrations check, pytest
@@ -130,13 +131,15 @@ def deploy_checks() -> list[tuple[str, list[str]]]:
 
 
 def cmd_test(pytest_args: list[str]) -> int:
-    services = ensure_services(VAR / "test", durable=False)
+    # A fresh bucket per run: nothing a previous run stored is seen by this one.
+    services = ensure_services(VAR / "test", durable=False, bucket=f"test-{secrets.token_hex(6)}")
     env = dict(os.environ)
     env.update(
         DATABASE_URL=services.database_url,
         REDIS_URL=services.redis_url,
         DJANGO_SETTINGS_MODULE="config.settings.test",
         GPUMARKET_EPHEMERAL_SECRET="1",
+        **(services.s3_env or {}),
     )
     try:
         steps: list[tuple[str, list[str]]] = [
@@ -202,6 +205,7 @@ def cmd_up(port: int) -> int:
         SECURE_COOKIES="0",
         ALLOWED_HOSTS=env.get("ALLOWED_HOSTS", "localhost,127.0.0.1"),
         GPUMARKET_SERVER_URL=f"http://127.0.0.1:{port}",
+        **(services.s3_env or {}),
     )
     supervisor = Supervisor(env=env, cwd=ROOT)
     try:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from decimal import Decimal
 
 from django.db import connection
-from django.db.models import Count, OuterRef, Prefetch, QuerySet, Subquery
+from django.db.models import Count, OuterRef, Prefetch, QuerySet, Subquery, Sum
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -15,15 +16,20 @@ from marketplace.advisor.compute import Card as AdvisorCard
 from marketplace.advisor.compute import Topology
 from marketplace.advisor.layouts import Run, fewest_fitting
 from marketplace.advisor.presets import ModelShape, with_run
+from marketplace.errors import NotFound
 from marketplace.models import (
     AdvisorPrior,
     Allocation,
     ApiToken,
+    Artifact,
+    Dataset,
+    DatasetFile,
     Gpu,
     GpuModel,
     Node,
     Provider,
     Rental,
+    RentalDataset,
     RentalEvent,
     User,
 )
@@ -270,6 +276,7 @@ def rental_get(*, customer: User, rental_id) -> Rental | None:
                     "node_id", "gpu__index"
                 ),
             ),
+            Prefetch("dataset_links", queryset=RentalDataset.objects.select_related("dataset")),
         )
         .first()
     )
@@ -355,3 +362,96 @@ def engine_nodes(nodes: QuerySet[Node] | Iterable[Node]) -> list[engine.Node]:
         )
         for r in rows
     ]
+
+
+# -- object storage: datasets and artifacts ------------------------------------------------------
+# Who owns a dataset is decided here and nowhere else (the owner is the customer today; moving
+# ownership to a team changes these functions only).
+
+# The harness names each checkpoint `step_<step>.pt` (harness/checkpoint.py) in its checkpoint
+# directory inside the output directory (/workspace/checkpoints in its image).
+CHECKPOINT_NAME = re.compile(r"(?:^|/)step_(\d+)\.pt$")
+
+
+def datasets_owned(owner: User) -> QuerySet[Dataset]:
+    return Dataset.objects.filter(owner=owner)
+
+
+def dataset_owned(*, owner: User, dataset_id) -> Dataset:
+    """One of the owner's datasets; anyone else's (or none) is NotFound."""
+    dataset = datasets_owned(owner).filter(pk=dataset_id).first()
+    if dataset is None:
+        raise NotFound("no such dataset")
+    return dataset
+
+
+def datasets_owned_by_name(*, owner: User, names: Iterable[str]) -> dict[str, Dataset]:
+    return {d.name: d for d in datasets_owned(owner).filter(name__in=list(names))}
+
+
+def dataset_bytes_used(owner: User) -> int:
+    """The bytes counted against the owner's dataset quota (declared sizes, uploads included)."""
+    return datasets_owned(owner).aggregate(total=Coalesce(Sum("total_bytes"), 0))["total"]
+
+
+def rental_owned(*, customer: User, rental_id) -> Rental:
+    rental = Rental.objects.filter(pk=rental_id, customer=customer).first()
+    if rental is None:
+        raise NotFound("no such rental")
+    return rental
+
+
+def rental_artifacts(*, customer: User, rental_id) -> QuerySet[Artifact]:
+    """The synced output files of one of the customer's rentals (NotFound for another's)."""
+    rental = rental_owned(customer=customer, rental_id=rental_id)
+    return Artifact.objects.filter(rental=rental).order_by("path")
+
+
+def latest_checkpoint(artifacts: Iterable[Artifact]) -> Artifact | None:
+    """The checkpoint with the highest step among these artifacts, the last synced on a tie."""
+    best: tuple[int, float, Artifact] | None = None
+    for artifact in artifacts:
+        match = CHECKPOINT_NAME.search(artifact.path)
+        if match is None:
+            continue
+        rank = (int(match.group(1)), artifact.synced_at.timestamp(), artifact)
+        if best is None or rank[:2] > best[:2]:
+            best = rank
+    return best[2] if best else None
+
+
+def rentals_resume_checkpoints(rentals: Iterable[Rental]) -> dict:
+    """rental id -> the checkpoint artifact it starts from: its own latest synced checkpoint
+    (a requeued rental), else the latest one of the rental it was created to resume from."""
+    rentals = list(rentals)
+    sources = {r.pk for r in rentals} | {r.resume_from_id for r in rentals if r.resume_from_id}
+    by_rental: dict = {}
+    for artifact in Artifact.objects.filter(rental_id__in=sources):
+        by_rental.setdefault(artifact.rental_id, []).append(artifact)
+    found = {}
+    for rental in rentals:
+        checkpoint = latest_checkpoint(by_rental.get(rental.pk, ()))
+        if checkpoint is None and rental.resume_from_id:
+            checkpoint = latest_checkpoint(by_rental.get(rental.resume_from_id, ()))
+        if checkpoint is not None:
+            found[rental.pk] = checkpoint
+    return found
+
+
+def rentals_dataset_files(rental_ids: Iterable) -> dict:
+    """rental id -> [(dataset, [its stored files])] of the datasets each rental reads."""
+    links = (
+        RentalDataset.objects.filter(rental_id__in=list(rental_ids))
+        .select_related("dataset")
+        .prefetch_related(
+            Prefetch(
+                "dataset__files",
+                queryset=DatasetFile.objects.filter(stored_at__isnull=False).order_by("path"),
+            )
+        )
+        .order_by("dataset__name")
+    )
+    found: dict = {}
+    for link in links:
+        found.setdefault(link.rental_id, []).append((link.dataset, list(link.dataset.files.all())))
+    return found

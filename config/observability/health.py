@@ -2,7 +2,8 @@
 
 `/healthz` says the process answers and touches nothing. `/readyz` checks each dependency this
 process was configured with, each under a short timeout, and answers 503 naming the failed ones;
-object storage is checked only when OBJECT_STORAGE_URL is set ("skipped" otherwise).
+object storage (a signed HEAD of the bucket) is checked only when S3_BUCKET is set ("skipped"
+otherwise).
 """
 
 from __future__ import annotations
@@ -11,13 +12,12 @@ import time
 from collections.abc import Callable
 
 import redis
-import requests
 from django.conf import settings
 from django.db import connection
 from django.http import HttpRequest, JsonResponse
 from kombu import Connection
 
-from marketplace.metrics import STORAGE_ERRORS
+from marketplace import objectstore
 
 CHECK_TIMEOUT_S = 2.0
 
@@ -52,15 +52,9 @@ def _broker() -> None:
 
 
 def _object_storage() -> None:
-    try:
-        answer = requests.head(settings.OBJECT_STORAGE_URL, timeout=CHECK_TIMEOUT_S)
-    except requests.RequestException:
-        STORAGE_ERRORS.labels(operation="readiness").inc()
-        raise
-    # Any answer but a server error means the service is up (S3 answers 403 to an anonymous HEAD).
-    if answer.status_code >= 500:
-        STORAGE_ERRORS.labels(operation="readiness").inc()
-        raise RuntimeError(f"HTTP {answer.status_code}")
+    # The real bucket with the server's credentials: a reachable store with a missing bucket or
+    # wrong keys is not ready either.
+    objectstore.bucket_check(timeout_s=CHECK_TIMEOUT_S)
 
 
 def _checks() -> dict[str, Callable[[], None] | None]:
@@ -71,7 +65,7 @@ def _checks() -> dict[str, Callable[[], None] | None]:
         "redis": _redis,
         # The broker is usually that same Redis; checked again only when it is another service.
         "broker": _broker if broker and broker != settings.REDIS_URL else None,
-        "object_storage": _object_storage if settings.OBJECT_STORAGE_URL else None,
+        "object_storage": _object_storage if objectstore.configured() else None,
     }
 
 

@@ -1,9 +1,9 @@
 """Settings read from the environment (12-factor). No secret lives here.
 
 Required: DATABASE_URL (PostgreSQL only: the invariants use exclusion constraints and range types).
-Optional: REDIS_URL or CELERY_BROKER_URL, SECRET_KEY, DEBUG, ALLOWED_HOSTS, STRIPE_* keys.
-`python3 dev.py up` and `python3 dev.py test` set DATABASE_URL and REDIS_URL to embedded services
-when they are not set.
+Optional: REDIS_URL or CELERY_BROKER_URL, SECRET_KEY, DEBUG, ALLOWED_HOSTS, STRIPE_* keys, S3_*.
+`python3 dev.py up` and `python3 dev.py test` set DATABASE_URL, REDIS_URL and S3_* to embedded
+services when they are not set.
 """
 
 from datetime import timedelta
@@ -236,6 +236,8 @@ PERIODIC_TASKS: dict[str, tuple[str, timedelta]] = {
     "billing-telemetry-prune": ("billing.telemetry_prune", timedelta(hours=1)),
     "billing-invoices-issue": ("billing.invoices_issue", timedelta(hours=1)),
     "billing-payments-retry": ("billing.payments_retry", timedelta(minutes=5)),
+    "storage-artifacts-expire": ("marketplace.artifacts_expire", timedelta(hours=1)),
+    "storage-uploads-abandon": ("marketplace.dataset_uploads_abandon", timedelta(hours=1)),
 }
 _beat_cap = env.float("BEAT_MAX_INTERVAL_S", default=0.0)
 CELERY_BEAT_SCHEDULE: dict[str, dict] = {
@@ -280,12 +282,46 @@ GPUMARKET = {
     "LOG_RETENTION_DAYS": env.int("LOG_RETENTION_DAYS", default=7),
 }
 
-# Observability: structured logs (LOG_FORMAT=json in production, console locally), the bearer
-# token `/metrics` asks for (no token: no endpoint), and the object storage `/readyz` checks.
+# Object storage (S3 API: SeaweedFS embedded, or AWS, MinIO, R2...). Without S3_BUCKET, datasets
+# and artifacts answer 503 and /readyz skips the check. Presigned URLs are signed for
+# S3_PUBLIC_ENDPOINT_URL (what agents and browsers reach), S3_ENDPOINT_URL by default.
+S3_ENDPOINT_URL = env.str("S3_ENDPOINT_URL", default="")
+S3_PUBLIC_ENDPOINT_URL = env.str("S3_PUBLIC_ENDPOINT_URL", default="")
+S3_ACCESS_KEY_ID = env.str("S3_ACCESS_KEY_ID", default="")
+S3_SECRET_ACCESS_KEY = env.str("S3_SECRET_ACCESS_KEY", default="")
+S3_BUCKET = env.str("S3_BUCKET", default="")
+S3_REGION = env.str("S3_REGION", default="us-east-1")
+S3_ADDRESSING_STYLE = env.str("S3_ADDRESSING_STYLE", default="path")
+S3_CONNECT_TIMEOUT_S = env.float("S3_CONNECT_TIMEOUT_S", default=3.0)
+S3_READ_TIMEOUT_S = env.float("S3_READ_TIMEOUT_S", default=30.0)
+S3_MAX_ATTEMPTS = env.int("S3_MAX_ATTEMPTS", default=3)
+STORAGE = {
+    # How long a presigned URL works (agents re-ask every heartbeat; uploads ask per sync).
+    "PRESIGN_EXPIRY_S": env.int("STORAGE_PRESIGN_EXPIRY_S", default=900),
+    # Datasets are free up to this many bytes per account; an upload beyond it is refused.
+    "DATASET_QUOTA_BYTES": env.int("STORAGE_DATASET_QUOTA_BYTES", default=100 * 1024**3),
+    # One file above this goes up in parts of MULTIPART_PART_BYTES (S3's minimum part is 5 MiB).
+    "MULTIPART_THRESHOLD_BYTES": env.int("STORAGE_MULTIPART_THRESHOLD_BYTES", default=64 << 20),
+    "MULTIPART_PART_BYTES": env.int("STORAGE_MULTIPART_PART_BYTES", default=64 << 20),
+    "MAX_FILE_BYTES": env.int("STORAGE_MAX_FILE_BYTES", default=1024**4),
+    "MAX_FILES_PER_REQUEST": env.int("STORAGE_MAX_FILES_PER_REQUEST", default=1000),
+    # Artifacts (a rental's synced output) are kept this many days after the rental ends, free.
+    "ARTIFACT_RETENTION_DAYS": env.int("STORAGE_ARTIFACT_RETENTION_DAYS", default=7),
+    "ARTIFACT_MAX_BYTES_PER_RENTAL": env.int(
+        "STORAGE_ARTIFACT_MAX_BYTES_PER_RENTAL", default=500 * 1024**3
+    ),
+    # An agent may still sync a run's output this long after its GPUs were freed (the last
+    # checkpoint of a stopped or preempted run is written after the stop).
+    "ARTIFACT_SYNC_GRACE_S": env.int("STORAGE_ARTIFACT_SYNC_GRACE_S", default=600),
+    # A dataset registered from a URL is copied into the bucket by a worker within this time.
+    "FETCH_TIMEOUT_S": env.int("STORAGE_FETCH_TIMEOUT_S", default=3600),
+}
+
+# Observability: structured logs (LOG_FORMAT=json in production, console locally) and the bearer
+# token `/metrics` asks for (no token: no endpoint). `/readyz` checks the bucket above.
 LOGGING = logging_config(
     log_format=env.str("LOG_FORMAT", default="console"), level=env.str("LOG_LEVEL", default="INFO")
 )
 # Celery logs through the LOGGING above instead of replacing the root logger's handlers.
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 METRICS_TOKEN = env.str("METRICS_TOKEN", default="")
-OBJECT_STORAGE_URL = env.str("OBJECT_STORAGE_URL", default="")

@@ -262,6 +262,19 @@ class RentalCreateSerializer(serializers.Serializer):
     duration_s = serializers.IntegerField(required=False, min_value=60, max_value=30 * 86400)
     end_at = BoundedDateTimeField(required=False)
     runtime = RuntimeSerializer()
+    datasets = serializers.ListField(
+        child=serializers.CharField(max_length=80),
+        required=False,
+        default=list,
+        max_length=16,
+        help_text="names of your ready datasets, staged read-only at /data/<name>",
+    )
+    resume_from = serializers.UUIDField(
+        required=False,
+        allow_null=True,
+        default=None,
+        help_text="one of your earlier rentals: start from its last synced checkpoint",
+    )
 
     def validate(self, attrs):
         refuse_unknown(self)
@@ -328,6 +341,7 @@ class RentalSerializer(serializers.Serializer):
     command = serializers.JSONField()
     harness_config = serializers.JSONField()
     ports = serializers.ListField(child=serializers.IntegerField())
+    resume_from = serializers.UUIDField(source="resume_from_id", allow_null=True)
     created_at = serializers.DateTimeField()
 
 
@@ -335,6 +349,10 @@ class RentalDetailSerializer(RentalSerializer):
     events = RentalEventSerializer(many=True)
     allocations = AllocationSerializer(many=True)
     log_tail = serializers.CharField()
+    datasets = serializers.SerializerMethodField(help_text="the datasets the rental reads")
+
+    def get_datasets(self, rental) -> list[str]:
+        return [link.dataset.name for link in rental.dataset_links.all()]
 
 
 class MeSerializer(serializers.Serializer):

@@ -142,6 +142,7 @@ class RentalListCreateView(PaginatedListView):
                 runtime=runtime,
                 gpu_models=tuple(data.pop("gpu_models")),
                 gpu_families=tuple(data.pop("gpu_families")),
+                datasets=tuple(data.pop("datasets")),
                 **data,
             ),
         )

@@ -11,12 +11,24 @@ from marketplace.models.rentals import (
     RentalKind,
     RentalStatus,
 )
+from marketplace.models.storage import (
+    Artifact,
+    Dataset,
+    DatasetFile,
+    DatasetStatus,
+    RentalDataset,
+    artifact_key,
+)
 
 __all__ = [
     "AdvisorCheck",
     "AdvisorPrior",
     "Allocation",
     "ApiToken",
+    "Artifact",
+    "Dataset",
+    "DatasetFile",
+    "DatasetStatus",
     "Gpu",
     "GpuModel",
     "GpuTier",
@@ -25,8 +37,10 @@ __all__ = [
     "NodeStatus",
     "Provider",
     "Rental",
+    "RentalDataset",
     "RentalEvent",
     "RentalKind",
     "RentalStatus",
     "User",
+    "artifact_key",
 ]

@@ -68,6 +68,10 @@ class Rental(models.Model):
     harness_config = models.JSONField(null=True, blank=True)
     env = models.JSONField(default=dict, blank=True)
     ports = ArrayField(models.PositiveIntegerField(), default=list, blank=True)
+    # Start from this earlier rental's last synced checkpoint (one of the same customer's).
+    resume_from = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
 
     # What happened.
     price_per_gpu_hour = models.DecimalField(

@@ -6,6 +6,7 @@ the lifecycle's (marketplace.lifecycle).
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -18,8 +19,17 @@ from django.utils import timezone
 
 from marketplace.errors import ValidationFailed
 from marketplace.lifecycle import rental_submit
-from marketplace.models import GpuModel, Node, Rental, RentalKind, User
-from marketplace.selectors import engine_nodes
+from marketplace.models import (
+    Dataset,
+    DatasetStatus,
+    GpuModel,
+    Node,
+    Rental,
+    RentalDataset,
+    RentalKind,
+    User,
+)
+from marketplace.selectors import datasets_owned, engine_nodes, rental_owned
 from scheduler.engine import feasibility
 from scheduler.engine import types as engine
 
@@ -62,6 +72,10 @@ class RentalRequest:
     start_at: datetime | None = None
     start_deadline: datetime | None = None
     priority: int = 0
+    # Names of the customer's ready datasets the run reads (at /data/<name>).
+    datasets: tuple[str, ...] = ()
+    # An earlier rental of the customer's whose last synced checkpoint the run starts from.
+    resume_from: uuid.UUID | None = None
 
 
 def _harness_config(runtime: RuntimeSpec) -> dict | None:
@@ -162,6 +176,29 @@ def funds_hold_register(hold: FundsHolder) -> None:
     _funds_hold = hold
 
 
+MAX_DATASETS = 16
+
+
+def _datasets_ready(*, customer: User, names: tuple[str, ...]) -> list[Dataset]:
+    """The named datasets, each the customer's and READY, locked until the rental is stored (a
+    delete waits, then sees the rental that reads them)."""
+    if len(names) > MAX_DATASETS:
+        raise ValidationFailed(f"at most {MAX_DATASETS} datasets", field="datasets")
+    if len(set(names)) != len(names):
+        raise ValidationFailed("a dataset is named twice", field="datasets")
+    found = {
+        d.name: d
+        for d in datasets_owned(customer).filter(name__in=names).select_for_update().order_by("pk")
+    }
+    for name in names:
+        dataset = found.get(name)
+        if dataset is None:
+            raise ValidationFailed(f"you have no dataset named {name!r}", field="datasets")
+        if dataset.status != DatasetStatus.READY:
+            raise ValidationFailed(f"dataset {name!r} is {dataset.status}", field="datasets")
+    return [found[name] for name in names]
+
+
 def rental_create(*, customer: User, request: RentalRequest) -> Rental:
     """Validate and store a PENDING rental, then queue a scheduler cycle after commit.
 
@@ -191,10 +228,16 @@ def rental_create(*, customer: User, request: RentalRequest) -> Rental:
         unknown = sorted(set(request.gpu_models) - known)
         if unknown:
             raise ValidationFailed(f"unknown GPU model: {', '.join(unknown)}", field="gpu_models")
+    resume_from = (
+        rental_owned(customer=customer, rental_id=request.resume_from)
+        if request.resume_from is not None
+        else None
+    )
     reason, cheapest = _never_fits(request, start, deadline)
     if reason is not None:
         raise ValidationFailed(f"this request can never be placed: {reason}", field="non_field")
     with transaction.atomic():
+        datasets = _datasets_ready(customer=customer, names=request.datasets)
         rental = rental_submit(
             customer=customer,
             name=request.name,
@@ -219,6 +262,10 @@ def rental_create(*, customer: User, request: RentalRequest) -> Rental:
             harness_config=_harness_config(request.runtime),
             env=request.runtime.env,
             ports=request.runtime.ports,
+            resume_from=resume_from,
+        )
+        RentalDataset.objects.bulk_create(
+            [RentalDataset(rental=rental, dataset=dataset) for dataset in datasets]
         )
         if _funds_hold is not None:
             # The whole booked time is held, at the most the rental can be charged per

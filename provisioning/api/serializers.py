@@ -100,6 +100,12 @@ class JoinSerializer(serializers.Serializer):
     simulated = serializers.BooleanField(default=False)
 
 
+class PublishedPortSerializer(serializers.Serializer):
+    container_port = serializers.IntegerField(min_value=1, max_value=65535)
+    host = serializers.CharField(max_length=253)
+    host_port = serializers.IntegerField(min_value=1, max_value=65535)
+
+
 class ContainerReportSerializer(ElementSerializer):
     rental_id = serializers.UUIDField()
     run_id = serializers.CharField(max_length=128)
@@ -112,6 +118,7 @@ class ContainerReportSerializer(ElementSerializer):
     log_tail = ContainerTextField(
         max_length=8192, allow_blank=True, required=False, default="", trim_whitespace=False
     )
+    published = PublishedPortSerializer(many=True, max_length=64, required=False, default=list)
     # Why the agent could not start the run at all (bad image, a runtime that cannot run it).
     error = ContainerTextField(max_length=500, allow_blank=True, required=False, default="")
 
@@ -220,6 +227,19 @@ class JoinAnswerSerializer(serializers.Serializer):
     heartbeat_interval_s = serializers.FloatField()
 
 
+class StagedFileSerializer(serializers.Serializer):
+    path = serializers.CharField()
+    url = serializers.CharField(help_text="a presigned GET with a short expiry")
+    sha256 = serializers.CharField()
+    size_bytes = serializers.IntegerField()
+
+
+class DatasetMountSerializer(serializers.Serializer):
+    dataset_id = serializers.UUIDField()
+    name = serializers.CharField(help_text="mounted read-only at /data/<name>")
+    files = StagedFileSerializer(many=True)
+
+
 class DesiredRunSerializer(serializers.Serializer):
     rental_id = serializers.UUIDField()
     run_id = serializers.CharField()
@@ -232,6 +252,10 @@ class DesiredRunSerializer(serializers.Serializer):
     memory_limit_mb = serializers.IntegerField()
     ports = serializers.ListField(child=serializers.IntegerField())
     stop_grace_s = serializers.FloatField()
+    datasets = DatasetMountSerializer(many=True)
+    resume_files = StagedFileSerializer(many=True)
+    sync_artifacts = serializers.BooleanField()
+    ssh_authorized_keys = serializers.ListField(child=serializers.CharField())
 
 
 class HeartbeatAnswerSerializer(serializers.Serializer):
@@ -290,3 +314,60 @@ class RunMetricSerializer(serializers.Serializer):
 
     def to_representation(self, row: dict) -> dict:
         return {**row["data"], "received_at": super().to_representation(row)["received_at"]}
+
+
+# -- artifact sync ---------------------------------------------------------------------------------
+# Paths are checked by the service (relative, no `..`, no NUL): a bad one refuses the request.
+
+MAX_ARTIFACT_FILES = 1000
+MAX_ARTIFACT_BYTES = 1 << 40
+
+
+class ArtifactFileSerializer(serializers.Serializer):
+    path = serializers.CharField(max_length=1024, trim_whitespace=False)
+    size_bytes = serializers.IntegerField(min_value=0, max_value=MAX_ARTIFACT_BYTES)
+    sha256 = serializers.RegexField(r"^[0-9a-f]{64}$")
+
+
+class ArtifactUploadRequestSerializer(serializers.Serializer):
+    run_id = serializers.CharField(max_length=128)
+    files = ArtifactFileSerializer(many=True, max_length=MAX_ARTIFACT_FILES, allow_empty=False)
+
+
+class ArtifactUploadSerializer(serializers.Serializer):
+    path = serializers.CharField()
+    url = serializers.CharField(required=False, help_text="a presigned PUT (single upload)")
+    upload_id = serializers.CharField(required=False, help_text="a multipart upload")
+    part_urls = serializers.ListField(child=serializers.CharField())
+    part_size_bytes = serializers.IntegerField()
+    skip = serializers.BooleanField(help_text="already stored with this sha256")
+    expires_at = serializers.FloatField()
+
+
+class ArtifactUploadAnswerSerializer(serializers.Serializer):
+    uploads = ArtifactUploadSerializer(many=True)
+
+
+class CommittedFileSerializer(serializers.Serializer):
+    path = serializers.CharField(max_length=1024, trim_whitespace=False)
+    size_bytes = serializers.IntegerField(min_value=0, max_value=MAX_ARTIFACT_BYTES)
+    sha256 = serializers.RegexField(r"^[0-9a-f]{64}$")
+    upload_id = serializers.CharField(max_length=1024, required=False, default="")
+    etags = serializers.ListField(
+        child=serializers.CharField(max_length=200), max_length=10_000, required=False, default=list
+    )
+
+
+class ArtifactCommitSerializer(serializers.Serializer):
+    run_id = serializers.CharField(max_length=128)
+    files = CommittedFileSerializer(many=True, max_length=MAX_ARTIFACT_FILES, allow_empty=False)
+    reason = serializers.ChoiceField(
+        choices=["", "checkpoint", "stop", "complete", "preempt", "fail"],
+        required=False,
+        default="",
+    )
+
+
+class ArtifactCommitAnswerSerializer(serializers.Serializer):
+    stored = serializers.IntegerField()
+    refused = serializers.DictField(child=serializers.CharField(), help_text="path -> why")

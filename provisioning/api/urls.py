@@ -5,6 +5,17 @@ from provisioning.api import views
 agent_urlpatterns = [
     path("join/", views.JoinView.as_view(), name="agent-join"),
     path("heartbeat/", views.HeartbeatView.as_view(), name="agent-heartbeat"),
+    # agentprotocol.ARTIFACT_UPLOADS_PATH and ARTIFACT_COMMIT_PATH
+    path(
+        "rentals/<uuid:rental_id>/artifacts/uploads/",
+        views.ArtifactUploadsView.as_view(),
+        name="agent-artifact-uploads",
+    ),
+    path(
+        "rentals/<uuid:rental_id>/artifacts/commit/",
+        views.ArtifactCommitView.as_view(),
+        name="agent-artifact-commit",
+    ),
 ]
 
 rental_urlpatterns = [

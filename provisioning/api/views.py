@@ -17,13 +17,27 @@ from rest_framework.response import Response
 from rest_framework.throttling import BaseThrottle, SimpleRateThrottle
 from rest_framework.views import APIView
 
-from agentprotocol import ContainerReport, GpuInfo, JoinAnswer, Message, UsageReport
+from agentprotocol import (
+    ArtifactCommitAnswer,
+    ArtifactUpload,
+    ArtifactUploadAnswer,
+    ContainerReport,
+    GpuInfo,
+    JoinAnswer,
+    Message,
+    UsageReport,
+)
 from agentprotocol.untrusted import json_loads_bounded
 from marketplace.api.pagination import PaginatedListView
 from marketplace.errors import NotFound
 from marketplace.models import Node, Provider, Rental
+from marketplace.services.storage import FileSpec, UploadedFile
 from provisioning import ratelimit, services
 from provisioning.api.serializers import (
+    ArtifactCommitAnswerSerializer,
+    ArtifactCommitSerializer,
+    ArtifactUploadAnswerSerializer,
+    ArtifactUploadRequestSerializer,
     HeartbeatAnswerSerializer,
     HeartbeatSerializer,
     JoinAnswerSerializer,
@@ -175,6 +189,74 @@ class HeartbeatView(APIView):
             benchmark=data["benchmark"],
             dropped=body.dropped(),
         )
+        return Response(answer.to_payload())
+
+
+class ArtifactUploadsView(APIView):
+    """Presigned URLs for files of a rental's output directory (node token; 404 unless the
+    run is this rental's on the calling node and the node holds its GPUs)."""
+
+    authentication_classes = [NodeAuthentication]
+    permission_classes = [IsNode]
+    throttle_classes = [NodeThrottle]
+    parser_classes = [AgentJSONParser]
+
+    @extend_schema(
+        request=ArtifactUploadRequestSerializer, responses={200: ArtifactUploadAnswerSerializer}
+    )
+    def post(self, request: Request, rental_id) -> Response:
+        _check_size(request)
+        body = ArtifactUploadRequestSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = body.validated_data
+        uploads = services.artifact_uploads_for_node(
+            node=request.user,
+            rental_id=rental_id,
+            run_id=data["run_id"],
+            files=[FileSpec(**f) for f in data["files"]],
+        )
+        answer = ArtifactUploadAnswer(
+            uploads=tuple(
+                ArtifactUpload(
+                    path=u.path,
+                    url=u.url,
+                    upload_id=u.upload_id,
+                    part_urls=u.part_urls,
+                    part_size_bytes=u.part_size_bytes,
+                    skip=u.skip,
+                    expires_at=u.expires_at,
+                )
+                for u in uploads
+            )
+        )
+        return Response(answer.to_payload())
+
+
+class ArtifactCommitView(APIView):
+    """Record uploaded output files that check out (multipart joined, object there with the
+    declared size); the others are answered in `refused` and nothing is recorded for them."""
+
+    authentication_classes = [NodeAuthentication]
+    permission_classes = [IsNode]
+    throttle_classes = [NodeThrottle]
+    parser_classes = [AgentJSONParser]
+
+    @extend_schema(
+        request=ArtifactCommitSerializer, responses={200: ArtifactCommitAnswerSerializer}
+    )
+    def post(self, request: Request, rental_id) -> Response:
+        _check_size(request)
+        body = ArtifactCommitSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = body.validated_data
+        result = services.artifacts_commit_for_node(
+            node=request.user,
+            rental_id=rental_id,
+            run_id=data["run_id"],
+            files=[UploadedFile(**{**f, "etags": tuple(f["etags"])}) for f in data["files"]],
+            reason=data["reason"],
+        )
+        answer = ArtifactCommitAnswer(stored=result.stored, refused=result.refused)
         return Response(answer.to_payload())
 
 

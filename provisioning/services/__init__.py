@@ -1,8 +1,9 @@
 """Provisioning writes, one module per concern: joining nodes (`join`), agent heartbeats
 (`heartbeat`), the telemetry buffer (`telemetry`) and the periodic node and rental sweeps
-(`sweeps`), measured runs handed to the advisor's calibration (`calibration`). Rental state
-changes go through marketplace.lifecycle."""
+(`sweeps`), artifact sync (`artifacts`), measured runs handed to the advisor's calibration
+(`calibration`). Rental state changes go through marketplace.lifecycle."""
 
+from provisioning.services.artifacts import artifact_uploads_for_node, artifacts_commit_for_node
 from provisioning.services.calibration import advisor_runs_calibrate
 from provisioning.services.heartbeat import (
     benchmark_record,
@@ -33,6 +34,8 @@ __all__ = [
     "TELEMETRY_BUFFER_KEY",
     "HostFacts",
     "advisor_runs_calibrate",
+    "artifact_uploads_for_node",
+    "artifacts_commit_for_node",
     "benchmark_record",
     "catalog_match",
     "desired_state",

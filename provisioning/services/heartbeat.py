@@ -20,15 +20,17 @@ from django.utils import timezone
 from agentprotocol import (
     ContainerReport,
     ContainerStatus,
+    DatasetMount,
     DesiredRun,
     HeartbeatAnswer,
     ProtocolError,
+    StagedFile,
     UsageReport,
 )
 from agentprotocol.untrusted import metric_line_parse
 from billing.services.metering import UsageReport as MeteredUsage
 from billing.services.metering import usage_reports_apply
-from marketplace import lifecycle
+from marketplace import lifecycle, objectstore
 from marketplace.models import (
     GpuModel,
     Node,
@@ -36,7 +38,11 @@ from marketplace.models import (
     NodeStatus,
     Rental,
 )
-from marketplace.selectors import measured_tflops_plausible
+from marketplace.selectors import (
+    measured_tflops_plausible,
+    rentals_dataset_files,
+    rentals_resume_checkpoints,
+)
 from provisioning.models import ContainerRun, NodeBenchmark, RunMetric
 from provisioning.services.logs import run_logs_store
 from provisioning.services.telemetry import telemetry_buffer
@@ -95,6 +101,7 @@ def desired_state(*, node: Node, now: datetime) -> list[DesiredRun]:
     tensor_tflops = GpuModel.objects.values_list("tensor_tflops", flat=True).get(
         pk=node.gpu_model_id
     )
+    staging = _staging(rentals.values())
     desired = []
     for rental, gpus in by_rental.values():
         cpu, memory_mb = _cpu_and_memory(node, len(gpus))
@@ -121,9 +128,56 @@ def desired_state(*, node: Node, now: datetime) -> list[DesiredRun]:
                 cpu_limit=cpu,
                 memory_limit_mb=memory_mb,
                 ports=tuple(rental.ports),
+                # Every container has an output directory (/workspace); it is synced out.
+                sync_artifacts=True,
+                **staging.get(rental.pk, {}),
             )
         )
     return desired
+
+
+def _staging(rentals) -> dict:
+    """rental id -> the DesiredRun fields of what its agent stages before the start: its
+    datasets, and the checkpoint it resumes from, as presigned GETs. Presigning is local (no
+    request to the store); without object storage a run gets neither, and the rest of the
+    desired state still goes out."""
+    rentals = list(rentals)
+    if not objectstore.configured():
+        return {}
+    datasets = rentals_dataset_files(r.pk for r in rentals)
+    checkpoints = rentals_resume_checkpoints(rentals)
+    staging: dict = {}
+    for rental in rentals:
+        fields: dict = {}
+        if mounts := datasets.get(rental.pk):
+            fields["datasets"] = tuple(
+                DatasetMount(
+                    dataset_id=str(dataset.pk),
+                    name=dataset.name,
+                    files=tuple(
+                        StagedFile(
+                            path=f.path,
+                            url=objectstore.presign_get(f.key),
+                            sha256=f.sha256,
+                            size_bytes=f.size_bytes,
+                        )
+                        for f in files
+                    ),
+                )
+                for dataset, files in mounts
+            )
+        if checkpoint := checkpoints.get(rental.pk):
+            fields["resume_files"] = (
+                StagedFile(
+                    path=checkpoint.path,
+                    url=objectstore.presign_get(checkpoint.key),
+                    sha256=checkpoint.sha256,
+                    size_bytes=checkpoint.size_bytes,
+                ),
+            )
+        if fields:
+            staging[rental.pk] = fields
+    return staging
 
 
 def _apply_container(node: Node, report: ContainerReport, now: datetime) -> None:

@@ -23,7 +23,7 @@ def test_healthz_touches_nothing(client, settings):
 
 
 def test_readyz_checks_what_is_configured_and_names_each_check(client, settings):
-    settings.OBJECT_STORAGE_URL = ""
+    settings.S3_BUCKET = ""
     settings.CELERY_BROKER_URL = settings.REDIS_URL
     response = client.get("/readyz")
     assert response.status_code == 200, response.json()
@@ -37,7 +37,8 @@ def test_readyz_checks_what_is_configured_and_names_each_check(client, settings)
 def test_readyz_is_503_naming_the_dependency_that_is_down(client, settings):
     dead = _dead_port()
     settings.CELERY_BROKER_URL = f"redis://127.0.0.1:{dead}/0"
-    settings.OBJECT_STORAGE_URL = f"http://127.0.0.1:{dead}/"
+    settings.S3_BUCKET = "gpumarket"
+    settings.S3_ENDPOINT_URL = f"http://127.0.0.1:{dead}"
     response = client.get("/readyz")
     assert response.status_code == 503
     body = response.json()

@@ -13,7 +13,15 @@ import pytest
 from drf_spectacular.generators import SchemaGenerator
 
 from agentprotocol import (
+    ArtifactCommit,
+    ArtifactCommitAnswer,
+    ArtifactFile,
+    ArtifactUpload,
+    ArtifactUploadAnswer,
+    ArtifactUploadRequest,
+    CommittedFile,
     ContainerReport,
+    DatasetMount,
     DesiredRun,
     GpuInfo,
     GpuSample,
@@ -21,6 +29,8 @@ from agentprotocol import (
     HeartbeatAnswer,
     JoinAnswer,
     MetricLine,
+    PublishedPort,
+    StagedFile,
     UsageReport,
 )
 from provisioning.api import serializers
@@ -52,6 +62,29 @@ def test_the_heartbeat_answer_in_the_schema_is_the_protocols(schema):
     assert set(desired["properties"]) == field_names(DesiredRun)
 
 
+@pytest.mark.parametrize(
+    ("path", "request_message", "answer_message"),
+    [
+        (
+            "/api/agent/v1/rentals/{rental_id}/artifacts/uploads/",
+            ArtifactUploadRequest,
+            ArtifactUploadAnswer,
+        ),
+        (
+            "/api/agent/v1/rentals/{rental_id}/artifacts/commit/",
+            ArtifactCommit,
+            ArtifactCommitAnswer,
+        ),
+    ],
+)
+def test_the_artifact_endpoints_in_the_schema_are_the_protocols(
+    schema, path, request_message, answer_message
+):
+    assert set(answer_schema(schema, path, "200")["properties"]) == field_names(answer_message)
+    body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert set(resolve(schema, body)["properties"]) == field_names(request_message)
+
+
 def test_the_join_answer_in_the_schema_is_the_protocols(schema):
     answer = answer_schema(schema, "/api/agent/v1/join/", "201")
     assert set(answer["properties"]) == field_names(JoinAnswer)
@@ -69,6 +102,16 @@ def test_the_join_answer_in_the_schema_is_the_protocols(schema):
         (serializers.HeartbeatAnswerSerializer, HeartbeatAnswer),
         (serializers.DesiredRunSerializer, DesiredRun),
         (serializers.JoinAnswerSerializer, JoinAnswer),
+        (serializers.PublishedPortSerializer, PublishedPort),
+        (serializers.StagedFileSerializer, StagedFile),
+        (serializers.DatasetMountSerializer, DatasetMount),
+        (serializers.ArtifactFileSerializer, ArtifactFile),
+        (serializers.ArtifactUploadRequestSerializer, ArtifactUploadRequest),
+        (serializers.ArtifactUploadSerializer, ArtifactUpload),
+        (serializers.ArtifactUploadAnswerSerializer, ArtifactUploadAnswer),
+        (serializers.CommittedFileSerializer, CommittedFile),
+        (serializers.ArtifactCommitSerializer, ArtifactCommit),
+        (serializers.ArtifactCommitAnswerSerializer, ArtifactCommitAnswer),
     ],
 )
 def test_each_serializer_has_exactly_its_messages_fields(serializer, message):
