@@ -88,7 +88,7 @@ class SyncError(Exception):
 class SyncResult:
     """What one sync did."""
 
-    committed: int = 0  # files recorded by the server this time
+    committed: int = 0  # files uploaded and recorded by the server this time
     uploaded_bytes: int = 0
     skipped: int = 0  # already stored with the same content: nothing sent
     refused: dict[str, str] = field(default_factory=dict)
@@ -378,11 +378,9 @@ class ArtifactSyncer:
         for upload in uploads:
             file = by_path[upload.path]
             full = os.path.join(output_dir, file.path)
-            if upload.skip:
+            if upload.skip:  # recorded by the server already: nothing to send or commit
                 skipped += 1
-                committed.append(
-                    CommittedFile(path=file.path, size_bytes=file.size_bytes, sha256=file.sha256)
-                )
+                manifest[file.path]["committed"] = True
                 continue
             try:
                 futures[upload.path] = self._upload(full, file, upload)
@@ -418,15 +416,15 @@ class ArtifactSyncer:
             for file in committed:
                 if file.path not in refused:
                     manifest[file.path]["committed"] = True
-            self._save(run_id, manifest)
-            metrics_module.SYNC_FILES.labels(result="skipped").inc(skipped)
-            metrics_module.SYNC_FILES.labels(result="uploaded").inc(
-                len(committed) - skipped - len(refused)
-            )
+            metrics_module.SYNC_FILES.labels(result="uploaded").inc(len(committed) - len(refused))
             if refused:
+                metrics_module.SYNC_ERRORS.labels(kind="refused").inc(len(refused))
                 logger.warning("the server refused artifacts", extra={"run_id": run_id, **refused})
         else:
             refused = {}
+        if committed or skipped:
+            metrics_module.SYNC_FILES.labels(result="skipped").inc(skipped)
+            self._save(run_id, manifest)
         if failures:
             raise SyncError("; ".join(failures)[:1000], transient=True)
         return SyncResult(

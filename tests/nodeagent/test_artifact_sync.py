@@ -88,6 +88,17 @@ def test_small_files_are_put_once_and_committed(s3, fake_server, api, rental_id,
     finally:
         syncer.close()
 
+    # when an agent that lost its record syncs the same files, the server has them all: nothing
+    # is sent and nothing committed
+    commits = len(api.commits)
+    fresh = syncer_for(fake_server, tmp_path / "other-state")
+    try:
+        result = fresh.sync(run_id="run-1", rental_id=rental_id, output_dir=str(out), reason="stop")
+    finally:
+        fresh.close()
+    assert (result.committed, result.skipped, result.uploaded_bytes) == (0, 2, 0)
+    assert len(api.commits) == commits
+
 
 def test_a_big_file_goes_in_parallel_parts_and_the_commit_carries_their_etags(
     s3, fake_server, api, rental_id, tmp_path
