@@ -17,6 +17,14 @@ Each round (`Agent.tick`):
    delivered, and reconcile (`plan_reconcile`): starts, stops and removals run in worker
    threads, so a stop's grace period never holds up the heartbeats.
 
+A start first stages the run's datasets and resume checkpoint (`nodeagent.staging`, through the
+node's content-addressed cache): nothing runs and nothing is billed until that is done, and a
+staging failure is reported like any start that cannot succeed. A run asking for artifact sync
+has its output directory synced (`nodeagent.artifacts`, a background thread) at each
+checkpoint line it prints, every SYNC_INTERVAL_S while it runs, and once more after it exits;
+its exit is reported only after that final sync, so the server takes its last uploads while it
+still believes the run is running, and a restarted agent finishes what was not committed.
+
 The runtime is the source of truth for what runs (labels, so a restarted agent adopts its runs);
 the spool directory only keeps what billing and metrics need across restarts (see `spool`).
 
