@@ -5,6 +5,9 @@
     gpumarket book --model llama2-7b --tokens-b 100 --plan h100-sxm5-80gb:2x8
     gpumarket rent --gpus 4 --gpu-family a100 --region eu --hours 12 --image IMAGE -- CMD ...
     gpumarket rentals | show ID | metrics ID | logs [-f] ID | stop ID | cancel ID
+    gpumarket data push PATH [--name NAME] | data ls | data rm NAME
+    gpumarket rent ... --data NAME --resume-from RENTAL
+    gpumarket artifacts ls RENTAL | artifacts pull RENTAL [DEST]
 
 Every command takes `--json`: it prints the server's answer as JSON instead of a table (one JSON
 object per line for `logs`), for scripts.
@@ -19,9 +22,12 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import requests
+
+from marketplace import cli_transfer
 
 TIMEOUT_S = 30
 RETRIES = 3
@@ -155,6 +161,10 @@ def run(args: argparse.Namespace, api: Api) -> str:
             body["max_price_per_gpu_hour"] = args.max_price
         if args.bid:
             body.update(kind="interruptible", bid_per_gpu_hour=args.bid)
+        if args.data:
+            body["datasets"] = args.data
+        if args.resume_from:
+            body["resume_from"] = args.resume_from
         rental = api.call("POST", "/api/v1/rentals/", json=body)
         return f"{rental['id']} {rental['status']}"
     if args.command == "rentals":
@@ -169,6 +179,17 @@ def run(args: argparse.Namespace, api: Api) -> str:
     if args.command in ("stop", "cancel"):
         rental = api.call("POST", f"/api/v1/rentals/{args.id}/{args.command}/")
         return f"{rental['id']} {rental['status']}"
+    if args.command == "data":
+        return _data_run(args, api)
+    if args.command == "artifacts":
+        if args.artifacts_command == "pull":
+            dest = Path(args.dest or args.rental)
+            written = cli_transfer.pull(api, args.rental, dest)
+            api.last = {"files": [str(path) for path in written]}
+            return f"{len(written)} files in {dest}"
+        rows = list(cli_transfer.pages(api, f"/api/v1/rentals/{args.rental}/artifacts/"))
+        api.last = rows
+        return _table(rows, ["path", "size_bytes", "reason", "synced_at"]) if rows else "none"
     if args.command == "balance":
         account = api.call("GET", "/api/v1/billing/account/")
         return "  ".join(
@@ -176,6 +197,24 @@ def run(args: argparse.Namespace, api: Api) -> str:
             for key in ("balance_micros", "available_micros", "hourly_burn_micros")
         )
     return _provider_run(args, api)
+
+
+def _data_run(args: argparse.Namespace, api: Api) -> str:
+    """Datasets: push a file or directory, list them, remove one by name (or id)."""
+    if args.data_command == "push":
+        root = Path(args.path)
+        dataset = cli_transfer.push(api, root, args.name or root.resolve().name)
+        return f"{dataset['id']} {dataset['name']} {dataset['status']} {dataset['total_bytes']} B"
+    rows = list(cli_transfer.pages(api, "/api/v1/datasets/"))
+    api.last = rows
+    if args.data_command == "ls":
+        columns = ["id", "name", "status", "total_bytes", "file_count", "created_at"]
+        return _table(rows, columns) if rows else "no datasets"
+    match = [d for d in rows if args.dataset in (d["name"], d["id"])]
+    if not match:
+        raise CliError(f"no dataset {args.dataset}")
+    api.call("DELETE", f"/api/v1/datasets/{match[0]['id']}/")
+    return f"removed {match[0]['name']}"
 
 
 def _provider_run(args: argparse.Namespace, api: Api) -> str:
@@ -258,10 +297,27 @@ def build_parser() -> argparse.ArgumentParser:
     rent.add_argument("--bid", help="interruptible, with this bid per GPU-hour")
     rent.add_argument("--hours", type=float, default=1.0)
     rent.add_argument("--image", required=True)
+    rent.add_argument(
+        "--data", action="append", default=[], help="a dataset (repeatable): /data/NAME"
+    )
+    rent.add_argument("--resume-from", help="a rental: start from its last synced checkpoint")
     rent.add_argument("cmd", nargs="*", help="the command (after --)")
     sub.add_parser("rentals", help="your rentals")
     for name in ("show", "metrics", "stop", "cancel"):
         sub.add_parser(name).add_argument("id")
+    data = sub.add_parser("data", help="datasets: push, ls, rm")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    push = data_sub.add_parser("push", help="upload a file or a directory as a dataset")
+    push.add_argument("path")
+    push.add_argument("--name", help="the dataset's name (default: the file or folder name)")
+    data_sub.add_parser("ls", help="your datasets")
+    data_sub.add_parser("rm", help="delete a dataset").add_argument("dataset", help="name or id")
+    artifacts = sub.add_parser("artifacts", help="a rental's synced output: ls, pull")
+    artifacts_sub = artifacts.add_subparsers(dest="artifacts_command", required=True)
+    artifacts_sub.add_parser("ls").add_argument("rental")
+    pull = artifacts_sub.add_parser("pull", help="download a rental's output files")
+    pull.add_argument("rental")
+    pull.add_argument("dest", nargs="?", help="a folder (default: the rental id)")
     log = sub.add_parser("logs", help="the output of a rental's container")
     log.add_argument("id")
     log.add_argument("-f", "--follow", action="store_true", help="keep printing until it ends")
@@ -297,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         text = run(args, api)
         print(json.dumps(api.last, indent=2) if args.json else text)
-    except CliError as exc:
+    except (CliError, cli_transfer.TransferError) as exc:
         print(f"gpumarket: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -301,3 +301,18 @@ def sha256_of(key: str) -> str:
         STORAGE_ERRORS.labels(operation="get").inc()
         raise StorageUnavailable(f"object storage refused a read: {exc}"[:300]) from exc
     return digest.hexdigest()
+
+
+def bucket_create() -> bool:
+    """Create the bucket unless it exists; returns whether it was created."""
+    try:
+        _call("readiness", client().head_bucket)
+        return False
+    except ClientError as exc:
+        if _error_code(exc) not in ("404", "NoSuchBucket", "NotFound"):
+            raise StorageUnavailable(f"bucket {settings.S3_BUCKET}: {_error_code(exc)}") from exc
+    try:
+        _call("create_bucket", client().create_bucket)
+    except ClientError as exc:
+        raise StorageUnavailable(f"cannot create {settings.S3_BUCKET}: {_error_code(exc)}") from exc
+    return True

@@ -371,6 +371,7 @@ def engine_nodes(nodes: QuerySet[Node] | Iterable[Node]) -> list[engine.Node]:
 # The harness names each checkpoint `step_<step>.pt` (harness/checkpoint.py) in its checkpoint
 # directory inside the output directory (/workspace/checkpoints in its image).
 CHECKPOINT_NAME = re.compile(r"(?:^|/)step_(\d+)\.pt$")
+CHECKPOINT_NAME_SQL = r"(^|/)step_[0-9]+\.pt$"
 
 
 def datasets_owned(owner: User) -> QuerySet[Dataset]:
@@ -426,7 +427,12 @@ def rentals_resume_checkpoints(rentals: Iterable[Rental]) -> dict:
     rentals = list(rentals)
     sources = {r.pk for r in rentals} | {r.resume_from_id for r in rentals if r.resume_from_id}
     by_rental: dict = {}
-    for artifact in Artifact.objects.filter(rental_id__in=sources):
+    # Only checkpoint files are read: a rental's logs and other output can be many rows, and
+    # this runs on every heartbeat of a busy node.
+    checkpoints = Artifact.objects.filter(
+        rental_id__in=sources, path__regex=CHECKPOINT_NAME_SQL
+    ).only("rental_id", "path", "size_bytes", "sha256", "synced_at")
+    for artifact in checkpoints:
         by_rental.setdefault(artifact.rental_id, []).append(artifact)
     found = {}
     for rental in rentals:

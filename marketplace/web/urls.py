@@ -8,6 +8,7 @@ urlpatterns = [
     path("rentals/", views.rentals, name="web-rentals"),
     path("rentals/new/", views.rental_new, name="web-rental-new"),
     path("rentals/<uuid:rental_id>/", views.rental_detail, name="web-rental"),
+    path("datasets/", views.datasets, name="web-datasets"),
     path("tokens/", views.tokens, name="web-tokens"),
     path("provider/", views.provider, name="web-provider"),
 ]

@@ -17,7 +17,7 @@ from marketplace import lifecycle, selectors
 from marketplace.advisor.calibration import accuracy
 from marketplace.advisor.presets import PRESETS
 from marketplace.api.serializers import OfferQuerySerializer
-from marketplace.models import RentalStatus
+from marketplace.models import DatasetStatus, RentalStatus
 
 OFFER_PAGE = 50
 ORDERINGS = [
@@ -108,7 +108,11 @@ def rental_new(request: HttpRequest) -> HttpResponse:
                 "gpus_per_node": request.GET.get("gpus", "1"),
                 "region": request.GET.get("region", ""),
                 "max_price": request.GET.get("max_price", ""),
+                "resume_from": request.GET.get("resume_from", ""),
             },
+            "datasets": selectors.datasets_owned(request.user)
+            .filter(status=DatasetStatus.READY)
+            .order_by("name"),
         },
     )
 
@@ -133,6 +137,24 @@ def rental_detail(request: HttpRequest, rental_id) -> HttpResponse:
                 ("power", "Power"),
                 ("temp", "Temperature"),
             ],
+            "artifacts": selectors.rental_artifacts(customer=request.user, rental_id=rental.pk),
+            "retention_days": settings.STORAGE["ARTIFACT_RETENTION_DAYS"],
+        },
+    )
+
+
+@require_GET
+@login_required
+def datasets(request: HttpRequest) -> HttpResponse:
+    """Your datasets; the page uploads files straight to object storage through presigned URLs
+    (in parts for big files), with a progress bar."""
+    return render(
+        request,
+        "web/datasets.html",
+        {
+            "datasets": selectors.datasets_owned(request.user).order_by("-created_at"),
+            "used": selectors.dataset_bytes_used(request.user),
+            "quota": settings.STORAGE["DATASET_QUOTA_BYTES"],
         },
     )
 

@@ -252,10 +252,11 @@ class DesiredRunSerializer(serializers.Serializer):
     memory_limit_mb = serializers.IntegerField()
     ports = serializers.ListField(child=serializers.IntegerField())
     stop_grace_s = serializers.FloatField()
-    datasets = DatasetMountSerializer(many=True)
-    resume_files = StagedFileSerializer(many=True)
+    # Left out of the payload while empty (agentprotocol.OMIT_EMPTY).
+    datasets = DatasetMountSerializer(many=True, required=False)
+    resume_files = StagedFileSerializer(many=True, required=False)
     sync_artifacts = serializers.BooleanField()
-    ssh_authorized_keys = serializers.ListField(child=serializers.CharField())
+    ssh_authorized_keys = serializers.ListField(child=serializers.CharField(), required=False)
 
 
 class HeartbeatAnswerSerializer(serializers.Serializer):

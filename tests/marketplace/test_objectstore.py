@@ -86,3 +86,16 @@ def test_readyz_checks_the_real_bucket(client, object_store, settings):
     settings.S3_BUCKET = object_store.bucket
     settings.S3_SECRET_ACCESS_KEY = "wrong"
     assert client.get("/readyz").json()["checks"]["object_storage"]["status"] == "fail"
+
+
+def test_the_bucket_command_creates_a_missing_bucket_once(object_store, settings):
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    settings.S3_BUCKET = f"{object_store.bucket}-extra"
+    out = StringIO()
+    call_command("storage_bucket", stdout=out)
+    call_command("storage_bucket", stdout=out)
+    assert out.getvalue().split() == ["created", "exists"]
+    object_store.delete_bucket(Bucket=settings.S3_BUCKET)
