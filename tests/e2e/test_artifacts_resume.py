@@ -222,7 +222,10 @@ def test_an_interruptible_rental_resumes_on_another_host_from_its_synced_checkpo
             "--token", token, "artifacts", "pull", rental_id, str(dest),
         ],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
-        env={k: v for k, v in os.environ.items() if not k.startswith("GPUMARKET_")},
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("GPUMARKET_")},
+            "PYTHONPATH": str(ROOT),  # this checkout's CLI, whatever the virtualenv installed
+        },
     )  # fmt: skip
     assert pulled.returncode == 0, pulled.stderr
     final = dest / "checkpoints" / f"step_{STEPS:09d}.pt"
