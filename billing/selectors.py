@@ -9,6 +9,7 @@ from django.db import connection
 from django.db.models import Q, QuerySet, Sum
 from django.utils import timezone
 
+from billing import stripe_adapter
 from billing.models import (
     Account,
     AccountKind,
@@ -282,3 +283,20 @@ def provider_earnings(*, owner: User, entries: int = 50) -> list[ProviderEarning
             )
         )
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class PayoutSetup:
+    """How a provider is paid: through Stripe Connect (where the server has Connect enabled),
+    else by hand by ops."""
+
+    by_stripe: bool
+    connect_account_id: str
+
+
+def provider_payout_setup(*, provider: Provider) -> PayoutSetup:
+    account = Account.objects.filter(kind=AccountKind.PROVIDER, provider=provider).first()
+    return PayoutSetup(
+        by_stripe=stripe_adapter.connect_enabled(),
+        connect_account_id=account.stripe_connect_account_id if account else "",
+    )

@@ -248,6 +248,51 @@ def transfer_create(*, amount_cents: int, currency: str, destination: str, payou
     return transfer.id
 
 
+def connect_account_params(
+    *, account_id: int, provider_id: int, email: str
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The exact request that creates a provider's Express Connect account, able to receive
+    transfers; the key is our account id, so it is created once whatever the retries."""
+    return (
+        {
+            "type": "express",
+            "email": email,
+            "capabilities": {"transfers": {"requested": True}},
+            "metadata": {"account_id": str(account_id), "provider_id": str(provider_id)},
+        },
+        {"idempotency_key": f"connect-account:{account_id}"},
+    )
+
+
+def connect_account_create(*, account_id: int, provider_id: int, email: str) -> str:
+    params, options = connect_account_params(
+        account_id=account_id, provider_id=provider_id, email=email
+    )
+    account = _call(
+        "account.create", _client().v1.accounts.create, params, options["idempotency_key"]
+    )
+    return account.id
+
+
+def account_link_create(
+    *, connect_account_id: str, return_url: str, refresh_url: str, link_id: str
+) -> str:
+    """A single-use link to Stripe's hosted onboarding of a Connect account; Stripe sends the
+    browser back to return_url when done, to refresh_url when the link expired."""
+    link = _call(
+        "account_link.create",
+        _client().v1.account_links.create,
+        {
+            "account": connect_account_id,
+            "type": "account_onboarding",
+            "return_url": return_url,
+            "refresh_url": refresh_url,
+        },
+        f"account-link:{link_id}",
+    )
+    return link.url
+
+
 def webhook_event_verify(*, payload: bytes, signature: str | None) -> dict[str, Any]:
     """Check the Stripe-Signature header over the raw body; returns the event as a dict."""
     secret = settings.STRIPE_WEBHOOK_SECRET

@@ -205,6 +205,10 @@ def cmd_up(port: int) -> int:
         SECURE_COOKIES="0",
         ALLOWED_HOSTS=env.get("ALLOWED_HOSTS", "localhost,127.0.0.1"),
         GPUMARKET_SERVER_URL=f"http://127.0.0.1:{port}",
+        # Mails (verification, password reset, notifications) are printed in the web and worker
+        # logs, not sent; webhooks may go to a receiver on this machine.
+        EMAIL_BACKEND=env.get("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend"),
+        NOTIFICATIONS_WEBHOOK_ALLOW_LOOPBACK=env.get("NOTIFICATIONS_WEBHOOK_ALLOW_LOOPBACK", "1"),
         **(services.s3_env or {}),
     )
     supervisor = Supervisor(env=env, cwd=ROOT)
@@ -223,7 +227,11 @@ def cmd_up(port: int) -> int:
         print(f"\nGPU marketplace on http://127.0.0.1:{port}/", flush=True)
         print("  web UI    log in as demo, see .var/dev/demo_password", flush=True)
         print(f"  API docs  http://127.0.0.1:{port}/api/docs/", flush=True)
-        print(f"  admin     http://127.0.0.1:{port}/admin/  (user: ops, see .var/dev/ops_password)")
+        print(f"  mail      printed into {logs / 'web.log'} (sign-up links, resets)", flush=True)
+        print(
+            f"  admin     http://127.0.0.1:{port}/admin/  (user: ops, see .var/dev/ops_password;"
+            " staff set up TOTP on their first visit)"
+        )
         print("A process that dies is restarted; Ctrl-C stops everything.", flush=True)
         supervisor.run()
     except KeyboardInterrupt:

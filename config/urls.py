@@ -1,28 +1,52 @@
 """Top-level URLs: the admin, the versioned API, its schema and docs, the web UI."""
 
+from allauth.account.decorators import secure_admin_login
 from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from config.accounts import ConfirmEmailView
 from config.observability.health import healthz, readyz
 from config.observability.metrics import metrics_view
+from provisioning import web as provisioning_web
 from provisioning.api.urls import agent_urlpatterns, provider_urlpatterns, rental_urlpatterns
+
+# Staff sign in through allauth (password, then TOTP), never through the admin's own form.
+admin.site.login = secure_admin_login(admin.site.login)
 
 handler404 = "marketplace.api.exceptions.not_found"
 
 urlpatterns = [
     path("admin/", admin.site.urls),
-    path("accounts/", include("django.contrib.auth.urls")),
+    path(
+        "accounts/confirm-email/<str:key>/",
+        ConfirmEmailView.as_view(),
+        name="account_confirm_email",
+    ),
+    path("accounts/", include("allauth.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("api/v1/", include("marketplace.api.urls")),
     path("api/v1/billing/", include("billing.api.urls")),
     path("billing/", include("billing.urls")),
+    path("api/v1/notifications/", include("notifications.api.urls")),
+    path("notifications/", include("notifications.urls")),
     path("api/v1/providers/", include(provider_urlpatterns)),
     path("api/v1/rentals/", include(rental_urlpatterns)),
     path("api/agent/v1/", include(agent_urlpatterns)),
     path("healthz", healthz, name="healthz"),
     path("readyz", readyz, name="readyz"),
     path("metrics", metrics_view, name="metrics"),
+    path("provider/onboard/", provisioning_web.onboard, name="provider-onboard"),
+    path(
+        "provider/onboard/join-token/",
+        provisioning_web.onboard_join_token,
+        name="provider-onboard-join-token",
+    ),
+    path(
+        "provider/onboard/payouts/",
+        provisioning_web.onboard_payouts,
+        name="provider-onboard-payouts",
+    ),
     path("", include("marketplace.web.urls")),
 ]

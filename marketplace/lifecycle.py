@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from decimal import Decimal
 
 from celery import current_app
@@ -72,10 +72,27 @@ CONTAINER_WANTED = frozenset({S.SCHEDULED, S.PROVISIONING, S.RUNNING})
 # from_status without reading it back (unpacking fails loudly if the table ever gains another).
 (_PLACED_FROM,) = (s for s, targets in ALLOWED_TRANSITIONS.items() if S.SCHEDULED in targets)
 
+# A re-queued rental may wait this long to be placed again, whatever its first deadline was (a
+# rental that ran for hours would otherwise expire the moment it is re-queued).
+REQUEUE_START_WINDOW = timedelta(hours=1)
+
 # The scheduler's Celery task, by name: the lifecycle does not import the scheduler.
 SCHEDULER_CYCLE_TASK = "scheduler.cycle"
 
 log = logging.getLogger(__name__)
+
+
+# The notifications app records what a transition is worth telling in the transition's own
+# transaction (its outbox). It depends on the marketplace, not the reverse, so it hands its
+# recorder in when its app is ready.
+EventRecorder = Callable[..., object]
+_event_recorder: EventRecorder | None = None
+
+
+def event_recorder_register(recorder: EventRecorder) -> None:
+    """Called as `recorder(rental=..., event=...)` after each transition, in its transaction."""
+    global _event_recorder
+    _event_recorder = recorder
 
 
 def _require_transaction() -> None:
@@ -98,7 +115,7 @@ def rental_transition(
     _require_transaction()
     if to_status not in ALLOWED_TRANSITIONS[rental.status]:
         raise Conflict(f"a {rental.status} rental cannot become {to_status}")
-    RentalEvent.objects.create(
+    event = RentalEvent.objects.create(
         rental=rental,
         from_status=rental.status,
         to_status=to_status,
@@ -111,6 +128,8 @@ def rental_transition(
     for name, value in fields.items():
         setattr(rental, name, value)
     rental.save(update_fields=["status", "status_reason", "updated_at", *fields])
+    if _event_recorder is not None:
+        _event_recorder(rental=rental, event=event)
     return rental
 
 
@@ -304,16 +323,23 @@ def rental_mark_node_lost(*, rental: Rental, hostname: str, at: datetime, requeu
             rental=rental, to_status=S.FAILED, actor_kind=A.SYSTEM, reason=reason, ended_at=at
         )
     else:
-        rental_transition(
-            rental=rental,
-            to_status=S.PENDING,
-            actor_kind=A.SYSTEM,
-            reason=f"{reason}; re-queued",
-            scheduled_start=None,
-            scheduled_end=None,
-            price_per_gpu_hour=None,
-        )
+        _requeue(rental=rental, actor_kind=A.SYSTEM, reason=f"{reason}; re-queued", at=at)
     return True
+
+
+def _requeue(*, rental: Rental, actor_kind: str, reason: str, at: datetime) -> None:
+    """Back to PENDING to be placed again (on any node; it resumes from its last synced
+    checkpoint), with a fresh start window."""
+    rental_transition(
+        rental=rental,
+        to_status=S.PENDING,
+        actor_kind=actor_kind,
+        reason=reason,
+        scheduled_start=None,
+        scheduled_end=None,
+        price_per_gpu_hour=None,
+        start_deadline=max(rental.start_deadline, at + REQUEUE_START_WINDOW),
+    )
 
 
 def rental_mark_booked_time_ended(*, rental: Rental) -> bool:
@@ -327,12 +353,17 @@ def rental_mark_booked_time_ended(*, rental: Rental) -> bool:
     return True
 
 
-def rental_preempt(*, rental: Rental, reason: str, at: datetime) -> bool:
+def rental_preempt(*, rental: Rental, reason: str, at: datetime, requeue: bool = False) -> bool:
     """The scheduler takes an interruptible rental's GPUs for a higher bid or priority; they
-    are freed at `at`. Returns False when the rental no longer holds GPUs."""
+    are freed at `at`. It ends PREEMPTED, or with `requeue` (and not already stopping) goes back
+    to PENDING to resume elsewhere from its last synced checkpoint. Returns False when the
+    rental no longer holds GPUs."""
     if rental.status not in HOLDS_GPUS:
         return False
     _allocations_release(rental=rental, at=at)
+    if requeue and S.PENDING in ALLOWED_TRANSITIONS[rental.status]:
+        _requeue(rental=rental, actor_kind=A.SCHEDULER, reason=f"{reason}; re-queued", at=at)
+        return True
     rental_transition(
         rental=rental, to_status=S.PREEMPTED, actor_kind=A.SCHEDULER, reason=reason, ended_at=at
     )

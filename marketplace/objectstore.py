@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -125,11 +126,37 @@ def expires_at() -> float:
     return time.time() + expiry_s()
 
 
+# Signing one URL costs botocore about a millisecond or more of CPU, and the heartbeat hands out
+# a URL per dataset file and checkpoint every few seconds: a GET URL is reused while at least
+# two thirds of its life is left, so an agent always gets one valid for most of the expiry.
+_GET_CACHE: dict[tuple, tuple[str, float]] = {}
+_GET_CACHE_LOCK = threading.Lock()
+_GET_CACHE_MAX = 50_000
+
+
 def presign_get(key: str, *, filename: str = "") -> str:
+    cache_key = (
+        key,
+        filename,
+        settings.S3_BUCKET,
+        settings.S3_PUBLIC_ENDPOINT_URL or settings.S3_ENDPOINT_URL,
+        settings.S3_ACCESS_KEY_ID,
+        expiry_s(),
+    )
+    now = time.monotonic()
+    with _GET_CACHE_LOCK:
+        cached = _GET_CACHE.get(cache_key)
+    if cached is not None and cached[1] > now:
+        return cached[0]
     params: dict[str, Any] = {"Bucket": settings.S3_BUCKET, "Key": key}
     if filename:
         params["ResponseContentDisposition"] = f'attachment; filename="{filename}"'
-    return _signer().generate_presigned_url("get_object", Params=params, ExpiresIn=expiry_s())
+    url = _signer().generate_presigned_url("get_object", Params=params, ExpiresIn=expiry_s())
+    with _GET_CACHE_LOCK:
+        if len(_GET_CACHE) >= _GET_CACHE_MAX:
+            _GET_CACHE.clear()
+        _GET_CACHE[cache_key] = (url, now + expiry_s() / 3)
+    return url
 
 
 def presign_put(key: str) -> str:

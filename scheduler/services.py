@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
 import psycopg
+from django.conf import settings
 from django.core.cache import cache
 from django.db import IntegrityError, OperationalError, connection, transaction
 from django.utils import timezone
@@ -265,12 +266,14 @@ def allocation_bind(
 
 
 def _apply_preemptions(preemptions: tuple[engine.Preemption, ...], now: datetime) -> int:
+    # "requeue": a preempted rental waits for GPUs again and resumes from its last checkpoint.
+    requeue = settings.GPUMARKET.get("PREEMPTION_POLICY", "end") == "requeue"
     done = 0
     for pre in preemptions:
         with transaction.atomic():
             rental = Rental.objects.select_for_update().filter(pk=pre.victim_rental_id).first()
             if rental is not None and lifecycle.rental_preempt(
-                rental=rental, reason=pre.reason, at=now
+                rental=rental, reason=pre.reason, at=now, requeue=requeue
             ):
                 done += 1
     return done

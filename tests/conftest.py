@@ -1,11 +1,24 @@
-"""Shared fixtures: real PostgreSQL through pytest-django, real services to build data."""
+"""Shared fixtures: real PostgreSQL through pytest-django, real services to build data, a real
+SMTP server that keeps what it receives."""
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import email
+import email.policy
+import hashlib
+import hmac
 import importlib
 import itertools
 import os
+import re
+import socket
+import struct
+import threading
+import time
 import uuid
+from dataclasses import dataclass, field
 from decimal import Decimal
 
 import pytest
@@ -187,3 +200,94 @@ def bucket_keys(object_store):
         return sorted(item["Key"] for page in pages for item in page.get("Contents", []))
 
     return keys
+
+
+@dataclass
+class Mailbox:
+    """What the test SMTP server received, as parsed messages, in order."""
+
+    messages: list[email.message.EmailMessage] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __len__(self) -> int:
+        with self.lock:
+            return len(self.messages)
+
+    def __iter__(self):
+        with self.lock:
+            return iter(list(self.messages))
+
+    def __getitem__(self, index: int) -> email.message.EmailMessage:
+        with self.lock:
+            return self.messages[index]
+
+    def to(self, address: str) -> list[email.message.EmailMessage]:
+        with self.lock:
+            return [m for m in self.messages if address.lower() in m["To"].lower()]
+
+    def wait_for(self, address: str, *, count: int = 1, timeout: float = 30) -> list:
+        """The messages to `address` once there are `count` of them (mail is sent in the
+        request, but a browser test reads the box from another thread)."""
+        deadline = time.monotonic() + timeout
+        while len(found := self.to(address)) < count:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no mail #{count} to {address}: got {len(found)}")
+            time.sleep(0.1)
+        return found
+
+    @staticmethod
+    def body(message: email.message.EmailMessage) -> str:
+        part = message.get_body(preferencelist=("plain", "html"))
+        return part.get_content() if part is not None else ""
+
+    def link(self, address: str, pattern: str, *, index: int = -1) -> str:
+        """The first URL matching `pattern` in a message to `address` (the latest by default)."""
+        message = self.wait_for(address, count=1 if index == -1 else index + 1)[index]
+        for url in re.findall(r"https?://[^\s<>\"]+", self.body(message)):
+            if re.search(pattern, url):
+                return url
+        raise AssertionError(f"no link matching {pattern!r} in: {self.body(message)}")
+
+
+class _Keep:
+    def __init__(self, box: Mailbox) -> None:
+        self.box = box
+
+    async def handle_DATA(self, server, session, envelope):
+        parsed = email.message_from_bytes(envelope.content, policy=email.policy.default)
+        with self.box.lock:
+            self.box.messages.append(parsed)
+        return "250 Message accepted for delivery"
+
+
+@pytest.fixture
+def smtp_server(settings):
+    """A real SMTP server (aiosmtpd) on a free port; Django's SMTP backend sends to it."""
+    from aiosmtpd.controller import Controller
+
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    box = Mailbox()
+    controller = Controller(_Keep(box), hostname="127.0.0.1", port=port)
+    controller.start()
+    settings.EMAIL_BACKEND = "django.core.mail.backends.smtp.EmailBackend"
+    settings.EMAIL_HOST = "127.0.0.1"
+    settings.EMAIL_PORT = port
+    settings.EMAIL_USE_TLS = False
+    settings.EMAIL_HOST_USER = ""
+    settings.EMAIL_HOST_PASSWORD = ""
+    yield box
+    controller.stop()
+
+
+def totp_code(secret: str, *, steps_ahead: int = 0, period: int = 30, digits: int = 6) -> str:
+    """RFC 6238 TOTP (HMAC-SHA1) computed here, independently of the server's code, as an
+    authenticator app would. `steps_ahead` gives a later period's code: the server refuses a
+    code used once, and accepts one period either side."""
+    key = base64.b32decode(secret.upper() + "=" * (-len(secret) % 8))
+    counter = int(time.time()) // period + steps_ahead
+    digest = hmac.new(key, struct.pack(">Q", counter), hashlib.sha1).digest()
+    offset = digest[-1] & 0x0F
+    value = struct.unpack(">I", digest[offset : offset + 4])[0] & 0x7FFFFFFF
+    return f"{value % 10**digits:0{digits}d}"

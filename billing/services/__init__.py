@@ -19,6 +19,11 @@ from billing.services.metering import (
     usage_report_apply,
     usage_reports_apply,
 )
+from billing.services.onboarding import (
+    customer_onboard,
+    provider_onboard,
+    provider_payouts_start,
+)
 from billing.services.payments import (
     TopUpStarted,
     payments_retry_pending,
@@ -47,6 +52,7 @@ __all__ = [
     "account_for_provider",
     "account_platform",
     "billing_pass_run",
+    "customer_onboard",
     "funds_hold_create",
     "hold_micros",
     "invoice_issue",
@@ -58,6 +64,8 @@ __all__ = [
     "payout_mark_paid",
     "payout_reverse",
     "payout_submit",
+    "provider_onboard",
+    "provider_payouts_start",
     "refund_create",
     "refund_fail",
     "refund_submit",

@@ -39,6 +39,7 @@ from billing.services.ledger import account_platform
 from marketplace import lifecycle
 from marketplace.locks import advisory_lock
 from marketplace.models import Rental
+from notifications.services import balance_low_notify
 
 log = logging.getLogger(__name__)
 
@@ -368,7 +369,7 @@ def _account_flags_set(
             result.restored += 1
             notices.append((NoticeKind.RESTORED, f"balance {_usd(available)}"))
         account.save(update_fields=["low_balance_since", "depleted_since"])
-        BalanceNotice.objects.bulk_create(
+        created = BalanceNotice.objects.bulk_create(
             BalanceNotice(
                 account=account,
                 kind=kind,
@@ -379,6 +380,15 @@ def _account_flags_set(
             )
             for kind, detail in notices
         )
+        for notice in created:
+            if notice.kind in (NoticeKind.LOW_BALANCE, NoticeKind.DEPLETED):
+                balance_low_notify(
+                    owner=account.user,
+                    notice_id=notice.pk,
+                    detail=notice.detail,
+                    available_micros=available,
+                    hourly_burn_micros=burn,
+                )
 
 
 def _rentals_stop(*, customer_id: int, available: int) -> int:

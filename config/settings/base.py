@@ -1,7 +1,8 @@
 """Settings read from the environment (12-factor). No secret lives here.
 
 Required: DATABASE_URL (PostgreSQL only: the invariants use exclusion constraints and range types).
-Optional: REDIS_URL or CELERY_BROKER_URL, SECRET_KEY, DEBUG, ALLOWED_HOSTS, STRIPE_* keys, S3_*.
+Optional: REDIS_URL or CELERY_BROKER_URL, SECRET_KEY, DEBUG, ALLOWED_HOSTS, STRIPE_* keys, EMAIL_*
+(SMTP) settings, S3_* (object storage).
 `python3 dev.py up` and `python3 dev.py test` set DATABASE_URL, REDIS_URL and S3_* to embedded
 services when they are not set.
 """
@@ -46,6 +47,11 @@ INSTALLED_APPS = [
     "scheduler",
     "provisioning",
     "billing",
+    "notifications",
+    # After the project's apps, whose templates (the site's layout) override allauth's.
+    "allauth",
+    "allauth.account",
+    "allauth.mfa",
 ]
 
 MIDDLEWARE = [
@@ -60,9 +66,12 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "allauth.account.middleware.AccountMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "axes.middleware.AxesMiddleware",
+    # After sessions, auth and messages: it reads the user and says why it redirects.
+    "config.accounts.StaffTwoFactorMiddleware",
 ]
 
 ROOT_URLCONF = "config.urls"
@@ -104,17 +113,20 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
 ]
 # Sign-in lockout (django-axes): AXES_FAILURE_LIMIT failed sign-ins for one username from one
 # address lock that pair out for AXES_COOLOFF_MINUTES; the answer is a 429 saying so.
 AUTHENTICATION_BACKENDS = [
     "axes.backends.AxesStandaloneBackend",
-    "django.contrib.auth.backends.ModelBackend",
+    "allauth.account.auth_backends.AuthenticationBackend",
 ]
 AXES_FAILURE_LIMIT = env.int("AXES_FAILURE_LIMIT", default=5)
 AXES_COOLOFF_TIME = timedelta(minutes=env.int("AXES_COOLOFF_MINUTES", default=15))
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_RESET_ON_SUCCESS = True
+# allauth's sign-in form calls its field "login" (a username or an email address).
+AXES_USERNAME_CALLABLE = "config.accounts.axes_username"
 AXES_CLIENT_IP_CALLABLE = "marketplace.api.guards.client_ip"
 AXES_COOLOFF_MESSAGE = (
     "Too many failed sign-ins for this account from your address: try again later."
@@ -137,6 +149,39 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = API_MAX_BODY_BYTES
 LOGIN_URL = "/accounts/login/"
 LOGIN_REDIRECT_URL = "/"
 LOGOUT_REDIRECT_URL = "/"
+
+# Sign-up and sign-in (django-allauth): a username or the email address signs in; the address
+# must be verified (a link by mail) before the first sign-in; TOTP is optional for customers and
+# required for staff before the admin opens (config.accounts.StaffTwoFactorMiddleware).
+ACCOUNT_ADAPTER = "config.accounts.AccountAdapter"
+ACCOUNT_LOGIN_METHODS = {"username", "email"}
+ACCOUNT_SIGNUP_FIELDS = ["email*", "username*", "password1*", "password2*"]
+ACCOUNT_EMAIL_VERIFICATION = "mandatory"
+ACCOUNT_UNIQUE_EMAIL = True
+ACCOUNT_EMAIL_CONFIRMATION_EXPIRE_DAYS = env.int("EMAIL_CONFIRMATION_EXPIRE_DAYS", default=3)
+# A taken address is named on the sign-up form, an unknown one on the password-reset form (a
+# taken username says as much anyway); django-axes and allauth's rate limits slow guessing.
+ACCOUNT_PREVENT_ENUMERATION = False
+ACCOUNT_EMAIL_SUBJECT_PREFIX = "[gpumarket] "
+MFA_SUPPORTED_TYPES = ["totp", "recovery_codes"]
+MFA_TOTP_ISSUER = env.str("MFA_TOTP_ISSUER", default="gpumarket")
+# One 30 s step either side, for the clock of a phone.
+MFA_TOTP_TOLERANCE = 1
+
+# Mail (verification links, password resets, sign-in notices) through Django's backend: SMTP by
+# default, the console in `python3 dev.py up`. EMAIL_TIMEOUT bounds every SMTP call; a send that
+# fails on the connection is tried EMAIL_SEND_ATTEMPTS times (config.accounts.email_send).
+EMAIL_BACKEND = env.str("EMAIL_BACKEND", default="django.core.mail.backends.smtp.EmailBackend")
+EMAIL_HOST = env.str("EMAIL_HOST", default="localhost")
+EMAIL_PORT = env.int("EMAIL_PORT", default=25)
+EMAIL_HOST_USER = env.str("EMAIL_HOST_USER", default="")
+EMAIL_HOST_PASSWORD = env.str("EMAIL_HOST_PASSWORD", default="")
+EMAIL_USE_TLS = env.bool("EMAIL_USE_TLS", default=False)
+EMAIL_USE_SSL = env.bool("EMAIL_USE_SSL", default=False)
+EMAIL_TIMEOUT = env.int("EMAIL_TIMEOUT", default=10)
+EMAIL_SEND_ATTEMPTS = env.int("EMAIL_SEND_ATTEMPTS", default=3)
+DEFAULT_FROM_EMAIL = env.str("DEFAULT_FROM_EMAIL", default="gpumarket <noreply@localhost>")
+SERVER_EMAIL = DEFAULT_FROM_EMAIL
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
@@ -238,6 +283,7 @@ PERIODIC_TASKS: dict[str, tuple[str, timedelta]] = {
     "billing-payments-retry": ("billing.payments_retry", timedelta(minutes=5)),
     "storage-artifacts-expire": ("marketplace.artifacts_expire", timedelta(hours=1)),
     "storage-uploads-abandon": ("marketplace.dataset_uploads_abandon", timedelta(hours=1)),
+    "notifications-sweep": ("notifications.sweep", timedelta(seconds=15)),
 }
 _beat_cap = env.float("BEAT_MAX_INTERVAL_S", default=0.0)
 CELERY_BEAT_SCHEDULE: dict[str, dict] = {
@@ -325,3 +371,17 @@ LOGGING = logging_config(
 # Celery logs through the LOGGING above instead of replacing the root logger's handlers.
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 METRICS_TOKEN = env.str("METRICS_TOKEN", default="")
+# Notifications: a failed delivery is retried after 30 s, doubling to at most an hour, 8 times.
+NOTIFICATIONS_MAX_ATTEMPTS = env.int("NOTIFICATIONS_MAX_ATTEMPTS", default=8)
+NOTIFICATIONS_RETRY_BASE_S = env.float("NOTIFICATIONS_RETRY_BASE_S", default=30.0)
+NOTIFICATIONS_RETRY_MAX_DELAY_S = env.float("NOTIFICATIONS_RETRY_MAX_DELAY_S", default=3600.0)
+NOTIFICATIONS_WEBHOOK_CONNECT_TIMEOUT_S = env.float(
+    "NOTIFICATIONS_WEBHOOK_CONNECT_TIMEOUT_S", default=5.0
+)
+NOTIFICATIONS_WEBHOOK_READ_TIMEOUT_S = env.float(
+    "NOTIFICATIONS_WEBHOOK_READ_TIMEOUT_S", default=10.0
+)
+# Webhooks go to public https URLs only; development may also send them over http to loopback.
+NOTIFICATIONS_WEBHOOK_ALLOW_LOOPBACK = env.bool(
+    "NOTIFICATIONS_WEBHOOK_ALLOW_LOOPBACK", default=DEBUG
+)

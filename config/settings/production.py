@@ -26,3 +26,5 @@ SESSION_COOKIE_SECURE = True
 CSRF_COOKIE_SECURE = True
 SECURE_CONTENT_TYPE_NOSNIFF = True
 X_FRAME_OPTIONS = "DENY"
+# Links in mails (address verification, password reset) are https even when built by a worker.
+ACCOUNT_DEFAULT_HTTP_PROTOCOL = "https"

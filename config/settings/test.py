@@ -29,3 +29,16 @@ REST_FRAMEWORK = {
         "user": "100000/min",
     },
 }
+# Mail goes to the SMTP server a test starts (tests.conftest.smtp_server) or stays in memory
+# (locmem) unless a test or the environment says otherwise; an end-to-end test's worker gets its
+# SMTP server from the environment. Webhook tests run their receiver on loopback.
+EMAIL_BACKEND = os.environ.get("EMAIL_BACKEND", "django.core.mail.backends.locmem.EmailBackend")
+NOTIFICATIONS_WEBHOOK_ALLOW_LOOPBACK = True
+# allauth's own rate limits (sign-up, mails, failed sign-ins per address) would count across the
+# whole suite in the shared cache; django-axes still locks sign-ins out, and its tests lower that.
+ACCOUNT_RATE_LIMITS = False
+# Where the SMTP backend is chosen without a test server, none answers here.
+EMAIL_HOST = "127.0.0.1"
+EMAIL_PORT = 9
+EMAIL_TIMEOUT = 5
+EMAIL_SEND_ATTEMPTS = 1

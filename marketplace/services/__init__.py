@@ -1,6 +1,11 @@
 """Every write of the marketplace: typed, keyword-only functions, each owning its transaction."""
 
-from marketplace.services.accounts import api_token_create, api_token_revoke, token_hash
+from marketplace.services.accounts import (
+    api_token_create,
+    api_token_revoke,
+    token_hash,
+    user_email_verified_set,
+)
 from marketplace.services.inventory import (
     GpuSpec,
     node_bring_online,
@@ -9,6 +14,7 @@ from marketplace.services.inventory import (
     node_request_benchmark,
     node_set_maintenance,
     node_set_status,
+    provider_create,
     provider_node_action,
     provider_node_price,
 )
@@ -23,7 +29,9 @@ __all__ = [
     "node_request_benchmark",
     "node_set_maintenance",
     "node_set_status",
+    "provider_create",
     "provider_node_action",
     "provider_node_price",
     "token_hash",
+    "user_email_verified_set",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from decimal import Decimal
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 
 from marketplace.errors import Conflict, NotFound, ValidationFailed
 from marketplace.models import Gpu, GpuModel, Node, NodeEvent, NodeStatus, Provider, User
@@ -22,6 +22,30 @@ _NODE_ACTIONS: dict[str, tuple[frozenset[str], str]] = {
         NodeStatus.ONLINE,
     ),
 }
+
+
+PROVIDER_NAME_MAX = Provider._meta.get_field("name").max_length
+
+
+def provider_create(*, owner: User, name: str) -> Provider:
+    """A provider profile owned by `owner` (the "become a provider" page); names are unique
+    because customers see them beside the hosts."""
+    name = " ".join(name.split())
+    if not name:
+        raise ValidationFailed("a provider needs a name", field="name")
+    if len(name) > PROVIDER_NAME_MAX:
+        raise ValidationFailed(f"at most {PROVIDER_NAME_MAX} characters", field="name")
+    with transaction.atomic():
+        if Provider.objects.filter(name__iexact=name).exists():
+            raise ValidationFailed("a provider with this name exists already", field="name")
+        try:
+            with transaction.atomic():
+                return Provider.objects.create(owner=owner, name=name)
+        except IntegrityError:
+            # The same name created concurrently: the unique constraint decided.
+            raise ValidationFailed(
+                "a provider with this name exists already", field="name"
+            ) from None
 
 
 def node_request_benchmark(*, node_id: int) -> None:

@@ -354,6 +354,8 @@ def _http() -> requests.Session:
     from urllib3.util.retry import Retry
 
     session = requests.Session()
+    # The bytes as stored at the source: Content-Length and the hash are of those.
+    session.headers["Accept-Encoding"] = "identity"
     retry = Retry(total=3, backoff_factor=0.5, status_forcelist=(502, 503, 504))
     session.mount("http://", HTTPAdapter(max_retries=retry))
     session.mount("https://", HTTPAdapter(max_retries=retry))
@@ -434,7 +436,7 @@ def dataset_fetch(*, dataset_id) -> Dataset | None:
             if answer.status_code != 200:
                 _dataset_fail(dataset, f"the URL answered {answer.status_code}")
                 return dataset
-            answer.raw.decode_content = True
+            answer.raw.decode_content = False
             reader = _HashingReader(answer.raw, f.size_bytes)
             objectstore.put_stream(f.key, reader, size_bytes=f.size_bytes)
     except (requests.RequestException, ValueError, objectstore.StorageUnavailable) as exc:

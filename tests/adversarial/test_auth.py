@@ -74,7 +74,7 @@ def test_a_token_without_expiry_and_a_session_mint_without_one(auth_api, user):
 
 
 def _sign_in(client: Client, username: str, password: str, **extra):
-    return client.post("/accounts/login/", {"username": username, "password": password}, **extra)
+    return client.post("/accounts/login/", {"login": username, "password": password}, **extra)
 
 
 def test_sign_in_locks_out_after_the_configured_failures(settings, user):

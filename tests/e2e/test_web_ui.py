@@ -57,8 +57,8 @@ def _text(driver, element_id: str) -> str:
 
 def _log_in(driver, base: str, user, then: str) -> None:
     driver.get(f"{base}/accounts/login/?next={then}")
-    _wait(driver, lambda d: d.find_element(By.ID, "id_username"), what="the login form")
-    driver.find_element(By.ID, "id_username").send_keys(user.username)
+    _wait(driver, lambda d: d.find_element(By.ID, "id_login"), what="the login form")
+    driver.find_element(By.ID, "id_login").send_keys(user.username)
     driver.find_element(By.ID, "id_password").send_keys(PASSWORD)
     driver.find_element(By.CSS_SELECTOR, "main form button[type=submit]").click()
     _landed(driver, then)

@@ -330,3 +330,32 @@ def test_concurrent_uploads_never_pass_the_quota_together(object_store, settings
     # then exactly three got in, and the stored total is the quota
     assert sorted(results) == ["ok"] * 3 + ["quota"] * 5
     assert sum(Dataset.objects.filter(owner=owner).values_list("total_bytes", flat=True)) == 300
+
+
+def test_an_upload_left_unfinished_for_a_day_is_abandoned_and_its_quota_freed(
+    auth_api, user, object_store, small_parts, bucket_keys
+):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    # given a multipart upload with one part sent, and a fresh upload
+    big = b"\x05" * (6 * MIB)
+    r = auth_api.post("/api/v1/datasets/", {"name": "stale", "files": [_spec("big", big)]})
+    upload = r.json()["uploads"][0]
+    requests.put(upload["part_urls"][0], data=big[: 5 * MIB], timeout=30)
+    stale_id = r.json()["dataset"]["id"]
+    Dataset.objects.filter(pk=stale_id).update(created_at=timezone.now() - timedelta(hours=25))
+    auth_api.post("/api/v1/datasets/", {"name": "fresh", "files": [_spec("f", b"1")]})
+    # when the periodic task runs
+    assert storage_services.dataset_uploads_abandon() == 1
+    # then the stale one failed, counts nothing, and its upload is gone; the fresh one is left
+    stale = Dataset.objects.get(pk=stale_id)
+    assert (stale.status, stale.total_bytes) == (DatasetStatus.FAILED, 0)
+    assert "not finished" in stale.status_reason
+    uploads = object_store.list_multipart_uploads(
+        Bucket=object_store.bucket, Prefix=f"datasets/{stale_id}/"
+    )
+    assert uploads.get("Uploads", []) == []
+    assert Dataset.objects.get(name="fresh").status == DatasetStatus.UPLOADING
+    assert storage_services.dataset_uploads_abandon() == 0

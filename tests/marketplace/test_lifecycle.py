@@ -15,7 +15,7 @@ from marketplace.lifecycle import rental_transition
 from marketplace.models import Rental, RentalEvent, RentalStatus
 
 ROOT = Path(__file__).resolve().parents[2]
-SCANNED = ("marketplace", "scheduler", "provisioning", "billing", "config")
+SCANNED = ("marketplace", "scheduler", "provisioning", "billing", "notifications", "config")
 LIFECYCLE = ROOT / "marketplace" / "lifecycle.py"
 
 _UPDATE_RENTAL = re.compile(

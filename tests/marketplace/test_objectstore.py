@@ -99,3 +99,13 @@ def test_the_bucket_command_creates_a_missing_bucket_once(object_store, settings
     call_command("storage_bucket", stdout=out)
     assert out.getvalue().split() == ["created", "exists"]
     object_store.delete_bucket(Bucket=settings.S3_BUCKET)
+
+
+def test_a_get_url_is_reused_while_most_of_its_life_is_left(object_store, settings):
+    requests.put(objectstore.presign_put("reuse/x"), data=b"x", timeout=10)
+    first = objectstore.presign_get("reuse/x")
+    assert objectstore.presign_get("reuse/x") == first
+    assert requests.get(first, timeout=10).content == b"x"
+    # another expiry (or store, or key) signs anew
+    settings.STORAGE = {**settings.STORAGE, "PRESIGN_EXPIRY_S": 60}
+    assert objectstore.presign_get("reuse/x") != first

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from django.test import Client
 
 from billing.services.ledger import account_adjust, account_for_customer
 from marketplace.models import Rental
@@ -63,11 +64,11 @@ def test_the_login_page_logs_in_and_lands_on_the_page_asked_for(client, user):
     assert client.get("/accounts/login/").status_code == 200
     page = client.post(
         "/accounts/login/?next=/rentals/",
-        {"username": user.username, "password": "pw-not-secret", "next": "/rentals/"},
+        {"login": user.username, "password": "pw-not-secret", "next": "/rentals/"},
     )
     assert (page.status_code, page["Location"]) == (302, "/rentals/")
-    wrong = client.post("/accounts/login/", {"username": user.username, "password": "nope"})
-    assert wrong.status_code == 200 and "did not match" in wrong.content.decode()
+    wrong = Client().post("/accounts/login/", {"login": user.username, "password": "nope"})
+    assert wrong.status_code == 200 and "are not correct" in wrong.content.decode()
 
 
 def test_a_rental_page_shows_its_history_and_another_customers_id_is_404(

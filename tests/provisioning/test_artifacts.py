@@ -436,3 +436,15 @@ def test_retention_deletes_the_artifacts_of_rentals_ended_long_enough_ago(
     assert bucket_keys(f"rentals/{old.pk}/") == []
     assert bucket_keys(f"rentals/{recent.pk}/") == [f"rentals/{recent.pk}/output/model.pt"]
     assert storage.artifacts_expire() == 0
+
+
+def test_output_beyond_the_rentals_limit_is_refused_whole(join_agent, rent, object_store, settings):
+    settings.STORAGE = {**settings.STORAGE, "ARTIFACT_MAX_BYTES_PER_RENTAL": 10}
+    agent = join_agent("host-a")
+    rental, run = _placed(rent, agent)
+    assert _sync(agent, rental.pk, run.run_id, {"a.txt": b"123456"}).stored == 1
+    r = _ask(agent, rental.pk, run.run_id, [_file("b.txt", b"12345")])
+    assert r.status_code == 413 and r.json()["code"] == "quota_exceeded"
+    # replacing a file counts its new size, not both
+    assert _ask(agent, rental.pk, run.run_id, [_file("a.txt", b"1234567890")]).status_code == 200
+    assert list(Artifact.objects.values_list("path", flat=True)) == ["a.txt"]

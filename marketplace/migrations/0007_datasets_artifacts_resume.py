@@ -9,7 +9,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('marketplace', '0005_node_measured_reliability'),
+        ('marketplace', '0006_existing_users_verified_addresses'),
     ]
 
     operations = [

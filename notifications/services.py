@@ -1,0 +1,421 @@
+"""Every write of the notifications app: settings, the outbox, deliveries and their attempts.
+
+The outbox: a Notification and its Delivery rows are written in the transaction of the fact
+they report (the lifecycle calls `rental_event_record` in the transition's transaction, billing
+calls `balance_low_notify` / `budget_reached_notify` in its own), and are queued after commit.
+A delivery is attempted under its row lock, so however many times its task runs, a delivered
+row is never sent again; the periodic sweep re-queues what a lost message or a retry left due.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import requests
+from celery import current_app
+from django.conf import settings
+from django.core.mail import EmailMessage
+from django.db import transaction
+from django.utils import timezone
+
+from marketplace.errors import ValidationFailed
+from marketplace.models import Rental, RentalEvent, RentalStatus, User
+from notifications import audience, webhooks
+from notifications.models import (
+    Channel,
+    Delivery,
+    DeliveryState,
+    Notification,
+    NotificationKind,
+    NotificationSettings,
+)
+
+K = NotificationKind
+DELIVER_TASK = "notifications.deliver"
+
+log = logging.getLogger(__name__)
+
+_KIND_BY_STATUS = {
+    RentalStatus.RUNNING: K.RENTAL_STARTED,
+    RentalStatus.FAILED: K.RENTAL_FAILED,
+    RentalStatus.PREEMPTED: K.RENTAL_PREEMPTED,
+    RentalStatus.COMPLETED: K.RENTAL_COMPLETED,
+}
+_RENTAL_VERB = {
+    K.RENTAL_STARTED: "started",
+    K.RENTAL_RESUMED: "resumed",
+    K.RENTAL_FAILED: "failed",
+    K.RENTAL_PREEMPTED: "was preempted",
+    K.RENTAL_COMPLETED: "completed",
+}
+
+
+# --- settings -----------------------------------------------------------------------------------
+
+
+def _kinds_off(kinds: Iterable[str], *, field: str) -> list[str]:
+    """The stored form of a list of kinds switched on: the kinds switched off."""
+    on = set(kinds)
+    unknown = on - set(K.values)
+    if unknown:
+        raise ValidationFailed(f"unknown kind {sorted(unknown)[0]!r}", field=field)
+    return [k for k in K.values if k not in on]
+
+
+@dataclass(frozen=True, slots=True)
+class SettingsChange:
+    settings: NotificationSettings
+    # The new signing secret, present only when this change made one: it is shown once.
+    webhook_secret: str | None
+
+
+@transaction.atomic
+def notification_settings_update(
+    *,
+    owner: User,
+    email_enabled: bool | None = None,
+    email_kinds: Iterable[str] | None = None,
+    webhook_url: str | None = None,
+    webhook_kinds: Iterable[str] | None = None,
+) -> SettingsChange:
+    """Change what is switched on; a webhook URL gets its signing secret the first time."""
+    # Validate everything before writing anything.
+    email_off = None if email_kinds is None else _kinds_off(email_kinds, field="email_kinds")
+    webhook_off = (
+        None if webhook_kinds is None else _kinds_off(webhook_kinds, field="webhook_kinds")
+    )
+    if webhook_url:
+        webhooks.webhook_url_check(webhook_url)
+    row, _ = NotificationSettings.objects.select_for_update().get_or_create(owner=owner)
+    if email_enabled is not None:
+        row.email_enabled = email_enabled
+    if email_off is not None:
+        row.email_off = email_off
+    if webhook_off is not None:
+        row.webhook_off = webhook_off
+    secret = None
+    if webhook_url is not None:
+        row.webhook_url = webhook_url
+        if webhook_url and not row.webhook_secret_salt:
+            secret = _secret_draw(row)
+    row.save()
+    return SettingsChange(settings=row, webhook_secret=secret)
+
+
+def _secret_draw(row: NotificationSettings) -> str:
+    row.webhook_secret_salt = secrets.token_hex(32)
+    row.webhook_secret_rotated_at = timezone.now()
+    return webhooks.webhook_secret(row.webhook_secret_salt)
+
+
+@transaction.atomic
+def webhook_secret_rotate(*, owner: User) -> SettingsChange:
+    """Draw a new signing secret; the old one stops at once. Shown once, in the answer."""
+    row, _ = NotificationSettings.objects.select_for_update().get_or_create(owner=owner)
+    secret = _secret_draw(row)
+    row.save(update_fields=["webhook_secret_salt", "webhook_secret_rotated_at", "updated_at"])
+    return SettingsChange(settings=row, webhook_secret=secret)
+
+
+# --- recording (the outbox) ---------------------------------------------------------------------
+
+
+def notification_record(
+    *,
+    owner: User,
+    kind: str,
+    source_key: str,
+    summary: str,
+    data: dict[str, Any],
+    rental: Rental | None = None,
+    at: datetime | None = None,
+) -> Notification | None:
+    """Record that `owner` is to be told `summary`, with a delivery per channel switched on for
+    the kind, in the caller's transaction; queue them after it commits. Recording the same
+    `source_key` again, or a kind every channel has switched off, records nothing."""
+    with transaction.atomic(savepoint=False):
+        row = NotificationSettings.objects.filter(owner=owner).first()
+        row = row or NotificationSettings(owner=owner)
+        targets: list[tuple[str, str]] = []
+        if row.email_enabled and kind not in row.email_off:
+            targets += [(Channel.EMAIL, address) for address in audience.email_recipients(owner)]
+        if row.webhook_url and kind not in row.webhook_off:
+            targets.append((Channel.WEBHOOK, ""))
+        if not targets:
+            return None
+        at = at or timezone.now()
+        notification = Notification(
+            id=uuid.uuid4(),
+            owner=owner,
+            kind=kind,
+            source_key=source_key,
+            rental=rental,
+            summary=summary[:300],
+            payload=data,
+            created_at=at,
+        )
+        # ON CONFLICT DO NOTHING: a fact recorded twice (a replayed call) stays one notification,
+        # without failing the caller's transaction.
+        Notification.objects.bulk_create([notification], ignore_conflicts=True)
+        if not Notification.objects.filter(pk=notification.pk).exists():
+            return None
+        deliveries = Delivery.objects.bulk_create(
+            Delivery(
+                notification=notification,
+                channel=channel,
+                recipient=recipient,
+                next_attempt_at=at,
+            )
+            for channel, recipient in targets
+        )
+        ids = [d.pk for d in deliveries]
+        transaction.on_commit(lambda: _deliveries_queue(ids))
+        return notification
+
+
+def rental_event_record(*, rental: Rental, event: RentalEvent) -> Notification | None:
+    """The lifecycle's recorder: a rental that started, resumed, failed, was preempted or
+    completed is notified, in the transition's own transaction."""
+    kind = _KIND_BY_STATUS.get(event.to_status)
+    if kind is None:
+        return None
+    if (
+        kind == K.RENTAL_STARTED
+        and RentalEvent.objects.filter(rental=rental, to_status=RentalStatus.RUNNING)
+        .exclude(pk=event.pk)
+        .exists()
+    ):
+        kind = K.RENTAL_RESUMED
+    label = rental.name or f"rental {str(rental.pk)[:8]}"
+    summary = f"{label} {_RENTAL_VERB[kind]}"
+    if event.reason:
+        summary += f": {event.reason}"
+    return notification_record(
+        owner=audience.owner_of_rental(rental),
+        kind=kind,
+        source_key=f"rental-event:{event.pk}",
+        summary=summary,
+        rental=rental,
+        at=event.created_at,
+        data={
+            "rental": {
+                "id": str(rental.pk),
+                "name": rental.name,
+                "status": event.to_status,
+                "previous_status": event.from_status,
+                "reason": event.reason,
+                "gpus": rental.gpus_per_node * rental.node_count,
+                "region": rental.region,
+                "image": rental.image,
+                "started_at": _iso(rental.started_at),
+                "ended_at": _iso(rental.ended_at),
+                "exit_code": rental.exit_code,
+            }
+        },
+    )
+
+
+def balance_low_notify(
+    *, owner: User, notice_id: int, detail: str, available_micros: int, hourly_burn_micros: int
+) -> Notification | None:
+    """Billing found the balance low (or out): tell the owner, in billing's transaction."""
+    return notification_record(
+        owner=owner,
+        kind=K.BALANCE_LOW,
+        source_key=f"balance-notice:{notice_id}",
+        summary=f"Balance low: {detail}",
+        data={
+            "balance": {
+                "available_micros": available_micros,
+                "hourly_burn_micros": hourly_burn_micros,
+                "detail": detail,
+            }
+        },
+    )
+
+
+def budget_reached_notify(
+    *, owner: User, budget_key: str, summary: str, data: dict[str, Any]
+) -> Notification | None:
+    """A budget was reached: tell the owner, in the caller's transaction. `budget_key` names
+    this crossing (e.g. "<budget id>:<period>"), so recording it twice tells once."""
+    return notification_record(
+        owner=owner,
+        kind=K.BUDGET_REACHED,
+        source_key=f"budget:{budget_key}"[:120],
+        summary=summary,
+        data={"budget": data},
+    )
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value else None
+
+
+def _deliveries_queue(ids: Iterable[int]) -> None:
+    """Best effort: with the broker down the sweep queues them later."""
+    try:
+        for pk in ids:
+            current_app.send_task(DELIVER_TASK, args=(pk,))
+    except Exception:
+        log.warning("notification deliveries not queued (broker unreachable); the sweep will")
+
+
+# --- delivery -----------------------------------------------------------------------------------
+
+
+class _Retryable(Exception):
+    def __init__(self, message: str, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class _Permanent(Exception):
+    pass
+
+
+class _Skipped(Exception):
+    pass
+
+
+def notification_body(notification: Notification) -> dict[str, Any]:
+    """What a webhook receives, the same on every attempt."""
+    return {
+        "id": str(notification.pk),
+        "type": notification.kind,
+        "created_at": notification.created_at.isoformat(),
+        "summary": notification.summary,
+        "data": notification.payload,
+    }
+
+
+def _send_webhook(delivery: Delivery, row: NotificationSettings | None, now: datetime) -> int:
+    notification = delivery.notification
+    if row is None or not row.webhook_url or notification.kind in row.webhook_off:
+        raise _Skipped("the webhook was turned off")
+    if not row.webhook_secret_salt:
+        raise _Skipped("the webhook has no signing secret")
+    try:
+        result = webhooks.webhook_post(
+            url=row.webhook_url,
+            secret=webhooks.webhook_secret(row.webhook_secret_salt),
+            event_id=str(notification.pk),
+            timestamp=int(now.timestamp()),
+            body=webhooks.body_encode(notification_body(notification)),
+        )
+    except webhooks.UnresolvableHost as exc:
+        raise _Retryable(exc.message) from exc
+    except webhooks.UnsafeUrl as exc:
+        raise _Permanent(exc.message) from exc
+    except requests.RequestException as exc:
+        raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
+    if not result.ok:
+        raise _Retryable(f"the receiver answered {result.status_code}", result.status_code)
+    return result.status_code
+
+
+def _send_email(delivery: Delivery, row: NotificationSettings | None) -> None:
+    notification = delivery.notification
+    if row is not None and (not row.email_enabled or notification.kind in row.email_off):
+        raise _Skipped("email was turned off")
+    lines = [notification.summary, ""]
+    rental = notification.payload.get("rental")
+    if rental:
+        lines += [f"Rental: {rental['id']}", f"Status: {rental['status']}"]
+        if rental.get("reason"):
+            lines.append(f"Reason: {rental['reason']}")
+    lines += [
+        f"When: {notification.created_at:%Y-%m-%d %H:%M:%S} UTC",
+        "",
+        "Choose what you are told on the Notifications page of gpumarket.",
+    ]
+    message = EmailMessage(
+        subject=f"[gpumarket] {notification.summary}"[:200],
+        body="\n".join(lines),
+        to=[delivery.recipient],
+        headers={"X-Gpumarket-Event-Id": str(notification.pk)},
+    )
+    try:
+        message.send()
+    except OSError as exc:  # smtplib.SMTPException is an OSError
+        raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _backoff(attempts: int) -> timedelta:
+    base = settings.NOTIFICATIONS_RETRY_BASE_S
+    return timedelta(
+        seconds=min(base * 2 ** (attempts - 1), settings.NOTIFICATIONS_RETRY_MAX_DELAY_S)
+    )
+
+
+def delivery_attempt(*, delivery_id: int, now: datetime | None = None) -> str | None:
+    """Make one attempt of a due delivery; returns its state after, or None when there was
+    nothing to do (delivered already, not due yet, or being attempted by another worker).
+
+    The row stays locked for the attempt, so two runs of the same task cannot both send; the
+    receiver sees the same event id on every attempt, so one that succeeded but could not be
+    recorded (the worker died) is recognised as a repeat."""
+    with transaction.atomic():
+        delivery = (
+            Delivery.objects.select_for_update(of=("self",), skip_locked=True)
+            .select_related("notification")
+            .filter(pk=delivery_id, state=DeliveryState.PENDING)
+            .first()
+        )
+        now = now or timezone.now()
+        if delivery is None or delivery.next_attempt_at > now:
+            return None
+        row = NotificationSettings.objects.filter(owner_id=delivery.notification.owner_id).first()
+        delivery.last_attempt_at = now
+        try:
+            delivery.attempts += 1
+            if delivery.channel == Channel.WEBHOOK:
+                delivery.last_status_code = _send_webhook(delivery, row, now)
+            else:
+                _send_email(delivery, row)
+        except _Skipped as exc:
+            delivery.attempts -= 1
+            delivery.state = DeliveryState.SKIPPED
+            delivery.last_error = str(exc)
+        except _Permanent as exc:
+            delivery.state = DeliveryState.FAILED
+            delivery.last_error = str(exc)[:500]
+        except _Retryable as exc:
+            delivery.last_status_code = exc.status_code
+            delivery.last_error = str(exc)[:500]
+            if delivery.attempts >= settings.NOTIFICATIONS_MAX_ATTEMPTS:
+                delivery.state = DeliveryState.FAILED
+            else:
+                delivery.next_attempt_at = now + _backoff(delivery.attempts)
+        else:
+            delivery.state = DeliveryState.DELIVERED
+            delivery.delivered_at = now
+            delivery.last_error = ""
+        delivery.save()
+    log.info(
+        "notification delivery %s (%s) attempt %s: %s",
+        delivery.pk,
+        delivery.channel,
+        delivery.attempts,
+        delivery.state,
+    )
+    return delivery.state
+
+
+def deliveries_due_queue(*, now: datetime | None = None, limit: int = 1000) -> int:
+    """Queue the pending deliveries that are due (a retry whose time came, a message the broker
+    lost); a delivery queued twice is attempted once (see delivery_attempt)."""
+    now = now or timezone.now()
+    ids = list(
+        Delivery.objects.filter(state=DeliveryState.PENDING, next_attempt_at__lte=now)
+        .order_by("next_attempt_at")
+        .values_list("pk", flat=True)[:limit]
+    )
+    _deliveries_queue(ids)
+    return len(ids)
