@@ -202,13 +202,19 @@ def test_an_interruptible_rental_resumes_on_another_host_from_its_synced_checkpo
             RunMetric.objects.filter(rental_id=rental_id).values_list("run_id", "event", "step")
         )
         raise AssertionError(f"{rental.status} {rental.status_reason}: {events}") from None
-    # the second placement's steps continued from the checkpoint, not from 0
-    steps_after = list(
-        RunMetric.objects.filter(
-            rental_id=rental_id, run_id=resumed.run_id, event="step"
-        ).values_list("step", flat=True)
+    # the second placement continued from the checkpoint, not from 0: its summary counts only
+    # the steps after it, and its step events start after it
+    events = list(
+        RunMetric.objects.filter(rental_id=rental_id).values_list("run_id", "event", "step")
     )
-    assert steps_after and min(steps_after) > resumed.data["start_step"]
+    summary = RunMetric.objects.filter(
+        rental_id=rental_id, run_id=resumed.run_id, event="summary"
+    ).first()
+    assert summary is not None, events
+    assert summary.data["steps"] == STEPS
+    assert summary.data["steps_this_run"] == STEPS - resumed.data["start_step"] < STEPS
+    steps_after = [step for run, event, step in events if run == resumed.run_id and event == "step"]
+    assert steps_after and min(steps_after) > resumed.data["start_step"], events
     assert max(_synced_steps(rental_id)) == STEPS
 
     # and `gpumarket artifacts pull` downloads it, and torch.load opens it
