@@ -63,15 +63,28 @@ def _chromium(env: dict[str, str]) -> None:
     browser = env.get("GPUMARKET_CHROMIUM") or shutil.which("chromium")
     driver = env.get("GPUMARKET_CHROMEDRIVER") or shutil.which("chromedriver")
     if not (browser and driver):
-        apt = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *CHROMIUM_PACKAGES]
-        apt_env = {**env, "DEBIAN_FRONTEND": "noninteractive"}
-        if subprocess.run(apt, env=apt_env, check=False).returncode != 0:
-            subprocess.run(["apt-get", "update", "-q"], env=apt_env, check=True, timeout=600)
-            subprocess.run(apt, env=apt_env, check=True, timeout=900)
+        _apt_install(CHROMIUM_PACKAGES, env)
         browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
     if not (browser and driver):
         raise RuntimeError("Chromium or ChromeDriver is missing after installing them")
     env.update(GPUMARKET_CHROMIUM=browser, GPUMARKET_CHROMEDRIVER=driver)
+
+
+def _apt_install(packages: tuple[str, ...], env: dict[str, str]) -> None:
+    """Debian's packages, refreshing the package lists only when the first try fails."""
+    apt = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages]
+    apt_env = {**env, "DEBIAN_FRONTEND": "noninteractive"}
+    if subprocess.run(apt, env=apt_env, check=False).returncode != 0:
+        subprocess.run(["apt-get", "update", "-q"], env=apt_env, check=True, timeout=600)
+        subprocess.run(apt, env=apt_env, check=True, timeout=900)
+
+
+def _openssh_client(env: dict[str, str]) -> None:
+    """The ssh client of the SSH tests (a real client logs in to a rental's container)."""
+    if not (shutil.which("ssh") and shutil.which("ssh-keygen")):
+        _apt_install(("openssh-client",), env)
+    if not (shutil.which("ssh") and shutil.which("ssh-keygen")):
+        raise RuntimeError("ssh or ssh-keygen is missing after installing openssh-client")
 
 
 def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 30) -> None:
@@ -162,6 +175,8 @@ def cmd_test(pytest_args: list[str]) -> int:
         _docker_engine(env)
         print("== chromium for the browser tests", flush=True)
         _chromium(env)
+        print("== openssh client for the SSH tests", flush=True)
+        _openssh_client(env)
         print("== localstripe", flush=True)
         stripe_server = _localstripe(env)
         print("== pytest", flush=True)

@@ -8,6 +8,8 @@
     gpumarket data push PATH [--name NAME] | data ls | data rm NAME
     gpumarket rent ... --data NAME --resume-from RENTAL
     gpumarket artifacts ls RENTAL | artifacts pull RENTAL [DEST]
+    gpumarket ssh-key add ~/.ssh/id_ed25519.pub | ssh-key ls | ssh-key rm ID
+    gpumarket rent --ssh ... ; gpumarket ssh-command ID     (ssh -p PORT harness@HOST)
     gpumarket notify show | set --webhook-url URL --email-off rental.started | deliveries
 
 Every command takes `--json`: it prints the server's answer as JSON instead of a table (one JSON
@@ -166,6 +168,8 @@ def run(args: argparse.Namespace, api: Api) -> str:
             body["datasets"] = args.data
         if args.resume_from:
             body["resume_from"] = args.resume_from
+        if args.ssh:
+            body["ssh"] = True
         rental = api.call("POST", "/api/v1/rentals/", json=body)
         return f"{rental['id']} {rental['status']}"
     if args.command == "rentals":
@@ -191,6 +195,8 @@ def run(args: argparse.Namespace, api: Api) -> str:
         rows = list(cli_transfer.pages(api, f"/api/v1/rentals/{args.rental}/artifacts/"))
         api.last = rows
         return _table(rows, ["path", "size_bytes", "reason", "synced_at"]) if rows else "none"
+    if args.command in ("ssh-key", "ssh-command"):
+        return _ssh_run(args, api)
     if args.command == "balance":
         account = api.call("GET", "/api/v1/billing/account/")
         return "  ".join(
@@ -218,6 +224,29 @@ def _data_run(args: argparse.Namespace, api: Api) -> str:
         raise CliError(f"no dataset {args.dataset}")
     api.call("DELETE", f"/api/v1/datasets/{match[0]['id']}/")
     return f"removed {match[0]['name']}"
+
+
+def _ssh_run(args: argparse.Namespace, api: Api) -> str:
+    """SSH keys of the account, and the way into a rental."""
+    if args.command == "ssh-command":
+        rental = api.call("GET", f"/api/v1/rentals/{args.id}/")
+        commands = [a["command"] for a in rental.get("access", []) if a["command"]]
+        if not commands:
+            raise CliError(f"no SSH into {args.id} now (status {rental['status']})")
+        return "\n".join(commands)
+    if args.action == "ls":
+        rows = api.call("GET", "/api/v1/ssh-keys/")
+        return _table(rows, ["id", "name", "key_type", "bits", "fingerprint", "created_at"])
+    if args.action == "rm":
+        api.call("DELETE", f"/api/v1/ssh-keys/{args.key}/")
+        return f"removed {args.key}"
+    try:
+        text = sys.stdin.read() if args.key == "-" else Path(args.key).read_text()
+    except OSError as exc:
+        raise CliError(f"cannot read {args.key}: {exc.strerror}") from None
+    body = {"public_key": text, **({"name": args.name} if args.name else {})}
+    key = api.call("POST", "/api/v1/ssh-keys/", json=body)
+    return f"{key['id']} {key['key_type']} {key['fingerprint']} {key['name']}"
 
 
 def _kinds(text: str | None) -> set[str]:
@@ -345,6 +374,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rent.add_argument("--resume-from", help="a rental: start from its last synced checkpoint")
     rent.add_argument("cmd", nargs="*", help="the command (after --)")
+    rent.add_argument("--ssh", action="store_true", help="an sshd for your SSH keys")
+    keys = sub.add_parser("ssh-key", help="your SSH public keys")
+    key_sub = keys.add_subparsers(dest="action", required=True)
+    add_key = key_sub.add_parser("add", help="add a public key")
+    add_key.add_argument("key", metavar="FILE", help="the .pub file, or - for standard input")
+    add_key.add_argument("--name")
+    key_sub.add_parser("ls", help="list them")
+    key_sub.add_parser("rm", help="remove one").add_argument("key", metavar="ID", type=int)
+    sub.add_parser("ssh-command", help="the ssh command into a rental").add_argument("id")
     sub.add_parser("rentals", help="your rentals")
     for name in ("show", "metrics", "stop", "cancel"):
         sub.add_parser(name).add_argument("id")

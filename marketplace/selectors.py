@@ -17,6 +17,7 @@ from marketplace.advisor.compute import Topology
 from marketplace.advisor.layouts import Run, fewest_fitting
 from marketplace.advisor.presets import ModelShape, with_run
 from marketplace.errors import NotFound
+from marketplace.lifecycle import ACTIVE
 from marketplace.models import (
     AdvisorPrior,
     Allocation,
@@ -31,6 +32,7 @@ from marketplace.models import (
     Rental,
     RentalDataset,
     RentalEvent,
+    SshKey,
     User,
 )
 from scheduler.engine import types as engine
@@ -265,8 +267,9 @@ def rental_list(*, customer: User, status: str | None = None) -> QuerySet[Rental
 
 
 def rental_get(*, customer: User, rental_id) -> Rental | None:
-    """One of the customer's rentals with its history and GPUs; another account's id is None."""
-    return (
+    """One of the customer's rentals with its history, its GPUs and how to reach it (`access`,
+    see rental_access); another account's id is None."""
+    rental = (
         Rental.objects.filter(customer=customer, pk=rental_id)
         .prefetch_related(
             Prefetch("events", queryset=RentalEvent.objects.order_by("created_at", "id")),
@@ -280,6 +283,9 @@ def rental_get(*, customer: User, rental_id) -> Rental | None:
         )
         .first()
     )
+    if rental is not None:
+        rental.access = rental_access(rental)
+    return rental
 
 
 def provider_list(*, owner: User) -> QuerySet[Provider]:
@@ -461,3 +467,49 @@ def rentals_dataset_files(rental_ids: Iterable) -> dict:
     for link in links:
         found.setdefault(link.rental_id, []).append((link.dataset, list(link.dataset.files.all())))
     return found
+
+
+# -- SSH access ----------------------------------------------------------------------------------
+
+# The login name shown in a rental's ssh command: the user of the harness image (uid 1000), the
+# user rental containers run as.
+SSH_LOGIN = "harness"
+
+
+def ssh_key_scope(*, user: User) -> QuerySet[SshKey]:
+    """The SSH keys `user` may list, delete and log in with: the one place that says who owns
+    a key (the account now; its team once keys belong to teams)."""
+    return SshKey.objects.filter(owner=user)
+
+
+def ssh_key_list(*, user: User) -> QuerySet[SshKey]:
+    return ssh_key_scope(user=user).order_by("-created_at", "-id")
+
+
+def rental_ssh_keys(rentals: Iterable[Rental]) -> dict:
+    """rental pk -> the public key lines allowed into its sshd, for the rentals that asked for
+    SSH (one query for all of them)."""
+    wanted = [rental for rental in rentals if rental.ssh]
+    if not wanted:
+        return {}
+    lines: dict[int, list[str]] = {}
+    keys = SshKey.objects.filter(owner_id__in={rental.customer_id for rental in wanted})
+    for owner_id, line in keys.order_by("id").values_list("owner_id", "public_key"):
+        lines.setdefault(owner_id, []).append(line)
+    return {rental.pk: tuple(lines.get(rental.customer_id, ())) for rental in wanted}
+
+
+def rental_access(rental: Rental) -> list[dict]:
+    """How to reach the rental's running container: each published port with where it is
+    published and, for SSH, the command. Read from its runs' last reports (provisioning's
+    ContainerRun, through the reverse relation: no import of that app)."""
+    if rental.status not in ACTIVE:
+        return []
+    access = []
+    for run in rental.runs.filter(status="running").order_by("id"):
+        for port in run.published or []:
+            entry = {**port, "command": ""}
+            if port.get("container_port") == 22 and rental.ssh:
+                entry["command"] = f"ssh -p {port['host_port']} {SSH_LOGIN}@{port['host']}"
+            access.append(entry)
+    return access

@@ -79,6 +79,7 @@ from nodeagent.client import (
     backoff_delay,
 )
 from nodeagent.config import AgentConfig, ConfigError
+from nodeagent.publish import Publisher, wanted_ports
 from nodeagent.reconcile import plan_reconcile
 from nodeagent.runtime import create_driver
 from nodeagent.runtime.base import (
@@ -319,6 +320,7 @@ class Agent:
             token=lambda: self._credentials.node_token if self._credentials else None,
             request_timeout_s=config.request_timeout_s,
         )
+        self._publisher = Publisher(config.publish)
 
     # -- the program ---------------------------------------------------------------------------
 
@@ -406,6 +408,7 @@ class Agent:
         # A sync in progress is dropped: the next agent uploads again what was not committed.
         self._syncer.close()
         self._cache.close()
+        self._publisher.close()
         if self._watchdog is not None:
             self._watchdog.close()
         self._client.close()
@@ -539,6 +542,7 @@ class Agent:
         self._forget(desired, actual)
         self.ledger.flush()
         self._reconcile(desired, actual, now)
+        self._publisher.reconcile(wanted_ports(desired, actual))
         metrics_module.SPOOL_DEPTH.set(len(self.spool))
         if answer.run_benchmark:
             if self.config.once:
@@ -733,6 +737,7 @@ class Agent:
                 exit_code=state.exit_code,
                 started_at=state.started_at,
                 finished_at=state.finished_at,
+                published=self._publisher.published(state.run_id),
             )
             if state.status == ContainerStatus.EXITED:
                 if live.log_tail is None:

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from nodeagent.benchmark import DEFAULT_COMMAND
+from nodeagent.publish import PublishConfig
 
 DEV_ENV_FILE = os.path.join(".var", "dev", "agent.env")
 DEV_PRESETS = {
@@ -53,6 +54,10 @@ _OPTIONS: dict[str, tuple[str, str | None]] = {
     "metrics_port": ("GPUMARKET_METRICS_PORT", "0"),
     "metrics_address": ("GPUMARKET_METRICS_ADDRESS", "127.0.0.1"),
     "cache_gb": ("GPUMARKET_CACHE_GB", "100"),
+    # Published ports of rentals (SSH): see nodeagent/publish.py
+    "publish_ports": ("GPUMARKET_PUBLISH_PORTS", "42000-42999"),
+    "publish_address": ("GPUMARKET_PUBLISH_ADDRESS", "0.0.0.0"),
+    "public_host": ("GPUMARKET_PUBLIC_HOST", None),
 }
 
 
@@ -89,6 +94,7 @@ class AgentConfig:
     metrics_address: str = "127.0.0.1"
     # The node's cache of staged files (datasets, resume checkpoints), least recently used out.
     cache_max_bytes: int = 100 * 1024**3
+    publish: PublishConfig | None = None  # None: no port of a rental is published
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,6 +138,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--cache-gb",
         help="size of the node's cache of staged datasets and checkpoints "
         "[GPUMARKET_CACHE_GB] (100)",
+    )
+    add(
+        "--publish-ports",
+        help="host ports for rentals' published ports (SSH), FIRST-LAST, or 'off' "
+        "[GPUMARKET_PUBLISH_PORTS] (42000-42999)",
+    )
+    add("--publish-address", help="address they listen on [GPUMARKET_PUBLISH_ADDRESS] (0.0.0.0)")
+    add(
+        "--public-host",
+        help="the name or address customers reach this node at [GPUMARKET_PUBLIC_HOST] "
+        "(the hostname)",
     )
     add("--once", action="store_true", help="one heartbeat and reconcile, then exit")
     add("--dev-local", action="store_true", help=f"the dev stack's profile (reads {DEV_ENV_FILE})")
@@ -228,6 +245,12 @@ def load_config(
         raise ConfigError("the disk quota is 0 (none) or at least 16 MiB")
     if cache_gb <= 0:
         raise ConfigError("--cache-gb must be positive")
+    hostname = get("hostname") or socket.gethostname()
+    publish = _publish_config(
+        get("publish_ports") or "off",
+        address=get("publish_address") or "0.0.0.0",
+        host=get("public_host") or hostname,
+    )
     benchmark_command = tuple(shlex.split(get("benchmark_command") or ""))
     if not benchmark_command:
         raise ConfigError("the benchmark command is empty")
@@ -239,7 +262,7 @@ def load_config(
         gpu_mode=gpu_mode,
         telemetry=telemetry,
         simulate_gpus=simulate_gpus,
-        hostname=get("hostname") or socket.gethostname(),
+        hostname=hostname,
         volume_root=os.path.abspath(get("volume_root") or ""),
         process_dir=os.path.abspath(get("process_dir") or ""),
         interval_s=interval,
@@ -256,4 +279,19 @@ def load_config(
         metrics_port=metrics_port,
         metrics_address=get("metrics_address") or "127.0.0.1",
         cache_max_bytes=int(cache_gb * 1024**3),
+        publish=publish,
     )
+
+
+def _publish_config(ports: str, *, address: str, host: str) -> PublishConfig | None:
+    if ports.strip().lower() in ("off", "0", "none"):
+        return None
+    first, sep, last = ports.partition("-")
+    try:
+        return PublishConfig(
+            address=address, host=host, first_port=int(first), last_port=int(last if sep else first)
+        )
+    except ValueError:
+        raise ConfigError(
+            f"--publish-ports must be FIRST-LAST within 1-65535 or 'off', not {ports!r}"
+        ) from None

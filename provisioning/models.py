@@ -81,6 +81,8 @@ class ContainerRun(models.Model):
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
     log_tail = models.TextField(blank=True)
+    # The ports the agent publishes while the run runs: [{container_port, host, host_port}].
+    published = models.JSONField(default=list, blank=True)
     last_report_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 

@@ -14,8 +14,15 @@
 #     /usr/local/lib/python3.11/dist-packages by the host's pip (cp311 manylinux wheels, the same
 #     versions as the project's virtualenv), not a conda/pip environment of the CUDA base;
 #   - the harness code is a second, cheap layer (`FROM <base>` + `COPY harness`), so changing
-#     harness code rebuilds in seconds while the base is reused.
-# Both images run the harness as the non-root user `harness` (uid/gid 1000) with /workspace as
+#     harness code rebuilds in seconds while the base is reused;
+#   - OpenSSH's server (for rentals that ask for SSH) is a layer of its own between the two: its
+#     .debs (and the libraries they need that the base lacks) are downloaded from the same
+#     mirror with a private apt state resolved against the base's package list, unpacked without
+#     maintainer scripts (none is needed: the agent starts sshd as the container's user with a
+#     configuration and host key of its own) and cached as a tarball, so adding it never
+#     re-runs debootstrap.
+# Both images carry OpenSSH's server (the agent starts it for rentals that ask for SSH) and
+# run the harness as the non-root user `harness` (uid/gid 1000) with /workspace as
 # the working directory (the rental's volume) and `python -m harness` available.
 #
 # Idempotent and cached:
@@ -23,6 +30,7 @@
 #     versions + recipe version) changes; the key is stored in the image as GPUMARKET_BASE_KEY;
 #   - the root filesystem tarball is cached under .var/cache/harness-rootfs/ (git-ignored), so an
 #     engine with an empty data root re-imports it without another debootstrap;
+#   - the sshd tarball is cached beside it under a key of the base key and the sshd recipe;
 #   - the harness layer relies on the builder's cache for COPY (unchanged code: no new layer).
 #
 # Settings (environment): GPUMARKET_HARNESS_IMAGE, GPUMARKET_HARNESS_BASE_IMAGE,
@@ -39,6 +47,9 @@ MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 SUITE=bookworm
 # Bump when the recipe below changes in a way the package versions do not capture.
 RECIPE_VERSION=3
+# The sshd layer's recipe: bump when the packages or their unpacking below change.
+SSHD_PACKAGES=(openssh-server)
+SSHD_RECIPE_VERSION=1
 HARNESS_UID=1000
 
 log() { echo "build-offline: $*" >&2; }
@@ -160,6 +171,55 @@ import_base() {
         "$TARBALL" "$BASE_IMAGE" >/dev/null
 }
 
+SSHD_KEY="$(printf '%s\n' "$BASE_KEY" "$SSHD_RECIPE_VERSION" "$MIRROR" "${SSHD_PACKAGES[@]}" |
+    sha256sum | cut -c1-16)"
+SSHD_TARBALL="$CACHE/sshd-$SSHD_KEY.tar"
+
+build_sshd_tarball() {  # needs the base image: apt resolves against its package list
+    local work="$CACHE/sshd.$$"
+    trap 'rm -rf "'"$work"'"' EXIT
+    mkdir -p "$work/lists/partial" "$work/archives/partial" "$work/root"
+    docker run --rm --network none --entrypoint cat "$BASE_IMAGE" /var/lib/dpkg/status \
+        >"$work/status"
+    echo "deb $MIRROR $SUITE main" >"$work/sources.list"
+    local apt_opts=(-q -o "Dir::Etc::SourceList=$work/sources.list"
+        -o Dir::Etc::SourceParts=/dev/null -o "Dir::State::Lists=$work/lists"
+        -o "Dir::Cache=$work" -o "Dir::Cache::Archives=$work/archives"
+        -o "Dir::State::status=$work/status" -o APT::Sandbox::User=root -o Debug::NoLocking=1)
+    log "downloading ${SSHD_PACKAGES[*]} and what the base lacks for it ($SUITE, $MIRROR)"
+    apt-get "${apt_opts[@]}" update >&2
+    apt-get "${apt_opts[@]}" -y --no-install-recommends install --download-only \
+        "${SSHD_PACKAGES[@]}" >&2
+    local deb
+    for deb in "$work"/archives/*.deb; do
+        case "$(basename "$deb")" in
+            # Helpers of maintainer scripts and init systems, which are not run here.
+            procps_* | libproc2-* | runit-helper_* | ucf_* | sensible-utils_*) continue ;;
+        esac
+        dpkg-deb -x "$deb" "$work/root"
+    done
+    # bookworm's root is merged-/usr (/bin, /sbin and /lib are links into /usr): a real /bin
+    # directory in the layer would replace the link and hide the base's programs.
+    local top
+    for top in bin sbin lib lib64; do
+        if [[ -d "$work/root/$top" && ! -L "$work/root/$top" ]]; then
+            mkdir -p "$work/root/usr/$top"
+            cp -a "$work/root/$top/." "$work/root/usr/$top/"
+            rm -rf "${work:?}/root/$top"
+        fi
+    done
+    # ssh-keysign is setuid root (host-based authentication, never used here); the rest is
+    # documentation and init-system glue.
+    rm -rf "$work"/root/usr/lib/openssh/ssh-keysign "$work"/root/usr/lib/systemd \
+        "$work"/root/usr/share/{doc,man,lintian,openssh,runit} "$work"/root/etc/{init.d,default,ufw,pam.d,runit,sv} \
+        "$work"/root/var
+    tar --numeric-owner --owner=0 --group=0 -C "$work/root" -cf "$SSHD_TARBALL.tmp" .
+    mv "$SSHD_TARBALL.tmp" "$SSHD_TARBALL"
+    find "$CACHE" -maxdepth 1 -name 'sshd-*.tar' ! -name "sshd-$SSHD_KEY.tar" -delete
+    rm -rf "$work"
+    trap - EXIT
+}
+
 if [[ "$(base_key_of_image)" == "$BASE_KEY" ]]; then
     log "base image $BASE_IMAGE is current (key $BASE_KEY)"
 else
@@ -167,9 +227,13 @@ else
     import_base
 fi
 
-# The harness layer: a tiny local build context with only the harness package.
+[[ -s "$SSHD_TARBALL" ]] || build_sshd_tarball
+
+# The sshd and harness layers: a tiny local build context with the sshd tarball and the harness
+# package.
 CONTEXT="$(mktemp -d)"
 trap 'rm -rf "$CONTEXT"' EXIT
+cp "$SSHD_TARBALL" "$CONTEXT/sshd.tar"
 if [[ -d "$REPO_ROOT/harness" ]]; then
     cp -a "$REPO_ROOT/harness" "$CONTEXT/harness"
     find "$CONTEXT/harness" -name '__pycache__' -type d -prune -exec rm -rf {} +
@@ -179,6 +243,7 @@ else
 fi
 cat >"$CONTEXT/Dockerfile" <<EOF
 FROM $BASE_IMAGE
+ADD sshd.tar /
 COPY harness /opt/harness/harness
 LABEL org.opencontainers.image.title="gpumarket-harness (offline, CPU)" \\
       gpumarket.harness.base-key="$BASE_KEY"
@@ -196,6 +261,7 @@ if [[ "$before" != "$after" ]]; then
     log "smoke test of $IMAGE"
     docker run --rm --network none "$IMAGE" python -c \
         "import torch, numpy, sklearn, scipy, yaml; print('torch', torch.__version__)" >&2
+    docker run --rm --network none "$IMAGE" /usr/sbin/sshd -V 2>&1 | head -n 1 >&2
 fi
 log "built $IMAGE ($(docker image inspect --format '{{.Size}}' "$IMAGE" | numfmt --to=iec))"
 echo "$IMAGE"

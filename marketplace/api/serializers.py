@@ -262,6 +262,9 @@ class RentalCreateSerializer(serializers.Serializer):
     duration_s = serializers.IntegerField(required=False, min_value=60, max_value=30 * 86400)
     end_at = BoundedDateTimeField(required=False)
     runtime = RuntimeSerializer()
+    ssh = serializers.BooleanField(
+        required=False, default=False, help_text="an sshd in the container for your SSH keys"
+    )
     datasets = serializers.ListField(
         child=serializers.CharField(max_length=80),
         required=False,
@@ -342,17 +345,52 @@ class RentalSerializer(serializers.Serializer):
     harness_config = serializers.JSONField()
     ports = serializers.ListField(child=serializers.IntegerField())
     resume_from = serializers.UUIDField(source="resume_from_id", allow_null=True)
+    ssh = serializers.BooleanField()
     created_at = serializers.DateTimeField()
+
+
+class RentalAccessSerializer(serializers.Serializer):
+    """A published port of the rental's running container."""
+
+    container_port = serializers.IntegerField()
+    host = serializers.CharField(help_text="the node's public name or address")
+    host_port = serializers.IntegerField()
+    command = serializers.CharField(help_text="for SSH: the command that logs in; else empty")
 
 
 class RentalDetailSerializer(RentalSerializer):
     events = RentalEventSerializer(many=True)
     allocations = AllocationSerializer(many=True)
     log_tail = serializers.CharField()
+    access = RentalAccessSerializer(
+        many=True, help_text="how to reach the running container (SSH), once its ports listen"
+    )
     datasets = serializers.SerializerMethodField(help_text="the datasets the rental reads")
 
     def get_datasets(self, rental) -> list[str]:
         return [link.dataset.name for link in rental.dataset_links.all()]
+
+
+class SshKeySerializer(serializers.Serializer):
+    id = serializers.IntegerField()
+    name = serializers.CharField()
+    key_type = serializers.CharField()
+    bits = serializers.IntegerField()
+    fingerprint = serializers.CharField(help_text="SHA256:..., as ssh-keygen -l shows it")
+    comment = serializers.CharField()
+    public_key = serializers.CharField(help_text="TYPE BASE64, without the comment")
+    created_at = serializers.DateTimeField()
+
+
+class SshKeyCreateSerializer(serializers.Serializer):
+    public_key = serializers.CharField(
+        max_length=16 * 1024, trim_whitespace=False, help_text="one OpenSSH public key line"
+    )
+    name = serializers.CharField(max_length=80, required=False, default="", allow_blank=True)
+
+    def validate(self, attrs):
+        refuse_unknown(self)
+        return attrs
 
 
 class MeSerializer(serializers.Serializer):

@@ -27,11 +27,14 @@ from marketplace.api.serializers import (
     RentalDetailSerializer,
     RentalListQuerySerializer,
     RentalSerializer,
+    SshKeyCreateSerializer,
+    SshKeySerializer,
 )
 from marketplace.errors import NotFound
 from marketplace.lifecycle import rental_cancel, rental_stop
 from marketplace.models import ApiToken
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
+from marketplace.services.sshkeys import ssh_key_add, ssh_key_delete
 
 
 class GpuModelViewSet(viewsets.ReadOnlyModelViewSet):
@@ -108,6 +111,31 @@ class ApiTokenRevokeView(APIView):
     def post(self, request: Request, token_id: int) -> Response:
         token = services.api_token_revoke(user=request.user, token_id=token_id)
         return Response(ApiTokenSerializer(token).data)
+
+
+class SshKeyListCreateView(APIView):
+    """Your SSH public keys: rentals that ask for SSH let them in. A malformed key, a weak one
+    or one already on your account is refused (400, field `public_key`)."""
+
+    @extend_schema(responses=SshKeySerializer(many=True))
+    def get(self, request: Request) -> Response:
+        return Response(SshKeySerializer(selectors.ssh_key_list(user=request.user), many=True).data)
+
+    @extend_schema(request=SshKeyCreateSerializer, responses={201: SshKeySerializer})
+    def post(self, request: Request) -> Response:
+        body = SshKeyCreateSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        key = ssh_key_add(owner=request.user, **body.validated_data)
+        return Response(SshKeySerializer(key).data, status=status.HTTP_201_CREATED)
+
+
+class SshKeyDetailView(APIView):
+    """Remove one of your SSH keys; another account's key id answers 404."""
+
+    @extend_schema(request=None, responses={204: None})
+    def delete(self, request: Request, key_id: int) -> Response:
+        ssh_key_delete(owner=request.user, key_id=key_id)
+        return Response(status=status.HTTP_204_NO_CONTENT)
 
 
 class MeView(APIView):

@@ -11,6 +11,7 @@ from marketplace.models.rentals import (
     RentalKind,
     RentalStatus,
 )
+from marketplace.models.sshkeys import SshKey
 from marketplace.models.storage import (
     Artifact,
     Dataset,
@@ -41,6 +42,7 @@ __all__ = [
     "RentalEvent",
     "RentalKind",
     "RentalStatus",
+    "SshKey",
     "User",
     "artifact_key",
 ]

@@ -72,6 +72,8 @@ class Rental(models.Model):
     resume_from = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
+    # An sshd in the container for the customer's SSH keys (marketplace.models.sshkeys).
+    ssh = models.BooleanField(default=False)
 
     # What happened.
     price_per_gpu_hour = models.DecimalField(

@@ -17,6 +17,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from marketplace import selectors
 from marketplace.errors import ValidationFailed
 from marketplace.lifecycle import rental_submit
 from marketplace.models import (
@@ -76,6 +77,7 @@ class RentalRequest:
     datasets: tuple[str, ...] = ()
     # An earlier rental of the customer's whose last synced checkpoint the run starts from.
     resume_from: uuid.UUID | None = None
+    ssh: bool = False  # an sshd in the container for the account's SSH keys
 
 
 def _harness_config(runtime: RuntimeSpec) -> dict | None:
@@ -228,6 +230,8 @@ def rental_create(*, customer: User, request: RentalRequest) -> Rental:
         unknown = sorted(set(request.gpu_models) - known)
         if unknown:
             raise ValidationFailed(f"unknown GPU model: {', '.join(unknown)}", field="gpu_models")
+    if request.ssh and not selectors.ssh_key_scope(user=customer).exists():
+        raise ValidationFailed("add an SSH public key to your account first", field="ssh")
     resume_from = (
         rental_owned(customer=customer, rental_id=request.resume_from)
         if request.resume_from is not None
@@ -262,6 +266,7 @@ def rental_create(*, customer: User, request: RentalRequest) -> Rental:
             harness_config=_harness_config(request.runtime),
             env=request.runtime.env,
             ports=request.runtime.ports,
+            ssh=request.ssh,
             resume_from=resume_from,
         )
         RentalDataset.objects.bulk_create(

@@ -10,5 +10,6 @@ urlpatterns = [
     path("rentals/<uuid:rental_id>/", views.rental_detail, name="web-rental"),
     path("datasets/", views.datasets, name="web-datasets"),
     path("tokens/", views.tokens, name="web-tokens"),
+    path("ssh-keys/", views.ssh_keys, name="web-ssh-keys"),
     path("provider/", views.provider, name="web-provider"),
 ]

@@ -171,6 +171,12 @@ def tokens(request: HttpRequest) -> HttpResponse:
 
 @require_GET
 @login_required
+def ssh_keys(request: HttpRequest) -> HttpResponse:
+    return render(request, "web/ssh_keys.html", {"keys": selectors.ssh_key_list(user=request.user)})
+
+
+@require_GET
+@login_required
 def provider(request: HttpRequest) -> HttpResponse:
     """For provider owners: each provider's nodes (prices, drain / relist), a join token for a
     new host, and earnings."""

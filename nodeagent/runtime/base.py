@@ -125,6 +125,9 @@ class ContainerState:
     ports: Mapping[int, int]  # container port -> host port
     node_id: str | None = None
     oom_killed: bool = False  # killed by the kernel for exceeding memory_limit_mb (Docker only)
+    # A process in the run's network namespace while it runs (Docker only): the agent enters
+    # that namespace to publish the run's ports (nodeagent/publish.py).
+    netns_pid: int | None = None
 
     @classmethod
     def missing(cls, run_id: str, rental_id: str = "") -> ContainerState:

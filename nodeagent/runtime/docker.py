@@ -10,9 +10,11 @@ Tenant isolation (nothing a rental's container does reaches another rental, the 
   removed with its last container. `network_policy="internal"` (the default) gives no egress at
   all and no address of the host on the bridge (`inhibit_ipv4`), which holds even on engines
   without iptables (`dockerd --iptables=false`, deploy/docker-engine.sh): the container's only
-  route leads to an address nobody has. Rental ports are then not published (a port needs a
-  route to the host, which is exactly what is taken away). `network_policy="egress"` gives
-  internet access with NAT and published ports, and needs the engine's iptables (DOCKER-USER):
+  route leads to an address nobody has. The engine cannot publish ports of such a network (a
+  port needs a route to the host, which is exactly what is taken away): the agent publishes
+  them itself, entering the container's network namespace from the host side
+  (nodeagent/publish.py), under either policy. `network_policy="egress"` gives
+  internet access with NAT, and needs the engine's iptables (DOCKER-USER):
   the driver installs, idempotently, rules dropping everything from `gpm-*` bridges to private,
   link-local, metadata and multicast ranges and to the host itself; where it cannot (no root, no
   iptables, an engine without DOCKER-USER), starts are refused, saying why. IPv6 is switched off
@@ -70,6 +72,7 @@ from nodeagent.runtime.base import (
     RuntimeDriverError,
     run_env,
 )
+from nodeagent.runtime.sshd import LAUNCH_SCRIPT, SSH_PORT, launch_environment
 from nodeagent.staging import workspace_seed
 
 logger = logging.getLogger(__name__)
@@ -163,10 +166,9 @@ class DockerDriverConfig:
     timeout_s: float = 30.0  # per HTTP request (docker stop/wait add their own grace)
     # "nvidia": GPUs through device requests (NVIDIA Container Toolkit); "none": simulated GPUs.
     gpu_mode: str = "nvidia"
-    # "internal": a network of its own per rental, no egress, no ports published; "egress":
-    # the same with internet access and published ports, private ranges dropped by iptables.
+    # "internal": a network of its own per rental, no egress; "egress": the same with internet
+    # access, private ranges dropped by iptables.
     network_policy: str = "internal"
-    publish_host_ip: str = "127.0.0.1"  # "0.0.0.0" to expose rental ports on all interfaces
     iptables: str = "iptables"  # the binary that manages the engine's rules (egress only)
     node_id: str | None = None  # when set, list_managed only returns this node's containers
     pids_limit: int = 8192
@@ -363,6 +365,7 @@ def _state_from_attrs(attrs: dict[str, Any]) -> ContainerState:
         ports=ports,
         node_id=labels.get(LABEL_NODE),
         oom_killed=bool(state.get("OOMKilled")),
+        netns_pid=int(state.get("Pid") or 0) or None if status == ContainerStatus.RUNNING else None,
     )
 
 
@@ -414,6 +417,7 @@ class DockerDriver:
                     self.ensure_network(spec)
                     self._prepare_volume(spec)
                     self._start_container(container, spec.run_id)
+                self._start_sshd(container, spec)
             logger.info("container exists, adopting it", extra=log_extra)
             return self._reload_state(container)
 
@@ -437,6 +441,7 @@ class DockerDriver:
                 logger.info("container created concurrently, adopting it", extra=log_extra)
         if container.status == "created":
             self._start_container(container, spec.run_id)
+            self._start_sshd(container, spec)
         state = self._reload_state(container)
         logger.info(
             "container started",
@@ -652,6 +657,29 @@ class DockerDriver:
             self.remove(run_id)
             raise
 
+    def _start_sshd(self, container: Container, spec: ContainerSpec) -> None:
+        """Start the run's sshd beside its main process (nodeagent/runtime/sshd.py), as the
+        container's user. An image without sshd keeps running without it: the port is then
+        never published, and the log says why."""
+        if not spec.ssh_authorized_keys:
+            return
+        env = launch_environment(spec.ssh_authorized_keys)
+        try:
+            self._call(
+                "exec sshd",
+                lambda: container.exec_run(
+                    ["sh", "-c", LAUNCH_SCRIPT], environment=env, detach=True,
+                    user=self.container_user(spec.image) or "",
+                ),
+            )  # fmt: skip
+        except RuntimeDriverError as exc:
+            logger.warning(
+                "cannot start sshd in the container",
+                extra={"run_id": spec.run_id, "error": str(exc)},
+            )
+            return
+        logger.info("sshd started", extra={"run_id": spec.run_id})
+
     def _ensure_image(self, image: str) -> None:
         try:
             self._call("image", lambda: self._client().images.get(image))
@@ -845,6 +873,10 @@ class DockerDriver:
             kwargs["mounts"].append(
                 Mount(target=DATA, source=spec.data_dir, type="bind", read_only=True)
             )
+        if spec.ssh_authorized_keys and SSH_PORT in spec.ports:
+            # The container's user binds sshd's port 22 in its own network namespace (newer
+            # engines set this by default; older ones do not).
+            kwargs["sysctls"]["net.ipv4.ip_unprivileged_port_start"] = "0"
         if cfg.read_only_rootfs:
             kwargs["tmpfs"] = {"/tmp": f"rw,nosuid,nodev,size={cfg.tmp_size_mb}m"}  # noqa: S108
         user = self.container_user(spec.image)
@@ -862,14 +894,9 @@ class DockerDriver:
                 Ulimit(name="memlock", soft=-1, hard=-1),
                 Ulimit(name="stack", soft=64 * 1024 * 1024, hard=64 * 1024 * 1024),
             ]
-        if spec.ports:
-            if cfg.network_policy == "internal":
-                logger.warning(
-                    "ports requested but the rental's network is internal; none published",
-                    extra={"run_id": spec.run_id, "ports": list(spec.ports)},
-                )
-            else:
-                kwargs["ports"] = {f"{p}/tcp": (cfg.publish_host_ip, None) for p in spec.ports}
+        # The ports are published by the agent (nodeagent/publish.py) into the container's
+        # network namespace, whatever the network policy: the engine's own publishing needs a
+        # route to the host, which an internal network does not have.
         return kwargs
 
 

@@ -156,6 +156,12 @@ class LocalProcessDriver:
                 f"the process runtime does not run real GPUs ({', '.join(sorted(real))}): it "
                 "does not isolate the rental; use the docker runtime"
             )
+        if spec.ssh_authorized_keys:
+            # An sshd among the host's processes would be a way into the host, not the rental.
+            raise PermanentRuntimeError(
+                "the process runtime cannot give SSH access: a rental's process shares the "
+                "host; use the docker runtime"
+            )
         with self._locked():
             meta = self._meta(spec.run_id)
             if meta is not None:

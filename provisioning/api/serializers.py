@@ -102,7 +102,7 @@ class JoinSerializer(serializers.Serializer):
 
 class PublishedPortSerializer(serializers.Serializer):
     container_port = serializers.IntegerField(min_value=1, max_value=65535)
-    host = serializers.CharField(max_length=253)
+    host = serializers.RegexField(r"^[A-Za-z0-9.:\[\]-]{1,253}$", help_text="name or address")
     host_port = serializers.IntegerField(min_value=1, max_value=65535)
 
 
@@ -118,7 +118,8 @@ class ContainerReportSerializer(ElementSerializer):
     log_tail = ContainerTextField(
         max_length=8192, allow_blank=True, required=False, default="", trim_whitespace=False
     )
-    published = PublishedPortSerializer(many=True, max_length=64, required=False, default=list)
+    # Ports of the run reachable from outside the node (SSH), once they listen.
+    published = PublishedPortSerializer(many=True, max_length=16, required=False, default=list)
     # Why the agent could not start the run at all (bad image, a runtime that cannot run it).
     error = ContainerTextField(max_length=500, allow_blank=True, required=False, default="")
 
@@ -256,7 +257,11 @@ class DesiredRunSerializer(serializers.Serializer):
     datasets = DatasetMountSerializer(many=True, required=False)
     resume_files = StagedFileSerializer(many=True, required=False)
     sync_artifacts = serializers.BooleanField()
-    ssh_authorized_keys = serializers.ListField(child=serializers.CharField(), required=False)
+    ssh_authorized_keys = serializers.ListField(
+        child=serializers.CharField(),
+        required=False,
+        help_text="OpenSSH public key lines, when SSH was asked for",
+    )
 
 
 class HeartbeatAnswerSerializer(serializers.Serializer):

@@ -40,6 +40,7 @@ from marketplace.models import (
 )
 from marketplace.selectors import (
     measured_tflops_plausible,
+    rental_ssh_keys,
     rentals_dataset_files,
     rentals_resume_checkpoints,
 )
@@ -48,6 +49,9 @@ from provisioning.services.logs import run_logs_store
 from provisioning.services.telemetry import telemetry_buffer
 
 log = logging.getLogger(__name__)
+
+
+SSH_PORT = 22  # where the sshd of a rental that asked for SSH listens in its container
 
 
 def heartbeat_interval_s() -> int:
@@ -87,6 +91,11 @@ def _cpu_and_memory(node: Node, gpus: int) -> tuple[float, int]:
     return max(1.0, round(node.cpu_cores * share, 2)), max(2048, int(node.ram_gb * 1024 * share))
 
 
+def _ports(rental: Rental) -> tuple[int, ...]:
+    """The container ports to publish: the rental's own, and sshd's when it asked for SSH."""
+    return tuple(sorted({*rental.ports, SSH_PORT})) if rental.ssh else tuple(rental.ports)
+
+
 def desired_state(*, node: Node, now: datetime) -> list[DesiredRun]:
     """The containers that should run on the node now, from its active allocations."""
     with connection.cursor() as cursor:
@@ -101,6 +110,7 @@ def desired_state(*, node: Node, now: datetime) -> list[DesiredRun]:
     tensor_tflops = GpuModel.objects.values_list("tensor_tflops", flat=True).get(
         pk=node.gpu_model_id
     )
+    ssh_keys = rental_ssh_keys(rental for rental, _ in by_rental.values())
     staging = _staging(rentals.values())
     desired = []
     for rental, gpus in by_rental.values():
@@ -127,7 +137,10 @@ def desired_state(*, node: Node, now: datetime) -> list[DesiredRun]:
                 gpu_uuids=tuple(gpu_uuid for _, gpu_uuid in gpus),
                 cpu_limit=cpu,
                 memory_limit_mb=memory_mb,
-                ports=tuple(rental.ports),
+                ports=tuple(sorted({*rental.ports, SSH_PORT}))
+                if rental.ssh
+                else tuple(rental.ports),
+                ssh_authorized_keys=ssh_keys.get(rental.pk, ()),
                 # Every container has an output directory (/workspace); it is synced out.
                 sync_artifacts=True,
                 **staging.get(rental.pk, {}),
@@ -197,6 +210,13 @@ def _apply_container(node: Node, report: ContainerReport, now: datetime) -> None
     run.finished_at = _dt(report.finished_at) or run.finished_at
     if report.log_tail:
         run.log_tail = report.log_tail[-8192:]
+    # Only a running container is reachable; a port the rental did not ask for is not shown.
+    wanted_ports = set(_ports(rental))
+    run.published = [
+        port.to_payload()
+        for port in report.published
+        if report.status == ContainerStatus.RUNNING and port.container_port in wanted_ports
+    ]
     run.last_report_at = now
     run.save()
     if report.status in (ContainerStatus.RUNNING, ContainerStatus.EXITED):

@@ -62,3 +62,16 @@ def test_image_runs_the_harness_stack_as_a_non_root_user(harness_image, docker_c
         "2.13.0+cpu",
         "/opt/harness/harness/__init__.py",
     ]
+
+
+def test_image_carries_an_sshd_the_container_user_can_start(harness_image, docker_client):
+    # sshd and ssh-keygen from Debian's packages, with the merged /usr the base has kept
+    output = docker_client.containers.run(
+        harness_image,
+        ["sh", "-c", "command -v sshd; command -v ssh-keygen; readlink /bin; sshd -V 2>&1"],
+        network_mode="none",
+        remove=True,
+    )
+    lines = output.decode().split("\n")
+    assert lines[:3] == ["/usr/sbin/sshd", "/usr/bin/ssh-keygen", "usr/bin"]
+    assert lines[3].startswith("OpenSSH_")

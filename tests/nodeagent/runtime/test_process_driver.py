@@ -219,3 +219,12 @@ def test_a_workspace_the_unprivileged_uid_cannot_reach_is_refused_with_the_reaso
     # that dies unable to find its workspace
     with pytest.raises(PermanentRuntimeError, match=f"{closed} is closed to uid 65534"):
         driver.start(spec)
+
+
+def test_a_run_with_ssh_is_refused_saying_why(tmp_path, make_spec):
+    driver = make_driver(tmp_path)
+    spec = make_spec(ports=(22,), ssh_authorized_keys=("ssh-ed25519 AAAA",), node_id="n1")
+
+    with pytest.raises(PermanentRuntimeError, match="cannot give SSH access"):
+        driver.start(spec)
+    assert driver.state(spec.run_id).status == "missing"

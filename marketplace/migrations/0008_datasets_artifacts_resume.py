@@ -9,7 +9,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('marketplace', '0006_existing_users_verified_addresses'),
+        ('marketplace', '0007_ssh_keys_and_rental_ssh'),
     ]
 
     operations = [
