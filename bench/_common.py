@@ -46,9 +46,14 @@ def _with_database(url: str, name: str) -> str:
 
 @contextmanager
 def bench_database(name: str):
-    """Create database `name` afresh on the server, migrate it, and point Django at it."""
+    """Create database `name` afresh on the server, migrate it, and point Django at it. On a
+    shared server (DATABASE_URL set) the name is prefixed with DATABASE_URL's own database, so
+    that benches run from two checkouts never drop each other's database."""
     from config.embedded import ensure_services
 
+    given = os.environ.get("DATABASE_URL")
+    if given and urlsplit(given).path.strip("/"):
+        name = f"{urlsplit(given).path.strip('/')}_{name}"
     services = ensure_services(ROOT / ".var" / "bench", durable=False)
     import psycopg
 

@@ -9,10 +9,13 @@ Prints, each beside a baseline measured in the same run:
   200/s for 20 s each, a real Celery worker running the cycles: per rate the achieved rate and
   p50 / p99 create->SCHEDULED, beside the one-thread rental_create rate;
 - creates through the REST API under gunicorn (4 keep-alive clients) beside the same server's
-  /healthz rate, and the `gpumarket rentals` call time beside a bare interpreter start.
+  /healthz rate, and the `gpumarket rent` call time beside a bare interpreter start.
 
     python bench/scheduler.py [--nodes 10000] [--pending 20000] [--rates 25 50 100 200]
-                              [--seconds 20]
+                              [--seconds 20] [--parts cycle stream api]
+
+`--parts api --nodes 64 --pending 0` measures creates alone, on the cluster size of the
+comparison with Slurm; `--parts stream --pending 0` streams into an empty queue.
 """
 
 from __future__ import annotations
@@ -266,7 +269,7 @@ def api_creates(customer, seconds: float = 10.0, threads_n: int = 4) -> dict:
     from marketplace.services.accounts import api_token_create
 
     _, token = api_token_create(user=customer, name="bench")
-    body = {"gpus_per_node": 1, "duration_s": 3600, "image": "img"}
+    body = {"gpus_per_node": 1, "duration_s": 3600, "runtime": {"image": "img"}}
 
     def hammer(base: str, path: str, post: bool) -> float:
         counts = [0] * threads_n
@@ -300,7 +303,7 @@ def api_creates(customer, seconds: float = 10.0, threads_n: int = 4) -> dict:
         health = hammer(server.base_url, "/healthz", post=False)
         creates = hammer(server.base_url, "/api/v1/rentals/", post=True)
         env = dict(os.environ, GPUMARKET_SERVER_URL=server.base_url, GPUMARKET_TOKEN=token)
-        cli = [sys.executable, "-m", "marketplace.cli", "rentals"]
+        cli = [sys.executable, "-m", "marketplace.cli", "rent", "--gpus", "1", "--image", "img"]
         python = [sys.executable, "-c", "pass"]
         cli_s = median([_wall(cli, env) for _ in range(10)])
         python_s = median([_wall(python, env) for _ in range(10)])
@@ -313,6 +316,101 @@ def _wall(cmd: list[str], env: dict[str, str]) -> float:
     return time.perf_counter() - t0
 
 
+PARTS = ("cycle", "stream", "api")
+
+
+def cycle_part(ceiling: float) -> dict:
+    eng = engine_only()
+    decisions = eng["pending"] / eng["best_s"]
+    kept_ratio = eng["best_whole"] / max(1, eng["first_whole"])
+    print(
+        f"engine only: {decisions:,.0f} decisions/s best-fit ({eng['best_s']:.2f} s, "
+        f"{eng['best_placed']} placed); first-fit {eng['pending'] / eng['first_s']:,.0f}/s "
+        f"({eng['first_placed']} placed)"
+    )
+    print(
+        f"whole free 8-GPU nodes left: best-fit {eng['best_whole']}, first-fit "
+        f"{eng['first_whole']} -> kept {kept_ratio:.2f}x"
+    )
+
+    from scheduler.services import scheduler_cycle_run
+
+    t0 = time.perf_counter()
+    result = scheduler_cycle_run(pool="default")
+    cycle_s = time.perf_counter() - t0
+    placements = result.placed / cycle_s
+    print(
+        f"end to end: {result.placed} placements in {cycle_s:.2f} s = {placements:,.0f}/s "
+        f"(snapshot {result.seconds.get('snapshot', 0):.2f} s, plan "
+        f"{result.seconds.get('plan', 0):.2f} s, bind {result.seconds.get('bind', 0):.2f} s;"
+        f" {result.conflicts} conflicts)"
+    )
+    print(
+        f"ceiling: {ceiling:,.0f} single-row INSERTs/s on the same PostgreSQL; placements are"
+        f" {placements / ceiling:.2f}x that (each placement writes 1 update + "
+        f"GPUs allocations + 1 event)"
+    )
+    return {
+        "engine_decisions_per_s": round(decisions),
+        "placements_per_s": round(placements),
+        "whole_free_nodes_kept_vs_first_fit": round(kept_ratio, 3),
+        "best_fit_whole_free_nodes": eng["best_whole"],
+        "first_fit_whole_free_nodes": eng["first_whole"],
+    }
+
+
+def stream_part(rates: list[float], seconds: float) -> dict:
+    stream = []
+    with celery_worker():
+        for rate in rates:
+            load = offered_load(rate, seconds, funded_customer(f"load{rate:g}"))
+            stream.append(load)
+            print(
+                f"stream {load['offered']:.0f}/s offered (achieved {load['achieved']:.1f}/s):"
+                f" {load['scheduled']}/{load['created']} scheduled, create->SCHEDULED p50 "
+                f"{load['p50']:.3f} s, p99 {load['p99']:.3f} s"
+            )
+    # The highest offered rate the machine kept up with (achieved within 10%).
+    kept = [x for x in stream if x["achieved"] >= 0.9 * x["offered"]] or stream[:1]
+    top = max(kept, key=lambda x: x["offered"])
+    at_100 = next((x for x in stream if x["offered"] == 100), None)
+    return {
+        "stream": [
+            {k: round(v, 4) if isinstance(v, float) else v for k, v in x.items()} for x in stream
+        ],
+        "stream_p99_s_at_100": round(at_100["p99"], 3) if at_100 else None,
+        "stream_max_rate": top["offered"],
+        "stream_achieved_at_max": round(top["achieved"], 1),
+        "stream_p99_s_at_max": round(top["p99"], 3),
+    }
+
+
+def api_part(ceiling: float) -> dict:
+    service_rate = service_create_rate(funded_customer("ceiling"))
+    api = api_creates(funded_customer("api"))
+    print(
+        f"creates: rental_create from one thread {service_rate:.0f}/s = "
+        f"{service_rate / ceiling:.3f}x the INSERT ceiling"
+    )
+    print(
+        f"REST API, 4 keep-alive clients: {api['creates']:.0f} creates/s, "
+        f"{api['creates'] / api['health']:.2f}x the same server's /healthz rate "
+        f"({api['health']:.0f}/s) and {api['creates'] / ceiling:.3f}x the INSERT ceiling"
+    )
+    print(
+        f"CLI: `gpumarket rent` {api['cli_s'] * 1000:.0f} ms (median of 10), "
+        f"{api['cli_s'] / api['python_s']:.1f}x a bare interpreter start "
+        f"({api['python_s'] * 1000:.0f} ms)"
+    )
+    return {
+        "service_creates_per_s_one_thread": round(service_rate, 1),
+        "api_creates_per_s": round(api["creates"], 1),
+        "api_health_per_s": round(api["health"], 1),
+        "cli_rent_s": round(api["cli_s"], 3),
+        "python_start_s": round(api["python_s"], 3),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--nodes", type=int, default=10_000)
@@ -322,98 +420,26 @@ def main() -> None:
         help="offered create rates of the streaming mode, one after the other (per second)",
     )  # fmt: skip
     parser.add_argument("--seconds", type=float, default=20.0, help="length of each stream")
+    parser.add_argument(
+        "--parts", nargs="+", choices=PARTS, default=list(PARTS),
+        help="cycle: engine and one end-to-end cycle; stream: the streaming mode; api: creates",
+    )  # fmt: skip
     args = parser.parse_args()
+    figures: dict = {"nodes": args.nodes}
     with bench_database("gpumarket_bench_scheduler") as url:
         # Half the nodes run work on half their GPUs: the fragmentation packing has to handle.
         gpus = build_inventory(url, args.nodes, busy_node_fraction=0.5)
         wanted = insert_pending(url, args.pending)
         print(f"cluster: {args.nodes} nodes, {gpus} GPUs; {args.pending} pending asking {wanted}")
-
-        eng = engine_only()
-        decisions = eng["pending"] / eng["best_s"]
-        kept_ratio = eng["best_whole"] / max(1, eng["first_whole"])
-        print(
-            f"engine only: {decisions:,.0f} decisions/s best-fit ({eng['best_s']:.2f} s, "
-            f"{eng['best_placed']} placed); first-fit {eng['pending'] / eng['first_s']:,.0f}/s "
-            f"({eng['first_placed']} placed)"
-        )
-        print(
-            f"whole free 8-GPU nodes left: best-fit {eng['best_whole']}, first-fit "
-            f"{eng['first_whole']} -> kept {kept_ratio:.2f}x"
-        )
-
-        from scheduler.services import scheduler_cycle_run
-
-        t0 = time.perf_counter()
-        result = scheduler_cycle_run(pool="default")
-        cycle_s = time.perf_counter() - t0
-        placements = result.placed / cycle_s
         ceiling = pg_insert_rate(url)
-        print(
-            f"end to end: {result.placed} placements in {cycle_s:.2f} s = {placements:,.0f}/s "
-            f"(snapshot {result.seconds.get('snapshot', 0):.2f} s, plan "
-            f"{result.seconds.get('plan', 0):.2f} s, bind {result.seconds.get('bind', 0):.2f} s;"
-            f" {result.conflicts} conflicts)"
-        )
-        print(
-            f"ceiling: {ceiling:,.0f} single-row INSERTs/s on the same PostgreSQL; placements are"
-            f" {placements / ceiling:.2f}x that (each placement writes 1 update + "
-            f"GPUs allocations + 1 event)"
-        )
-        stream = []
-        with celery_worker():
-            for rate in args.rates:
-                load = offered_load(rate, args.seconds, funded_customer(f"load{rate:g}"))
-                stream.append(load)
-                print(
-                    f"stream {load['offered']:.0f}/s offered (achieved {load['achieved']:.1f}/s):"
-                    f" {load['scheduled']}/{load['created']} scheduled, create->SCHEDULED p50 "
-                    f"{load['p50']:.3f} s, p99 {load['p99']:.3f} s"
-                )
-        # The highest offered rate the machine kept up with (achieved within 10%).
-        kept = [x for x in stream if x["achieved"] >= 0.9 * x["offered"]] or stream[:1]
-        top = max(kept, key=lambda x: x["offered"])
-        at_100 = next((x for x in stream if x["offered"] == 100), None)
-        service_rate = service_create_rate(funded_customer("ceiling"))
-        api = api_creates(funded_customer("api"))
-        print(
-            f"creates: rental_create from one thread {service_rate:.0f}/s; stream kept up to "
-            f"{top['offered']:.0f}/s offered = {top['achieved'] / service_rate:.2f}x the one-thread"
-            f" service rate and {top['achieved'] / ceiling:.3f}x the INSERT ceiling"
-        )
-        print(
-            f"REST API, 4 keep-alive clients: {api['creates']:.0f} creates/s, "
-            f"{api['creates'] / api['health']:.2f}x the same server's /healthz rate "
-            f"({api['health']:.0f}/s) and {api['creates'] / ceiling:.3f}x the INSERT ceiling"
-        )
-        print(
-            f"CLI: `gpumarket rentals` {api['cli_s'] * 1000:.0f} ms (median of 10), "
-            f"{api['cli_s'] / api['python_s']:.1f}x a bare interpreter start "
-            f"({api['python_s'] * 1000:.0f} ms)"
-        )
-    emit(
-        {
-            "engine_decisions_per_s": round(decisions),
-            "placements_per_s": round(placements),
-            "whole_free_nodes_kept_vs_first_fit": round(kept_ratio, 3),
-            "pg_insert_rows_per_s": round(ceiling),
-            "best_fit_whole_free_nodes": eng["best_whole"],
-            "first_fit_whole_free_nodes": eng["first_whole"],
-            "stream": [
-                {k: round(v, 4) if isinstance(v, float) else v for k, v in x.items()}
-                for x in stream
-            ],
-            "stream_p99_s_at_100": round(at_100["p99"], 3) if at_100 else None,
-            "stream_max_rate": top["offered"],
-            "stream_achieved_at_max": round(top["achieved"], 1),
-            "stream_p99_s_at_max": round(top["p99"], 3),
-            "service_creates_per_s_one_thread": round(service_rate, 1),
-            "api_creates_per_s": round(api["creates"], 1),
-            "api_health_per_s": round(api["health"], 1),
-            "cli_rentals_s": round(api["cli_s"], 3),
-            "python_start_s": round(api["python_s"], 3),
-        }
-    )
+        figures["pg_insert_rows_per_s"] = round(ceiling)
+        if "cycle" in args.parts:
+            figures.update(cycle_part(ceiling))
+        if "stream" in args.parts:
+            figures.update(stream_part(args.rates, args.seconds))
+        if "api" in args.parts:
+            figures.update(api_part(ceiling))
+    emit(figures)
 
 
 if __name__ == "__main__":

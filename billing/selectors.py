@@ -44,17 +44,31 @@ def customer_account(*, customer_id: int) -> Account | None:
     return Account.objects.filter(kind=AccountKind.CUSTOMER, user_id=customer_id).first()
 
 
+# What the customer owes beyond the balance, as scalar subqueries on the customer's id, so
+# that the funds check reads both in one round trip.
+_ACCRUED_SQL = """
+    SELECT coalesce(sum(m.charge_micros - m.posted_charge_micros), 0)
+    FROM billing_usagemeter m JOIN marketplace_rental r ON r.id = m.rental_id
+    WHERE r.customer_id = %s AND m.charge_micros <> m.posted_charge_micros
+"""
+_HELD_SQL = """
+    SELECT coalesce(sum(greatest(
+        CASE WHEN r.price_per_gpu_hour IS NULL THEN h.amount_micros
+             ELSE ceil(r.price_per_gpu_hour * 1000000 * r.gpus_per_node * r.node_count
+                       * r.duration_s / 3600)
+        END
+        - coalesce((SELECT sum(m.charge_micros) FROM billing_usagemeter m
+                    WHERE m.rental_id = r.id), 0),
+        0)), 0)
+    FROM marketplace_rental r JOIN billing_fundshold h ON h.rental_id = r.id
+    WHERE r.customer_id = %s AND r.status = ANY(%s)
+"""
+
+
 def customer_accrued_micros(*, customer_id: int) -> int:
     """Usage rated but not yet posted to the ledger (it still counts against the balance)."""
     with connection.cursor() as cursor:
-        cursor.execute(
-            """
-            SELECT coalesce(sum(m.charge_micros - m.posted_charge_micros), 0)
-            FROM billing_usagemeter m JOIN marketplace_rental r ON r.id = m.rental_id
-            WHERE r.customer_id = %s AND m.charge_micros <> m.posted_charge_micros
-            """,
-            [customer_id],
-        )
+        cursor.execute(_ACCRUED_SQL, [customer_id])
         return int(cursor.fetchone()[0])
 
 
@@ -82,21 +96,7 @@ def customer_held_micros(*, customer_id: int) -> int:
     charge lowers the hold as it lowers the balance (or is accrued), and an end releases it.
     """
     with connection.cursor() as cursor:
-        cursor.execute(
-            """
-            SELECT coalesce(sum(greatest(
-                CASE WHEN r.price_per_gpu_hour IS NULL THEN h.amount_micros
-                     ELSE ceil(r.price_per_gpu_hour * 1000000 * r.gpus_per_node * r.node_count
-                               * r.duration_s / 3600)
-                END
-                - coalesce((SELECT sum(m.charge_micros) FROM billing_usagemeter m
-                            WHERE m.rental_id = r.id), 0),
-                0)), 0)
-            FROM marketplace_rental r JOIN billing_fundshold h ON h.rental_id = r.id
-            WHERE r.customer_id = %s AND r.status = ANY(%s)
-            """,
-            [customer_id, [str(s) for s in lifecycle.ACTIVE]],
-        )
+        cursor.execute(_HELD_SQL, [customer_id, _active()])
         return int(cursor.fetchone()[0])
 
 
@@ -106,11 +106,17 @@ def customer_available_micros(*, customer_id: int, balance_micros: int | None = 
     if balance_micros is None:
         account = customer_account(customer_id=customer_id)
         balance_micros = account.balance_micros if account else 0
-    return (
-        balance_micros
-        - customer_accrued_micros(customer_id=customer_id)
-        - customer_held_micros(customer_id=customer_id)
-    )
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT ({_ACCRUED_SQL}), ({_HELD_SQL})",
+            [customer_id, customer_id, _active()],
+        )
+        accrued, held = cursor.fetchone()
+    return balance_micros - int(accrued) - int(held)
+
+
+def _active() -> list[str]:
+    return [str(s) for s in lifecycle.ACTIVE]
 
 
 def account_summary(*, user: User) -> AccountSummary:

@@ -21,17 +21,21 @@ The server and token come from flags or GPUMARKET_SERVER_URL / GPUMARKET_TOKEN.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import http.client
 import json
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode, urlsplit
 
-import requests
+_json = json  # Api.call takes a keyword named json, as requests did
 
-from marketplace import cli_transfer
-
+# The standard library's HTTP client rather than requests: one call is one short process, and
+# importing requests (urllib3, charset detection, idna) costs more than the call itself. Only
+# the file commands (datasets, artifacts) load the transfers module, which streams with requests.
 TIMEOUT_S = 30
 RETRIES = 3
 
@@ -41,38 +45,62 @@ class CliError(Exception):
 
 
 class Api:
+    """The REST API over one kept-alive connection."""
+
     def __init__(self, server: str, token: str | None) -> None:
         self.base = server.rstrip("/")
-        self.session = requests.Session()
+        parts = urlsplit(self.base)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise CliError(f"the server must be an http:// or https:// URL, not {server!r}")
+        self._https = parts.scheme == "https"
+        self._netloc = parts.netloc
+        self._prefix = parts.path
+        self.headers = {"Accept": "application/json", "User-Agent": "gpumarket-cli"}
         self.last: Any = None  # the last answer's body, for --json
         if token:
-            self.session.headers["Authorization"] = f"Bearer {token}"
+            self.headers["Authorization"] = f"Bearer {token}"
+        self._conn: http.client.HTTPConnection | None = None
 
-    def call(self, method: str, path: str, **kwargs: Any) -> Any:
+    def _send(self, method: str, url: str, body: bytes | None) -> tuple[int, bytes]:
+        if self._conn is None:
+            kind = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+            self._conn = kind(self._netloc, timeout=TIMEOUT_S)
+        headers = dict(self.headers)
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        try:
+            self._conn.request(method, url, body=body, headers=headers)
+            response = self._conn.getresponse()
+            return response.status, response.read()
+        except (OSError, http.client.HTTPException):
+            self._conn.close()
+            self._conn = None
+            raise
+
+    def call(self, method: str, path: str, *, params: dict | None = None, json: Any = None) -> Any:
         """One request; 4xx are shown. Connection errors and 5xx are retried with backoff for
         the methods that may repeat; a POST is sent once (it could create a second rental)."""
+        url = self._prefix + path + (f"?{urlencode(params)}" if params else "")
+        body = None if json is None else _json.dumps(json).encode()
         tries = RETRIES if method in ("GET", "PUT", "PATCH", "DELETE") else 1
         for attempt in range(tries):
             try:
-                r = self.session.request(method, self.base + path, timeout=TIMEOUT_S, **kwargs)
-            except requests.RequestException as exc:
+                status, content = self._send(method, url, body)
+            except (OSError, http.client.HTTPException) as exc:
                 if attempt == tries - 1:
                     raise CliError(f"cannot reach {self.base}: {exc}") from exc
             else:
-                if r.status_code < 500:
+                if status < 500:
                     break
                 if attempt == tries - 1:
-                    raise CliError(f"server error {r.status_code}")
+                    raise CliError(f"server error {status}")
             time.sleep(0.5 * 2**attempt)
-        if r.status_code >= 400:
-            try:
-                body = r.json()
-            except ValueError:
-                body = r.text
-            raise CliError(
-                f"{r.status_code}: {json.dumps(body) if not isinstance(body, str) else body}"
-            )
-        self.last = r.json() if r.content else None
+        if status >= 400:
+            text = content.decode(errors="replace")
+            with contextlib.suppress(ValueError):
+                text = _json.dumps(_json.loads(text))
+            raise CliError(f"{status}: {text}")
+        self.last = _json.loads(content) if content else None
         return self.last
 
 
@@ -189,10 +217,10 @@ def run(args: argparse.Namespace, api: Api) -> str:
     if args.command == "artifacts":
         if args.artifacts_command == "pull":
             dest = Path(args.dest or args.rental)
-            written = cli_transfer.pull(api, args.rental, dest)
+            written = _transfer().pull(api, args.rental, dest)
             api.last = {"files": [str(path) for path in written]}
             return f"{len(written)} files in {dest}"
-        rows = list(cli_transfer.pages(api, f"/api/v1/rentals/{args.rental}/artifacts/"))
+        rows = list(_transfer().pages(api, f"/api/v1/rentals/{args.rental}/artifacts/"))
         api.last = rows
         return _table(rows, ["path", "size_bytes", "reason", "synced_at"]) if rows else "none"
     if args.command in ("ssh-key", "ssh-command"):
@@ -212,9 +240,9 @@ def _data_run(args: argparse.Namespace, api: Api) -> str:
     """Datasets: push a file or directory, list them, remove one by name (or id)."""
     if args.data_command == "push":
         root = Path(args.path)
-        dataset = cli_transfer.push(api, root, args.name or root.resolve().name)
+        dataset = _transfer().push(api, root, args.name or root.resolve().name)
         return f"{dataset['id']} {dataset['name']} {dataset['status']} {dataset['total_bytes']} B"
-    rows = list(cli_transfer.pages(api, "/api/v1/datasets/"))
+    rows = list(_transfer().pages(api, "/api/v1/datasets/"))
     api.last = rows
     if args.data_command == "ls":
         columns = ["id", "name", "status", "total_bytes", "file_count", "created_at"]
@@ -440,6 +468,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _transfer():
+    from marketplace import cli_transfer
+
+    return cli_transfer
+
+
+def _transfer_errors() -> tuple[type[Exception], ...]:
+    """TransferError once a file command loaded the transfers module (only then can it raise)."""
+    module = sys.modules.get("marketplace.cli_transfer")
+    return (module.TransferError,) if module else ()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     api = Api(args.server, args.token)
@@ -449,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         text = run(args, api)
         print(json.dumps(api.last, indent=2) if args.json else text)
-    except (CliError, cli_transfer.TransferError) as exc:
+    except (CliError, *_transfer_errors()) as exc:
         print(f"gpumarket: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -9,7 +9,8 @@ from contextlib import contextmanager
 from django.db import connection
 
 
-def _key(name: str) -> int:
+def advisory_key(name: str) -> int:
+    """The 64-bit key PostgreSQL holds the named lock under (pg_locks shows it as two halves)."""
     digest = hashlib.blake2b(name.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big", signed=True)
 
@@ -18,7 +19,7 @@ def _key(name: str) -> int:
 def advisory_lock(name: str) -> Iterator[bool]:
     """Try to take the named lock; yields whether this process holds it. A killed worker's
     connection drops and PostgreSQL releases the lock with it, so nothing stays stuck."""
-    key = _key(name)
+    key = advisory_key(name)
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_try_advisory_lock(%s)", [key])
         got = cursor.fetchone()[0]

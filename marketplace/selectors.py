@@ -7,8 +7,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from decimal import Decimal
 
+from django.contrib.postgres.expressions import ArraySubquery
 from django.db import connection
-from django.db.models import Count, OuterRef, Prefetch, QuerySet, Subquery, Sum
+from django.db.models import (
+    Count,
+    OuterRef,
+    Prefetch,
+    QuerySet,
+    Subquery,
+    Sum,
+    prefetch_related_objects,
+)
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -266,25 +275,37 @@ def rental_list(*, customer: User, status: str | None = None) -> QuerySet[Rental
     return rentals.order_by("-created_at")
 
 
+def _rental_detail_prefetches() -> tuple[Prefetch, ...]:
+    return (
+        Prefetch("events", queryset=RentalEvent.objects.order_by("created_at", "id")),
+        Prefetch(
+            "allocations",
+            queryset=Allocation.objects.select_related("node", "gpu").order_by(
+                "node_id", "gpu__index"
+            ),
+        ),
+        Prefetch("dataset_links", queryset=RentalDataset.objects.select_related("dataset")),
+    )
+
+
 def rental_get(*, customer: User, rental_id) -> Rental | None:
     """One of the customer's rentals with its history, its GPUs and how to reach it (`access`,
     see rental_access); another account's id is None."""
     rental = (
         Rental.objects.filter(customer=customer, pk=rental_id)
-        .prefetch_related(
-            Prefetch("events", queryset=RentalEvent.objects.order_by("created_at", "id")),
-            Prefetch(
-                "allocations",
-                queryset=Allocation.objects.select_related("node", "gpu").order_by(
-                    "node_id", "gpu__index"
-                ),
-            ),
-            Prefetch("dataset_links", queryset=RentalDataset.objects.select_related("dataset")),
-        )
+        .prefetch_related(*_rental_detail_prefetches())
         .first()
     )
     if rental is not None:
         rental.access = rental_access(rental)
+    return rental
+
+
+def rental_with_detail(*, rental: Rental) -> Rental:
+    """A rental in hand (one just created) as rental_get gives it, without reading its row
+    again."""
+    prefetch_related_objects([rental], *_rental_detail_prefetches())
+    rental.access = rental_access(rental)
     return rental
 
 
@@ -317,57 +338,82 @@ def provider_node(*, owner: User, node_id: int) -> Node | None:
     return _with_rented_gpus(Node.objects.filter(pk=node_id, provider__owner=owner)).first()
 
 
+_ENGINE_NODE_FIELDS = (
+    "id",
+    "region",
+    "pool",
+    "price_per_gpu_hour",
+    "min_bid_per_gpu_hour",
+    "reliability",
+    "nvlink",
+    "gpu_model__slug",
+    "gpu_model__family",
+    "gpu_model__memory_gb",
+    "gpu_model__tensor_tflops",
+)
+
+
+def engine_nodes_few(nodes: QuerySet[Node]) -> list[engine.Node]:
+    """engine_nodes for a handful of nodes (a sliced queryset) in one query: each node's GPUs
+    come as arrays from correlated subqueries, so a short list pays one round trip, not two."""
+    gpus = Gpu.objects.filter(node_id=OuterRef("id")).order_by("index")
+    rows = nodes.values(
+        *_ENGINE_NODE_FIELDS,
+        gpu_ids=ArraySubquery(gpus.values("id")),
+        gpu_indexes=ArraySubquery(gpus.values("index")),
+        gpu_groups=ArraySubquery(gpus.values("topology_group")),
+    )
+    return [
+        _engine_node(
+            r,
+            [
+                _engine_gpu(r, gpu_id, index, group)
+                for gpu_id, index, group in zip(
+                    r["gpu_ids"], r["gpu_indexes"], r["gpu_groups"], strict=True
+                )
+            ],
+        )
+        for r in rows
+    ]
+
+
+def _engine_gpu(r: dict, gpu_id: int, index: int, group: str) -> engine.Gpu:
+    return engine.Gpu(
+        gpu_id=gpu_id,
+        node_id=r["id"],
+        index=index,
+        model=r["gpu_model__slug"],
+        family=r["gpu_model__family"],
+        memory_gb=r["gpu_model__memory_gb"],
+        tensor_tflops=float(r["gpu_model__tensor_tflops"]),
+        group=group,
+        nvlink=r["nvlink"],
+    )
+
+
+def _engine_node(r: dict, gpus: list[engine.Gpu]) -> engine.Node:
+    return engine.Node(
+        node_id=r["id"],
+        region=r["region"],
+        price_per_gpu_hour=r["price_per_gpu_hour"],
+        min_bid=r["min_bid_per_gpu_hour"],
+        reliability=float(r["reliability"]),
+        gpus=tuple(gpus),
+        pool=r["pool"],
+    )
+
+
 def engine_nodes(nodes: QuerySet[Node] | Iterable[Node]) -> list[engine.Node]:
     """Map node rows (with their GPUs) to the engine's value types, in two queries."""
-    rows = list(
-        nodes.values(
-            "id",
-            "region",
-            "pool",
-            "price_per_gpu_hour",
-            "min_bid_per_gpu_hour",
-            "reliability",
-            "nvlink",
-            "gpu_model__slug",
-            "gpu_model__family",
-            "gpu_model__memory_gb",
-            "gpu_model__tensor_tflops",
-        )
-        if isinstance(nodes, QuerySet)
-        else nodes
-    )
+    rows = list(nodes.values(*_ENGINE_NODE_FIELDS) if isinstance(nodes, QuerySet) else nodes)
     by_node: dict[int, list[engine.Gpu]] = {r["id"]: [] for r in rows}
     info = {r["id"]: r for r in rows}
     gpus = Gpu.objects.filter(node_id__in=list(by_node)).order_by("node_id", "index")
     for gpu_id, node_id, index, group in gpus.values_list(
         "id", "node_id", "index", "topology_group"
     ):
-        r = info[node_id]
-        by_node[node_id].append(
-            engine.Gpu(
-                gpu_id=gpu_id,
-                node_id=node_id,
-                index=index,
-                model=r["gpu_model__slug"],
-                family=r["gpu_model__family"],
-                memory_gb=r["gpu_model__memory_gb"],
-                tensor_tflops=float(r["gpu_model__tensor_tflops"]),
-                group=group,
-                nvlink=r["nvlink"],
-            )
-        )
-    return [
-        engine.Node(
-            node_id=r["id"],
-            region=r["region"],
-            price_per_gpu_hour=r["price_per_gpu_hour"],
-            min_bid=r["min_bid_per_gpu_hour"],
-            reliability=float(r["reliability"]),
-            gpus=tuple(by_node[r["id"]]),
-            pool=r["pool"],
-        )
-        for r in rows
-    ]
+        by_node[node_id].append(_engine_gpu(info[node_id], gpu_id, index, group))
+    return [_engine_node(r, by_node[r["id"]]) for r in rows]
 
 
 # -- object storage: datasets and artifacts ------------------------------------------------------

@@ -135,8 +135,7 @@ def funds_hold_create(*, rental: Rental, price_per_gpu_hour: Decimal) -> FundsHo
         return None
     if not connection.in_atomic_block:
         raise TransactionManagementError("a hold is taken in the transaction creating the rental")
-    account_id = account_for_customer(user=rental.customer).pk
-    account = Account.objects.select_for_update().get(pk=account_id)
+    account = _customer_account_locked(customer_id=rental.customer_id)
     amount = hold_micros(
         price_per_gpu_hour=price_per_gpu_hour,
         gpus=rental.gpus_per_node * rental.node_count,
@@ -154,6 +153,17 @@ def funds_hold_create(*, rental: Rental, price_per_gpu_hour: Decimal) -> FundsHo
     return FundsHold.objects.create(
         rental=rental, account=account, price_per_gpu_hour=price_per_gpu_hour, amount_micros=amount
     )
+
+
+def _customer_account_locked(*, customer_id: int) -> Account:
+    """The customer's account row, locked: one query when it exists (every customer who can
+    pay has one), created first otherwise."""
+    customer_accounts = Account.objects.select_for_update().filter(kind=AccountKind.CUSTOMER)
+    account = customer_accounts.filter(user_id=customer_id).first()
+    if account is None:
+        Account.objects.get_or_create(kind=AccountKind.CUSTOMER, user_id=customer_id)
+        account = customer_accounts.get(user_id=customer_id)
+    return account
 
 
 def _usd(micros: int) -> str:

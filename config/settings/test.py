@@ -13,7 +13,8 @@ STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
 }
-LOGGING["root"]["level"] = "WARNING"  # noqa: F405
+# Quiet unless asked: the scale-out test reads its workers' INFO cycle lines.
+LOGGING["root"]["level"] = os.environ.get("LOG_LEVEL", "WARNING")  # noqa: F405
 MIDDLEWARE = [m for m in MIDDLEWARE if not m.startswith("whitenoise.")]  # noqa: F405
 # Tests that are not about money need no balance; billing's own tests and the end-to-end tests
 # turn the check back on and top the customer up.

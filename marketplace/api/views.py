@@ -174,7 +174,7 @@ class RentalListCreateView(PaginatedListView):
                 **data,
             ),
         )
-        rental = selectors.rental_get(customer=request.user, rental_id=rental.pk)
+        rental = selectors.rental_with_detail(rental=rental)
         return Response(RentalDetailSerializer(rental).data, status=status.HTTP_201_CREATED)
 
 

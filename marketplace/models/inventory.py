@@ -84,7 +84,12 @@ class Node(models.Model):
                 name="node_resources_positive",
             ),
         ]
-        indexes = [models.Index(fields=["status", "region"], name="node_status_region")]
+        indexes = [
+            models.Index(fields=["status", "region"], name="node_status_region"),
+            # A create's feasibility check reads a pool's cheapest few nodes: an index walk,
+            # not a sort of the whole pool.
+            models.Index(fields=["pool", "price_per_gpu_hour", "id"], name="node_pool_cheapest"),
+        ]
 
     def __str__(self) -> str:
         return self.hostname

@@ -30,7 +30,7 @@ from marketplace.models import (
     RentalKind,
     User,
 )
-from marketplace.selectors import datasets_owned, engine_nodes, rental_owned
+from marketplace.selectors import datasets_owned, engine_nodes_few, rental_owned
 from scheduler.engine import feasibility
 from scheduler.engine import types as engine
 
@@ -149,7 +149,7 @@ def _never_fits(
     tiers = [(priced, 4 * req.node_count), (priced, 256), (sized, 256), (hardware, 256)]
     nodes: list[engine.Node] = []
     for i, (candidates, limit) in enumerate(tiers):
-        nodes = engine_nodes(candidates.order_by("price_per_gpu_hour", "id")[:limit])
+        nodes = engine_nodes_few(candidates.order_by("price_per_gpu_hour", "id")[:limit])
         if len(nodes) < req.node_count:
             continue
         reason = feasibility.never_fits(request, nodes)
@@ -157,7 +157,7 @@ def _never_fits(
             return None, nodes[0].price_per_gpu_hour
         if i > 0:
             return reason, None
-    located_nodes = engine_nodes(located.order_by("price_per_gpu_hour", "id")[:256])
+    located_nodes = engine_nodes_few(located.order_by("price_per_gpu_hour", "id")[:256])
     return feasibility.never_fits(request, located_nodes), None
 
 

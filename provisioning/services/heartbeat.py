@@ -91,6 +91,15 @@ def _cpu_and_memory(node: Node, gpus: int) -> tuple[float, int]:
     return max(1.0, round(node.cpu_cores * share, 2)), max(2048, int(node.ram_gb * 1024 * share))
 
 
+# An idle node's heartbeat: seen, and asked what to run, in one statement (so in one
+# transaction) instead of BEGIN, UPDATE, SELECT, COMMIT.
+_SEEN_AND_HELD_SQL = f"WITH seen AS ({_SEEN_SQL}) {_HELD_SQL}"
+
+
+def _held_params(node: Node, now: datetime) -> list:
+    return [node.pk, now, [str(s) for s in lifecycle.CONTAINER_WANTED]]
+
+
 def _ports(rental: Rental) -> tuple[int, ...]:
     """The container ports to publish: the rental's own, and sshd's when it asked for SSH."""
     return tuple(sorted({*rental.ports, SSH_PORT})) if rental.ssh else tuple(rental.ports)
@@ -99,8 +108,12 @@ def _ports(rental: Rental) -> tuple[int, ...]:
 def desired_state(*, node: Node, now: datetime) -> list[DesiredRun]:
     """The containers that should run on the node now, from its active allocations."""
     with connection.cursor() as cursor:
-        cursor.execute(_HELD_SQL, [node.pk, now, [str(s) for s in lifecycle.CONTAINER_WANTED]])
+        cursor.execute(_HELD_SQL, _held_params(node, now))
         held = cursor.fetchall()
+    return _desired_from(node=node, held=held)
+
+
+def _desired_from(*, node: Node, held: list[tuple]) -> list[DesiredRun]:
     if not held:
         return []  # an idle node, the common case: one light query per heartbeat
     rentals = Rental.objects.in_bulk({rental_id for rental_id, _, _ in held})
@@ -318,6 +331,16 @@ def node_heartbeat(
     same way and logged: one bad report never fails the others, and never the answer."""
     now = timezone.now()
     counts: Counter[str] = Counter(dropped or {})
+    run_benchmark = node.benchmark_requested
+    # A report kind added to the heartbeat is named here too, or an idle node's would be lost.
+    if _idle_and_online(node, containers, usage, metrics, logs, benchmark):
+        with connection.cursor() as cursor:
+            cursor.execute(_SEEN_AND_HELD_SQL, [now, node.pk, *_held_params(node, now)])
+            held = cursor.fetchall()
+        if not held:
+            return _answer(node=node, telemetry=telemetry, desired=[], ack=0, counts=counts,
+                           run_benchmark=run_benchmark)  # fmt: skip
+        # Something to run: the full path below records the hand-over in its transaction.
     with transaction.atomic():
         _node_seen(node=node, now=now)
         for report in sorted(containers, key=lambda c: c.run_id):
@@ -337,13 +360,31 @@ def node_heartbeat(
             counts["metrics"] += metrics_store(node=node, lines=metrics)
         if logs:
             counts["logs"] += run_logs_store(node=node, lines=logs)
-        run_benchmark = node.benchmark_requested
         if benchmark:
             benchmark_record(node=node, result=benchmark)
             run_benchmark = False
         desired = desired_state(node=node, now=now)
         if desired:
             _runs_request(node=node, desired=desired)
+    return _answer(node=node, telemetry=telemetry, desired=desired, ack=ack, counts=counts,
+                   run_benchmark=run_benchmark)  # fmt: skip
+
+
+def _idle_and_online(node: Node, *reports: object) -> bool:
+    """A heartbeat whose reports (every kind but telemetry, each named by the caller) are all
+    empty, from a node that is not coming back from OFFLINE: it only marks the node seen."""
+    return not any(reports) and node.status != NodeStatus.OFFLINE
+
+
+def _answer(
+    *,
+    node: Node,
+    telemetry: list[dict],
+    desired: list[DesiredRun],
+    ack: int,
+    counts: Counter[str],
+    run_benchmark: bool,
+) -> HeartbeatAnswer:
     if telemetry:
         # Redis is not in the transaction: buffered once the rest is applied.
         telemetry_buffer(node_id=node.pk, samples=telemetry)

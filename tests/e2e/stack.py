@@ -34,9 +34,11 @@ class Stack:
         agent: list[str] | None,
         agents: dict[str, list[str]] | None = None,
         binds: tuple[str, ...] = (),
+        workers: int = 1,
     ):
         """`agent` joins with `join_token` on loopback; `agents` (also settable until start) are
-        whole commands with their own server URL and token; gunicorn also listens on `binds`."""
+        whole commands with their own server URL and token; gunicorn also listens on `binds`;
+        `workers` Celery worker processes ("worker", "worker-2", ...) share the broker."""
         self.tmp = tmp
         self.redis_dir = tmp / "redis"
         self.redis_port = _free_port()
@@ -52,6 +54,7 @@ class Stack:
         self._agent = agent
         self.agents = dict(agents or {})
         self._binds = binds
+        self.workers = ["worker", *(f"worker-{i}" for i in range(2, workers + 1))]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._supervise, daemon=True)
 
@@ -78,7 +81,11 @@ class Stack:
                 str(BIN / "gunicorn"), "config.wsgi", "--bind", f"127.0.0.1:{self.port}",
                 *binds, "--workers", "1", "--threads", "4",
             ],
-            "worker": [celery, "-A", "config", "worker", "-l", "info", "-c", "1"],
+            **{
+                name: [celery, "-A", "config", "worker", "-l", "info", "-c", "1",
+                       "-n", f"{name}@%h"]
+                for name in self.workers
+            },
             "beat": [
                 celery, "-A", "config", "beat", "-l", "info",
                 "-s", str(self.tmp / "celerybeat-schedule"),
@@ -95,8 +102,60 @@ class Stack:
         self.supervisor.start_all()
         self._thread.start()
         wait_for(self._web_answers, 60, "gunicorn to answer")
-        wait_for(lambda: b"ready" in self.log_bytes("worker"), 90, "the Celery worker")
+        for name in self.workers:
+            wait_for(lambda n=name: b"ready" in self.log_bytes(n), 90, f"the Celery {name}")
         return self
+
+    def send_task(self, name: str, *args) -> bool:
+        """Queue a task on this stack's broker, as the web process would; False when the broker
+        is unreachable (the message is lost, as a create's is while Redis is down)."""
+        from celery import Celery
+
+        app = Celery(
+            "stack-client", broker=self.env["CELERY_BROKER_URL"],
+            broker_transport_options={"socket_timeout": 2, "socket_connect_timeout": 2},
+        )  # fmt: skip
+        try:
+            app.send_task(name, args=list(args), retry=False)
+        except Exception:
+            return False
+        finally:
+            app.close()
+        return True
+
+    def kill_lock_holder(self, lock: str) -> str | None:
+        """SIGKILL the worker whose process holds the named advisory lock right now (its pool
+        process, mid-task, and its main process), as a host that dies would; returns the
+        worker's name, or None when no worker of this stack holds it."""
+        import psutil
+        from django.db import connection
+
+        from marketplace.locks import advisory_key
+
+        key = advisory_key(lock) & (2**64 - 1)
+        with connection.cursor() as cursor:
+            cursor.execute(
+                """
+                SELECT a.client_port FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+                WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+                  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+                  AND l.classid::bigint = %s AND l.objid::bigint = %s
+                """,
+                [key >> 32, key & 0xFFFFFFFF],
+            )
+            ports = {row[0] for row in cursor.fetchall()}
+        if not ports:
+            return None
+        for name in self.workers:
+            main = psutil.Process(self.pid(name))
+            for proc in [main, *main.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    if any(c.laddr.port in ports for c in proc.net_connections(kind="tcp")):
+                        for victim in (proc, main):
+                            with contextlib.suppress(ProcessLookupError):
+                                os.kill(victim.pid, signal.SIGKILL)
+                        return name
+        return None
 
     def _web_answers(self) -> bool:
         try:

@@ -7,7 +7,9 @@ config.supervisor.Supervisor) on the test database and a Redis of its own.
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 import signal
 import threading
 import time
@@ -19,10 +21,18 @@ import requests
 from django.utils import timezone
 
 from billing.models import TelemetrySample
-from marketplace.models import Node, NodeStatus, Rental, RentalEvent, RentalStatus
+from marketplace.models import (
+    Allocation,
+    Node,
+    NodeStatus,
+    Rental,
+    RentalEvent,
+    RentalStatus,
+)
 from marketplace.services import GpuSpec, api_token_create, node_register
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 from provisioning.models import ContainerRun
+from provisioning.services import join_token_create
 from tests.e2e.conftest import (
     HARNESS_IMAGE,
     credit_customer,
@@ -30,7 +40,7 @@ from tests.e2e.conftest import (
     remove_managed,
     wait_for,
 )
-from tests.e2e.stack import Stack
+from tests.e2e.stack import Stack, agent_command
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
@@ -172,3 +182,113 @@ def test_redis_restart_mid_burst_leaves_nothing_pending(start_stack, token):
     for rental_id in created:
         wait_for(lambda r=rental_id: _status(r) == RentalStatus.RUNNING, 180, f"{rental_id} runs")
     assert not Rental.objects.filter(status=RentalStatus.PENDING).exists()
+
+
+POOLS = ("a", "b")
+POOL_GPUS = 4
+POOL_BURST = 7  # per pool: more than its GPUs, so some rentals must wait with a reason
+# The reason rental_submit stores: no cycle has looked at the rental yet.
+SUBMITTED = "waiting for the scheduler"
+_CYCLE_LINE = re.compile(r"scheduler cycle pool=(\S+) began=([\d.]+) ended=([\d.]+)")
+
+
+@pytest.fixture
+def pooled_stack(stack_env, provider, tmp_path):
+    """Two Celery workers, beat, web, and one agent per scheduler pool."""
+    stack = Stack(
+        env={**stack_env, "LOG_LEVEL": "INFO"}, tmp=tmp_path, join_token=None, agent=None,
+        workers=2,
+    )  # fmt: skip
+    for pool in POOLS:
+        _, join = join_token_create(
+            provider=provider, created_by=provider.owner, region="e2e", pool=pool,
+            price_per_gpu_hour=Decimal("0.60"), min_bid_per_gpu_hour=Decimal("0.20"),
+        )  # fmt: skip
+        command = agent_command(
+            state=tmp_path / f"agent-{pool}", runtime="process", gpus=POOL_GPUS,
+            hostname=f"pool-{pool}",
+        )  # fmt: skip
+        stack.agents[f"agent-{pool}"] = [*command, "--server", stack.url, "--join-token", join]
+    try:
+        yield stack.start()
+    finally:
+        stack.stop()
+
+
+def _pooled(user, stack: Stack, pool: str) -> str:
+    """A create in `pool`; its cycle request goes to the stack's broker (lost while Redis is
+    down, as a web process's would be)."""
+    rental = rental_create(
+        customer=user,
+        request=RentalRequest(
+            gpus_per_node=1, duration_s=3600, region="e2e", pool=pool,
+            runtime=RuntimeSpec(image=HARNESS_IMAGE, command=["sleep", "3600"]),
+        ),
+    )  # fmt: skip
+    stack.send_task("scheduler.cycle", pool)
+    return str(rental.pk)
+
+
+def _settled(ids: list[str]) -> bool:
+    """Every rental placed, or pending with a reason a scheduler cycle gave."""
+    rows = Rental.objects.filter(pk__in=ids).values_list("status", "status_reason")
+    return all(
+        status in PLACED or (status == RentalStatus.PENDING and reason != SUBMITTED)
+        for status, reason in rows
+    )
+
+
+def test_two_workers_and_two_pools_place_a_burst_through_a_redis_restart_and_a_killed_worker(
+    pooled_stack, user
+):
+    stack = pooled_stack
+    wait_for(
+        lambda: Node.objects.filter(pool__in=POOLS, status=NodeStatus.ONLINE).count() == 2,
+        120, "both pools' agents to join",
+    )  # fmt: skip
+    created: list[tuple[str, str]] = []
+    # When a burst of creates into both pools meets a Redis restart in its middle...
+    for i in range(POOL_BURST):
+        if i == POOL_BURST // 2:
+            stack.stop_redis()
+        for pool in POOLS:
+            created.append((pool, _pooled(user, stack, pool)))
+        if i == POOL_BURST // 2:
+            time.sleep(2)
+            stack.start_redis()
+    # ...and the worker running a pool's cycle is SIGKILLed while it holds the pool's lock
+    # (the rentals beyond the GPUs keep full cycles coming, beat's tick queues them).
+    killed = wait_for(
+        lambda: next(filter(None, (stack.kill_lock_holder(f"scheduler:{p}") for p in POOLS)), None),
+        120, "a worker in the middle of a cycle", every=0.01,
+    )  # fmt: skip
+    wait_for(lambda: stack.supervisor.children[killed].restarts >= 1, 60, f"{killed} restarted")
+    ids = [rental_id for _, rental_id in created]
+    wait_for(lambda: _settled(ids), 180, "every rental placed or waiting with a reason")
+
+    # Then no rental is lost: each pool's GPUs are all taken, one rental each, on that pool's
+    # node, and the rest wait with the scheduler's reason.
+    for pool in POOLS:
+        mine = [rental_id for p, rental_id in created if p == pool]
+        placed = Rental.objects.filter(pk__in=mine, status__in=PLACED)
+        assert placed.count() == POOL_GPUS, pool
+        assert Rental.objects.filter(pk__in=mine, status=RentalStatus.PENDING).count() == (
+            POOL_BURST - POOL_GPUS
+        )
+        held = Allocation.objects.filter(rental__in=placed, released_at__isnull=True)
+        assert held.count() == POOL_GPUS
+        assert set(held.values_list("node__pool", flat=True)) == {pool}
+        assert held.values("gpu").distinct().count() == POOL_GPUS
+    # ...and no two cycles of one pool overlapped in time, across both workers' logs.
+    cycles: dict[str, list[tuple[float, float]]] = {pool: [] for pool in POOLS}
+    for name in stack.workers:
+        lines = _CYCLE_LINE.findall(stack.log(name))
+        assert lines, f"{name} ran no cycle"
+        for pool, began, ended in lines:
+            cycles[pool].append((float(began), float(ended)))
+    for pool, spans in cycles.items():
+        spans.sort()
+        assert spans, pool
+        for (_, ended), (began, _) in itertools.pairwise(spans):
+            assert began >= ended, (pool, spans)
+    assert any(f"{killed} exited with code" in m for m in stack.messages), stack.messages
