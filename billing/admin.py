@@ -20,7 +20,7 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils.html import format_html, format_html_join
 
-from billing import services
+from billing import selectors, services
 from billing.models import (
     Account,
     AccountKind,
@@ -87,6 +87,17 @@ class RefundForm(forms.Form):
         )
 
 
+class CeilingsForm(forms.Form):
+    max_concurrent_gpus = forms.IntegerField(
+        min_value=1, max_value=100_000, required=False,
+        help_text="pending + placed + running GPUs; empty: the BILLING_MAX_CONCURRENT_GPUS setting",
+    )  # fmt: skip
+    max_rentals_per_minute = forms.IntegerField(
+        min_value=1, max_value=100_000, required=False,
+        help_text="empty: the BILLING_MAX_RENTALS_PER_MINUTE setting",
+    )  # fmt: skip
+
+
 class PayoutForm(forms.Form):
     amount = forms.DecimalField(
         max_digits=16,
@@ -111,6 +122,7 @@ class AccountAdmin(admin.ModelAdmin):
         "balance",
         "low_balance_since",
         "depleted_since",
+        "budgets",
         "stripe_customer_id",
         "stripe_connect_account_id",
         "ops_actions",
@@ -143,11 +155,26 @@ class AccountAdmin(admin.ModelAdmin):
     def balance(self, account: Account) -> str:
         return f"{usd(account.balance_micros)} ({account.balance_micros} micros)"
 
+    @admin.display(description="budgets and limits")
+    def budgets(self, account: Account) -> str:
+        if account.kind != AccountKind.CUSTOMER:
+            return "-"
+        limits = selectors.account_limits(account=account)
+        budget = account.monthly_budget_micros
+        return (
+            f"monthly budget {usd(budget) if budget else 'none'};"
+            f" GPUs at once {limits.max_concurrent_gpus or 'no limit'}"
+            f" (ceiling {account.ops_max_concurrent_gpus or 'default'});"
+            f" rentals per minute {limits.max_rentals_per_minute or 'no limit'}"
+            f" (ceiling {account.ops_max_rentals_per_minute or 'default'})"
+        )
+
     @admin.display(description="actions")
     def ops_actions(self, account: Account) -> str:
         links = [("billing_account_adjust", "Credit or debit")]
         if account.kind == AccountKind.CUSTOMER:
             links.append(("billing_account_refund", "Refund"))
+            links.append(("billing_account_ceilings", "Limits"))
         if account.kind == AccountKind.PROVIDER:
             links.append(("billing_account_payout", "Pay out"))
         ledger = (
@@ -194,6 +221,11 @@ class AccountAdmin(admin.ModelAdmin):
                 "<int:account_id>/refund/",
                 self.admin_site.admin_view(self.refund_view),
                 name="billing_account_refund",
+            ),
+            path(
+                "<int:account_id>/ceilings/",
+                self.admin_site.admin_view(self.ceilings_view),
+                name="billing_account_ceilings",
             ),
             path(
                 "<int:account_id>/payout/",
@@ -271,6 +303,28 @@ class AccountAdmin(admin.ModelAdmin):
                     f"Refund of {usd(refund.amount_micros)} {refund.status}: {refund.reason}",
                 )
         return self._form_page(request, account, form, "Refund")
+
+    def ceilings_view(self, request: HttpRequest, account_id: int):
+        """The account's ceilings on the limits its customer may set."""
+        if not request.user.has_perm("billing.change_account"):
+            raise PermissionDenied("setting limits needs the billing.change_account permission")
+        account = get_object_or_404(Account, pk=account_id, kind=AccountKind.CUSTOMER)
+        form = CeilingsForm(
+            request.POST or None,
+            initial={
+                "max_concurrent_gpus": account.ops_max_concurrent_gpus,
+                "max_rentals_per_minute": account.ops_max_rentals_per_minute,
+            },
+        )
+        if request.method == "POST" and form.is_valid():
+            try:
+                services.account_ceilings_set(account_id=account.pk, **form.cleaned_data)
+            except DomainError as exc:
+                form.add_error(None, exc.message)
+            else:
+                limits = ", ".join(f"{k} {v or 'default'}" for k, v in form.cleaned_data.items())
+                return self._done(request, account, f"Limits set: {limits}")
+        return self._form_page(request, account, form, "Limits")
 
     def payout_view(self, request: HttpRequest, account_id: int):
         _require_perm(request, "create_payout")

@@ -37,6 +37,25 @@ def funds_check_enabled() -> bool:
     return bool(_get("BILLING_FUNDS_CHECK", True))
 
 
+def max_concurrent_gpus() -> int:
+    """Default ceiling on an account's pending, placed and running GPUs; 0: no limit."""
+    return int(_get("BILLING_MAX_CONCURRENT_GPUS", 64))
+
+
+def max_rentals_per_minute() -> int:
+    """Default ceiling on the rentals an account creates in any 60 s; 0: no limit."""
+    return int(_get("BILLING_MAX_RENTALS_PER_MINUTE", 30))
+
+
+def billing_pass_interval_s() -> int:
+    """How often the billing pass runs (beat's schedule of `billing.pass`): the time a budget
+    check can lag behind the usage it judges."""
+    schedule = _get("CELERY_BEAT_SCHEDULE", {}).get("billing-pass")
+    if schedule is not None:
+        return max(1, int(schedule["schedule"].total_seconds()))
+    return 60
+
+
 def clock_skew_s() -> int:
     """How far ahead of the server clock an agent's confirmation may be."""
     return int(_get("BILLING_CLOCK_SKEW_S", 120))

@@ -18,3 +18,28 @@ class PaymentMismatch(DomainError):
 
     status = 409
     code = "payment_mismatch"
+
+
+class LimitExceeded(DomainError):
+    """A new rental would take the account past one of its limits; `field` names the limit."""
+
+    status = 409
+    code = "limit_exceeded"
+
+
+class RateLimited(LimitExceeded):
+    """Too many rentals created in the last minute; `retry_after_s` says when one fits again."""
+
+    status = 429
+    code = "rate_limited"
+
+    def __init__(self, message: str, *, field: str, retry_after_s: int) -> None:
+        super().__init__(message, field=field)
+        self.retry_after_s = retry_after_s
+
+
+class BudgetExceeded(DomainError):
+    """A new rental would take the month's charges plus what is held past the monthly budget."""
+
+    status = 409
+    code = "budget_exceeded"

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
+from decimal import ROUND_CEILING, Decimal
 
 from django.db import connection
-from django.db.models import Q, QuerySet, Sum
+from django.db.models import F, Q, QuerySet, Sum
 from django.utils import timezone
 
-from billing import stripe_adapter
+from billing import conf, stripe_adapter
 from billing.models import (
     Account,
     AccountKind,
     BalanceNotice,
     EntryKind,
+    FundsHold,
     Invoice,
     LedgerEntry,
     Payout,
@@ -53,10 +55,11 @@ _ACCRUED_SQL = """
 """
 _HELD_SQL = """
     SELECT coalesce(sum(greatest(
-        CASE WHEN r.price_per_gpu_hour IS NULL THEN h.amount_micros
-             ELSE ceil(r.price_per_gpu_hour * 1000000 * r.gpus_per_node * r.node_count
-                       * r.duration_s / 3600)
-        END
+        -- LEAST skips a NULL: an uncapped rental holds its booked time.
+        LEAST(CASE WHEN r.price_per_gpu_hour IS NULL THEN h.amount_micros
+                   ELSE ceil(r.price_per_gpu_hour * 1000000 * r.gpus_per_node * r.node_count
+                             * r.duration_s / 3600)
+              END, h.max_charge_micros)
         - coalesce((SELECT sum(m.charge_micros) FROM billing_usagemeter m
                     WHERE m.rental_id = r.id), 0),
         0)), 0)
@@ -89,7 +92,8 @@ def customer_hourly_burn_micros(*, customer_id: int) -> int:
 
 def customer_held_micros(*, customer_id: int) -> int:
     """What the customer's unfinished rentals may still cost: each hold, at the price locked at
-    placement once there is one (at the estimate of its creation before), less what the rental
+    placement once there is one (at the estimate of its creation before), never more than the
+    rental's own cap (max_charge), less what the rental
     has been charged so far, never below zero; a rental that has ended holds nothing.
 
     Computed from the rows each time rather than kept as a counter, so it cannot drift: a
@@ -243,6 +247,179 @@ def rental_segments(*, rental: Rental) -> QuerySet[UsageSegment]:
 
 def rental_meters(*, rental: Rental) -> QuerySet[UsageMeter]:
     return UsageMeter.objects.filter(rental=rental).select_related("node").order_by("node_id")
+
+
+def month_start(now: datetime) -> datetime:
+    """The first instant of `now`'s calendar month in UTC: monthly budgets count from it."""
+    return now.astimezone(UTC).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+
+
+@dataclass(frozen=True, slots=True)
+class AccountLimits:
+    """An account's limits in force: the customer's own, never above the ceiling (ops' value
+    for the account, else the setting); 0 means no limit."""
+
+    max_concurrent_gpus: int
+    max_rentals_per_minute: int
+    ceiling_concurrent_gpus: int
+    ceiling_rentals_per_minute: int
+
+
+def _in_force(own: int | None, ceiling: int) -> int:
+    if own is None:
+        return ceiling
+    return own if ceiling == 0 else min(own, ceiling)
+
+
+def account_limits(*, account: Account) -> AccountLimits:
+    gpus = account.ops_max_concurrent_gpus
+    per_minute = account.ops_max_rentals_per_minute
+    gpu_ceiling = conf.max_concurrent_gpus() if gpus is None else gpus
+    rate_ceiling = conf.max_rentals_per_minute() if per_minute is None else per_minute
+    return AccountLimits(
+        max_concurrent_gpus=_in_force(account.max_concurrent_gpus, gpu_ceiling),
+        max_rentals_per_minute=_in_force(account.max_rentals_per_minute, rate_ceiling),
+        ceiling_concurrent_gpus=gpu_ceiling,
+        ceiling_rentals_per_minute=rate_ceiling,
+    )
+
+
+def account_active_gpus(*, account: Account) -> int:
+    """GPUs of the account's rentals that are not over: waiting, placed, starting, running or
+    stopping (each holds, or will hold, its GPUs)."""
+    return (
+        Rental.objects.filter(customer_id=account.user_id, status__in=lifecycle.ACTIVE).aggregate(
+            n=Sum(F("gpus_per_node") * F("node_count"))
+        )["n"]
+        or 0
+    )
+
+
+def account_rentals_created_since(*, account: Account, since: datetime) -> list[datetime]:
+    """When each of the account's rentals created since `since` was created, oldest first."""
+    return list(
+        Rental.objects.filter(customer_id=account.user_id, created_at__gte=since)
+        .order_by("created_at")
+        .values_list("created_at", flat=True)
+    )
+
+
+# The month's usage charges of budgeted customer accounts: usage posted to the ledger since
+# the month began, plus usage rated and not yet posted; and what their running rentals cost
+# per hour.
+_MONTH_SPENT_SQL = """
+SELECT a.id,
+       coalesce((SELECT -sum(e.amount_micros) FROM billing_ledgerentry e
+                 WHERE e.account_id = a.id AND e.kind = 'usage'
+                   AND e.created_at >= %(month_start)s), 0)
+       + coalesce((SELECT sum(m.charge_micros - m.posted_charge_micros)
+                   FROM billing_usagemeter m JOIN marketplace_rental r ON r.id = m.rental_id
+                   WHERE r.customer_id = a.user_id
+                     AND m.charge_micros <> m.posted_charge_micros), 0) AS spent,
+       coalesce((SELECT sum(round(r.price_per_gpu_hour * 1000000) * r.gpus_per_node
+                            * r.node_count)
+                 FROM marketplace_rental r
+                 WHERE r.customer_id = a.user_id AND r.status = ANY(%(burning)s)
+                   AND r.price_per_gpu_hour IS NOT NULL), 0) AS burn
+FROM billing_account a
+WHERE a.kind = 'customer' AND a.monthly_budget_micros IS NOT NULL
+  AND (%(account_id)s::bigint IS NULL OR a.id = %(account_id)s::bigint)
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class MonthSpent:
+    """A budgeted account's month so far, in micro-dollars."""
+
+    spent_micros: int
+    hourly_burn_micros: int
+
+
+def accounts_month_spent(*, now: datetime, account_id: int | None = None) -> dict[int, MonthSpent]:
+    """Account id -> this month's usage charges and hourly burn, for every account with a
+    monthly budget (or only `account_id`): one statement for all of them."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            _MONTH_SPENT_SQL,
+            {
+                "month_start": month_start(now),
+                "account_id": account_id,
+                "burning": [str(s) for s in lifecycle.BURNING],
+            },
+        )
+        return {row[0]: MonthSpent(int(row[1]), int(row[2])) for row in cursor.fetchall()}
+
+
+def account_month_spent_micros(*, account: Account, now: datetime | None = None) -> int:
+    if account.pk is None:
+        return 0
+    now = now or timezone.now()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            _MONTH_SPENT_SQL.replace("AND a.monthly_budget_micros IS NOT NULL", ""),
+            {
+                "month_start": month_start(now),
+                "account_id": account.pk,
+                "burning": [str(s) for s in lifecycle.BURNING],
+            },
+        )
+        row = cursor.fetchone()
+    return int(row[1]) if row else 0
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetSummary:
+    """An account's budgets and limits with where it stands against each, for the billing page,
+    the API and the CLI."""
+
+    account: Account
+    limits: AccountLimits
+    monthly_budget_micros: int | None
+    budget_warn_percent: int
+    month_spent_micros: int
+    held_micros: int
+    active_gpus: int
+    rentals_last_minute: int
+    billing_pass_interval_s: int
+
+
+def budget_summary(*, user: User, now: datetime | None = None) -> BudgetSummary:
+    """The customer's budgets and limits; before the account exists, its defaults."""
+    now = now or timezone.now()
+    account = customer_account(customer_id=user.pk) or Account(kind=AccountKind.CUSTOMER, user=user)
+    return BudgetSummary(
+        account=account,
+        limits=account_limits(account=account),
+        monthly_budget_micros=account.monthly_budget_micros,
+        budget_warn_percent=account.budget_warn_percent,
+        month_spent_micros=account_month_spent_micros(account=account, now=now),
+        held_micros=customer_held_micros(customer_id=account.user_id),
+        active_gpus=account_active_gpus(account=account),
+        rentals_last_minute=len(
+            account_rentals_created_since(account=account, since=now - timedelta(minutes=1))
+        ),
+        billing_pass_interval_s=conf.billing_pass_interval_s(),
+    )
+
+
+def rental_cap(*, rental: Rental) -> tuple[int | None, int | None]:
+    """The rental's own cap on its charge (max_charge) and how far past it the charge can go
+    (at the locked price, or the most it can be placed at before), in micro-dollars."""
+    hold = FundsHold.objects.filter(rental=rental).only("max_charge_micros", "price_per_gpu_hour")
+    hold = hold.first()
+    if hold is None or hold.max_charge_micros is None:
+        return None, None
+    price = rental.price_per_gpu_hour or hold.price_per_gpu_hour
+    return hold.max_charge_micros, cap_overrun_bound_micros(
+        price_per_gpu_hour=price, gpus=rental.gpu_count
+    )
+
+
+def cap_overrun_bound_micros(*, price_per_gpu_hour: Decimal, gpus: int) -> int:
+    """How far past its cap a capped rental's charge can go: what it costs during one billing
+    pass interval (see billing.services.rating for why), rounded up to a whole micro."""
+    micros = price_per_gpu_hour * conf.MICROS_PER_USD * gpus * conf.billing_pass_interval_s() / 3600
+    return int(micros.to_integral_value(ROUND_CEILING))
 
 
 @dataclass(frozen=True, slots=True)

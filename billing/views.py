@@ -79,6 +79,7 @@ def account_page(request: HttpRequest) -> HttpResponse:
             "runway_hours": max(0, summary.balance_micros - summary.accrued_micros) / burn
             if burn > 0
             else None,
+            "budget": selectors.budget_summary(user=request.user),
             "notices": selectors.notice_list(user=request.user)[:5],
             "invoices": selectors.invoice_list(user=request.user)[:24],
             "entries": entries[:LEDGER_ROWS],

@@ -5,6 +5,7 @@
     gpumarket book --model llama2-7b --tokens-b 100 --plan h100-sxm5-80gb:2x8
     gpumarket rent --gpus 4 --gpu-family a100 --region eu --hours 12 --image IMAGE -- CMD ...
     gpumarket rentals | show ID | metrics ID | logs [-f] ID | stop ID | cancel ID
+    gpumarket budget [--monthly 500 --warn-percent 80 --max-gpus 16 --max-rentals-per-minute 10]
     gpumarket data push PATH [--name NAME] | data ls | data rm NAME
     gpumarket rent ... --data NAME --resume-from RENTAL
     gpumarket artifacts ls RENTAL | artifacts pull RENTAL [DEST]
@@ -192,6 +193,8 @@ def run(args: argparse.Namespace, api: Api) -> str:
             body["max_price_per_gpu_hour"] = args.max_price
         if args.bid:
             body.update(kind="interruptible", bid_per_gpu_hour=args.bid)
+        if args.max_cost:
+            body["max_charge"] = args.max_cost
         if args.data:
             body["datasets"] = args.data
         if args.resume_from:
@@ -231,9 +234,55 @@ def run(args: argparse.Namespace, api: Api) -> str:
             f"{key.removesuffix('_micros')} ${account[key] / 1e6:,.2f}"
             for key in ("balance_micros", "available_micros", "hourly_burn_micros")
         )
+    if args.command == "budget":
+        return _budget_run(args, api)
     if args.command == "notify":
         return _notify_run(args, api)
     return _provider_run(args, api)
+
+
+def _cleared(value: str) -> str | int | None:
+    """'none' clears a budget or limit; a whole number is sent as one, anything else as typed
+    (the server names what is wrong with it)."""
+    if value.lower() == "none":
+        return None
+    return int(value) if value.isdigit() else value
+
+
+def _budget_run(args: argparse.Namespace, api: Api) -> str:
+    """Show the account's budgets and limits, or set those given."""
+    changes = {
+        key: _cleared(value)
+        for key, value in (
+            ("monthly_budget", args.monthly),
+            ("budget_warn_percent", args.warn_percent),
+            ("max_concurrent_gpus", args.max_gpus),
+            ("max_rentals_per_minute", args.max_rentals_per_minute),
+        )
+        if value is not None
+    }
+    if "monthly_budget" in changes and isinstance(changes["monthly_budget"], int):
+        changes["monthly_budget"] = str(changes["monthly_budget"])
+    if changes:
+        b = api.call("PATCH", "/api/v1/billing/budgets/", json=changes)
+    else:
+        b = api.call("GET", "/api/v1/billing/budgets/")
+
+    def usd(micros: int | None) -> str:
+        return "none" if micros is None else f"${micros / 1e6:,.2f}"
+
+    def limit(value: int, ceiling: int) -> str:
+        return (str(value) if value else "no limit") + (f" (ceiling {ceiling})" if ceiling else "")
+
+    return "\n".join([
+        f"monthly budget      {usd(b['monthly_budget_micros'])}"
+        f" (warn at {b['budget_warn_percent']} %)",
+        f"charged this month  {usd(b['month_spent_micros'])}, held {usd(b['held_micros'])}",
+        f"GPUs at once        {b['active_gpus']} of "
+        + limit(b["max_concurrent_gpus"], b["ceiling_concurrent_gpus"]),
+        f"rentals per minute  {b['rentals_last_minute']} of "
+        + limit(b["max_rentals_per_minute"], b["ceiling_rentals_per_minute"]),
+    ])  # fmt: skip
 
 
 def _data_run(args: argparse.Namespace, api: Api) -> str:
@@ -396,6 +445,9 @@ def build_parser() -> argparse.ArgumentParser:
     rent.add_argument("--max-price")
     rent.add_argument("--bid", help="interruptible, with this bid per GPU-hour")
     rent.add_argument("--hours", type=float, default=1.0)
+    rent.add_argument(
+        "--max-cost", help="dollars: the rental checkpoints and stops when its charge reaches this"
+    )
     rent.add_argument("--image", required=True)
     rent.add_argument(
         "--data", action="append", default=[], help="a dataset (repeatable): /data/NAME"
@@ -433,6 +485,11 @@ def build_parser() -> argparse.ArgumentParser:
     log.add_argument("--tail", type=int, help="only the last N lines")
     log.add_argument("--interval", type=float, default=2.0, help=argparse.SUPPRESS)
     sub.add_parser("balance", help="your credit, what is available, what running rentals cost")
+    budget = sub.add_parser("budget", help="your monthly budget and limits: show, or set")
+    budget.add_argument("--monthly", help="dollars per month; 'none' removes the budget")
+    budget.add_argument("--warn-percent", help="warn at this share of the monthly budget")
+    budget.add_argument("--max-gpus", help="GPUs at once; 'none': the account's ceiling")
+    budget.add_argument("--max-rentals-per-minute", help="'none': the account's ceiling")
     notify = sub.add_parser("notify", help="what you are told by email and webhook")
     notify_sub = notify.add_subparsers(dest="notify_command", required=True)
     notify_sub.add_parser("show", help="your notification settings")

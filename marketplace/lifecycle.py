@@ -438,3 +438,15 @@ def rental_stop_for_funds(*, rental_id, reason: str) -> Rental | None:
     return rental_transition(
         rental=rental, to_status=S.STOPPING, actor_kind=A.BILLING, reason=reason
     )
+
+
+# The start of every stop reason a budget gives: the rental's own cap or its account's monthly
+# budget was reached.
+BUDGET_REACHED = "budget reached"
+
+
+def rental_stop_for_budget(*, rental_id, reason: str) -> Rental | None:
+    """Billing found a budget reached: stop the rental as for an empty balance (the agent
+    checkpoints, SIGTERM then grace; not started: cancelled), the reason starting with
+    BUDGET_REACHED. Returns None when the rental is already over."""
+    return rental_stop_for_funds(rental_id=rental_id, reason=f"{BUDGET_REACHED}: {reason}")

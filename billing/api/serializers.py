@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from decimal import Decimal
 
 from django.utils import timezone
 from rest_framework import serializers
@@ -26,9 +27,20 @@ MAX_TELEMETRY_RANGE = timedelta(days=7)
 
 
 class NoticeSerializer(serializers.ModelSerializer):
+    rental = serializers.UUIDField(
+        source="rental_id", allow_null=True, help_text="the rental a budget_reached is about"
+    )
+
     class Meta:
         model = BalanceNotice
-        fields = ["kind", "available_micros", "hourly_burn_micros", "detail", "created_at"]
+        fields = [
+            "kind",
+            "rental",
+            "available_micros",
+            "hourly_burn_micros",
+            "detail",
+            "created_at",
+        ]
 
 
 class AccountSerializer(serializers.Serializer):
@@ -54,6 +66,58 @@ class AccountSerializer(serializers.Serializer):
     def get_depleted_since(self, summary) -> str | None:
         value = summary.account.depleted_since if summary.account else None
         return serializers.DateTimeField().to_representation(value) if value else None
+
+
+class BudgetSerializer(serializers.Serializer):
+    """The account's budgets and limits and where it stands: the month's charges and what
+    unfinished rentals still hold count against the monthly budget; limits in force are the
+    account's own, never above the ceiling ops set (0: no limit)."""
+
+    currency = serializers.SerializerMethodField()
+    monthly_budget_micros = serializers.IntegerField(allow_null=True)
+    budget_warn_percent = serializers.IntegerField()
+    month_spent_micros = serializers.IntegerField()
+    held_micros = serializers.IntegerField()
+    max_concurrent_gpus = serializers.IntegerField(source="limits.max_concurrent_gpus")
+    max_rentals_per_minute = serializers.IntegerField(source="limits.max_rentals_per_minute")
+    ceiling_concurrent_gpus = serializers.IntegerField(source="limits.ceiling_concurrent_gpus")
+    ceiling_rentals_per_minute = serializers.IntegerField(
+        source="limits.ceiling_rentals_per_minute"
+    )
+    active_gpus = serializers.IntegerField()
+    rentals_last_minute = serializers.IntegerField()
+    billing_pass_interval_s = serializers.IntegerField(
+        help_text="a capped rental's charge can pass its cap by at most this many seconds of"
+        " its rate"
+    )
+
+    def get_currency(self, summary) -> str:
+        return conf.currency()
+
+
+class BudgetUpdateSerializer(serializers.Serializer):
+    """Any of the fields; null clears a budget or an own limit (the ceiling then applies)."""
+
+    monthly_budget = serializers.DecimalField(
+        max_digits=9, decimal_places=2, required=False, allow_null=True,
+        min_value=Decimal("0.01"), max_value=Decimal(1_000_000), help_text="dollars per month",
+    )  # fmt: skip
+    budget_warn_percent = serializers.IntegerField(required=False, min_value=1, max_value=100)
+    max_concurrent_gpus = serializers.IntegerField(
+        required=False, allow_null=True, min_value=1, max_value=100_000
+    )
+    max_rentals_per_minute = serializers.IntegerField(
+        required=False, allow_null=True, min_value=1, max_value=100_000
+    )
+
+    def validate(self, attrs: dict) -> dict:
+        # A typo must not silently change nothing.
+        unknown = sorted(set(self.initial_data) - set(self.fields))
+        if unknown:
+            raise serializers.ValidationError({name: ["unknown field"] for name in unknown})
+        if not attrs:
+            raise serializers.ValidationError({"non_field_errors": ["nothing to change"]})
+        return attrs
 
 
 class LedgerEntrySerializer(serializers.ModelSerializer):
@@ -230,6 +294,13 @@ class RentalUsageSerializer(serializers.Serializer):
     )
     meters = UsageMeterSerializer(many=True)
     segments = UsageSegmentSerializer(many=True)
+    max_charge_micros = serializers.IntegerField(
+        allow_null=True, help_text="the rental's own cap on its charge"
+    )
+    cap_overrun_bound_micros = serializers.IntegerField(
+        allow_null=True,
+        help_text="how far past its cap the charge can go: one billing pass at its rate",
+    )
 
 
 class PayoutSerializer(serializers.ModelSerializer):

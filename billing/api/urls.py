@@ -4,6 +4,7 @@ from billing.api import views
 
 urlpatterns = [
     path("account/", views.AccountView.as_view(), name="billing-account"),
+    path("budgets/", views.BudgetView.as_view(), name="billing-budgets"),
     path("ledger/", views.LedgerListView.as_view(), name="billing-ledger"),
     path("earnings/", views.EarningsView.as_view(), name="billing-earnings"),
     path("notices/", views.NoticeListView.as_view(), name="billing-notices"),

@@ -14,6 +14,8 @@ from rest_framework.views import APIView
 from billing import selectors, services
 from billing.api.serializers import (
     AccountSerializer,
+    BudgetSerializer,
+    BudgetUpdateSerializer,
     GpuSeriesAnswerSerializer,
     InvoiceDetailSerializer,
     InvoiceSerializer,
@@ -47,6 +49,26 @@ class AccountView(APIView):
     @extend_schema(responses=AccountSerializer)
     def get(self, request: Request) -> Response:
         return Response(AccountSerializer(selectors.account_summary(user=request.user)).data)
+
+
+class BudgetView(APIView):
+    """Your account's budgets and limits: the monthly budget, the concurrent-GPU and per-minute
+    limits, and where you stand against each. PATCH sets them (dollars for the budget)."""
+
+    @extend_schema(responses=BudgetSerializer)
+    def get(self, request: Request) -> Response:
+        return Response(BudgetSerializer(selectors.budget_summary(user=request.user)).data)
+
+    @extend_schema(request=BudgetUpdateSerializer, responses=BudgetSerializer)
+    def patch(self, request: Request) -> Response:
+        body = BudgetUpdateSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        services.account_budgets_set(
+            account_id=services.account_for_customer(user=request.user).pk,
+            actor=request.user,
+            **body.validated_data,
+        )
+        return Response(BudgetSerializer(selectors.budget_summary(user=request.user)).data)
 
 
 class LedgerListView(_ListView):
@@ -170,10 +192,13 @@ class RentalUsageView(APIView):
         rental = selectors.own_rental(user=request.user, rental_id=rental_id)
         if rental is None:
             raise NotFound("no such rental")
+        cap, bound = selectors.rental_cap(rental=rental)
         usage = {
             "rental": rental,
             "meters": selectors.rental_meters(rental=rental),
             "segments": selectors.rental_segments(rental=rental),
+            "max_charge_micros": cap,
+            "cap_overrun_bound_micros": bound,
         }
         return Response(RentalUsageSerializer(usage).data)
 

@@ -41,9 +41,45 @@ class Account(models.Model):
     )
     created_at = models.DateTimeField(auto_now_add=True)
 
+    # Budgets, set by the customer (billing.services.budgets): a monthly cap on usage charges
+    # and the share of it at which running rentals are warned about.
+    monthly_budget_micros = models.BigIntegerField(
+        null=True, blank=True, help_text="cap on the month's usage charges; empty: none"
+    )
+    budget_warn_percent = models.PositiveSmallIntegerField(
+        default=80,
+        db_default=80,
+        help_text="warn when the month's charges reach this share of the budget",
+    )
+    budget_warned_at = models.DateTimeField(null=True, blank=True)
+    budget_reached_at = models.DateTimeField(null=True, blank=True)
+    # Limits: the customer's own (at most the ceiling) and the ceiling ops set per account;
+    # empty ceilings fall back to the BILLING_MAX_* settings.
+    max_concurrent_gpus = models.PositiveIntegerField(null=True, blank=True)
+    max_rentals_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    ops_max_concurrent_gpus = models.PositiveIntegerField(
+        null=True, blank=True, help_text="ceiling on pending + placed + running GPUs"
+    )
+    ops_max_rentals_per_minute = models.PositiveIntegerField(
+        null=True, blank=True, help_text="ceiling on rentals created per minute"
+    )
+
     class Meta:
         ordering = ["id"]
         constraints = [
+            models.CheckConstraint(
+                condition=Q(monthly_budget_micros__isnull=True) | Q(monthly_budget_micros__gt=0),
+                name="account_budget_positive",
+            ),
+            models.CheckConstraint(
+                condition=Q(budget_warn_percent__gte=1, budget_warn_percent__lte=100),
+                name="account_budget_warn_percent",
+            ),
+            models.CheckConstraint(
+                condition=(Q(max_concurrent_gpus__isnull=True) | Q(max_concurrent_gpus__gte=1))
+                & (Q(max_rentals_per_minute__isnull=True) | Q(max_rentals_per_minute__gte=1)),
+                name="account_limits_positive",
+            ),
             models.CheckConstraint(
                 condition=Q(kind="customer", user__isnull=False, provider__isnull=True)
                 | Q(kind="provider", user__isnull=True, provider__isnull=False)
@@ -81,13 +117,21 @@ class NoticeKind(models.TextChoices):
     LOW_BALANCE = "low_balance", "Low balance"
     DEPLETED = "depleted", "Balance exhausted: rentals stopped"
     RESTORED = "restored", "Balance restored"
+    # Budgets: the month's charges crossed the warning share of the monthly budget; a budget
+    # (the monthly one, or one rental's cap) was reached and rentals are being stopped.
+    BUDGET_WARNING = "budget_warning", "Monthly budget nearly used"
+    BUDGET_REACHED = "budget_reached", "Budget reached: rentals stopped"
 
 
 class BalanceNotice(models.Model):
     """A warning shown to a customer (and kept for ops) when the balance runs low or out."""
 
     account = models.ForeignKey(Account, on_delete=models.PROTECT, related_name="notices")
-    kind = models.CharField(max_length=12, choices=NoticeKind.choices)
+    kind = models.CharField(max_length=20, choices=NoticeKind.choices)
+    # The rental a notice is about (a per-rental budget reached); empty for account notices.
+    rental = models.ForeignKey(
+        "marketplace.Rental", null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
     available_micros = models.BigIntegerField()
     hourly_burn_micros = models.BigIntegerField()
     detail = models.CharField(max_length=500, blank=True)
@@ -115,12 +159,19 @@ class FundsHold(models.Model):
         max_digits=10, decimal_places=4, help_text="the rate the hold was computed at"
     )
     amount_micros = models.BigIntegerField()
+    # The customer's hard cap on this rental's charge: the billing pass stops the rental before
+    # its charge would cross it, and the hold is never more than it.
+    max_charge_micros = models.BigIntegerField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
         ordering = ["-created_at"]
         constraints = [
-            models.CheckConstraint(condition=Q(amount_micros__gte=0), name="hold_not_negative")
+            models.CheckConstraint(condition=Q(amount_micros__gte=0), name="hold_not_negative"),
+            models.CheckConstraint(
+                condition=Q(max_charge_micros__isnull=True) | Q(max_charge_micros__gt=0),
+                name="hold_cap_positive",
+            ),
         ]
 
     def __str__(self) -> str:

@@ -1,5 +1,10 @@
 """Every write of billing: typed, keyword-only functions, each owning its transaction."""
 
+from billing.services.budgets import (
+    account_budgets_set,
+    account_ceilings_set,
+    budgets_enforce,
+)
 from billing.services.invoices import invoice_issue, invoices_issue_due
 from billing.services.ledger import (
     account_adjust,
@@ -48,10 +53,13 @@ __all__ = [
     "UsageBatchResult",
     "UsageReport",
     "account_adjust",
+    "account_budgets_set",
+    "account_ceilings_set",
     "account_for_customer",
     "account_for_provider",
     "account_platform",
     "billing_pass_run",
+    "budgets_enforce",
     "customer_onboard",
     "funds_hold_create",
     "hold_micros",

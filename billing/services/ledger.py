@@ -12,6 +12,7 @@ from django.utils import timezone
 
 from billing import conf, selectors
 from billing.models import Account, AccountKind, EntryKind, FundsHold, LedgerEntry
+from billing.services import budgets
 from marketplace.errors import PaymentRequired, ValidationFailed
 from marketplace.models import Provider, Rental, User
 
@@ -123,35 +124,50 @@ def hold_micros(*, price_per_gpu_hour: Decimal, gpus: int, duration_s: int) -> i
     return int(micros.to_integral_value(ROUND_CEILING))
 
 
-def funds_hold_create(*, rental: Rental, price_per_gpu_hour: Decimal) -> FundsHold | None:
-    """Hold a new rental's whole booked cost against its customer's available balance, or
-    refuse it (402) naming the amount. Runs in the transaction that creates the rental.
+def funds_hold_create(
+    *, rental: Rental, price_per_gpu_hour: Decimal, max_charge: Decimal | None = None
+) -> FundsHold | None:
+    """Hold a new rental's whole booked cost (never more than its own cap, `max_charge` in
+    dollars) against its customer's available balance, or refuse it: 402 naming the amount,
+    or the account's limits and monthly budget (billing.services.budgets). Runs in the
+    transaction that creates the rental.
 
     The customer's account row is locked first: concurrent creates (and postings) of one
-    customer take turns, and each reads the holds every earlier one committed, so together
-    they can never hold more than the balance.
+    customer take turns, and each reads the rentals and holds every earlier one committed, so
+    together they can never hold more than the balance nor pass a limit or budget.
     """
-    if not conf.funds_check_enabled():
-        return None
     if not connection.in_atomic_block:
         raise TransactionManagementError("a hold is taken in the transaction creating the rental")
+    cap = None if max_charge is None else budgets.budget_micros(max_charge, field="max_charge")
     account = _customer_account_locked(customer_id=rental.customer_id)
     amount = hold_micros(
         price_per_gpu_hour=price_per_gpu_hour,
         gpus=rental.gpus_per_node * rental.node_count,
         duration_s=rental.duration_s,
     )
-    available = selectors.customer_available_micros(
-        customer_id=rental.customer_id, balance_micros=account.balance_micros
-    )
-    if available <= 0 or amount > available:
-        raise PaymentRequired(
-            f"this rental holds {_usd(amount)} ({rental.gpus_per_node * rental.node_count} GPU(s)"
-            f" x {Decimal(rental.duration_s) / 3600:.2f} h at ${price_per_gpu_hour}/GPU-hour)"
-            f" and the available balance is {_usd(available)}: top up first"
+    if cap is not None:
+        amount = min(amount, cap)
+    budgets.rental_budgets_check(account=account, rental=rental, hold_micros=amount)
+    if conf.funds_check_enabled():
+        available = selectors.customer_available_micros(
+            customer_id=rental.customer_id, balance_micros=account.balance_micros
         )
+        if available <= 0 or amount > available:
+            raise PaymentRequired(
+                f"this rental holds {_usd(amount)} ({rental.gpus_per_node * rental.node_count}"
+                f" GPU(s) x {Decimal(rental.duration_s) / 3600:.2f} h at"
+                f" ${price_per_gpu_hour}/GPU-hour{' up to its cap' if cap else ''}) and the"
+                f" available balance is {_usd(available)}: top up first"
+            )
+    elif cap is None and account.monthly_budget_micros is None:
+        # No balance check and no budget to count it against: nothing to hold.
+        return None
     return FundsHold.objects.create(
-        rental=rental, account=account, price_per_gpu_hour=price_per_gpu_hour, amount_micros=amount
+        rental=rental,
+        account=account,
+        price_per_gpu_hour=price_per_gpu_hour,
+        amount_micros=amount,
+        max_charge_micros=cap,
     )
 
 

@@ -19,6 +19,8 @@ running rentals is a handful of statements, not 100,000 round trips:
    posted) counts against the available balance.
 3. enforce: available = balance - accrued. Below one hour of the customer's running rentals:
    a low-balance notice; at zero: the rentals are stopped (the agent checkpoints on STOPPING).
+4. budgets: rentals at their own cap, and accounts at their monthly budget, are stopped the
+   same way (billing.services.budgets, which states how far past a cap a charge can go).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from django.utils import timezone
 from agentprotocol import DEFAULT_STOP_GRACE_S
 from billing import conf
 from billing.models import Account, AccountKind, BalanceNotice, NoticeKind
+from billing.services.budgets import budgets_enforce
 from billing.services.ledger import account_platform
 from marketplace import lifecycle
 from marketplace.locks import advisory_lock
@@ -56,6 +59,8 @@ class BillingPassResult:
     depleted: int = 0
     restored: int = 0
     rentals_stopped: int = 0
+    budget_warnings: int = 0
+    budgets_reached: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
 
 
@@ -420,6 +425,10 @@ def billing_pass_run(*, now: datetime | None = None, chunk: int = CHUNK) -> Bill
         t1 = time.perf_counter()
         balances_enforce(now=now, result=result)
         t2 = time.perf_counter()
-        result.seconds = {"rate_and_post": t1 - t0, "enforce": t2 - t1}
+        budgets = budgets_enforce(now=now)
+        result.budget_warnings, result.budgets_reached = budgets.warned, budgets.reached
+        result.rentals_stopped += budgets.rentals_stopped
+        t3 = time.perf_counter()
+        result.seconds = {"rate_and_post": t1 - t0, "enforce": t2 - t1, "budgets": t3 - t2}
     log.info("billing pass: %s", result)
     return result

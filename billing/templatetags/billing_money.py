@@ -22,3 +22,9 @@ def usd(micros: int | None) -> str:
 @register.filter
 def gpu_hours(seconds: int | None) -> str:
     return f"{Decimal(seconds or 0) / 3600:,.2f}"
+
+
+@register.filter
+def usd_plain(micros: int | None) -> str:
+    """Micro-dollars as a plain amount a form field takes back (1234.50)."""
+    return f"{(Decimal(micros or 0) / conf.MICROS_PER_USD).quantize(Decimal('0.01'))}"

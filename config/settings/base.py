@@ -315,6 +315,9 @@ BILLING_TELEMETRY_RETENTION_DAYS = env.int("BILLING_TELEMETRY_RETENTION_DAYS", d
 BILLING_CURRENCY = env.str("BILLING_CURRENCY", default="usd")
 BILLING_TOPUP_MIN_CENTS = env.int("BILLING_TOPUP_MIN_CENTS", default=500)
 BILLING_TOPUP_MAX_CENTS = env.int("BILLING_TOPUP_MAX_CENTS", default=1_000_000)
+# Per-account limits unless ops set another ceiling on the account (0: no limit).
+BILLING_MAX_CONCURRENT_GPUS = env.int("BILLING_MAX_CONCURRENT_GPUS", default=64)
+BILLING_MAX_RENTALS_PER_MINUTE = env.int("BILLING_MAX_RENTALS_PER_MINUTE", default=30)
 
 GPUMARKET = {
     # Agents that have not heartbeaten for this long are marked OFFLINE.

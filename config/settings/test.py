@@ -19,6 +19,9 @@ MIDDLEWARE = [m for m in MIDDLEWARE if not m.startswith("whitenoise.")]  # noqa:
 # Tests that are not about money need no balance; billing's own tests and the end-to-end tests
 # turn the check back on and top the customer up.
 BILLING_FUNDS_CHECK = False
+# Nor account limits: the tests of limits set them.
+BILLING_MAX_CONCURRENT_GPUS = 0
+BILLING_MAX_RENTALS_PER_MINUTE = 0
 # Agents in the end-to-end tests report every second instead of every five.
 GPUMARKET = {**GPUMARKET, "HEARTBEAT_INTERVAL_S": 1}  # noqa: F405
 # The suite makes many requests a second from one address; the throttle tests lower these.

@@ -23,7 +23,10 @@ def exception_handler(exc, context):
         body: dict = {"detail": exc.message, "code": exc.code}
         if exc.field:
             body = {exc.field: [exc.message], "detail": exc.message, "code": exc.code}
-        return Response(body, status=exc.status)
+        response = Response(body, status=exc.status)
+        if getattr(exc, "retry_after_s", None):
+            response["Retry-After"] = str(exc.retry_after_s)
+        return response
     if isinstance(exc, DjangoValidationError):
         if hasattr(exc, "message_dict"):
             return Response(exc.message_dict, status=status.HTTP_400_BAD_REQUEST)

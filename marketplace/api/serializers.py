@@ -257,6 +257,11 @@ class RentalCreateSerializer(serializers.Serializer):
         max_digits=10, decimal_places=4, required=False, allow_null=True, default=None,
         min_value=Decimal("0.0001"),
     )  # fmt: skip
+    max_charge = serializers.DecimalField(
+        max_digits=9, decimal_places=2, required=False, allow_null=True, default=None,
+        min_value=Decimal("0.01"), max_value=Decimal(1_000_000),
+        help_text="dollars: the rental checkpoints and stops when its charge reaches this",
+    )  # fmt: skip
     start_at = BoundedDateTimeField(required=False, allow_null=True, default=None)
     start_deadline = BoundedDateTimeField(required=False, allow_null=True, default=None)
     duration_s = serializers.IntegerField(required=False, min_value=60, max_value=30 * 86400)

@@ -73,6 +73,8 @@ class RentalRequest:
     start_at: datetime | None = None
     start_deadline: datetime | None = None
     priority: int = 0
+    # The most this rental may be charged, in dollars: billing stops it there.
+    max_charge: Decimal | None = None
     # Names of the customer's ready datasets the run reads (at /data/<name>).
     datasets: tuple[str, ...] = ()
     # An earlier rental of the customer's whose last synced checkpoint the run starts from.
@@ -163,9 +165,11 @@ def _never_fits(
 
 class FundsHolder(Protocol):
     """Holds a new rental's cost against its customer's balance in the creating transaction,
-    or refuses it (raises)."""
+    checking the account's limits and budgets, or refuses it (raises)."""
 
-    def __call__(self, *, rental: Rental, price_per_gpu_hour: Decimal) -> object: ...
+    def __call__(
+        self, *, rental: Rental, price_per_gpu_hour: Decimal, max_charge: Decimal | None
+    ) -> object: ...
 
 
 _funds_hold: FundsHolder | None = None
@@ -277,5 +281,9 @@ def rental_create(*, customer: User, request: RentalRequest) -> Rental:
             # GPU-hour: the bid, else the price cap, else (no cap) the cheapest node that could
             # take it now. Refused, the rental is rolled back with the hold.
             price = request.bid_per_gpu_hour or request.max_price_per_gpu_hour or cheapest
-            _funds_hold(rental=rental, price_per_gpu_hour=price or Decimal(0))
+            _funds_hold(
+                rental=rental,
+                price_per_gpu_hour=price or Decimal(0),
+                max_charge=request.max_charge,
+            )
         return rental

@@ -168,6 +168,7 @@ def book_many(user, fund):
                     duration_s=int(spec.get("hours", 2) * 3600),
                     kind=spec.get("kind", "on_demand"),
                     bid_per_gpu_hour=Decimal(spec["bid"]) if spec.get("bid") else None,
+                    max_charge=Decimal(spec["max_charge"]) if spec.get("max_charge") else None,
                     runtime=RuntimeSpec(image="gpumarket/harness:dev"),
                 ),
             )

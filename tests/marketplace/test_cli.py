@@ -98,6 +98,27 @@ def test_balance_shows_the_customers_money(cli, user):
     assert code == 0 and "balance $7.50" in out and "available $7.50" in out
 
 
+def test_budget_shows_and_sets_limits_and_rent_takes_a_max_cost(cli, user, make_node):
+    from billing.models import FundsHold
+
+    code, out, _ = cli("budget")
+    assert code == 0 and "monthly budget      none" in out
+    code, out, _ = cli("budget", "--monthly", "120.50", "--max-gpus", "4")
+    assert code == 0
+    assert "monthly budget      $120.50 (warn at 80 %)" in out
+    assert "GPUs at once        0 of 4" in out
+    code, _, err = cli("budget", "--max-rentals-per-minute", "-3")
+    assert code == 1 and "400" in err and "max_rentals_per_minute" in err
+    code, out, _ = cli("budget", "--monthly", "none")
+    assert code == 0 and "monthly budget      none" in out
+    make_node(price="1.00")
+    code, out, _ = cli("rent", "--gpus", "1", "--hours", "2", "--max-cost", "1.50", "--image", "i")
+    assert code == 0
+    assert FundsHold.objects.get().max_charge_micros == 1_500_000
+    code, _, err = cli("rent", "--gpus", "1", "--max-cost", "abc", "--image", "i")
+    assert code == 1 and "max_charge" in err
+
+
 def test_logs_prints_a_rentals_output_and_follows_it_to_the_end(cli, agent, rent):  # noqa: F811
     import threading
 
