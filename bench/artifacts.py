@@ -58,20 +58,9 @@ def object_store(tmp: Path):
 
 
 def s3_client(env: dict):
-    import boto3
-    from botocore.config import Config
+    from config.embedded import s3_client as client
 
-    return boto3.client(
-        "s3",
-        endpoint_url=env["S3_ENDPOINT_URL"],
-        aws_access_key_id=env["S3_ACCESS_KEY_ID"],
-        aws_secret_access_key=env["S3_SECRET_ACCESS_KEY"],
-        region_name=env["S3_REGION"],
-        config=Config(
-            connect_timeout=5, read_timeout=120, retries={"max_attempts": 3},
-            s3={"addressing_style": "path"},
-        ),
-    )  # fmt: skip
+    return client(env)
 
 
 def agent_api(client, bucket: str) -> ThreadingHTTPServer:
