@@ -214,26 +214,38 @@ def start_seaweedfs(data_dir: Path, *, bucket: str) -> tuple[dict[str, str], sub
     return env, proc
 
 
-def bucket_ensure(
-    env: dict[str, str], *, proc: subprocess.Popen | None = None, log_dir: Path | None = None
-) -> None:
-    """Wait (60 s at most) until the S3 endpoint of `env` answers a signed request, then make
-    its bucket unless it exists."""
+def s3_client(
+    env: dict[str, str], *, connect_timeout: float = 5, read_timeout: float = 120, attempts: int = 3
+):
+    """A boto3 client for the store that `env` (the S3_* variables) names, path-style, with
+    timeouts and retries: for the embedded services, the benches and the tests (the server's own
+    adapter is marketplace.objectstore)."""
     import boto3
     from botocore.config import Config
-    from botocore.exceptions import BotoCoreError, ClientError
 
-    client = boto3.client(
+    return boto3.client(
         "s3",
         endpoint_url=env["S3_ENDPOINT_URL"],
         aws_access_key_id=env["S3_ACCESS_KEY_ID"],
         aws_secret_access_key=env["S3_SECRET_ACCESS_KEY"],
         region_name=env["S3_REGION"],
         config=Config(
-            connect_timeout=1, read_timeout=5, retries={"max_attempts": 1},
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            retries={"max_attempts": attempts},
             s3={"addressing_style": "path"},
         ),
-    )  # fmt: skip
+    )
+
+
+def bucket_ensure(
+    env: dict[str, str], *, proc: subprocess.Popen | None = None, log_dir: Path | None = None
+) -> None:
+    """Wait (60 s at most) until the S3 endpoint of `env` answers a signed request, then make
+    its bucket unless it exists."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    client = s3_client(env, connect_timeout=1, read_timeout=5, attempts=1)
     deadline = time.monotonic() + 60
     while True:
         if proc is not None and proc.poll() is not None:

@@ -122,12 +122,17 @@ class SyntheticDataConfig:
 
 @dataclass(frozen=True)
 class TextDataConfig:
-    """Public-domain text shipped with the harness, byte-level tokens (vocabulary 256)."""
+    """Text as byte-level tokens (vocabulary 256): the public-domain texts shipped with the
+    harness, or the rental's own dataset (`path`)."""
 
     name: Literal["text"] = "text"
     batch_size: int = field(default=32, metadata=_bounds(ge=1))
     eval_batch_size: int = field(default=128, metadata=_bounds(ge=1))
     seq_len: int = field(default=128, metadata=_bounds(ge=2))
+    # A UTF-8 file, or a directory whose *.txt files are read in name order; a relative path is
+    # under GPUMARKET_DATA_DIR (/data in a rental, where its datasets are mounted). "": the
+    # bundled texts.
+    path: str = ""
 
 
 DataConfig = DigitsDataConfig | SyntheticDataConfig | TextDataConfig

@@ -5,7 +5,8 @@
 * ``synthetic``: generated from the seed; images labelled by a fixed random linear rule, or token
   sequences that are arithmetic progressions modulo the vocabulary (both learnable, so the loss
   falls and a broken training loop shows).
-* ``text``: the public-domain texts in ``harness/data/``, byte-level tokens, last 10 % for eval.
+* ``text``: the public-domain texts in ``harness/data/`` (or the rental's own text at
+  ``data.path``, a dataset mounted under /data), byte-level tokens, last 10 % for eval.
 
 Datasets live on the training device as whole tensors: they are small, and indexing a device
 tensor avoids a host-to-device copy and a worker pool per step.
@@ -13,6 +14,7 @@ tensor avoids a host-to-device copy and a worker pool per step.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +108,26 @@ def load_text_corpus() -> str:
     return "\n\n".join((TEXT_DIR / name).read_text(encoding="utf-8") for name in TEXT_FILES)
 
 
+def load_text_file(path: str) -> str:
+    """The text at `path` (relative: under GPUMARKET_DATA_DIR, /data in a rental): a file, or
+    the *.txt files of a directory in name order with a blank line between them."""
+    base = Path(os.environ.get("GPUMARKET_DATA_DIR") or "/data")
+    target = base / path
+    try:
+        if target.is_dir():
+            files = sorted(p for p in target.rglob("*.txt") if p.is_file())
+            if not files:
+                raise ConfigError([("data.path", f"{target} holds no .txt file")])
+            return "\n\n".join(p.read_text(encoding="utf-8") for p in files)
+        return target.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError([("data.path", f"{target} does not exist")]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(
+            [("data.path", f"{target} cannot be read as UTF-8 text: {exc}")]
+        ) from None
+
+
 def _digits(device: torch.device) -> tuple[TensorPairs, TensorPairs, DatasetInfo]:
     from sklearn.datasets import load_digits
 
@@ -161,7 +183,8 @@ def _synthetic_tokens(
 def _text(
     config: TextDataConfig, device: torch.device
 ) -> tuple[TokenWindows, TokenWindows, DatasetInfo]:
-    tokens = torch.tensor(ByteTokenizer().encode(load_text_corpus()), dtype=torch.long)
+    text = load_text_file(config.path) if config.path else load_text_corpus()
+    tokens = torch.tensor(ByteTokenizer().encode(text), dtype=torch.long)
     split = int(tokens.numel() * (1 - TEXT_EVAL_FRACTION))
     eval_tokens = tokens.numel() - split
     if config.seq_len >= eval_tokens:

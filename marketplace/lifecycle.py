@@ -341,6 +341,9 @@ def _requeue(*, rental: Rental, actor_kind: str, reason: str, at: datetime) -> N
         price_per_gpu_hour=None,
         start_deadline=max(rental.start_deadline, at + REQUEUE_START_WINDOW),
     )
+    # Placed again at once, not at beat's next tick.
+    pool = rental.pool
+    transaction.on_commit(lambda: _cycle_soon(pool))
 
 
 def rental_mark_booked_time_ended(*, rental: Rental) -> bool:

@@ -17,6 +17,14 @@ Each round (`Agent.tick`):
    delivered, and reconcile (`plan_reconcile`): starts, stops and removals run in worker
    threads, so a stop's grace period never holds up the heartbeats.
 
+A start first stages the run's datasets and resume checkpoint (`nodeagent.staging`, through the
+node's content-addressed cache): nothing runs and nothing is billed until that is done, and a
+staging failure is reported like any start that cannot succeed. A run asking for artifact sync
+has its output directory synced (`nodeagent.artifacts`, a background thread) at each
+checkpoint line it prints, every SYNC_INTERVAL_S while it runs, and once more after it exits;
+its exit is reported only after that final sync, so the server takes its last uploads while it
+still believes the run is running, and a restarted agent finishes what was not committed.
+
 The runtime is the source of truth for what runs (labels, so a restarted agent adopts its runs);
 the spool directory only keeps what billing and metrics need across restarts (see `spool`).
 
@@ -60,6 +68,7 @@ from agentprotocol import (
 from agentprotocol.untrusted import metric_line_parse, text_sanitize
 from nodeagent import hostinfo
 from nodeagent import metrics as metrics_module
+from nodeagent.artifacts import ArtifactSyncer
 from nodeagent.benchmark import BenchmarkRunner, benchmark_env
 from nodeagent.client import (
     AgentApiClient,
@@ -81,6 +90,7 @@ from nodeagent.runtime.base import (
     RuntimeDriverError,
 )
 from nodeagent.spool import RunLedger, RunRecord, UsageSpool, write_atomic
+from nodeagent.staging import ContentCache, StagedRun, stage_dir_remove, stage_run
 from nodeagent.telemetry import SampleWatchdog, TelemetryError, TelemetrySource, create_source
 
 logger = logging.getLogger(__name__)
@@ -96,6 +106,11 @@ EXIT_REJECTED = 3  # the server refused us: join token refused, node token revok
 
 TOKEN_FILE = "node_token.json"
 SPOOL_DIR = "spool"
+CACHE_DIR = "cache"  # staged files by content (nodeagent.staging)
+STAGE_DIR = ".staging"  # under the volume root: what each run reads (rental ids never start so)
+# A running run's output dir is synced at each checkpoint it announces, and at least this often
+# (files it writes without announcing them).
+SYNC_INTERVAL_S = 60.0
 
 USAGE_PER_HEARTBEAT = 1000
 METRICS_PER_HEARTBEAT = 500
@@ -176,6 +191,16 @@ def trim_log_tail(text: str) -> str:
     return data[-LOG_TAIL_MAX_BYTES:].decode(errors="ignore")
 
 
+def _is_checkpoint(line: str) -> bool:
+    """A harness checkpoint event (`{"event": "checkpoint", ...}`)."""
+    if '"checkpoint"' not in line:
+        return False
+    try:
+        return json.loads(line).get("event") == "checkpoint"
+    except (ValueError, AttributeError):
+        return False
+
+
 def _log_extend(live: _Live, lines: Sequence[str]) -> None:
     """Number a read's lines and keep them for the live log, bounded: the oldest go first."""
     for line in lines:
@@ -217,6 +242,10 @@ class _Live:
     start_failures: int = 0
     next_start_at: float = 0.0
     refused_lines: int = 0  # output lines that looked like metrics and were not
+    checkpoint_seen: bool = False  # a checkpoint line since the last sync request
+    last_sync_at: float = 0.0
+    stop_requested: bool = False  # the server no longer wants it: its exit is a stop
+    final_requested: bool = False
     # The live log: (line_no, line) read and not yet delivered; line numbers count every output
     # line of the run from 0, base_line being the number of the line at base_cursor.
     log_buffer: list[tuple[int, str]] = field(default_factory=list)
@@ -281,6 +310,16 @@ class Agent:
         self._watchdog: SampleWatchdog | None = None
         self._driver: RuntimeDriver | None = None
         self._credentials: Credentials | None = None
+        self._cache = ContentCache(
+            os.path.join(config.state_dir, CACHE_DIR), max_bytes=config.cache_max_bytes
+        )
+        self._stage_root = os.path.join(config.volume_root, STAGE_DIR)
+        self._syncer = ArtifactSyncer(
+            server_url=config.server_url,
+            state_dir=config.state_dir,
+            token=lambda: self._credentials.node_token if self._credentials else None,
+            request_timeout_s=config.request_timeout_s,
+        )
         self._publisher = Publisher(config.publish)
 
     # -- the program ---------------------------------------------------------------------------
@@ -307,6 +346,7 @@ class Agent:
             self._credentials = credentials
             structlog.contextvars.bind_contextvars(node_id=credentials.node_id)
             self._driver = self._create_driver(credentials.node_id)
+            self._syncer.start()
             return self._loop()
         except RequestRejectedError as exc:
             logger.error(
@@ -365,6 +405,9 @@ class Agent:
 
     def _close(self) -> None:
         self._ops.shutdown()
+        # A sync in progress is dropped: the next agent uploads again what was not committed.
+        self._syncer.close()
+        self._cache.close()
         self._publisher.close()
         if self._watchdog is not None:
             self._watchdog.close()
@@ -461,6 +504,7 @@ class Agent:
                 live.last_seen_running = now
         self._spool_usage(actual, now)
         self._read_output(actual)
+        self._sync_artifacts(actual, now)
 
         metrics, taken = self._take_metrics()
         logs, logs_taken = self._take_logs()
@@ -577,7 +621,9 @@ class Agent:
                     "output lines refused as metrics",
                     extra={"run_id": state.run_id, "lines": refused, "total": live.refused_lines},
                 )
-            live.buffer.extend(metrics[live.base_skip :] if first_read else metrics)
+            fresh = metrics[live.base_skip :] if first_read else metrics
+            live.checkpoint_seen |= any(_is_checkpoint(line) for line in fresh)
+            live.buffer.extend(fresh)
             _log_extend(live, lines)
             live.read_cursor = read_cursor
             if not live.buffer and not live.log_buffer:
@@ -585,6 +631,44 @@ class Agent:
                 live.base_line = live.next_line
             if state.status == ContainerStatus.EXITED:
                 live.read_after_exit = True
+
+    def _sync_artifacts(self, actual: Sequence[ContainerState], now: float) -> None:
+        """Queue artifact syncs (nodeagent.artifacts) of the runs that asked for them: at each
+        checkpoint and every SYNC_INTERVAL_S while running, and once more after the exit."""
+        for state in actual:
+            record = self.ledger.get(state.run_id)
+            if record is None or not record.sync_artifacts or not _SAFE_ID.match(state.rental_id):
+                continue
+            live = self._live[state.run_id]
+            target = {
+                "run_id": state.run_id,
+                "rental_id": state.rental_id,
+                "output_dir": os.path.join(self.config.volume_root, state.rental_id),
+            }
+            if state.status == ContainerStatus.RUNNING:
+                due = live.checkpoint_seen or now - live.last_sync_at >= SYNC_INTERVAL_S
+                if due and self._syncer.request(**target, reason="checkpoint"):
+                    live.checkpoint_seen, live.last_sync_at = False, now
+            elif state.status == ContainerStatus.EXITED and not record.final_synced:
+                if not live.final_requested:
+                    if live.stop_requested:
+                        reason = "stop"
+                    else:
+                        reason = "complete" if state.exit_code == 0 else "fail"
+                    live.final_requested = self._syncer.request(**target, reason=reason)
+                elif self._syncer.final_done(state.run_id):
+                    self.ledger.update(state.run_id, final_synced=True)
+
+    def _awaits_final_sync(self, state: ContainerState) -> bool:
+        """An exited run whose final sync is not done: its exit is not reported yet, so the
+        server still takes its uploads (it believes the run is still running)."""
+        record = self.ledger.get(state.run_id)
+        return (
+            state.status == ContainerStatus.EXITED
+            and record is not None
+            and record.sync_artifacts
+            and not record.final_synced
+        )
 
     def _take_metrics(self) -> tuple[list[MetricLine], dict[str, int]]:
         """Up to the per-heartbeat limits, round robin over runs (none starves the others)."""
@@ -643,6 +727,8 @@ class Agent:
         for state in actual:
             if not state.rental_id:
                 continue  # damaged run metadata: a report without its rental would be refused
+            if self._awaits_final_sync(state):
+                continue
             live = self._live[state.run_id]
             report = ContainerReport(
                 rental_id=state.rental_id,
@@ -707,6 +793,7 @@ class Agent:
                 and live.read_after_exit
                 and not live.buffer
                 and not live.log_buffer
+                and not self._awaits_final_sync(state)
             ):
                 live.delivered = True
         if benchmark_sent:
@@ -723,6 +810,7 @@ class Agent:
                 "rental_id": entry.rental_id,
                 "gpu_indices": entry.gpu_indices,
                 "stop_grace_s": entry.stop_grace_s,
+                "sync_artifacts": entry.sync_artifacts,
             }
             if entry.run_id in self.ledger:
                 self.ledger.update(entry.run_id, **known)
@@ -733,12 +821,13 @@ class Agent:
     def _forget(self, desired: Sequence[DesiredRun], actual: Sequence[ContainerState]) -> None:
         """Drop what we know of runs that are gone for good: not desired, not in the runtime."""
         keep = {d.run_id for d in desired} | {s.run_id for s in actual} | self._ops.in_flight()
-        for run_id in list(self.ledger):
-            if run_id not in keep:
-                self.ledger.remove(run_id)
-        for run_id in list(self._live):
-            if run_id not in keep:
-                del self._live[run_id]
+        gone = (set(self.ledger) | set(self._live)) - keep
+        for run_id in gone:
+            self.ledger.remove(run_id)
+            self._live.pop(run_id, None)
+            self._syncer.forget(run_id)
+            if _SAFE_ID.match(run_id):
+                stage_dir_remove(os.path.join(self._stage_root, run_id))
 
     # -- reconciling ---------------------------------------------------------------------------
 
@@ -764,6 +853,7 @@ class Agent:
             self._ops.submit(entry.run_id, "start", lambda e=entry: self._start(driver, e))
         for run_id, grace in plan.stop:
             logger.info("stopping run", extra={"run_id": run_id, "grace_s": grace})
+            self._live.setdefault(run_id, _Live()).stop_requested = True
             self._ops.submit(run_id, "stop", lambda r=run_id, g=grace: driver.stop(r, g))
         for run_id in plan.remove:
             logger.info("removing run", extra={"run_id": run_id})
@@ -774,12 +864,15 @@ class Agent:
             )
 
     def _start(self, driver: RuntimeDriver, entry: DesiredRun) -> tuple[ContainerState, float]:
-        """Start a run (in a worker thread); the state and when it was seen so."""
-        state = driver.start(self.spec_for(entry))
+        """Stage the run's files, then start it (in a worker thread); the state and when it
+        was seen so. Staging is provisioning: nothing runs, nothing is billed until it is done."""
+        self.spec_for(entry)  # a run that cannot be placed downloads nothing
+        staged = stage_run(entry, cache=self._cache, stage_root=self._stage_root)
+        state = driver.start(self.spec_for(entry, staged=staged))
         self._wake.set()
         return state, self._clock()
 
-    def spec_for(self, entry: DesiredRun) -> ContainerSpec:
+    def spec_for(self, entry: DesiredRun, *, staged: StagedRun | None = None) -> ContainerSpec:
         """The ContainerSpec of a desired run (ValueError if the entry cannot be run)."""
         assert self._credentials is not None
         if not _SAFE_ID.match(entry.rental_id):
@@ -796,6 +889,8 @@ class Agent:
             node_id=str(self._credentials.node_id),
             volume_dir=volume_dir,
             env={"HARNESS_CHECKPOINT_DIR": checkpoints},
+            data_dir=staged.data_dir if staged else "",
+            seed_dir=staged.seed_dir if staged else "",
         )
 
     def _harvest(self, now: float) -> None:

@@ -1,6 +1,6 @@
-"""The agent's HTTPS client for the server's agent API (join, heartbeat).
+"""The agent's HTTPS client for the server's agent API (join, heartbeat, artifact sync).
 
-One retry policy for both calls: connection errors, timeouts, 429 and 5xx are transient and
+One retry policy for every call: connection errors, timeouts, 429 and 5xx are transient and
 retried a few times with bounded exponential backoff and jitter, then surface as
 `TransientApiError` (the agent keeps spooling and tries again later). 401/403 mean the token is
 invalid or revoked (`AuthRejectedError`: the agent stops); any other 4xx is `RequestRejectedError`
@@ -17,7 +17,7 @@ from typing import Any
 
 import requests
 
-from agentprotocol import HEARTBEAT_PATH, JOIN_PATH
+from agentprotocol import ARTIFACT_COMMIT_PATH, ARTIFACT_UPLOADS_PATH, HEARTBEAT_PATH, JOIN_PATH
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,18 @@ class AgentApiClient:
     def heartbeat(self, payload: dict[str, Any], *, token: str) -> dict[str, Any]:
         """POST one heartbeat; the answer holds the desired state."""
         return self._post(HEARTBEAT_PATH, payload, token=token)
+
+    def artifact_uploads(
+        self, rental_id: str, payload: dict[str, Any], *, token: str
+    ) -> dict[str, Any]:
+        """POST an ArtifactUploadRequest; the answer holds the presigned uploads."""
+        return self._post(ARTIFACT_UPLOADS_PATH.format(rental_id=rental_id), payload, token=token)
+
+    def artifact_commit(
+        self, rental_id: str, payload: dict[str, Any], *, token: str
+    ) -> dict[str, Any]:
+        """POST an ArtifactCommit; the answer says what was stored and what refused."""
+        return self._post(ARTIFACT_COMMIT_PATH.format(rental_id=rental_id), payload, token=token)
 
     def close(self) -> None:
         self._session.close()

@@ -53,6 +53,7 @@ _OPTIONS: dict[str, tuple[str, str | None]] = {
     "log_format": ("GPUMARKET_LOG_FORMAT", "logfmt"),
     "metrics_port": ("GPUMARKET_METRICS_PORT", "0"),
     "metrics_address": ("GPUMARKET_METRICS_ADDRESS", "127.0.0.1"),
+    "cache_gb": ("GPUMARKET_CACHE_GB", "100"),
     # Published ports of rentals (SSH): see nodeagent/publish.py
     "publish_ports": ("GPUMARKET_PUBLISH_PORTS", "42000-42999"),
     "publish_address": ("GPUMARKET_PUBLISH_ADDRESS", "0.0.0.0"),
@@ -91,6 +92,8 @@ class AgentConfig:
     log_format: str = "logfmt"  # "logfmt" | "json"
     metrics_port: int = 0  # 0: no metrics endpoint
     metrics_address: str = "127.0.0.1"
+    # The node's cache of staged files (datasets, resume checkpoints), least recently used out.
+    cache_max_bytes: int = 100 * 1024**3
     publish: PublishConfig | None = None  # None: no port of a rental is published
 
 
@@ -131,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--log-format", choices=["logfmt", "json"], help="[GPUMARKET_LOG_FORMAT] (logfmt)")
     add("--metrics-port", help="serve Prometheus metrics on this port [GPUMARKET_METRICS_PORT]")
     add("--metrics-address", help="address of the metrics port (127.0.0.1)")
+    add(
+        "--cache-gb",
+        help="size of the node's cache of staged datasets and checkpoints "
+        "[GPUMARKET_CACHE_GB] (100)",
+    )
     add(
         "--publish-ports",
         help="host ports for rentals' published ports (SSH), FIRST-LAST, or 'off' "
@@ -219,6 +227,7 @@ def load_config(
         request_timeout = float(get("request_timeout") or 0)
         benchmark_timeout = float(get("benchmark_timeout") or 0)
         disk_quota_gb = float(get("disk_quota_gb") or 0)
+        cache_gb = float(get("cache_gb") or 0)
     except ValueError as exc:
         raise ConfigError(f"not a number: {exc}") from None
     try:
@@ -234,6 +243,8 @@ def load_config(
         raise ConfigError("interval and timeouts must be positive")
     if disk_quota_gb < 0 or 0 < disk_quota_gb * 1024 < 16:
         raise ConfigError("the disk quota is 0 (none) or at least 16 MiB")
+    if cache_gb <= 0:
+        raise ConfigError("--cache-gb must be positive")
     hostname = get("hostname") or socket.gethostname()
     publish = _publish_config(
         get("publish_ports") or "off",
@@ -267,6 +278,7 @@ def load_config(
         log_format=log_format,
         metrics_port=metrics_port,
         metrics_address=get("metrics_address") or "127.0.0.1",
+        cache_max_bytes=int(cache_gb * 1024**3),
         publish=publish,
     )
 

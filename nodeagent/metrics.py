@@ -33,6 +33,40 @@ NVML_ERRORS = Counter(
     ["kind"],
     registry=REGISTRY,
 )
+STAGING_CACHE = Counter(
+    "gpumarket_agent_staging_cache_total",
+    "Staged files (datasets, resume checkpoints) found in the node's cache or downloaded",
+    ["result"],
+    registry=REGISTRY,
+)
+STAGING_BYTES = Counter(
+    "gpumarket_agent_staging_downloaded_bytes_total",
+    "Bytes downloaded from object storage to stage runs",
+    registry=REGISTRY,
+)
+STAGING_SECONDS = Histogram(
+    "gpumarket_agent_staging_seconds",
+    "Staging one run's datasets and resume files before it starts",
+    buckets=(0.01, 0.1, 0.5, 1, 5, 15, 60, 300, 1800),
+    registry=REGISTRY,
+)
+SYNC_BYTES = Counter(
+    "gpumarket_agent_sync_uploaded_bytes_total",
+    "Bytes of runs' output directories uploaded to object storage",
+    registry=REGISTRY,
+)
+SYNC_FILES = Counter(
+    "gpumarket_agent_sync_files_total",
+    "Output files committed as artifacts, by whether they had to be uploaded",
+    ["result"],
+    registry=REGISTRY,
+)
+SYNC_ERRORS = Counter(
+    "gpumarket_agent_sync_errors_total",
+    "Artifact syncs that failed (retried later), by kind",
+    ["kind"],
+    registry=REGISTRY,
+)
 
 
 def serve(*, port: int, address: str) -> None:

@@ -10,9 +10,10 @@ last_seq     the last seq handed out. Seqs are monotonic per node across agent r
 runs.json    per run: what the last desired entry said (rental, GPUs, stop grace), how far its
              metrics lines were delivered (an output cursor plus a count of metrics lines after
              it), and whether its final usage report is spooled. It lets a restarted agent report
-             usage (the GPU count) and forward metrics (no resend, no gap) for the runs it
-             adopts. Losing it is harmless: the next desired state refills it, and lines are
-             then forwarded again from the start (the server stores each line once).
+             usage (the GPU count), forward metrics (no resend, no gap) and finish the
+             artifact sync of the runs it adopts. Losing it is harmless: the next desired
+             state refills it, and lines are then forwarded again from the start (the server
+             stores each line once).
 
 Crash safety: a torn last line of usage.jsonl (the crash hit mid-append) is dropped; whole-file
 rewrites go through a temporary file, fsync and rename.
@@ -164,6 +165,10 @@ class RunRecord:
     line: int = 0  # the index of the output line at `cursor` (log lines are numbered from it)
     log_sent: int = -1  # the highest log line number the server has taken
     final_spooled: bool = False
+    # Artifact sync (nodeagent.artifacts): asked for by the desired entry; the final sync
+    # after the run ended is done (its exited state may then be reported).
+    sync_artifacts: bool = False
+    final_synced: bool = False
 
 
 class RunLedger:

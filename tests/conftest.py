@@ -181,18 +181,12 @@ def object_store_env(tmp_path_factory):
 @pytest.fixture
 def object_store(object_store_env, settings):
     """Point the server at the session's store; a boto3 client of it for assertions."""
-    import boto3
+    from config.embedded import s3_client
 
     for name, value in object_store_env.items():
         setattr(settings, name, value)
     settings.S3_PUBLIC_ENDPOINT_URL = ""
-    client = boto3.client(
-        "s3",
-        endpoint_url=object_store_env["S3_ENDPOINT_URL"],
-        aws_access_key_id=object_store_env["S3_ACCESS_KEY_ID"],
-        aws_secret_access_key=object_store_env["S3_SECRET_ACCESS_KEY"],
-        region_name=object_store_env["S3_REGION"],
-    )
+    client = s3_client(object_store_env)
     client.bucket = object_store_env["S3_BUCKET"]
     return client
 

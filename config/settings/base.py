@@ -238,6 +238,7 @@ SPECTACULAR_SETTINGS = {
     "ENUM_NAME_OVERRIDES": {
         "RentalStatusEnum": "marketplace.models.RentalStatus",
         "TopUpStatusEnum": "billing.models.payments.TopUpStatus",
+        "NotificationKindEnum": "notifications.models.NotificationKind",
     },
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",

@@ -55,15 +55,33 @@ class ContainerSpec(DesiredRun):
     node_id: str
     volume_dir: str
     labels: Mapping[str, str] = field(default_factory=dict)
+    # Staged by the agent (nodeagent.staging): a directory with one read-only directory per
+    # dataset, seen by the run at /data (GPUMARKET_DATA_DIR), and files the runtime copies into
+    # the workspace before the run starts (a checkpoint to resume from); "": none.
+    data_dir: str = ""
+    seed_dir: str = ""
 
     @classmethod
     def place(
-        cls, run: DesiredRun, *, node_id: str, volume_dir: str, env: Mapping[str, str]
+        cls,
+        run: DesiredRun,
+        *,
+        node_id: str,
+        volume_dir: str,
+        env: Mapping[str, str],
+        data_dir: str = "",
+        seed_dir: str = "",
     ) -> Self:
         """The spec of a desired run on this node; `env` is added to the run's own."""
         fields = {f.name: getattr(run, f.name) for f in dataclasses.fields(DesiredRun)}
         fields["env"] = {**run.env, **env}
-        return cls(**fields, node_id=node_id, volume_dir=volume_dir)
+        return cls(
+            **fields,
+            node_id=node_id,
+            volume_dir=volume_dir,
+            data_dir=data_dir,
+            seed_dir=seed_dir,
+        )
 
     def __post_init__(self) -> None:
         if not _RUN_ID_RE.match(self.run_id):
@@ -78,6 +96,10 @@ class ContainerSpec(DesiredRun):
             raise ValueError("ports must be TCP ports (1-65535)")
         if not self.volume_dir.startswith("/"):
             raise ValueError("volume_dir must be an absolute path")
+        for name in ("data_dir", "seed_dir"):
+            value = getattr(self, name)
+            if value and not value.startswith("/"):
+                raise ValueError(f"{name} must be an absolute path")
 
     def managed_labels(self) -> dict[str, str]:
         """The caller's labels plus ours; ours win so a spec cannot disguise another run."""
@@ -182,7 +204,9 @@ def gpu_env(
     return env
 
 
-def run_env(spec: ContainerSpec, *, gpu_mode: str, in_container: bool, workspace: str) -> dict:
+def run_env(
+    spec: ContainerSpec, *, gpu_mode: str, in_container: bool, workspace: str, data_dir: str = ""
+) -> dict:
     """The full environment of a run: the caller's, then ours (ours win where they overlap).
 
     Defaults the caller may override: unbuffered Python (metrics lines reach the agent as they
@@ -207,4 +231,6 @@ def run_env(spec: ContainerSpec, *, gpu_mode: str, in_container: bool, workspace
             "GPUMARKET_WORKSPACE": workspace,
         }
     )
+    if data_dir:
+        env["GPUMARKET_DATA_DIR"] = data_dir
     return env

@@ -73,12 +73,14 @@ from nodeagent.runtime.base import (
     run_env,
 )
 from nodeagent.runtime.sshd import LAUNCH_SCRIPT, SSH_PORT, launch_environment
+from nodeagent.staging import workspace_seed
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 WORKSPACE = "/workspace"
+DATA = "/data"  # the run's datasets, read-only (ContainerSpec.data_dir)
 
 _STATUS_MAP = {
     "running": ContainerStatus.RUNNING,
@@ -773,8 +775,10 @@ class DockerDriver:
             self._mount_quota_volume(volume_dir)
         # cap_drop=ALL takes CAP_DAC_OVERRIDE even from root in the container: the directory
         # must belong to the container's user to be writable.
+        owner = None
         if os.geteuid() == 0:
-            os.chown(volume_dir, *self._workspace_owner(spec.image))
+            owner = self._workspace_owner(spec.image)
+            os.chown(volume_dir, *owner)
             os.chmod(volume_dir, 0o770)  # noqa: S103 - owner and group are the container's user
         else:
             os.chmod(volume_dir, 0o777)  # noqa: S103 - cannot chown; documented fallback
@@ -782,6 +786,9 @@ class DockerDriver:
                 "agent is not root: workspace made world-writable for the container user",
                 extra={"volume_dir": volume_dir},
             )
+        if spec.seed_dir:
+            # After the quota mount: the files land in the rental's own volume.
+            workspace_seed(spec.seed_dir, volume_dir, owner=owner)
 
     def _mount_quota_volume(self, volume_dir: str) -> None:
         """Mount the rental's ext4 image (made on first use, sparse) on its volume dir."""
@@ -834,7 +841,11 @@ class DockerDriver:
             "name": container_name(spec.run_id),
             "labels": spec.managed_labels(),
             "environment": run_env(
-                spec, gpu_mode=cfg.gpu_mode, in_container=True, workspace=WORKSPACE
+                spec,
+                gpu_mode=cfg.gpu_mode,
+                in_container=True,
+                workspace=WORKSPACE,
+                data_dir=DATA if spec.data_dir else "",
             ),
             "working_dir": WORKSPACE,
             "mounts": [Mount(target=WORKSPACE, source=spec.volume_dir, type="bind")],
@@ -858,6 +869,10 @@ class DockerDriver:
             ),
             "detach": True,
         }
+        if spec.data_dir:
+            kwargs["mounts"].append(
+                Mount(target=DATA, source=spec.data_dir, type="bind", read_only=True)
+            )
         if spec.ssh_authorized_keys and SSH_PORT in spec.ports:
             # The container's user binds sshd's port 22 in its own network namespace (newer
             # engines set this by default; older ones do not).

@@ -54,6 +54,7 @@ from nodeagent.runtime.base import (
     RunNotFoundError,
     run_env,
 )
+from nodeagent.staging import workspace_seed
 
 logger = logging.getLogger(__name__)
 
@@ -317,7 +318,11 @@ class LocalProcessDriver:
         env.update(self.config.extra_env)
         env.update(
             run_env(
-                spec, gpu_mode=self.config.gpu_mode, in_container=False, workspace=spec.volume_dir
+                spec,
+                gpu_mode=self.config.gpu_mode,
+                in_container=False,
+                workspace=spec.volume_dir,
+                data_dir=spec.data_dir,
             )
         )
         return env
@@ -328,11 +333,17 @@ class LocalProcessDriver:
         command = self._command(spec)
         env = self._env(spec)
         user_args: list[str] = []
+        owner = None
         if self._drops_privileges():
             uid, gid = self.config.run_as_uid, self.config.run_as_gid
             _check_traversable(os.path.dirname(os.path.abspath(spec.volume_dir)), uid, gid)
+            if spec.data_dir:
+                _check_traversable(spec.data_dir, uid, gid)
             os.chown(spec.volume_dir, uid, gid)
             user_args = ["--user", f"{uid}:{gid}"]
+            owner = (uid, gid)
+        if spec.seed_dir:
+            workspace_seed(spec.seed_dir, spec.volume_dir, owner=owner)
         lock_fd = os.open(os.path.join(run_dir, "wrapper.lock"), os.O_CREAT | os.O_RDWR, 0o600)
         try:
             # Locked here and inherited: the lock is held from the supervisor's first instant,

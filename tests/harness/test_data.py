@@ -147,3 +147,26 @@ def test_text_sequence_longer_than_the_eval_split_is_a_config_error():
     config = load_config_dict({"model": {"name": "gpt"}, "data": {"name": "text", "seq_len": 5000}})
     with pytest.raises(ConfigError, match=r"data\.seq_len"):
         build_datasets(config.data, config.model, seed=0, device=CPU)
+
+
+def test_text_from_a_dataset_path_under_the_data_dir(tmp_path, monkeypatch):
+    # given a mounted dataset directory holding two text files (and something else)
+    corpus = tmp_path / "data" / "corpus"
+    corpus.mkdir(parents=True)
+    (corpus / "b.txt").write_text("bbbb" * 50)
+    (corpus / "a.txt").write_text("aaaa" * 50)
+    (corpus / "notes.md").write_text("not read")
+    monkeypatch.setenv("GPUMARKET_DATA_DIR", str(tmp_path / "data"))
+    config = load_config_dict(
+        {"model": {"name": "gpt"}, "data": {"name": "text", "seq_len": 8, "path": "corpus"}}
+    )
+    # when the datasets are built, then the tokens are its files' bytes in name order
+    train, evaluation, _ = build_datasets(config.data, config.model, seed=0, device=CPU)
+    expected = ("aaaa" * 50 + "\n\n" + "bbbb" * 50).encode()
+    split = int(len(expected) * 0.9)
+    assert bytes(train.tokens.tolist()) == expected[:split]
+    assert bytes(evaluation.tokens.tolist()) == expected[split:]
+    # and a path that is not there is a config error naming data.path
+    missing = load_config_dict({"model": {"name": "gpt"}, "data": {"name": "text", "path": "nope"}})
+    with pytest.raises(ConfigError, match=r"data\.path"):
+        build_datasets(missing.data, missing.model, seed=0, device=CPU)

@@ -10,11 +10,11 @@ pytest (a GPU host, the agent's CI job, tests/nodeagent/test_standalone.py), run
 the repository's pytest settings and without tests/conftest.py, which loads Django:
 
     python -m pytest -c /dev/null --rootdir . --confcutdir tests/nodeagent -p no:django \
-        -m "not docker and not harness and not e2e" tests/agentprotocol tests/nodeagent
+        -m "not docker and not harness and not e2e and not s3" tests/agentprotocol tests/nodeagent
 
 (`--confcutdir` stops pytest from loading conftest.py files above tests/nodeagent/; tests
 marked `docker` need a Docker Engine, `harness` ones torch, `e2e` ones are the slow
-end-to-end checks.)
+end-to-end checks, `s3` ones SeaweedFS and boto3: tests/nodeagent/s3.py.)
 """
 
 from __future__ import annotations
@@ -65,6 +65,16 @@ def agent_dirs_searchable(tmp_path: Path, tmp_path_factory: pytest.TempPathFacto
     base = tmp_path_factory.getbasetemp()
     for directory in (base.parent, base, tmp_path):
         directory.chmod(directory.stat().st_mode | 0o011)
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real S3 server (SeaweedFS) for the whole session."""
+    from tests.nodeagent.s3 import SeaweedS3
+
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweedfs")).start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture

@@ -28,12 +28,15 @@ def test_defaults_for_a_real_gpu_host():
     assert config.network_policy == "internal"
     assert config.disk_quota_mb == 50 * 1024
     assert config.container_user == "1000:1000"
+    # the cache of staged datasets and checkpoints: 100 GiB
+    assert config.cache_max_bytes == 100 * 1024**3
 
 
 def test_isolation_settings_from_flags_and_environment():
     environ = {
         "GPUMARKET_IMAGE_ALLOW": "gpumarket/harness:*, nvcr.io/nvidia/pytorch:24.*=0:0 ,",
         "GPUMARKET_DISK_QUOTA_GB": "0",
+        "GPUMARKET_CACHE_GB": "2.5",
     }
     config = load_config(
         ["--server", "http://s", "--network-policy", "egress", "--container-user", "2000:2000"],
@@ -43,6 +46,7 @@ def test_isolation_settings_from_flags_and_environment():
     assert config.network_policy == "egress"
     assert config.disk_quota_mb is None  # 0: no quota
     assert config.container_user == "2000:2000"
+    assert config.cache_max_bytes == int(2.5 * 1024**3)
 
 
 def test_environment_fills_in_and_flags_win():
@@ -106,6 +110,7 @@ def test_dev_local_without_its_file_says_where_it_looked(tmp_path, monkeypatch):
         (["--server", "http://s", "--runtime", "process"], "simulated GPUs only"),
         (["--server", "http://s", "--disk-quota-gb", "0.001"], "at least 16 MiB"),
         (["--server", "http://s", "--disk-quota-gb", "-1"], "at least 16 MiB"),
+        (["--server", "http://s", "--cache-gb", "0"], "--cache-gb must be positive"),
     ],
 )
 def test_unusable_configurations_are_refused(argv, message):

@@ -59,7 +59,7 @@ def test_the_agent_installs_and_runs_without_django(tmp_path):
     tests = run(
         python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", "/dev/null",
         "--rootdir", ".", "--confcutdir", "tests/nodeagent", "-p", "no:django",
-        "-m", "not docker and not harness and not e2e",
+        "-m", "not docker and not harness and not e2e and not s3",
         "-W", "ignore::pytest.PytestUnknownMarkWarning",  # markers are pyproject.toml's
         "tests/agentprotocol", "tests/nodeagent",
         cwd=REPO, timeout=600,

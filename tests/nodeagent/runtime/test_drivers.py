@@ -385,3 +385,60 @@ def test_the_harness_trains_reports_metrics_and_checkpoints_on_stop(
     assert state.exit_code == 0, logs
     assert any(json.loads(x).get("exit_reason") == "sigterm" for x in rest if x.startswith("{"))
     assert list(Path(spec.volume_dir, "checkpoints").iterdir())
+
+
+def test_staged_datasets_are_read_only_and_resume_files_land_in_the_workspace(
+    driver, make_spec, volume_root
+):
+    # given a staged dataset (sealed read-only, as nodeagent.staging leaves it) and a resume
+    # checkpoint to seed into the workspace
+    stage = volume_root / f"stage-{os.urandom(4).hex()}"
+    (stage / "data" / "corpus").mkdir(parents=True)
+    (stage / "data" / "corpus" / "train.txt").write_text("corpus text")
+    (stage / "resume" / "checkpoints").mkdir(parents=True)
+    (stage / "resume" / "checkpoints" / "step_000000003.pt").write_text("three")
+    for path in (
+        stage / "data" / "corpus" / "train.txt",
+        stage / "resume" / "checkpoints" / "step_000000003.pt",
+    ):
+        path.chmod(0o444)
+    for path in (
+        stage / "data" / "corpus",
+        stage / "data",
+        stage / "resume" / "checkpoints",
+        stage / "resume",
+        stage,
+    ):
+        path.chmod(0o555)
+    spec = make_spec(
+        """
+        import os, pathlib
+        data = pathlib.Path(os.environ["GPUMARKET_DATA_DIR"])
+        print((data / "corpus" / "train.txt").read_text())
+        try:
+            (data / "corpus" / "new.txt").write_text("x")
+            print("dataset writable")
+        except OSError:
+            print("dataset read-only")
+        ckpt = pathlib.Path(os.environ["GPUMARKET_WORKSPACE"]) / "checkpoints"
+        print((ckpt / "step_000000003.pt").read_text())
+        (ckpt / "step_000000004.pt").write_text("four")
+        print("checkpoint dir writable")
+        """,
+        data_dir=str(stage / "data"),
+        seed_dir=str(stage / "resume"),
+    )
+    try:
+        # when the run starts and ends
+        driver.start(spec)
+        wait_exited(driver, spec.run_id)
+        lines, _ = driver.output_since(spec.run_id, None)
+    finally:
+        driver.remove(spec.run_id)
+        for parent, dirs, _ in os.walk(stage):
+            for name in dirs:
+                os.chmod(os.path.join(parent, name), 0o755)
+        stage.chmod(0o755)
+    # then it read its dataset but could not write it, and resumed in a workspace it owns
+    assert lines == ["corpus text", "dataset read-only", "three", "checkpoint dir writable"]
+    assert (Path(spec.volume_dir) / "checkpoints" / "step_000000004.pt").read_text() == "four"

