@@ -110,6 +110,36 @@ def test_a_person_made_without_a_team_gets_their_personal_team_on_first_use(clie
     assert Membership.objects.filter(user=root).count() == 1
 
 
+@pytest.mark.django_db(transaction=True)
+def test_first_requests_at_once_make_one_personal_team():
+    import threading
+
+    from django.db import connection
+
+    from marketplace.services.teams import team_personal_ensure
+
+    person = User.objects.create_user("twin", "twin@example.invalid", "pw-long-enough")
+    barrier, teams, errors = threading.Barrier(8), [], []
+
+    def first_request() -> None:
+        try:
+            barrier.wait(10)
+            teams.append(team_personal_ensure(user=person).pk)
+        except Exception as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=first_request) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert errors == [] and len(set(teams)) == 1 and len(teams) == 8
+    assert Membership.objects.filter(user=person, team__personal_of=person).count() == 1
+    assert Membership.objects.filter(user=person).count() == 1
+
+
 def test_a_taken_email_creates_nothing(user):
     from marketplace.errors import ValidationFailed
 
