@@ -306,10 +306,10 @@ class DatasetFileInline(admin.TabularInline):
 
 @admin.register(Dataset)
 class DatasetAdmin(_ReadOnly):
-    list_display = ["name", "owner", "status", "total_bytes", "file_count", "created_at"]
+    list_display = ["name", "team", "owner", "status", "total_bytes", "file_count", "created_at"]
     list_filter = ["status"]
-    list_select_related = ["owner"]
-    search_fields = ["id", "name", "owner__username"]
+    list_select_related = ["team", "owner"]
+    search_fields = ["id", "name", "team__name", "owner__username"]
     inlines = [DatasetFileInline]
 
 

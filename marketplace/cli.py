@@ -294,7 +294,7 @@ def _data_run(args: argparse.Namespace, api: Api) -> str:
     rows = list(_transfer().pages(api, "/api/v1/datasets/"))
     api.last = rows
     if args.data_command == "ls":
-        columns = ["id", "name", "status", "total_bytes", "file_count", "created_at"]
+        columns = ["id", "name", "status", "total_bytes", "file_count", "uploaded_by", "created_at"]
         return _table(rows, columns) if rows else "no datasets"
     match = [d for d in rows if args.dataset in (d["name"], d["id"])]
     if not match:
@@ -313,7 +313,8 @@ def _ssh_run(args: argparse.Namespace, api: Api) -> str:
         return "\n".join(commands)
     if args.action == "ls":
         rows = api.call("GET", "/api/v1/ssh-keys/")
-        return _table(rows, ["id", "name", "key_type", "bits", "fingerprint", "created_at"])
+        columns = ["id", "name", "key_type", "bits", "fingerprint", "added_by", "created_at"]
+        return _table(rows, columns)
     if args.action == "rm":
         api.call("DELETE", f"/api/v1/ssh-keys/{args.key}/")
         return f"removed {args.key}"
@@ -455,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     rent.add_argument("--resume-from", help="a rental: start from its last synced checkpoint")
     rent.add_argument("cmd", nargs="*", help="the command (after --)")
     rent.add_argument("--ssh", action="store_true", help="an sshd for your SSH keys")
-    keys = sub.add_parser("ssh-key", help="your SSH public keys")
+    keys = sub.add_parser("ssh-key", help="your team's SSH public keys")
     key_sub = keys.add_subparsers(dest="action", required=True)
     add_key = key_sub.add_parser("add", help="add a public key")
     add_key.add_argument("key", metavar="FILE", help="the .pub file, or - for standard input")

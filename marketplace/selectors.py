@@ -45,7 +45,6 @@ from marketplace.models import (
     RentalEvent,
     SshKey,
     Team,
-    TeamRole,
     User,
 )
 from scheduler.engine import types as engine
@@ -294,18 +293,6 @@ def membership_list(*, user: User) -> QuerySet[Membership]:
     )
 
 
-def team_owner(*, team_id: int) -> User | None:
-    """The team's first owner: who hears about its money (low balance, budgets) while
-    notifications are kept per person."""
-    first = (
-        Membership.objects.select_related("user")
-        .filter(team_id=team_id, role=TeamRole.OWNER)
-        .order_by("pk")
-        .first()
-    )
-    return first.user if first is not None else None
-
-
 def team_members(*, team: Team) -> QuerySet[Membership]:
     return Membership.objects.select_related("user").filter(team=team).order_by("created_at", "pk")
 
@@ -483,8 +470,8 @@ def engine_nodes(nodes: QuerySet[Node] | Iterable[Node]) -> list[engine.Node]:
 
 
 # -- object storage: datasets and artifacts ------------------------------------------------------
-# Who owns a dataset is decided here and nowhere else (the owner is the customer today; moving
-# ownership to a team changes these functions only).
+# Who owns a dataset is decided here and nowhere else: the team (its `owner` is the member who
+# uploaded it).
 
 # The harness names each checkpoint `step_<step>.pt` (harness/checkpoint.py) in its checkpoint
 # directory inside the output directory (/workspace/checkpoints in its image).
@@ -492,25 +479,26 @@ CHECKPOINT_NAME = re.compile(r"(?:^|/)step_(\d+)\.pt$")
 CHECKPOINT_NAME_SQL = r"(^|/)step_[0-9]+\.pt$"
 
 
-def datasets_owned(owner: User) -> QuerySet[Dataset]:
-    return Dataset.objects.filter(owner=owner)
+def datasets_owned(team: Team) -> QuerySet[Dataset]:
+    """The team's datasets, whichever member uploaded them."""
+    return Dataset.objects.filter(team=team)
 
 
-def dataset_owned(*, owner: User, dataset_id) -> Dataset:
-    """One of the owner's datasets; anyone else's (or none) is NotFound."""
-    dataset = datasets_owned(owner).filter(pk=dataset_id).first()
+def dataset_owned(*, team: Team, dataset_id) -> Dataset:
+    """One of the team's datasets; another team's (or none) is NotFound."""
+    dataset = datasets_owned(team).filter(pk=dataset_id).first()
     if dataset is None:
         raise NotFound("no such dataset")
     return dataset
 
 
-def datasets_owned_by_name(*, owner: User, names: Iterable[str]) -> dict[str, Dataset]:
-    return {d.name: d for d in datasets_owned(owner).filter(name__in=list(names))}
+def datasets_owned_by_name(*, team: Team, names: Iterable[str]) -> dict[str, Dataset]:
+    return {d.name: d for d in datasets_owned(team).filter(name__in=list(names))}
 
 
-def dataset_bytes_used(owner: User) -> int:
-    """The bytes counted against the owner's dataset quota (declared sizes, uploads included)."""
-    return datasets_owned(owner).aggregate(total=Coalesce(Sum("total_bytes"), 0))["total"]
+def dataset_bytes_used(team: Team) -> int:
+    """The bytes counted against the team's dataset quota (declared sizes, uploads included)."""
+    return datasets_owned(team).aggregate(total=Coalesce(Sum("total_bytes"), 0))["total"]
 
 
 def rental_owned(*, team: Team, rental_id) -> Rental:
@@ -589,27 +577,28 @@ def rentals_dataset_files(rental_ids: Iterable) -> dict:
 SSH_LOGIN = "harness"
 
 
-def ssh_key_scope(*, user: User) -> QuerySet[SshKey]:
-    """The SSH keys `user` may list, delete and log in with: the one place that says who owns
-    a key (the account now; its team once keys belong to teams)."""
-    return SshKey.objects.filter(owner=user)
+def ssh_key_scope(*, team: Team) -> QuerySet[SshKey]:
+    """The SSH keys a member of `team` may list, delete and log in with: the one place that says
+    who owns a key (the team; any member adds and removes them)."""
+    return SshKey.objects.filter(team=team)
 
 
-def ssh_key_list(*, user: User) -> QuerySet[SshKey]:
-    return ssh_key_scope(user=user).order_by("-created_at", "-id")
+def ssh_key_list(*, team: Team) -> QuerySet[SshKey]:
+    """The team's keys with who added each."""
+    return ssh_key_scope(team=team).select_related("owner").order_by("-created_at", "-id")
 
 
 def rental_ssh_keys(rentals: Iterable[Rental]) -> dict:
-    """rental pk -> the public key lines allowed into its sshd, for the rentals that asked for
-    SSH (one query for all of them)."""
+    """rental pk -> the public key lines allowed into its sshd: the keys of the rental's team,
+    for the rentals that asked for SSH (one query for all of them)."""
     wanted = [rental for rental in rentals if rental.ssh]
     if not wanted:
         return {}
     lines: dict[int, list[str]] = {}
-    keys = SshKey.objects.filter(owner_id__in={rental.customer_id for rental in wanted})
-    for owner_id, line in keys.order_by("id").values_list("owner_id", "public_key"):
-        lines.setdefault(owner_id, []).append(line)
-    return {rental.pk: tuple(lines.get(rental.customer_id, ())) for rental in wanted}
+    keys = SshKey.objects.filter(team_id__in={rental.team_id for rental in wanted})
+    for team_id, line in keys.order_by("id").values_list("team_id", "public_key"):
+        lines.setdefault(team_id, []).append(line)
+    return {rental.pk: tuple(lines.get(rental.team_id, ())) for rental in wanted}
 
 
 def rental_access(rental: Rental) -> list[dict]:

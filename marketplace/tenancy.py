@@ -3,7 +3,9 @@ every app's views.
 
 A program's API token acts for the one team it was created in (set by the token
 authentication). A browser's session acts for the team picked in the switcher (kept in the
-session), else the person's personal team, else the first team they joined. Views pass the
+session), else the person's personal team, else the first team they joined. A signed-in person
+in no team at all (an account made by `createsuperuser` or by hand in the database) gets their
+personal team here, on their first request, so ops staff can rent too. Views pass the
 team returned here to selectors and services (`team=`); the role decides money and members.
 """
 
@@ -14,7 +16,7 @@ from functools import wraps
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 
-from marketplace import selectors
+from marketplace import selectors, services
 from marketplace.errors import Forbidden, NotFound
 from marketplace.models import Membership, Team, User
 
@@ -40,6 +42,9 @@ def request_membership(request) -> Membership | None:
         session = getattr(raw, "session", None)
         wanted = session.get(TEAM_SESSION_KEY) if session is not None else None
         membership = selectors.membership_current(user=user, team_id=wanted)
+        if membership is None:  # in no team at all
+            services.team_personal_ensure(user=user)
+            membership = selectors.membership_current(user=user)
     membership_decided(raw, membership)
     return membership
 

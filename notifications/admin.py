@@ -5,10 +5,10 @@ from notifications.models import Delivery, Notification, NotificationSettings
 
 @admin.register(NotificationSettings)
 class NotificationSettingsAdmin(admin.ModelAdmin):
-    list_display = ("owner", "email_enabled", "webhook_url", "updated_at")
-    search_fields = ("owner__username", "owner__email")
+    list_display = ("team", "email_enabled", "webhook_url", "updated_at")
+    search_fields = ("team__name",)
     readonly_fields = ("webhook_secret_salt", "webhook_secret_rotated_at", "updated_at")
-    raw_id_fields = ("owner",)
+    raw_id_fields = ("team",)
 
 
 class DeliveryInline(admin.TabularInline):
@@ -34,9 +34,9 @@ class DeliveryInline(admin.TabularInline):
 class NotificationAdmin(admin.ModelAdmin):
     """Read-only: the outbox is written by the services and delivered by the workers."""
 
-    list_display = ("id", "kind", "owner", "summary", "created_at")
+    list_display = ("id", "kind", "team", "summary", "created_at")
     list_filter = ("kind",)
-    search_fields = ("owner__username", "source_key", "summary")
+    search_fields = ("team__name", "source_key", "summary")
     inlines = [DeliveryInline]
 
     def has_add_permission(self, request) -> bool:

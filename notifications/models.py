@@ -1,10 +1,9 @@
-"""Notification settings per owner, the outbox of notifications and their deliveries."""
+"""Notification settings per team, the outbox of notifications and their deliveries."""
 
 from __future__ import annotations
 
 import uuid
 
-from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
 from django.db import models
 from django.db.models import Q
@@ -39,11 +38,12 @@ def _kind_list() -> ArrayField:
 
 
 class NotificationSettings(models.Model):
-    """What an owner wants to be told and where. Kinds are stored switched OFF, so a kind added
-    later is on for everyone until they turn it off."""
+    """What a team wants to be told and where (its owners and billing members change it; every
+    member reads it). Kinds are stored switched OFF, so a kind added later is on for everyone
+    until they turn it off. Who of the team receives the emails: notifications.audience."""
 
-    owner = models.OneToOneField(
-        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="notification_settings"
+    team = models.OneToOneField(
+        "marketplace.Team", on_delete=models.CASCADE, related_name="notification_settings"
     )
     email_enabled = models.BooleanField(default=True)
     email_off = _kind_list()
@@ -59,16 +59,16 @@ class NotificationSettings(models.Model):
         verbose_name_plural = "notification settings"
 
     def __str__(self) -> str:
-        return f"notification settings of {self.owner_id}"
+        return f"notification settings of team {self.team_id}"
 
 
 class Notification(models.Model):
-    """One thing to tell an owner: the outbox row, written in the transaction of the fact it
+    """One thing to tell a team: the outbox row, written in the transaction of the fact it
     reports. Its id is the event id receivers see on every attempt of every channel."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    owner = models.ForeignKey(
-        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="notifications"
+    team = models.ForeignKey(
+        "marketplace.Team", on_delete=models.CASCADE, related_name="notifications"
     )
     kind = models.CharField(max_length=20, choices=NotificationKind.choices)
     # What the notification reports, unique so that recording the same fact twice is a no-op:
@@ -87,7 +87,7 @@ class Notification(models.Model):
 
     class Meta:
         ordering = ["-created_at", "id"]
-        indexes = [models.Index(fields=["owner", "-created_at"], name="notification_by_owner")]
+        indexes = [models.Index(fields=["team", "-created_at"], name="notification_by_team")]
 
     def __str__(self) -> str:
         return f"{self.kind} {self.id}"

@@ -25,7 +25,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from marketplace.errors import ValidationFailed
-from marketplace.models import Rental, RentalEvent, RentalStatus, User
+from marketplace.models import Rental, RentalEvent, RentalStatus, Team
 from notifications import audience, webhooks
 from notifications.models import (
     Channel,
@@ -78,13 +78,14 @@ class SettingsChange:
 @transaction.atomic
 def notification_settings_update(
     *,
-    owner: User,
+    team: Team,
     email_enabled: bool | None = None,
     email_kinds: Iterable[str] | None = None,
     webhook_url: str | None = None,
     webhook_kinds: Iterable[str] | None = None,
 ) -> SettingsChange:
-    """Change what is switched on; a webhook URL gets its signing secret the first time."""
+    """Change what the team is told and where (its owners and billing members do: the view
+    asks for that role); a webhook URL gets its signing secret the first time."""
     # Validate everything before writing anything.
     email_off = None if email_kinds is None else _kinds_off(email_kinds, field="email_kinds")
     webhook_off = (
@@ -92,7 +93,7 @@ def notification_settings_update(
     )
     if webhook_url:
         webhooks.webhook_url_check(webhook_url)
-    row, _ = NotificationSettings.objects.select_for_update().get_or_create(owner=owner)
+    row, _ = NotificationSettings.objects.select_for_update().get_or_create(team=team)
     if email_enabled is not None:
         row.email_enabled = email_enabled
     if email_off is not None:
@@ -115,9 +116,9 @@ def _secret_draw(row: NotificationSettings) -> str:
 
 
 @transaction.atomic
-def webhook_secret_rotate(*, owner: User) -> SettingsChange:
+def webhook_secret_rotate(*, team: Team) -> SettingsChange:
     """Draw a new signing secret; the old one stops at once. Shown once, in the answer."""
-    row, _ = NotificationSettings.objects.select_for_update().get_or_create(owner=owner)
+    row, _ = NotificationSettings.objects.select_for_update().get_or_create(team=team)
     secret = _secret_draw(row)
     row.save(update_fields=["webhook_secret_salt", "webhook_secret_rotated_at", "updated_at"])
     return SettingsChange(settings=row, webhook_secret=secret)
@@ -128,7 +129,7 @@ def webhook_secret_rotate(*, owner: User) -> SettingsChange:
 
 def notification_record(
     *,
-    owner: User,
+    team: Team,
     kind: str,
     source_key: str,
     summary: str,
@@ -136,15 +137,17 @@ def notification_record(
     rental: Rental | None = None,
     at: datetime | None = None,
 ) -> Notification | None:
-    """Record that `owner` is to be told `summary`, with a delivery per channel switched on for
-    the kind, in the caller's transaction; queue them after it commits. Recording the same
-    `source_key` again, or a kind every channel has switched off, records nothing."""
+    """Record that `team` is to be told `summary`, with a delivery per channel switched on for
+    the kind (an email to each of audience.email_recipients), in the caller's transaction;
+    queue them after it commits. Recording the same `source_key` again, or a kind every channel
+    has switched off, records nothing."""
     with transaction.atomic(savepoint=False):
-        row = NotificationSettings.objects.filter(owner=owner).first()
-        row = row or NotificationSettings(owner=owner)
+        row = NotificationSettings.objects.filter(team=team).first()
+        row = row or NotificationSettings(team=team)
         targets: list[tuple[str, str]] = []
         if row.email_enabled and kind not in row.email_off:
-            targets += [(Channel.EMAIL, address) for address in audience.email_recipients(owner)]
+            addresses = audience.email_recipients(team, kind=kind, rental=rental)
+            targets += [(Channel.EMAIL, address) for address in addresses]
         if row.webhook_url and kind not in row.webhook_off:
             targets.append((Channel.WEBHOOK, ""))
         if not targets:
@@ -152,7 +155,7 @@ def notification_record(
         at = at or timezone.now()
         notification = Notification(
             id=uuid.uuid4(),
-            owner=owner,
+            team=team,
             kind=kind,
             source_key=source_key,
             rental=rental,
@@ -197,7 +200,7 @@ def rental_event_record(*, rental: Rental, event: RentalEvent) -> Notification |
     if event.reason:
         summary += f": {event.reason}"
     return notification_record(
-        owner=audience.owner_of_rental(rental),
+        team=audience.team_of_rental(rental),
         kind=kind,
         source_key=f"rental-event:{event.pk}",
         summary=summary,
@@ -222,11 +225,12 @@ def rental_event_record(*, rental: Rental, event: RentalEvent) -> Notification |
 
 
 def balance_low_notify(
-    *, owner: User, notice_id: int, detail: str, available_micros: int, hourly_burn_micros: int
+    *, team: Team, notice_id: int, detail: str, available_micros: int, hourly_burn_micros: int
 ) -> Notification | None:
-    """Billing found the balance low (or out): tell the owner, in billing's transaction."""
+    """Billing found the team's balance low (or out): tell the team, in billing's
+    transaction."""
     return notification_record(
-        owner=owner,
+        team=team,
         kind=K.BALANCE_LOW,
         source_key=f"balance-notice:{notice_id}",
         summary=f"Balance low: {detail}",
@@ -241,12 +245,13 @@ def balance_low_notify(
 
 
 def budget_reached_notify(
-    *, owner: User, budget_key: str, summary: str, data: dict[str, Any]
+    *, team: Team, budget_key: str, summary: str, data: dict[str, Any]
 ) -> Notification | None:
-    """A budget was reached: tell the owner, in the caller's transaction. `budget_key` names
-    this crossing (e.g. "<budget id>:<period>"), so recording it twice tells once."""
+    """A budget of the team was reached: tell the team, in the caller's transaction.
+    `budget_key` names this crossing (e.g. "<budget id>:<period>"), so recording it twice
+    tells once."""
     return notification_record(
-        owner=owner,
+        team=team,
         kind=K.BUDGET_REACHED,
         source_key=f"budget:{budget_key}"[:120],
         summary=summary,
@@ -371,7 +376,7 @@ def delivery_attempt(*, delivery_id: int, now: datetime | None = None) -> str | 
         now = now or timezone.now()
         if delivery is None or delivery.next_attempt_at > now:
             return None
-        row = NotificationSettings.objects.filter(owner_id=delivery.notification.owner_id).first()
+        row = NotificationSettings.objects.filter(team_id=delivery.notification.team_id).first()
         delivery.last_attempt_at = now
         try:
             delivery.attempts += 1

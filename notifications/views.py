@@ -7,14 +7,19 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
+from marketplace.tenancy import request_membership, request_team, team_page
 from notifications import selectors
 from notifications.models import NotificationKind
 
 
 @require_GET
 @login_required
+@team_page
 def settings_page(request: HttpRequest) -> HttpResponse:
-    row = selectors.notification_settings_get(owner=request.user)
+    """The team's settings and deliveries; members read them, owners and billing members
+    change them (the form is shown to them only; the API refuses the others too)."""
+    team = request_team(request)
+    row = selectors.notification_settings_get(team=team)
     kinds = [
         {
             "value": value,
@@ -30,6 +35,8 @@ def settings_page(request: HttpRequest) -> HttpResponse:
         {
             "row": row,
             "kinds": kinds,
-            "deliveries": selectors.delivery_list(owner=request.user)[:50],
+            "team": team,
+            "can_change": request_membership(request).manages_money,
+            "deliveries": selectors.delivery_list(team=team)[:50],
         },
     )

@@ -43,7 +43,6 @@ from billing import conf, selectors
 from billing.errors import BudgetExceeded, LimitExceeded, RateLimited
 from billing.models import Account, BalanceNotice, NoticeKind
 from marketplace import lifecycle
-from marketplace import selectors as marketplace_selectors
 from marketplace.errors import NotFound, ValidationFailed
 from marketplace.models import MONEY_ROLES, Membership, Rental, User
 from notifications.services import budget_reached_notify
@@ -296,7 +295,7 @@ def _rental_caps_enforce(*, now: datetime, result: BudgetPassResult) -> None:
                 created_at=now,
             )
             budget_reached_notify(
-                owner=marketplace_selectors.team_owner(team_id=account.team_id),
+                team=account.team,
                 budget_key=f"rental:{rental_id}",
                 summary=f"Budget reached: {detail}",
                 data={
@@ -404,7 +403,7 @@ def _monthly_notices(
         )
         if reached and account.budget_reached_at == now:
             budget_reached_notify(
-                owner=marketplace_selectors.team_owner(team_id=account.team_id),
+                team=account.team,
                 budget_key=f"account:{account.pk}:{month:%Y-%m}",
                 summary=f"Budget reached: {notices[-1][1]}",
                 data={

@@ -40,7 +40,6 @@ from billing.models import Account, AccountKind, BalanceNotice, NoticeKind
 from billing.services.budgets import budgets_enforce
 from billing.services.ledger import account_platform
 from marketplace import lifecycle
-from marketplace import selectors as marketplace_selectors
 from marketplace.locks import advisory_lock
 from marketplace.models import Rental
 from notifications.services import balance_low_notify
@@ -386,11 +385,10 @@ def _account_flags_set(
             )
             for kind, detail in notices
         )
-        owner = marketplace_selectors.team_owner(team_id=account.team_id)
         for notice in created:
-            if owner is not None and notice.kind in (NoticeKind.LOW_BALANCE, NoticeKind.DEPLETED):
+            if notice.kind in (NoticeKind.LOW_BALANCE, NoticeKind.DEPLETED):
                 balance_low_notify(
-                    owner=owner,
+                    team=account.team,
                     notice_id=notice.pk,
                     detail=notice.detail,
                     available_micros=available,

@@ -389,6 +389,9 @@ class SshKeySerializer(serializers.Serializer):
     fingerprint = serializers.CharField(help_text="SHA256:..., as ssh-keygen -l shows it")
     comment = serializers.CharField()
     public_key = serializers.CharField(help_text="TYPE BASE64, without the comment")
+    added_by = serializers.CharField(
+        source="owner.username", help_text="the member of the team who added it"
+    )
     created_at = serializers.DateTimeField()
 
 

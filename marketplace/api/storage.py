@@ -65,6 +65,9 @@ class DatasetSerializer(serializers.Serializer):
     source_url = serializers.CharField()
     total_bytes = serializers.IntegerField()
     file_count = serializers.IntegerField()
+    uploaded_by = serializers.CharField(
+        source="owner.username", help_text="the member of the team who uploaded it"
+    )
     created_at = serializers.DateTimeField()
     ready_at = serializers.DateTimeField(allow_null=True)
 
@@ -122,12 +125,16 @@ def _u(upload: storage.Upload) -> dict:
 
 
 class DatasetListCreateView(PaginatedListView):
-    """Your datasets; POST starts an upload (files) or registers a URL (source_url)."""
+    """Your team's datasets, whichever member uploaded them; POST starts an upload (files) or
+    registers a URL (source_url)."""
 
     @extend_schema(responses=DatasetSerializer(many=True))
     def get(self, request: Request) -> Response:
         return self.paginated(
-            selectors.datasets_owned(request.user).order_by("-created_at"), DatasetSerializer
+            selectors.datasets_owned(request_team(request))
+            .select_related("owner")
+            .order_by("-created_at"),
+            DatasetSerializer,
         )
 
     @extend_schema(
@@ -140,10 +147,14 @@ class DatasetListCreateView(PaginatedListView):
         data = body.validated_data
         if "source_url" in data:
             dataset = storage.dataset_register_url(
-                owner=request.user, name=data["name"], source_url=data["source_url"]
+                team=request_team(request),
+                owner=request.user,
+                name=data["name"],
+                source_url=data["source_url"],
             )
             return Response(DatasetSerializer(dataset).data, status=status.HTTP_202_ACCEPTED)
         dataset, uploads = storage.dataset_upload_create(
+            team=request_team(request),
             owner=request.user,
             name=data["name"],
             files=[storage.FileSpec(**f) for f in data["files"]],
@@ -157,16 +168,17 @@ class DatasetListCreateView(PaginatedListView):
 
 
 class DatasetDetailView(APIView):
-    """One of your datasets with its files; DELETE removes it (409 while a rental reads it)."""
+    """One of your team's datasets with its files (another team's id: 404); DELETE removes it
+    (409 while a rental reads it)."""
 
     @extend_schema(responses=DatasetDetailSerializer)
     def get(self, request: Request, dataset_id) -> Response:
-        dataset = selectors.dataset_owned(owner=request.user, dataset_id=dataset_id)
+        dataset = selectors.dataset_owned(team=request_team(request), dataset_id=dataset_id)
         return Response(DatasetDetailSerializer(dataset).data)
 
     @extend_schema(responses={204: None})
     def delete(self, request: Request, dataset_id) -> Response:
-        storage.dataset_delete(owner=request.user, dataset_id=dataset_id)
+        storage.dataset_delete(team=request_team(request), dataset_id=dataset_id)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
@@ -178,7 +190,7 @@ class DatasetUploadUrlsView(APIView):
         body = DatasetUploadUrlsSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         dataset, uploads = storage.dataset_upload_urls(
-            owner=request.user, dataset_id=dataset_id, paths=body.validated_data["paths"]
+            team=request_team(request), dataset_id=dataset_id, paths=body.validated_data["paths"]
         )
         return Response(
             DatasetUploadAnswerSerializer(
@@ -196,7 +208,7 @@ class DatasetCompleteView(APIView):
         body = DatasetCompleteSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         dataset = storage.dataset_upload_complete(
-            owner=request.user, dataset_id=dataset_id, parts=body.validated_data["parts"]
+            team=request_team(request), dataset_id=dataset_id, parts=body.validated_data["parts"]
         )
         return Response(DatasetSerializer(dataset).data)
 

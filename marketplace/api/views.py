@@ -126,27 +126,30 @@ class ApiTokenRevokeView(APIView):
 
 
 class SshKeyListCreateView(APIView):
-    """Your SSH public keys: rentals that ask for SSH let them in. A malformed key, a weak one
-    or one already on your account is refused (400, field `public_key`)."""
+    """Your team's SSH public keys (any member adds and removes them; each says who added it):
+    the team's rentals that ask for SSH let them in. A malformed key, a weak one or one already
+    on the team is refused (400, field `public_key`)."""
 
     @extend_schema(responses=SshKeySerializer(many=True))
     def get(self, request: Request) -> Response:
-        return Response(SshKeySerializer(selectors.ssh_key_list(user=request.user), many=True).data)
+        return Response(
+            SshKeySerializer(selectors.ssh_key_list(team=request_team(request)), many=True).data
+        )
 
     @extend_schema(request=SshKeyCreateSerializer, responses={201: SshKeySerializer})
     def post(self, request: Request) -> Response:
         body = SshKeyCreateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        key = ssh_key_add(owner=request.user, **body.validated_data)
+        key = ssh_key_add(team=request_team(request), owner=request.user, **body.validated_data)
         return Response(SshKeySerializer(key).data, status=status.HTTP_201_CREATED)
 
 
 class SshKeyDetailView(APIView):
-    """Remove one of your SSH keys; another account's key id answers 404."""
+    """Remove one of your team's SSH keys; another team's key id answers 404."""
 
     @extend_schema(request=None, responses={204: None})
     def delete(self, request: Request, key_id: int) -> Response:
-        ssh_key_delete(owner=request.user, key_id=key_id)
+        ssh_key_delete(team=request_team(request), key_id=key_id)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 

@@ -1,14 +1,17 @@
-"""SSH public keys of an account: rentals that ask for SSH let their holders in."""
+"""SSH public keys of a team: its rentals that ask for SSH let their holders in."""
 
 from django.conf import settings
 from django.db import models
 
 
 class SshKey(models.Model):
-    """A public key that may log in to the SSH of the owner's rentals (only the public half is
-    ever sent here)."""
+    """A public key that may log in to the SSH of the team's rentals, whichever member created
+    them (only the public half is ever sent here)."""
 
-    # The account for now; ownership is read in one place (selectors.ssh_key_scope).
+    # The team owns it (any member adds and removes keys); ownership is read in one place
+    # (selectors.ssh_key_scope).
+    team = models.ForeignKey("marketplace.Team", on_delete=models.CASCADE, related_name="ssh_keys")
+    # The member who added it (shown in the listing).
     owner = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="ssh_keys"
     )
@@ -24,7 +27,7 @@ class SshKey(models.Model):
     class Meta:
         ordering = ["-created_at", "-id"]
         constraints = [
-            models.UniqueConstraint(fields=["owner", "fingerprint"], name="ssh_key_once_per_owner")
+            models.UniqueConstraint(fields=["team", "fingerprint"], name="ssh_key_once_per_team")
         ]
 
     def __str__(self) -> str:

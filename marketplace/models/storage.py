@@ -19,10 +19,13 @@ class DatasetStatus(models.TextChoices):
 
 
 class Dataset(models.Model):
-    """A customer's set of files that rentals read, staged read-only at /data/<name>."""
+    """A team's set of files that rentals read, staged read-only at /data/<name>."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    # Ownership is read through marketplace.selectors (datasets_owned) only.
+    # The team owns it (any member's rentals read it; the quota is the team's); ownership is
+    # read through marketplace.selectors (datasets_owned) only.
+    team = models.ForeignKey("marketplace.Team", on_delete=models.PROTECT, related_name="datasets")
+    # The member who uploaded or registered it.
     owner = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="datasets"
     )
@@ -33,7 +36,7 @@ class Dataset(models.Model):
     status_reason = models.CharField(max_length=500, blank=True)
     # Registered from a URL: the server copies it into the bucket.
     source_url = models.URLField(max_length=2000, blank=True)
-    # The declared size of all files: counted against the owner's quota from the upload's start.
+    # The declared size of all files: counted against the team's quota from the upload's start.
     total_bytes = models.BigIntegerField(default=0)
     file_count = models.PositiveIntegerField(default=0)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -42,7 +45,7 @@ class Dataset(models.Model):
     class Meta:
         ordering = ["-created_at"]
         constraints = [
-            models.UniqueConstraint(fields=["owner", "name"], name="dataset_name_per_owner"),
+            models.UniqueConstraint(fields=["team", "name"], name="dataset_name_per_team"),
             models.CheckConstraint(condition=Q(total_bytes__gte=0), name="dataset_bytes"),
         ]
 
@@ -82,7 +85,7 @@ class DatasetFile(models.Model):
 
 
 class RentalDataset(models.Model):
-    """A dataset a rental reads (named at create; the dataset was ready and the customer's)."""
+    """A dataset a rental reads (named at create; the dataset was ready and the rental's team's)."""
 
     rental = models.ForeignKey(
         "marketplace.Rental", on_delete=models.CASCADE, related_name="dataset_links"

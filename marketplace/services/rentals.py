@@ -187,8 +187,8 @@ def funds_hold_register(hold: FundsHolder) -> None:
 MAX_DATASETS = 16
 
 
-def _datasets_ready(*, customer: User, names: tuple[str, ...]) -> list[Dataset]:
-    """The named datasets, each the customer's and READY, locked until the rental is stored (a
+def _datasets_ready(*, team: Team, names: tuple[str, ...]) -> list[Dataset]:
+    """The named datasets, each the team's and READY, locked until the rental is stored (a
     delete waits, then sees the rental that reads them)."""
     if len(names) > MAX_DATASETS:
         raise ValidationFailed(f"at most {MAX_DATASETS} datasets", field="datasets")
@@ -196,12 +196,12 @@ def _datasets_ready(*, customer: User, names: tuple[str, ...]) -> list[Dataset]:
         raise ValidationFailed("a dataset is named twice", field="datasets")
     found = {
         d.name: d
-        for d in datasets_owned(customer).filter(name__in=names).select_for_update().order_by("pk")
+        for d in datasets_owned(team).filter(name__in=names).select_for_update().order_by("pk")
     }
     for name in names:
         dataset = found.get(name)
         if dataset is None:
-            raise ValidationFailed(f"you have no dataset named {name!r}", field="datasets")
+            raise ValidationFailed(f"your team has no dataset named {name!r}", field="datasets")
         if dataset.status != DatasetStatus.READY:
             raise ValidationFailed(f"dataset {name!r} is {dataset.status}", field="datasets")
     return [found[name] for name in names]
@@ -239,8 +239,8 @@ def rental_create(*, customer: User, team: Team, request: RentalRequest) -> Rent
         unknown = sorted(set(request.gpu_models) - known)
         if unknown:
             raise ValidationFailed(f"unknown GPU model: {', '.join(unknown)}", field="gpu_models")
-    if request.ssh and not selectors.ssh_key_scope(user=customer).exists():
-        raise ValidationFailed("add an SSH public key to your account first", field="ssh")
+    if request.ssh and not selectors.ssh_key_scope(team=team).exists():
+        raise ValidationFailed("add an SSH public key to your team first", field="ssh")
     resume_from = (
         rental_owned(team=team, rental_id=request.resume_from)
         if request.resume_from is not None
@@ -250,7 +250,7 @@ def rental_create(*, customer: User, team: Team, request: RentalRequest) -> Rent
     if reason is not None:
         raise ValidationFailed(f"this request can never be placed: {reason}", field="non_field")
     with transaction.atomic():
-        datasets = _datasets_ready(customer=customer, names=request.datasets)
+        datasets = _datasets_ready(team=team, names=request.datasets)
         rental = rental_submit(
             customer=customer,
             team=team,

@@ -20,10 +20,10 @@ from django.db import IntegrityError, transaction
 
 from marketplace import selectors
 from marketplace.errors import NotFound, ValidationFailed
-from marketplace.models import SshKey, User
+from marketplace.models import SshKey, Team, User
 
 MAX_KEY_CHARS = 16 * 1024
-MAX_KEYS_PER_ACCOUNT = 50
+MAX_KEYS_PER_TEAM = 50
 MIN_RSA_BITS = 2048
 MAX_RSA_BITS = 16384
 _FIELD = "public_key"
@@ -153,33 +153,35 @@ def ssh_key_parse(text: str) -> ParsedKey:
     )
 
 
-def ssh_key_add(*, owner: User, public_key: str, name: str = "") -> SshKey:
-    """Add a checked public key to the account; a key it already has is refused."""
+def ssh_key_add(*, team: Team, owner: User, public_key: str, name: str = "") -> SshKey:
+    """Add a checked public key to the team (`owner`, the member adding it, is shown in the
+    listing); a key the team already has is refused."""
     parsed = ssh_key_parse(public_key)
     name = name.strip() or parsed.comment[:80]
     with transaction.atomic():
-        keys = selectors.ssh_key_scope(user=owner)
+        keys = selectors.ssh_key_scope(team=team)
         if keys.filter(fingerprint=parsed.fingerprint).exists():
             raise ValidationFailed(
-                f"this key ({parsed.fingerprint}) is already on your account", field=_FIELD
+                f"this key ({parsed.fingerprint}) is already on your team", field=_FIELD
             )
-        if keys.count() >= MAX_KEYS_PER_ACCOUNT:
-            raise ValidationFailed(f"at most {MAX_KEYS_PER_ACCOUNT} keys per account", field=_FIELD)
+        if keys.count() >= MAX_KEYS_PER_TEAM:
+            raise ValidationFailed(f"at most {MAX_KEYS_PER_TEAM} keys per team", field=_FIELD)
         try:
             with transaction.atomic():
                 return SshKey.objects.create(
-                    owner=owner, name=name, key_type=parsed.key_type, public_key=parsed.line,
-                    comment=parsed.comment, fingerprint=parsed.fingerprint, bits=parsed.bits,
+                    team=team, owner=owner, name=name, key_type=parsed.key_type,
+                    public_key=parsed.line, comment=parsed.comment,
+                    fingerprint=parsed.fingerprint, bits=parsed.bits,
                 )  # fmt: skip
         except IntegrityError:  # the same key added concurrently
             raise ValidationFailed(
-                f"this key ({parsed.fingerprint}) is already on your account", field=_FIELD
+                f"this key ({parsed.fingerprint}) is already on your team", field=_FIELD
             ) from None
 
 
-def ssh_key_delete(*, owner: User, key_id: int) -> None:
-    """Remove a key; rentals started later no longer let it in (running ones keep the keys
-    they started with). Another account's key id is not found."""
-    deleted, _ = selectors.ssh_key_scope(user=owner).filter(pk=key_id).delete()
+def ssh_key_delete(*, team: Team, key_id: int) -> None:
+    """Remove one of the team's keys (any member may); rentals started later no longer let it
+    in (running ones keep the keys they started with). Another team's key id is not found."""
+    deleted, _ = selectors.ssh_key_scope(team=team).filter(pk=key_id).delete()
     if not deleted:
         raise NotFound("no such SSH key")

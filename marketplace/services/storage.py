@@ -6,9 +6,9 @@ then checks what arrived (HEAD for the size; small files are read back for the S
 it records a file. A file is single PUT up to STORAGE["MULTIPART_THRESHOLD_BYTES"], else a
 multipart upload with one presigned URL per part.
 
-Datasets are free within STORAGE["DATASET_QUOTA_BYTES"] per owner: the declared size counts
-from the moment an upload starts, checked with the owner's row locked, so two concurrent
-uploads cannot both pass a quota that holds one.
+Datasets belong to a team and are free within STORAGE["DATASET_QUOTA_BYTES"] per team: the
+declared size counts from the moment an upload starts, checked with the team's row locked, so
+two concurrent uploads of its members cannot both pass a quota that holds one.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from marketplace.models import (
     DatasetStatus,
     Rental,
     RentalDataset,
+    Team,
     User,
     artifact_key,
 )
@@ -190,40 +191,41 @@ def _stored_checks_out(key: str, size_bytes: int, sha256: str) -> str:
 # -- datasets ------------------------------------------------------------------------------------
 
 
-def _quota_reserve(*, owner: User, total_bytes: int) -> None:
-    """Inside the creating transaction: lock the owner, so concurrent uploads of one account
-    are counted one after the other, and refuse what goes over the quota."""
-    User.objects.select_for_update().filter(pk=owner.pk).first()
+def _quota_reserve(*, team: Team, total_bytes: int) -> None:
+    """Inside the creating transaction: lock the team's row, so concurrent uploads of its
+    members are counted one after the other, and refuse what goes over the team's quota."""
+    Team.objects.select_for_update().filter(pk=team.pk).first()
     quota = int(settings.STORAGE["DATASET_QUOTA_BYTES"])
-    used = dataset_bytes_used(owner)
+    used = dataset_bytes_used(team)
     if used + total_bytes > quota:
         raise QuotaExceeded(
-            f"{total_bytes} more bytes would exceed your dataset quota of {quota} bytes "
+            f"{total_bytes} more bytes would exceed your team's dataset quota of {quota} bytes "
             f"({used} used)",
             field="files",
         )
 
 
-def _name_free(*, owner: User, name: str) -> None:
-    if Dataset.objects.filter(owner=owner, name=name).exists():
-        raise Conflict(f"you already have a dataset named {name}", field="name")
+def _name_free(*, team: Team, name: str) -> None:
+    if Dataset.objects.filter(team=team, name=name).exists():
+        raise Conflict(f"your team already has a dataset named {name}", field="name")
 
 
 def dataset_upload_create(
-    *, owner: User, name: str, files: Sequence[FileSpec]
+    *, team: Team, owner: User, name: str, files: Sequence[FileSpec]
 ) -> tuple[Dataset, list[Upload]]:
-    """Start uploading a dataset: its rows (status UPLOADING, its size counted against the
-    quota) and where to put each file. Nothing is written when any check fails."""
+    """Start uploading a dataset of the team (`owner`: the member uploading it): its rows
+    (status UPLOADING, its size counted against the team's quota) and where to put each file.
+    Nothing is written when any check fails."""
     dataset_name_check(name)
     files = files_check(files)
     total = sum(f.size_bytes for f in files)
     started: list[tuple[str, str]] = []
     try:
         with transaction.atomic():
-            _quota_reserve(owner=owner, total_bytes=total)
-            _name_free(owner=owner, name=name)
+            _quota_reserve(team=team, total_bytes=total)
+            _name_free(team=team, name=name)
             dataset = Dataset.objects.create(
-                owner=owner, name=name, total_bytes=total, file_count=len(files)
+                team=team, owner=owner, name=name, total_bytes=total, file_count=len(files)
             )
             rows = DatasetFile.objects.bulk_create(
                 [
@@ -249,10 +251,10 @@ def dataset_upload_create(
 
 
 def dataset_upload_urls(
-    *, owner: User, dataset_id, paths: Iterable[str] = ()
+    *, team: Team, dataset_id, paths: Iterable[str] = ()
 ) -> tuple[Dataset, list[Upload]]:
     """Fresh URLs for the files of an upload not yet stored (all, or those named)."""
-    dataset = dataset_owned(owner=owner, dataset_id=dataset_id)
+    dataset = dataset_owned(team=team, dataset_id=dataset_id)
     if dataset.status != DatasetStatus.UPLOADING or dataset.source_url:
         raise Conflict(f"the dataset is {dataset.status}, not being uploaded")
     pending = dataset.files.filter(stored_at__isnull=True)
@@ -263,12 +265,12 @@ def dataset_upload_urls(
 
 
 def dataset_upload_complete(
-    *, owner: User, dataset_id, parts: Mapping[str, Sequence[str]]
+    *, team: Team, dataset_id, parts: Mapping[str, Sequence[str]]
 ) -> Dataset:
     """Check each file not yet stored (join its parts first when it went up in parts, with the
     ETags `parts[path]`); the dataset is READY once all of them check out. A file that does not
     is named in the 400 answer and can be uploaded again."""
-    dataset = dataset_owned(owner=owner, dataset_id=dataset_id)
+    dataset = dataset_owned(team=team, dataset_id=dataset_id)
     if dataset.status == DatasetStatus.READY:
         return dataset
     if dataset.status != DatasetStatus.UPLOADING or dataset.source_url:
@@ -362,18 +364,20 @@ def _http() -> requests.Session:
     return session
 
 
-def dataset_register_url(*, owner: User, name: str, source_url: str) -> Dataset:
-    """Register a dataset fetched from an HTTPS URL (an S3 object: its presigned URL). The URL
-    is checked now (a 404 is refused and nothing is stored); a worker copies it into the bucket
-    and hashes it (`dataset_fetch`), and the dataset is READY after that."""
+def dataset_register_url(*, team: Team, owner: User, name: str, source_url: str) -> Dataset:
+    """Register a dataset of the team (`owner`: the member registering it) fetched from an
+    HTTPS URL (an S3 object: its presigned URL). The URL is checked now (a 404 is refused and
+    nothing is stored); a worker copies it into the bucket and hashes it (`dataset_fetch`),
+    and the dataset is READY after that."""
     dataset_name_check(name)
     if len(source_url) > 2000:
         raise ValidationFailed("at most 2000 characters", field="source_url")
     file_name, size = _source_check(source_url)
     with transaction.atomic():
-        _quota_reserve(owner=owner, total_bytes=size)
-        _name_free(owner=owner, name=name)
+        _quota_reserve(team=team, total_bytes=size)
+        _name_free(team=team, name=name)
         dataset = Dataset.objects.create(
+            team=team,
             owner=owner,
             name=name,
             source_url=source_url,
@@ -455,9 +459,9 @@ def dataset_fetch(*, dataset_id) -> Dataset | None:
     return dataset
 
 
-def dataset_delete(*, owner: User, dataset_id) -> None:
+def dataset_delete(*, team: Team, dataset_id) -> None:
     """Delete a dataset and its objects; refused (409) while an active rental reads it."""
-    dataset = dataset_owned(owner=owner, dataset_id=dataset_id)
+    dataset = dataset_owned(team=team, dataset_id=dataset_id)
     with transaction.atomic():
         locked = Dataset.objects.select_for_update().get(pk=dataset.pk)
         if RentalDataset.objects.filter(

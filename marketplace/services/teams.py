@@ -71,6 +71,11 @@ def team_personal_ensure(*, user: User) -> Team:
     with transaction.atomic():
         team = Team.objects.filter(personal_of=user).first()
         if team is None:
+            # Two first requests of the same person at once: the person's row lock makes the
+            # second wait and then find the team the first made.
+            User.objects.select_for_update().filter(pk=user.pk).first()
+            team = Team.objects.filter(personal_of=user).first()
+        if team is None:
             team = Team.objects.create(name=user.username[:80], personal_of=user)
             Membership.objects.create(team=team, user=user, role=TeamRole.OWNER)
         return team

@@ -106,6 +106,7 @@ def rentals(request: HttpRequest) -> HttpResponse:
 
 @require_GET
 @login_required
+@team_page
 def rental_new(request: HttpRequest) -> HttpResponse:
     """A rental request with every constraint the API takes; prefilled from an offer's link."""
     return render(
@@ -121,7 +122,7 @@ def rental_new(request: HttpRequest) -> HttpResponse:
                 "max_price": request.GET.get("max_price", ""),
                 "resume_from": request.GET.get("resume_from", ""),
             },
-            "datasets": selectors.datasets_owned(request.user)
+            "datasets": selectors.datasets_owned(request_team(request))
             .filter(status=DatasetStatus.READY)
             .order_by("name"),
         },
@@ -157,15 +158,19 @@ def rental_detail(request: HttpRequest, rental_id) -> HttpResponse:
 
 @require_GET
 @login_required
+@team_page
 def datasets(request: HttpRequest) -> HttpResponse:
-    """Your datasets; the page uploads files straight to object storage through presigned URLs
-    (in parts for big files), with a progress bar."""
+    """Your team's datasets; the page uploads files straight to object storage through
+    presigned URLs (in parts for big files), with a progress bar."""
+    team = request_team(request)
     return render(
         request,
         "web/datasets.html",
         {
-            "datasets": selectors.datasets_owned(request.user).order_by("-created_at"),
-            "used": selectors.dataset_bytes_used(request.user),
+            "datasets": selectors.datasets_owned(team)
+            .select_related("owner")
+            .order_by("-created_at"),
+            "used": selectors.dataset_bytes_used(team),
             "quota": settings.STORAGE["DATASET_QUOTA_BYTES"],
         },
     )
@@ -188,8 +193,10 @@ def tokens(request: HttpRequest) -> HttpResponse:
 
 @require_GET
 @login_required
+@team_page
 def ssh_keys(request: HttpRequest) -> HttpResponse:
-    return render(request, "web/ssh_keys.html", {"keys": selectors.ssh_key_list(user=request.user)})
+    keys = selectors.ssh_key_list(team=request_team(request))
+    return render(request, "web/ssh_keys.html", {"keys": keys})
 
 
 @require_GET

@@ -8,6 +8,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from marketplace.api.pagination import PaginatedListView
+from marketplace.tenancy import request_team
 from notifications import selectors, services
 from notifications.api.serializers import (
     DeliveryListQuerySerializer,
@@ -25,11 +26,12 @@ def _changed(change: services.SettingsChange) -> Response:
 
 
 class NotificationSettingsView(APIView):
-    """What you are told, by email and by webhook, and where."""
+    """What your team is told, by email and by webhook, and where: every member reads it, its
+    owners and billing members change it (403 for others)."""
 
     @extend_schema(responses=NotificationSettingsSerializer)
     def get(self, request: Request) -> Response:
-        row = selectors.notification_settings_get(owner=request.user)
+        row = selectors.notification_settings_get(team=request_team(request))
         return Response(NotificationSettingsSerializer(row).data)
 
     @extend_schema(
@@ -37,23 +39,24 @@ class NotificationSettingsView(APIView):
         responses=NotificationSettingsChangedSerializer,
     )
     def patch(self, request: Request) -> Response:
+        team = request_team(request, money=True)
         body = NotificationSettingsUpdateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        return _changed(
-            services.notification_settings_update(owner=request.user, **body.validated_data)
-        )
+        return _changed(services.notification_settings_update(team=team, **body.validated_data))
 
 
 class WebhookSecretRotateView(APIView):
-    """Draw a new webhook signing secret (the old one stops at once); shown once."""
+    """Draw a new webhook signing secret (the old one stops at once); shown once. Owners and
+    billing members only."""
 
     @extend_schema(request=None, responses=NotificationSettingsChangedSerializer)
     def post(self, request: Request) -> Response:
-        return _changed(services.webhook_secret_rotate(owner=request.user))
+        return _changed(services.webhook_secret_rotate(team=request_team(request, money=True)))
 
 
 class DeliveryListView(PaginatedListView):
-    """Your notifications' deliveries, newest first: attempts, last answer, delivered or not."""
+    """Your team's notifications' deliveries, newest first: attempts, last answer, delivered
+    or not."""
 
     @extend_schema(
         parameters=[DeliveryListQuerySerializer], responses=DeliverySerializer(many=True)
@@ -62,15 +65,15 @@ class DeliveryListView(PaginatedListView):
         query = DeliveryListQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)
         deliveries = selectors.delivery_list(
-            owner=request.user, state=query.validated_data["state"]
+            team=request_team(request), state=query.validated_data["state"]
         )
         return self.paginated(deliveries, DeliverySerializer)
 
 
 class DeliveryDetailView(APIView):
-    """One of your deliveries; another account's id answers 404."""
+    """One of your team's deliveries; another team's id answers 404."""
 
     @extend_schema(responses=DeliverySerializer)
     def get(self, request: Request, delivery_id: int) -> Response:
-        delivery = selectors.delivery_get(owner=request.user, delivery_id=delivery_id)
+        delivery = selectors.delivery_get(team=request_team(request), delivery_id=delivery_id)
         return Response(DeliverySerializer(delivery).data)

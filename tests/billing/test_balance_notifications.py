@@ -33,7 +33,7 @@ def test_a_low_balance_and_then_an_exhausted_one_are_each_told_once(make_node, b
     low = Notification.objects.get(kind="balance.low")
     notice = BalanceNotice.objects.get(kind=NoticeKind.LOW_BALANCE)
     assert low.source_key == f"balance-notice:{notice.pk}"
-    assert (low.owner, low.payload["balance"]["detail"]) == (user, notice.detail)
+    assert (low.team, low.payload["balance"]["detail"]) == (personal_team(user), notice.detail)
     assert low.payload["balance"]["available_micros"] == notice.available_micros
     assert list(low.deliveries.values_list("channel", "recipient")) == [("email", user.email)]
     # When usage exceeds the balance: the depleted notice is told too, once
@@ -47,7 +47,7 @@ def test_a_low_balance_and_then_an_exhausted_one_are_each_told_once(make_node, b
 
 def test_a_customer_who_switched_balance_low_off_is_not_told(make_node, book, fund, user):
     # Given balance.low switched off for email (the only channel)
-    notification_settings_update(owner=user, email_kinds=["rental.failed"])
+    notification_settings_update(team=personal_team(user), email_kinds=["rental.failed"])
     make_node(price="1.00")
     fund(user, "8.00")
     booked = book(gpus=1, hours=8, hours_ago=7)

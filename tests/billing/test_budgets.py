@@ -94,7 +94,9 @@ def test_a_capped_rental_is_stopped_by_the_billing_pass_within_the_stated_bound(
     billing_pass_run(now=booked.at(stopped_at + 120))
     assert notices.count() == 1
     # and the owner is told once
-    told = Notification.objects.filter(owner=user, kind=NotificationKind.BUDGET_REACHED)
+    told = Notification.objects.filter(
+        team=personal_team(user), kind=NotificationKind.BUDGET_REACHED
+    )
     assert list(told.values_list("source_key", flat=True)) == [f"budget:rental:{rental.pk}"]
 
 
@@ -143,7 +145,9 @@ def test_the_monthly_budget_warns_then_stops_running_rentals(make_node, book, us
     ]
     billing_pass_run(now=booked.at(2015))
     assert notices.count() == 2
-    told = Notification.objects.filter(owner=user, kind=NotificationKind.BUDGET_REACHED)
+    told = Notification.objects.filter(
+        team=personal_team(user), kind=NotificationKind.BUDGET_REACHED
+    )
     assert told.count() == 1 and "monthly budget of $2.00 reached" in told.get().summary
 
 

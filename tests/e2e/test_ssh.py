@@ -20,6 +20,7 @@ from marketplace.models import Rental
 from marketplace.services.sshkeys import ssh_key_add
 from tests.e2e.conftest import HARNESS_IMAGE, credit_customer, managed_containers, remove_managed
 from tests.e2e.conftest import wait_for as wait
+from tests.factories import personal_team
 from tests.nodeagent.runtime.test_publish import free_range
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
@@ -63,7 +64,7 @@ def test_ssh_into_a_rental_with_the_accounts_key_only_until_it_ends(
     settings.BILLING_FUNDS_CHECK = True
     credit_customer(user)
     # given an account with one key (and a second key that is not on it)
-    ssh_key_add(owner=user, public_key=_keypair(tmp_path / "mine"))
+    ssh_key_add(team=personal_team(user), owner=user, public_key=_keypair(tmp_path / "mine"))
     _keypair(tmp_path / "stranger")
     # and a node agent publishing on loopback, from a range of its own
     first, last = free_range(8)

@@ -309,6 +309,7 @@ def test_concurrent_uploads_never_pass_the_quota_together(object_store, settings
     # given a quota that holds 3 uploads of 100 bytes and 8 concurrent creates
     settings.STORAGE = {**settings.STORAGE, "DATASET_QUOTA_BYTES": 300}
     owner = UserFactory()
+    team = personal_team(owner)
     barrier = threading.Barrier(8)
 
     def create(i: int) -> str:
@@ -316,6 +317,7 @@ def test_concurrent_uploads_never_pass_the_quota_together(object_store, settings
         try:
             barrier.wait(timeout=30)
             storage_services.dataset_upload_create(
+                team=team,
                 owner=owner,
                 name=f"d{i}",
                 files=[storage_services.FileSpec(path="f", size_bytes=100, sha256="0" * 64)],
@@ -330,7 +332,7 @@ def test_concurrent_uploads_never_pass_the_quota_together(object_store, settings
         results = list(pool.map(create, range(8)))
     # then exactly three got in, and the stored total is the quota
     assert sorted(results) == ["ok"] * 3 + ["quota"] * 5
-    assert sum(Dataset.objects.filter(owner=owner).values_list("total_bytes", flat=True)) == 300
+    assert sum(Dataset.objects.filter(team=team).values_list("total_bytes", flat=True)) == 300
 
 
 def test_an_upload_left_unfinished_for_a_day_is_abandoned_and_its_quota_freed(

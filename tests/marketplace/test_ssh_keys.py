@@ -14,9 +14,11 @@ from rest_framework.test import APIClient
 
 from marketplace.errors import ValidationFailed
 from marketplace.models import Rental, SshKey
+from marketplace.services import api_token_create
 from marketplace.services.sshkeys import ssh_key_add, ssh_key_parse
 from provisioning.models import ContainerRun
 from scheduler.services import scheduler_cycle_run
+from tests.factories import personal_team
 from tests.provisioning.test_agent_api import _beat, agent, join_token  # noqa: F401
 
 pytestmark = pytest.mark.django_db
@@ -101,7 +103,7 @@ def test_keys_are_added_listed_and_deleted_through_the_api(auth_api, user, tmp_p
     # the same key again is refused, and nothing more is stored
     again = auth_api.post("/api/v1/ssh-keys/", {"public_key": line, "name": "x"}, format="json")
     assert again.status_code == 400
-    assert "already on your account" in again.json()["public_key"][0]
+    assert "already on your team" in again.json()["public_key"][0]
     assert SshKey.objects.count() == 1
 
     assert auth_api.delete(f"/api/v1/ssh-keys/{created['id']}/").status_code == 204
@@ -125,7 +127,9 @@ def test_a_malformed_key_is_a_400_naming_the_field_and_stores_nothing(auth_api):
 
 def test_another_accounts_key_is_404_and_not_listed(auth_api, tmp_path):
     other = get_user_model().objects.create_user("other", "other@example.com", "pw")
-    theirs = ssh_key_add(owner=other, public_key=_keygen(tmp_path, "ed25519"))
+    theirs = ssh_key_add(
+        team=personal_team(other), owner=other, public_key=_keygen(tmp_path, "ed25519")
+    )
     assert auth_api.get("/api/v1/ssh-keys/").json() == []
     assert auth_api.delete(f"/api/v1/ssh-keys/{theirs.pk}/").status_code == 404
     assert auth_api.delete("/api/v1/ssh-keys/999999/").status_code == 404
@@ -152,9 +156,9 @@ def test_the_agent_gets_the_keys_and_port_22_and_the_published_port_is_shown(
     # given a customer with two keys (and another account with one) and a rental with SSH
     mine = [_keygen(tmp_path, "ed25519"), _keygen(tmp_path, "rsa", 3072)]
     for line in mine:
-        ssh_key_add(owner=user, public_key=line)
+        ssh_key_add(team=personal_team(user), owner=user, public_key=line)
     other = get_user_model().objects.create_user("other", "other@example.com", "pw")
-    ssh_key_add(owner=other, public_key=_keygen(tmp_path, "ecdsa", 256))
+    ssh_key_add(team=personal_team(other), owner=other, public_key=_keygen(tmp_path, "ecdsa", 256))
     rental = rent(1, ssh=True)
     scheduler_cycle_run()
 
@@ -189,8 +193,61 @@ def test_the_agent_gets_the_keys_and_port_22_and_the_published_port_is_shown(
     assert owner.get(f"/api/v1/rentals/{rental.pk}/").json()["access"] == []
 
 
+def test_a_key_one_member_added_opens_the_rentals_another_member_creates_in_that_team_only(
+    agent,  # noqa: F811
+    rent,
+    user,
+    tmp_path,
+):
+    from marketplace.services import team_create
+    from tests.marketplace.test_teams import _join
+
+    # Given a team whose member A added a key through the API (listed with who added it)
+    acme = team_create(owner=user, name="acme")
+    colleague = get_user_model().objects.create_user("b", "b@example.com", "pw")
+    _join(acme, user, colleague)
+    _, raw = api_token_create(user=user, team=acme, name="t")
+    as_a = APIClient()
+    as_a.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
+    line = _keygen(tmp_path, "ed25519")
+    added = as_a.post("/api/v1/ssh-keys/", {"public_key": line}, format="json")
+    assert added.status_code == 201 and added.json()["added_by"] == user.username
+    # And a key in another team (A's personal one)
+    other_line = _keygen(tmp_path, "ecdsa", 256)
+    ssh_key_add(team=personal_team(user), owner=user, public_key=other_line)
+    # When member B rents with SSH for the team
+    rental = rent(1, customer=colleague, team=acme, ssh=True)
+    scheduler_cycle_run()
+    # Then the node lets A's team key in, and not the other team's
+    [desired] = [d for d in _beat(agent).json()["desired"] if d["rental_id"] == str(rental.pk)]
+    assert desired["ssh_authorized_keys"] == [" ".join(line.split()[:2])]
+    # And B lists and removes the key A added; another team's key id is 404 for B
+    _, raw_b = api_token_create(user=colleague, team=acme, name="t")
+    as_b = APIClient()
+    as_b.credentials(HTTP_AUTHORIZATION=f"Bearer {raw_b}")
+    [listed] = as_b.get("/api/v1/ssh-keys/").json()
+    assert listed["id"] == added.json()["id"] and listed["added_by"] == user.username
+    [theirs] = SshKey.objects.exclude(team=acme)
+    assert as_b.delete(f"/api/v1/ssh-keys/{theirs.pk}/").status_code == 404
+    assert as_b.delete(f"/api/v1/ssh-keys/{listed['id']}/").status_code == 204
+    assert list(SshKey.objects.values_list("pk", flat=True)) == [theirs.pk]
+
+
+def test_a_member_of_a_team_without_keys_is_refused_ssh_even_with_keys_elsewhere(
+    rent, user, tmp_path
+):
+    from marketplace.services import team_create
+
+    ssh_key_add(team=personal_team(user), owner=user, public_key=_keygen(tmp_path, "ed25519"))
+    acme = team_create(owner=user, name="acme")
+    with pytest.raises(ValidationFailed) as refused:
+        rent(1, team=acme, ssh=True)
+    assert refused.value.field == "ssh"
+    assert not Rental.objects.filter(team=acme).exists()
+
+
 def test_a_bad_published_port_drops_only_that_report(agent, rent, user, tmp_path):  # noqa: F811
-    ssh_key_add(owner=user, public_key=_keygen(tmp_path, "ed25519"))
+    ssh_key_add(team=personal_team(user), owner=user, public_key=_keygen(tmp_path, "ed25519"))
     rental = rent(1, ssh=True)
     scheduler_cycle_run()
     [desired] = _beat(agent).json()["desired"]
@@ -206,9 +263,13 @@ def test_a_bad_published_port_drops_only_that_report(agent, rent, user, tmp_path
 
 
 def test_the_keys_page_lists_only_the_accounts_keys(client, user, tmp_path):
-    mine = ssh_key_add(owner=user, public_key=_keygen(tmp_path, "ed25519"))
+    mine = ssh_key_add(
+        team=personal_team(user), owner=user, public_key=_keygen(tmp_path, "ed25519")
+    )
     other = get_user_model().objects.create_user("other", "other@example.com", "pw")
-    theirs = ssh_key_add(owner=other, public_key=_keygen(tmp_path, "ecdsa", 256))
+    theirs = ssh_key_add(
+        team=personal_team(other), owner=other, public_key=_keygen(tmp_path, "ecdsa", 256)
+    )
     client.force_login(user)
     page = client.get("/ssh-keys/").content.decode()
     assert mine.fingerprint in page and theirs.fingerprint not in page
@@ -222,7 +283,7 @@ def test_the_rental_page_shows_the_ssh_command(
     user,
     tmp_path,
 ):
-    ssh_key_add(owner=user, public_key=_keygen(tmp_path, "ed25519"))
+    ssh_key_add(team=personal_team(user), owner=user, public_key=_keygen(tmp_path, "ed25519"))
     rental = rent(1, ssh=True)
     scheduler_cycle_run()
     [desired] = _beat(agent).json()["desired"]

@@ -3,7 +3,9 @@ the team (another team's id answers 404 on every endpoint that takes one)."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 from datetime import timedelta
 
 import pytest
@@ -14,7 +16,17 @@ from rest_framework.test import APIClient
 
 from billing.models import Invoice
 from billing.services import account_adjust, account_for_team, invoice_issue
-from marketplace.models import ApiToken, Invitation, Membership, Rental, RentalStatus, TeamRole
+from marketplace.models import (
+    ApiToken,
+    Dataset,
+    Invitation,
+    Membership,
+    Rental,
+    RentalStatus,
+    SshKey,
+    TeamRole,
+    User,
+)
 from marketplace.services import (
     api_token_create,
     invitation_accept,
@@ -22,7 +34,10 @@ from marketplace.services import (
     team_create,
     user_create,
 )
+from marketplace.services.sshkeys import ssh_key_add
 from marketplace.services.teams import invitation_path
+from notifications.models import Delivery
+from notifications.services import notification_record
 from tests.factories import UserFactory, personal_team
 
 pytestmark = pytest.mark.django_db
@@ -70,6 +85,59 @@ def test_a_new_person_gets_a_personal_team_they_own():
     assert membership.role == TeamRole.OWNER
     assert membership.team.personal_of == person
     assert membership.team.name == "ada"
+
+
+def test_a_person_made_without_a_team_gets_their_personal_team_on_first_use(client):
+    # Given ops staff made by `createsuperuser` (no team: it bypasses user_create)
+    from django.core.management import call_command
+
+    call_command(
+        "createsuperuser",
+        "--noinput",
+        username="root",
+        email="root@example.invalid",
+        stdout=open(os.devnull, "w"),  # noqa: SIM115
+    )
+    root = User.objects.get(username="root")
+    assert not Membership.objects.filter(user=root).exists()
+    # When they open a page of the current team
+    client.force_login(root)
+    assert client.get("/ssh-keys/").status_code == 200
+    # Then they own a personal team, made once
+    (membership,) = Membership.objects.filter(user=root)
+    assert (membership.role, membership.team.personal_of) == (TeamRole.OWNER, root)
+    assert client.get("/datasets/").status_code == 200
+    assert Membership.objects.filter(user=root).count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_first_requests_at_once_make_one_personal_team():
+    import threading
+
+    from django.db import connection
+
+    from marketplace.services.teams import team_personal_ensure
+
+    person = User.objects.create_user("twin", "twin@example.invalid", "pw-long-enough")
+    barrier, teams, errors = threading.Barrier(8), [], []
+
+    def first_request() -> None:
+        try:
+            barrier.wait(10)
+            teams.append(team_personal_ensure(user=person).pk)
+        except Exception as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=first_request) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert errors == [] and len(set(teams)) == 1 and len(teams) == 8
+    assert Membership.objects.filter(user=person, team__personal_of=person).count() == 1
+    assert Membership.objects.filter(user=person).count() == 1
 
 
 def test_a_taken_email_creates_nothing(user):
@@ -306,11 +374,6 @@ NOT_TEAM_OWNED = {
     "path",
     "team_id",  # the invitation link: its own test above
     "key",  # the invitation link, and sign-up's email confirmation
-    "delivery_id",  # notifications are kept per person (tests/notifications/test_api.py)
-    # Datasets and SSH keys still belong to the person (their own 404 tests: test_datasets.py,
-    # test_ssh_keys.py); a rental reads its creator's.
-    "dataset_id",
-    "key_id",
     "uidb64",  # password reset (Django and allauth)
     "uidb36",
     "token",
@@ -337,8 +400,8 @@ def _id_routes():
 
 
 @pytest.fixture
-def theirs(make_node, rent):
-    """Another team's rental, invoice, token, membership and invitation."""
+def theirs(make_node, rent, tmp_path):
+    """Another team's rental, invoice, token, membership, invitation, dataset and SSH key."""
     make_node()
     them = UserFactory()
     team = team_create(owner=them, name="theirs")
@@ -351,7 +414,21 @@ def theirs(make_node, rent):
     invoice_issue(account_id=account.pk, period_start=last_month.date())
     token, _ = api_token_create(user=them, team=team, name="theirs")
     invitation, _ = _pending(team, them, email="someone@example.invalid")
+    # A dataset row as an upload's start writes it (no bytes are needed to be refused).
+    dataset = Dataset.objects.create(team=team, owner=colleague, name="theirs", total_bytes=1)
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "k")],
+        check=True,
+        timeout=60,
+    )
+    key = ssh_key_add(team=team, owner=colleague, public_key=(tmp_path / "k.pub").read_text())
+    told = notification_record(
+        team=team, kind="balance.low", source_key="theirs", summary="low", data={}
+    )
     return {
+        "delivery_id": told.deliveries.get().pk,
+        "dataset_id": str(dataset.pk),
+        "key_id": key.pk,
         "rental_id": str(rental.pk),
         "invoice_id": Invoice.objects.get(account=account).pk,
         "token_id": token.pk,
@@ -365,16 +442,28 @@ def test_every_id_parameter_is_known():
         (route, name)
         for route, _, names in _id_routes()
         for name in names
-        if name not in NOT_TEAM_OWNED
-        and name not in {"rental_id", "invoice_id", "token_id", "membership_id", "invitation_id"}
+        if name not in NOT_TEAM_OWNED and name not in TEAM_OWNED
     }
     assert unknown == set()
 
 
+TEAM_OWNED = {
+    "rental_id",
+    "invoice_id",
+    "token_id",
+    "membership_id",
+    "invitation_id",
+    "dataset_id",
+    "key_id",
+    "delivery_id",
+}
+
+
 def _team_routes():
-    owned = {"rental_id", "invoice_id", "token_id", "membership_id", "invitation_id"}
     return sorted(
-        route for route, _, names in _id_routes() if set(names) & owned and "team_id" not in names
+        route
+        for route, _, names in _id_routes()
+        if set(names) & TEAM_OWNED and "team_id" not in names
     )
 
 
@@ -396,6 +485,9 @@ def test_another_teams_id_is_404_on_every_endpoint_that_takes_one(
         list(ApiToken.objects.values_list("pk", "revoked_at")),
         list(Membership.objects.values_list("pk", "role")),
         list(Invitation.objects.values_list("pk", "revoked_at")),
+        list(Dataset.objects.values_list("pk", "status", "total_bytes")),
+        list(SshKey.objects.values_list("pk", "team_id")),
+        list(Delivery.objects.values_list("pk", "state", "attempts")),
     )
     body = {"role": "owner"} if method == "patch" else None
     answer = (
@@ -410,6 +502,9 @@ def test_another_teams_id_is_404_on_every_endpoint_that_takes_one(
         list(ApiToken.objects.values_list("pk", "revoked_at")),
         list(Membership.objects.values_list("pk", "role")),
         list(Invitation.objects.values_list("pk", "revoked_at")),
+        list(Dataset.objects.values_list("pk", "status", "total_bytes")),
+        list(SshKey.objects.values_list("pk", "team_id")),
+        list(Delivery.objects.values_list("pk", "state", "attempts")),
     )
     assert after == before
 
@@ -423,5 +518,9 @@ def test_the_scoping_test_covers_the_team_endpoints():
         "api/v1/tokens/<int:token_id>/revoke/",
         "api/v1/team/members/<int:membership_id>/",
         "rentals/<uuid:rental_id>/",
+        "api/v1/datasets/<uuid:dataset_id>/",
+        "api/v1/datasets/<uuid:dataset_id>/complete/",
+        "api/v1/ssh-keys/<int:key_id>/",
+        "api/v1/notifications/deliveries/<int:delivery_id>/",
     ):
         assert expected in routes

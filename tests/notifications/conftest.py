@@ -1,5 +1,5 @@
 """Notification fixtures: a real HTTP receiver that checks signatures, rentals moved through the
-real lifecycle, an owner's webhook set through the real service."""
+real lifecycle, a team's webhook set through the real service."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from django.db import transaction
 from marketplace.lifecycle import rental_transition
 from marketplace.models import Rental, RentalEvent
 from notifications.services import notification_settings_update
+from tests.factories import personal_team
 
 # The receiver refuses a timestamp older than this, as a receiver protecting against replays.
 TOLERANCE_S = 300
@@ -103,12 +104,12 @@ def receiver():
 
 @pytest.fixture
 def webhook_to(receiver):
-    """Send `owner`'s notifications to the receiver (emails off unless asked), which learns the
-    secret the one time it is shown."""
+    """Send the notifications of `person`'s personal team to the receiver (emails off unless
+    asked), which learns the secret the one time it is shown."""
 
-    def point(owner, *, email: bool = False):
+    def point(person, *, email: bool = False):
         change = notification_settings_update(
-            owner=owner, webhook_url=receiver.url, email_enabled=email
+            team=personal_team(person), webhook_url=receiver.url, email_enabled=email
         )
         receiver.secret = change.webhook_secret
         return receiver

@@ -6,7 +6,7 @@ import pytest
 
 from marketplace.models import RentalStatus
 from notifications.models import Delivery, NotificationSettings
-from tests.factories import UserFactory
+from tests.factories import UserFactory, personal_team
 from tests.notifications.conftest import move
 
 pytestmark = pytest.mark.django_db
@@ -160,8 +160,8 @@ def test_deliveries_are_scoped_to_their_owner(auth_api, user, rent, make_node):
         RentalStatus.PROVISIONING,
         RentalStatus.RUNNING,
     )
-    own = Delivery.objects.get(notification__owner=user)
-    foreign = Delivery.objects.get(notification__owner=other)
+    own = Delivery.objects.get(notification__team=personal_team(user))
+    foreign = Delivery.objects.get(notification__team=personal_team(other))
     # When the customer lists and reads deliveries
     listed = auth_api.get(DELIVERIES).json()
     # Then only their own are there; another account's id is a 404

@@ -44,7 +44,7 @@ def test_show_set_rotate_and_list_deliveries(cli, user):
     assert code == 0, out
     secret_line = out.splitlines()[-1]
     assert secret_line.startswith("signing secret (shown once): whsec_")
-    row = NotificationSettings.objects.get(owner=user)
+    row = NotificationSettings.objects.get(team=personal_team(user))
     assert row.webhook_url == "http://127.0.0.1:9/hook"
     assert row.email_off == ["rental.started", "rental.resumed"]
     assert row.webhook_off == ["balance.low"]
@@ -64,4 +64,4 @@ def test_bad_input_exits_non_zero_naming_the_field_and_changes_nothing(cli, user
     assert code == 1 and "400" in err and "webhook_url" in err
     code, _, err = cli("set", "--email-off", "rental.started", "--email-on", "rental.exploded")
     assert code == 1 and "email_kinds" in err
-    assert not NotificationSettings.objects.filter(owner=user).exists()
+    assert not NotificationSettings.objects.filter(team=personal_team(user)).exists()

@@ -11,6 +11,7 @@ from marketplace.models import RentalStatus
 from notifications import tasks
 from notifications.models import Delivery, DeliveryState, Notification
 from notifications.services import delivery_attempt, notification_settings_update
+from tests.factories import personal_team
 from tests.notifications.conftest import move
 
 S = RentalStatus
@@ -70,7 +71,7 @@ def test_a_wrong_secret_fails_the_receivers_check_and_rotation_changes_the_secre
     move(rent(), *TO_RUNNING)
     from notifications.services import webhook_secret_rotate
 
-    new = webhook_secret_rotate(owner=user).webhook_secret
+    new = webhook_secret_rotate(team=personal_team(user)).webhook_secret
     assert new.startswith("whsec_") and new != old
     # When the delivery runs
     tasks.deliver(Delivery.objects.get().pk)
@@ -128,7 +129,7 @@ def test_a_webhook_turned_off_before_delivery_is_skipped(rent, user, webhook_to)
     # Given a start recorded for the webhook, then the owner removes the URL
     receiver = webhook_to(user)
     move(rent(), *TO_RUNNING)
-    notification_settings_update(owner=user, webhook_url="")
+    notification_settings_update(team=personal_team(user), webhook_url="")
     # When the delivery runs
     tasks.deliver(Delivery.objects.get().pk)
     # Then nothing is sent and the delivery says why

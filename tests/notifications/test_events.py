@@ -12,7 +12,7 @@ from marketplace import lifecycle
 from marketplace.models import Rental, RentalStatus
 from notifications.models import Channel, Delivery, DeliveryState, Notification
 from notifications.services import budget_reached_notify, notification_settings_update
-from tests.factories import UserFactory
+from tests.factories import UserFactory, personal_team
 from tests.notifications.conftest import move
 
 S = RentalStatus
@@ -50,7 +50,7 @@ def test_running_then_completed_tells_started_then_completed_by_email(rent, user
     }
     assert deliveries.count() == 2
     started = Notification.objects.get(rental=rental, kind="rental.started")
-    assert started.owner == user
+    assert started.team == personal_team(user)
     assert started.payload["rental"]["id"] == str(rental.pk)
     assert started.payload["rental"]["status"] == "running"
     assert started.payload["rental"]["previous_status"] == "provisioning"
@@ -88,9 +88,11 @@ def test_the_node_lost_path_of_the_lifecycle_notifies_too(rent):
 def test_switched_off_kinds_and_channels_record_nothing(rent, user):
     # Given a customer who switched "started" off for email, and a second customer who switched
     # email off altogether (and has no webhook)
-    notification_settings_update(owner=user, email_kinds=["rental.completed", "rental.failed"])
+    notification_settings_update(
+        team=personal_team(user), email_kinds=["rental.completed", "rental.failed"]
+    )
     quiet = UserFactory()
-    notification_settings_update(owner=quiet, email_enabled=False)
+    notification_settings_update(team=personal_team(quiet), email_enabled=False)
     # When a rental of each runs and completes
     rental = rent()
     move(rental, *TO_RUNNING, S.STOPPING, S.COMPLETED)
@@ -99,7 +101,7 @@ def test_switched_off_kinds_and_channels_record_nothing(rent, user):
     # Then the first is told only of the completion, the second of nothing
     assert _kinds(rental) == ["rental.completed"]
     assert _kinds(other) == []
-    assert not Delivery.objects.filter(notification__owner=quiet).exists()
+    assert not Delivery.objects.filter(notification__team=personal_team(quiet)).exists()
 
 
 def test_a_transition_rolled_back_leaves_no_notification(rent):
@@ -133,9 +135,15 @@ def test_a_budget_reached_is_recorded_once_per_crossing(user):
     # Given billing telling that a monthly budget was reached, twice for the same crossing
     # (a replayed pass) and once for the next month
     data = {"budget_id": 7, "period": "2026-12", "cap_micros": 50_000_000}
-    first = budget_reached_notify(owner=user, budget_key="7:2026-12", summary="cap", data=data)
-    again = budget_reached_notify(owner=user, budget_key="7:2026-12", summary="cap", data=data)
-    later = budget_reached_notify(owner=user, budget_key="7:2027-01", summary="cap", data=data)
+    first = budget_reached_notify(
+        team=personal_team(user), budget_key="7:2026-12", summary="cap", data=data
+    )
+    again = budget_reached_notify(
+        team=personal_team(user), budget_key="7:2026-12", summary="cap", data=data
+    )
+    later = budget_reached_notify(
+        team=personal_team(user), budget_key="7:2027-01", summary="cap", data=data
+    )
     # Then two notifications exist, the replay recorded nothing
     assert first is not None and later is not None and again is None
     assert Notification.objects.filter(kind="budget.reached").count() == 2

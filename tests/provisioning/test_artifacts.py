@@ -29,7 +29,7 @@ from marketplace import objectstore
 from marketplace.errors import ValidationFailed
 from marketplace.lifecycle import rental_cancel, rental_stop
 from marketplace.models import Artifact, Node, Rental, RentalStatus
-from marketplace.services import storage
+from marketplace.services import api_token_create, storage, team_create
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 from provisioning.services import join_token_create, nodes_mark_silent
 from scheduler.services import scheduler_cycle_run
@@ -346,6 +346,7 @@ def test_a_requeued_interruptible_rental_resumes_from_its_own_checkpoint_on_anot
 
 def _ready_dataset(owner, name: str, contents: dict[str, bytes]):
     dataset, uploads = storage.dataset_upload_create(
+        team=personal_team(owner),
         owner=owner,
         name=name,
         files=[
@@ -355,7 +356,9 @@ def _ready_dataset(owner, name: str, contents: dict[str, bytes]):
     )
     for upload in uploads:
         requests.put(upload.url, data=contents[upload.path], timeout=10)
-    return storage.dataset_upload_complete(owner=owner, dataset_id=dataset.pk, parts={})
+    return storage.dataset_upload_complete(
+        team=personal_team(owner), dataset_id=dataset.pk, parts={}
+    )
 
 
 def test_the_desired_run_stages_the_rentals_datasets_through_presigned_gets(
@@ -379,6 +382,7 @@ def test_a_rental_naming_a_dataset_that_is_not_ready_or_not_the_customers_is_ref
     make_node(gpus=2)
     _ready_dataset(UserFactory(), "theirs", {"f": b"x"})
     storage.dataset_upload_create(
+        team=personal_team(user),
         owner=user,
         name="half",
         files=[storage.FileSpec(path="f", size_bytes=1, sha256="0" * 64)],
@@ -397,6 +401,55 @@ def test_a_rental_naming_a_dataset_that_is_not_ready_or_not_the_customers_is_ref
             )
         assert refused.value.field == "datasets" and why in refused.value.message
     assert not Rental.objects.filter(customer=user).exists()
+
+
+def test_a_member_rents_with_a_dataset_another_member_uploaded_and_other_teams_cannot(
+    join_agent, rent, user, object_store
+):
+    # Given a team where one member uploaded a dataset
+    from tests.marketplace.test_teams import _join
+
+    agent = join_agent("host-a")
+    acme = team_create(owner=user, name="acme")
+    colleague = UserFactory()
+    _join(acme, user, colleague)
+    contents = {"train.csv": b"a,b\n1,2\n"}
+    dataset, uploads = storage.dataset_upload_create(
+        team=acme,
+        owner=user,
+        name="shared",
+        files=[
+            storage.FileSpec(path=p, size_bytes=len(d), sha256=hashlib.sha256(d).hexdigest())
+            for p, d in contents.items()
+        ],
+    )
+    for upload in uploads:
+        requests.put(upload.url, data=contents[upload.path], timeout=10)
+    # And another member completes it: the dataset is the team's, not the uploader's
+    storage.dataset_upload_complete(team=acme, dataset_id=dataset.pk, parts={})
+    # When the other member rents for the team, naming it
+    rental, run = _placed(rent, agent, customer=colleague, team=acme, datasets=("shared",))
+    # Then the team's rental, created by the other member, reads it
+    assert (rental.team, rental.customer) == (acme, colleague)
+    [mount] = run.datasets
+    assert (mount.dataset_id, mount.name) == (str(dataset.pk), "shared")
+    assert requests.get(mount.files[0].url, timeout=10).content == contents["train.csv"]
+    # And in the uploader's personal team (another team) the name is unknown, nothing stored
+    before = Rental.objects.count()
+    with pytest.raises(ValidationFailed) as refused:
+        rent(customer=user, datasets=("shared",))
+    assert refused.value.field == "datasets" and "no dataset named" in refused.value.message
+    assert Rental.objects.count() == before
+    # And the dataset's id is not found from there, listed and readable within acme
+    mine = APIClient()
+    mine.force_authenticate(user)
+    assert mine.get(f"/api/v1/datasets/{dataset.pk}/").status_code == 404
+    assert mine.get("/api/v1/datasets/").json()["results"] == []
+    _, raw = api_token_create(user=colleague, team=acme, name="t")
+    as_colleague = APIClient()
+    as_colleague.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
+    [listed] = as_colleague.get("/api/v1/datasets/").json()["results"]
+    assert (listed["id"], listed["uploaded_by"]) == (str(dataset.pk), user.username)
 
 
 def test_another_accounts_artifacts_are_404(join_agent, rent, object_store):
