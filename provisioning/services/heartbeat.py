@@ -125,6 +125,7 @@ def _desired_from(*, node: Node, held: list[tuple]) -> list[DesiredRun]:
     )
     ssh_keys = rental_ssh_keys(rental for rental, _ in by_rental.values())
     staging = _staging(rentals.values())
+    sync = objectstore.configured()
     desired = []
     for rental, gpus in by_rental.values():
         cpu, memory_mb = _cpu_and_memory(node, len(gpus))
@@ -154,8 +155,9 @@ def _desired_from(*, node: Node, held: list[tuple]) -> list[DesiredRun]:
                 if rental.ssh
                 else tuple(rental.ports),
                 ssh_authorized_keys=ssh_keys.get(rental.pk, ()),
-                # Every container has an output directory (/workspace); it is synced out.
-                sync_artifacts=True,
+                # Every container has an output directory (/workspace); it is synced out when
+                # there is object storage to sync it to (none configured: it stays on the node).
+                sync_artifacts=sync,
                 **staging.get(rental.pk, {}),
             )
         )

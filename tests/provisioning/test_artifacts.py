@@ -502,3 +502,12 @@ def test_output_beyond_the_rentals_limit_is_refused_whole(join_agent, rent, obje
     # replacing a file counts its new size, not both
     assert _ask(agent, rental.pk, run.run_id, [_file("a.txt", b"1234567890")]).status_code == 200
     assert list(Artifact.objects.values_list("path", flat=True)) == ["a.txt"]
+
+
+def test_without_object_storage_runs_are_not_asked_to_sync(join_agent, rent, settings):
+    # Given a server with no object storage configured
+    settings.S3_BUCKET = ""
+    agent = join_agent("host-a")
+    # Then a run's output stays on its node: the agent is not asked to sync what it cannot
+    _, run = _placed(rent, agent)
+    assert not run.sync_artifacts
