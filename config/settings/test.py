@@ -42,7 +42,8 @@ NOTIFICATIONS_WEBHOOK_ALLOW_LOOPBACK = True
 # whole suite in the shared cache; django-axes still locks sign-ins out, and its tests lower that.
 ACCOUNT_RATE_LIMITS = False
 # Where the SMTP backend is chosen without a test server, none answers here.
-EMAIL_HOST = "127.0.0.1"
-EMAIL_PORT = 9
+# (An end-to-end test's worker is given its test's server in EMAIL_HOST / EMAIL_PORT.)
+EMAIL_HOST = os.environ.get("EMAIL_HOST", "127.0.0.1")
+EMAIL_PORT = int(os.environ.get("EMAIL_PORT", "9"))
 EMAIL_TIMEOUT = 5
 EMAIL_SEND_ATTEMPTS = 1
