@@ -111,8 +111,10 @@ class Stack:
         is unreachable (the message is lost, as a create's is while Redis is down)."""
         from celery import Celery
 
+        # Not made the current app: the suite's own tasks (queued through `current_app` after
+        # each commit) must keep going to the suite's broker, not this stack's.
         app = Celery(
-            "stack-client", broker=self.env["CELERY_BROKER_URL"],
+            "stack-client", broker=self.env["CELERY_BROKER_URL"], set_as_current=False,
             broker_transport_options={"socket_timeout": 2, "socket_connect_timeout": 2},
         )  # fmt: skip
         try:
