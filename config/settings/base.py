@@ -7,6 +7,7 @@ Optional: REDIS_URL or CELERY_BROKER_URL, SECRET_KEY, DEBUG, ALLOWED_HOSTS, STRI
 services when they are not set.
 """
 
+import os
 from datetime import timedelta
 from pathlib import Path
 
@@ -107,6 +108,9 @@ DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 DATABASES["default"].setdefault("OPTIONS", {})
 # A statement that runs away must not hold locks the scheduler needs.
 DATABASES["default"]["OPTIONS"].setdefault("options", "-c statement_timeout=30000")
+# pg_stat_activity names the process (a worker's pool processes carry their parent's pid), so a
+# lock or a long query can be traced to the process that holds it, over TCP or a Unix socket.
+DATABASES["default"]["OPTIONS"].setdefault("application_name", f"gpumarket pid={os.getpid()}")
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 AUTH_USER_MODEL = "marketplace.User"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,8 @@ from config.supervisor import Supervisor
 from tests.e2e.conftest import ROOT, wait_for
 
 BIN = Path(sys.executable).parent
+# The application_name settings give each database connection.
+_PID = re.compile(r"\bgpumarket pid=(\d+)")
 
 
 class Stack:
@@ -138,25 +141,25 @@ class Stack:
         with connection.cursor() as cursor:
             cursor.execute(
                 """
-                SELECT a.client_port FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+                SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
                 WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
                   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
                   AND l.classid::bigint = %s AND l.objid::bigint = %s
                 """,
                 [key >> 32, key & 0xFFFFFFFF],
             )
-            ports = {row[0] for row in cursor.fetchall()}
-        if not ports:
-            return None
+            # Settings name each connection after the process that loaded them: a worker's
+            # main process, whose pool processes inherit the name (works over a Unix socket too).
+            holders = {int(m[1]) for (name,) in cursor.fetchall() if (m := _PID.search(name or ""))}
         for name in self.workers:
             main = psutil.Process(self.pid(name))
-            for proc in [main, *main.children(recursive=True)]:
-                with contextlib.suppress(psutil.Error):
-                    if any(c.laddr.port in ports for c in proc.net_connections(kind="tcp")):
-                        for victim in (proc, main):
-                            with contextlib.suppress(ProcessLookupError):
-                                os.kill(victim.pid, signal.SIGKILL)
-                        return name
+            if main.pid not in holders:
+                continue
+            with contextlib.suppress(psutil.Error):
+                for proc in [*main.children(recursive=True), main]:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(proc.pid, signal.SIGKILL)
+            return name
         return None
 
     def _web_answers(self) -> bool:
