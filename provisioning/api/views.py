@@ -177,7 +177,7 @@ class HeartbeatView(APIView):
     @extend_schema(request=HeartbeatSerializer, responses={200: HeartbeatAnswerSerializer})
     def post(self, request: Request) -> Response:
         _check_size(request)
-        body = HeartbeatSerializer(data=request.data)
+        body = HeartbeatSerializer.for_data(request.data)
         body.is_valid(raise_exception=True)
         data = body.validated_data
         answer = services.node_heartbeat(

@@ -143,6 +143,22 @@ def test_a_bad_element_is_dropped_and_counted_a_bad_heartbeat_is_400_naming_the_
     assert Node.objects.get(pk=agent.node.pk).last_seen_at == seen
 
 
+def test_what_one_heartbeat_dropped_or_sent_is_not_seen_by_the_next(agent):
+    """Each thread validates with one reused serializer: nothing of a body stays in it."""
+    bad_benchmark = {"matmul_tflops": -1}
+    bad_sample = {"gpu_index": 0, "ts": 1.0, "util_pct": 500, "mem_used_mb": 1, "power_w": 1,
+                  "temp_c": 1}  # fmt: skip
+    r = _beat(agent, benchmark=bad_benchmark, telemetry=[bad_sample], logs=[{"x": 1}] * 2)
+    assert r.json()["dropped"] == {"benchmark": 1, "telemetry": 1, "logs": 2}
+    # The next heartbeat leaves those fields out: none of them is counted again.
+    assert _beat(agent).json()["dropped"] == {}
+    r = _beat(agent, containers="not a list")
+    assert r.status_code == 400 and list(r.json()) == ["containers"]
+    # A refused body leaves no error behind for a good one.
+    r = _beat(agent, telemetry=[{**bad_sample, "util_pct": 50}])
+    assert r.status_code == 200 and r.json()["dropped"] == {}
+
+
 def _schedule(rent, gpus=2, **kwargs):
     rental = rent(gpus, **kwargs)
     scheduler_cycle_run()
