@@ -26,8 +26,16 @@ RENTAL_COPY = (
     " same_group, region, pool, max_price_per_gpu_hour, kind, bid_per_gpu_hour,"
     " priority, start_at, start_deadline, duration_s, image, command, harness_config,"
     " env, ports, price_per_gpu_hour, scheduled_start, scheduled_end, started_at,"
-    " ended_at, exit_code, log_tail, created_at, updated_at) FROM STDIN"
+    " ended_at, exit_code, log_tail, created_at, updated_at, team_id, ssh) FROM STDIN"
 )
+
+
+def bench_team(user_id: int) -> int:
+    """The personal team of the user, made as the app makes it (rentals belong to a team)."""
+    from marketplace.models import User
+    from marketplace.services import team_personal_ensure
+
+    return team_personal_ensure(user=User.objects.get(pk=user_id)).pk
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -67,6 +75,10 @@ def bench_database(name: str):
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings.base")
     os.environ.setdefault("GPUMARKET_EPHEMERAL_SECRET", "1")
     os.environ.setdefault("LOG_LEVEL", "WARNING")
+    # One bench account creates far more rentals and GPUs than the ceilings an operator sets
+    # for customers (30 a minute, 64 GPUs by default): the benches measure the service, not them.
+    os.environ.setdefault("BILLING_MAX_RENTALS_PER_MINUTE", "0")
+    os.environ.setdefault("BILLING_MAX_CONCURRENT_GPUS", "0")
     import django
 
     django.setup()
@@ -106,6 +118,8 @@ def build_inventory(url: str, nodes: int, *, busy_node_fraction: float = 0.0, se
             " ('!', false, 'bench', '', '', 'bench@example.invalid', false, true, now())"
         )
         user_id = conn.execute("SELECT id FROM marketplace_user").fetchone()[0]
+        conn.commit()
+        team_id = bench_team(user_id)
         provider_id = conn.execute(
             "INSERT INTO marketplace_provider (name, owner_id, is_platform, created_at)"
             " VALUES ('bench', %s, false, now()) RETURNING id",
@@ -156,7 +170,7 @@ def build_inventory(url: str, nodes: int, *, busy_node_fraction: float = 0.0, se
             rental_rows.write(
                 f"{rental_id}\t{user_id}\t\trunning\t\t{{}}\t{{}}\t0\t0\t4\t1\tf\t\tdefault\t\\N\t"
                 f"on_demand\t\\N\t0\tnow\tnow\t3600\timg\t[]\t\\N\t{{}}\t{{}}\t1.0\t\\N\t\\N\t"
-                f"\\N\t\\N\t\\N\t\tnow\tnow\n"
+                f"\\N\t\\N\t\\N\t\tnow\tnow\t{team_id}\tf\n"
             )
             for gpu_id in gpu_ids[:4]:
                 alloc_rows.write(f"{rental_id}\t{gpu_id}\t{node_id}\t{held}\t\\N\tnow\n")

@@ -28,27 +28,43 @@ RENTAL_COLUMNS = (
     " max_price_per_gpu_hour, kind, bid_per_gpu_hour, priority, start_at, start_deadline,"
     " duration_s, image, command, harness_config, env, ports, price_per_gpu_hour,"
     " scheduled_start, scheduled_end, started_at, ended_at, exit_code, log_tail, created_at,"
-    " updated_at"
+    " updated_at, team_id, ssh"
 )
 
 
 def build_rentals(url: str, *, customers: int, start: datetime) -> int:
-    """Two GPUs per rental, four rentals per node, spread over `customers` funded customers."""
+    """Two GPUs per rental, four rentals per node, spread over `customers` funded customers:
+    each a person with their personal team (owned by them, as `user_create` makes it) and the
+    team's customer account."""
     import psycopg
 
     with psycopg.connect(url) as conn:
+        # The bench's customers, whatever else the inventory made: person, team, and their
+        # 0-based number k that rentals are dealt out by.
         conn.execute(
-            "INSERT INTO marketplace_user (password, is_superuser, username, first_name,"
-            " last_name, email, is_staff, is_active, date_joined)"
-            " SELECT '!', false, 'c' || i, '', '', 'c' || i || '@example.invalid', false, true,"
-            " now() FROM generate_series(1, %s) i",
+            "CREATE TEMP TABLE customers (user_id bigint, team_id bigint, k bigint) ON COMMIT DROP"
+        )
+        conn.execute(
+            "WITH u AS ("
+            "  INSERT INTO marketplace_user (password, is_superuser, username, first_name,"
+            "  last_name, email, is_staff, is_active, date_joined)"
+            "  SELECT '!', false, 'c' || i, '', '', 'c' || i || '@example.invalid', false, true,"
+            "  now() FROM generate_series(1, %s) i RETURNING id, username),"
+            " t AS ("
+            "  INSERT INTO marketplace_team (name, personal_of_id, created_at)"
+            "  SELECT left(username, 80), id, now() FROM u RETURNING id, personal_of_id)"
+            " INSERT INTO customers"
+            " SELECT personal_of_id, id, row_number() OVER (ORDER BY personal_of_id) - 1 FROM t",
             (customers,),
         )
         conn.execute(
-            "INSERT INTO billing_account (kind, user_id, balance_micros, stripe_customer_id,"
+            "INSERT INTO marketplace_membership (team_id, user_id, role, created_at)"
+            " SELECT team_id, user_id, 'owner', now() FROM customers"
+        )
+        conn.execute(
+            "INSERT INTO billing_account (kind, team_id, balance_micros, stripe_customer_id,"
             " stripe_connect_account_id, created_at)"
-            " SELECT 'customer', id, 1000000000000, '', '', now() FROM marketplace_user"
-            " WHERE username LIKE 'c%%'"
+            " SELECT 'customer', team_id, 1000000000000, '', '', now() FROM customers"
         )
         conn.execute(
             "CREATE TEMP TABLE pairs AS"
@@ -61,14 +77,19 @@ def build_rentals(url: str, *, customers: int, start: datetime) -> int:
         end = start + timedelta(hours=12)
         conn.execute(
             f"INSERT INTO marketplace_rental ({RENTAL_COLUMNS})"
-            " SELECT p.rental_id, c.id, '', 'running', '', '{}', '{}', 0, 0, 2, 1, false, '',"
+            " SELECT p.rental_id, c.user_id, '', 'running', '', '{}', '{}', 0, 0, 2, 1, false, '',"
             "  'default', NULL, 'on_demand', NULL, 0, %(start)s, %(start)s, 43200, 'img',"
             "  '[]', NULL, '{}', '{}', p.price_per_gpu_hour, %(start)s, %(end)s, %(start)s,"
-            "  NULL, NULL, '', now(), now()"
-            " FROM pairs p JOIN (SELECT id, row_number() OVER (ORDER BY id) - 1 AS k"
-            "                    FROM marketplace_user WHERE username LIKE 'c%%') c"
-            "   ON c.k = p.n %% %(customers)s",
+            "  NULL, NULL, '', now(), now(), c.team_id, false"
+            " FROM pairs p JOIN customers c ON c.k = p.n %% %(customers)s",
             {"start": start, "end": end, "customers": customers},
+        )
+        # The move to RUNNING the agent's report makes: rating bills only running episodes.
+        conn.execute(
+            "INSERT INTO marketplace_rentalevent (rental_id, from_status, to_status, actor_kind,"
+            " actor_id, reason, created_at)"
+            " SELECT rental_id, 'provisioning', 'running', 'agent', NULL, '', %s FROM pairs",
+            (start,),
         )
         conn.execute(
             "INSERT INTO marketplace_allocation (rental_id, gpu_id, node_id, during, released_at,"

@@ -35,6 +35,7 @@ from _common import (
     RENTAL_COPY,
     ROOT,
     bench_database,
+    bench_team,
     build_inventory,
     emit,
     gunicorn,
@@ -55,6 +56,7 @@ def insert_pending(url: str, count: int, seed: int = 11) -> int:
     weights = [w for *_, w in SIZES]
     with psycopg.connect(url) as conn:
         user_id = conn.execute("SELECT id FROM marketplace_user LIMIT 1").fetchone()[0]
+        team_id = bench_team(user_id)
         rows = io.StringIO()
         gpus = 0
         t0 = time.time()
@@ -70,7 +72,7 @@ def insert_pending(url: str, count: int, seed: int = 11) -> int:
                 f"{uuid.uuid4()}\t{user_id}\t\tpending\twaiting\t{{}}\t{families}\t0\t0\t{k}\t{m}"
                 f"\t{same_group}\t\tdefault\t\\N\ton_demand\t\\N\t0\t{created}\t{deadline}"
                 f"\t{rng.choice([3600, 7200, 14400, 28800])}\timg\t[]\t\\N\t{{}}\t{{}}\t\\N\t\\N"
-                f"\t\\N\t\\N\t\\N\t\\N\t\t{created}\t{created}\n"
+                f"\t\\N\t\\N\t\\N\t\\N\t\t{created}\t{created}\t{team_id}\tf\n"
             )
         with conn.cursor().copy(RENTAL_COPY) as copy:
             copy.write(rows.getvalue())
