@@ -7,7 +7,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from decimal import Decimal
 
-from django.contrib.postgres.expressions import ArraySubquery
 from django.db import connection
 from django.db.models import (
     Count,
@@ -18,6 +17,7 @@ from django.db.models import (
     Sum,
     prefetch_related_objects,
 )
+from django.db.models.expressions import RawSQL
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -354,11 +354,14 @@ def rental_get(*, team: Team, rental_id) -> Rental | None:
     return rental
 
 
-def rental_with_detail(*, rental: Rental) -> Rental:
-    """A rental in hand (one just created) as rental_get gives it, without reading its row
-    again."""
-    prefetch_related_objects([rental], *_rental_detail_prefetches())
-    rental.access = rental_access(rental)
+def rental_created_detail(*, rental: Rental) -> Rental:
+    """A rental just created, in hand, as rental_get gives it, without reading its row again:
+    nothing has placed or run it in the creating transaction, so of its history only the events
+    and datasets are read."""
+    events, _, datasets = _rental_detail_prefetches()
+    unplaced = Prefetch("allocations", queryset=Allocation.objects.none())
+    prefetch_related_objects([rental], events, unplaced, datasets)
+    rental.access = []
     return rental
 
 
@@ -406,16 +409,28 @@ _ENGINE_NODE_FIELDS = (
 )
 
 
+# Each node's GPUs in index order, as arrays beside its row. Written as SQL: resolving three
+# correlated subqueries through the ORM cost more than the rest of a create's checks.
+def _gpu_array(column: str) -> RawSQL:
+    # Only this module's column names and the models' table names go into the text.
+    return RawSQL(  # noqa: S611
+        f"ARRAY(SELECT g.{column} FROM {Gpu._meta.db_table} g"  # noqa: S608
+        f" WHERE g.node_id = {Node._meta.db_table}.id ORDER BY g.index)",
+        (),
+    )
+
+
+_NODE_GPU_ARRAYS = {
+    "gpu_ids": _gpu_array("id"),
+    "gpu_indexes": _gpu_array("index"),
+    "gpu_groups": _gpu_array("topology_group"),
+}
+
+
 def engine_nodes_few(nodes: QuerySet[Node]) -> list[engine.Node]:
     """engine_nodes for a handful of nodes (a sliced queryset) in one query: each node's GPUs
     come as arrays from correlated subqueries, so a short list pays one round trip, not two."""
-    gpus = Gpu.objects.filter(node_id=OuterRef("id")).order_by("index")
-    rows = nodes.values(
-        *_ENGINE_NODE_FIELDS,
-        gpu_ids=ArraySubquery(gpus.values("id")),
-        gpu_indexes=ArraySubquery(gpus.values("index")),
-        gpu_groups=ArraySubquery(gpus.values("topology_group")),
-    )
+    rows = nodes.values(*_ENGINE_NODE_FIELDS, **_NODE_GPU_ARRAYS)
     return [
         _engine_node(
             r,

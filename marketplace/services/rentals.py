@@ -190,6 +190,8 @@ MAX_DATASETS = 16
 def _datasets_ready(*, team: Team, names: tuple[str, ...]) -> list[Dataset]:
     """The named datasets, each the team's and READY, locked until the rental is stored (a
     delete waits, then sees the rental that reads them)."""
+    if not names:
+        return []
     if len(names) > MAX_DATASETS:
         raise ValidationFailed(f"at most {MAX_DATASETS} datasets", field="datasets")
     if len(set(names)) != len(names):
