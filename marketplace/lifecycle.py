@@ -14,6 +14,7 @@ Two kinds of function, as in Zulip's `zerver/actions/`:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +23,7 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 
 from celery import current_app
+from django.core.cache import cache
 from django.db import connection, transaction
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
@@ -175,15 +177,41 @@ def rental_submit(*, customer: User, team: Team, **fields) -> Rental:
     return rental
 
 
+# A cycle request sent and not yet begun, per pool: set by the create that sends the message,
+# cleared by the task as it begins, before its cycle reads anything. A create that finds it set
+# has committed before that task's snapshot, so it sends nothing (a burst of creates sends a
+# message now and then, not one each). It expires, so a message the broker lost holds nothing
+# back for long: beat's tick or a later create's message covers it.
+CYCLE_QUEUED_KEY = "scheduler:queued:{pool}"
+CYCLE_QUEUED_TTL_S = 2
+
+
 def _cycle_soon(pool: str) -> None:
     """Ask for a cycle of the pool. Best effort: with the broker down the request is logged and
     dropped, and beat's tick (or a worker's start) places the rental, so a committed create never
     turns into an error for the customer."""
+    key = CYCLE_QUEUED_KEY.format(pool=pool)
+    try:
+        if not cache.add(key, 1, timeout=CYCLE_QUEUED_TTL_S):
+            return  # a queued task that has not begun covers this rental
+    except Exception:  # cache unreachable: send anyway
+        log.warning("cycle request flag not read for pool %s (cache unreachable)", pool)
     try:
         # The time is taken after commit: any cycle that snapshots later sees this rental.
         current_app.send_task(SCHEDULER_CYCLE_TASK, args=(pool, time.time()))
     except Exception:
         log.warning("scheduler cycle not queued (broker unreachable); the tick will place it")
+        with contextlib.suppress(Exception):
+            cache.delete(key)
+
+
+def cycle_request_begin(pool: str) -> bool:
+    """Called by a cycle task as it begins, before its cycle reads anything: clears the pool's
+    queued flag; True when it was set (creates since the request may rely on this task)."""
+    try:
+        return bool(cache.delete(CYCLE_QUEUED_KEY.format(pool=pool)))
+    except Exception:
+        return False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
