@@ -192,7 +192,7 @@ class RentalListCreateView(PaginatedListView):
                 **data,
             ),
         )
-        rental = selectors.rental_with_detail(rental=rental)
+        rental = selectors.rental_created_detail(rental=rental)
         return Response(RentalDetailSerializer(rental).data, status=status.HTTP_201_CREATED)
 
 
