@@ -476,7 +476,7 @@ def _rounds(*, pool: str, policy: engine.Policy, result: CycleResult, until: flo
     """Rounds back to back while work arrives, under the caller's lock."""
     while True:
         _wanted_take(pool)
-        cache.set(_SNAPSHOT_KEY.format(pool=pool), time.time(), timeout=3600)
+        _snapshot_mark(pool)
         now = timezone.now()
         conflicts = result.conflicts
         result.rounds += 1
@@ -542,9 +542,20 @@ def scheduler_cycle_run(
 _SNAPSHOT_KEY = "scheduler:last-snapshot:{pool}"
 
 
+def _snapshot_mark(pool: str) -> None:
+    try:
+        cache.set(_SNAPSHOT_KEY.format(pool=pool), time.time(), timeout=3600)
+    except Exception:  # Redis down: a request that came before is not dropped, it runs again
+        log.warning("cycle start not recorded for pool %s (cache unreachable)", pool)
+
+
 def last_snapshot_at(pool: str) -> float:
-    """When the latest cycle of the pool began reading (epoch seconds; 0 when unknown)."""
-    return cache.get(_SNAPSHOT_KEY.format(pool=pool), 0.0)
+    """When the latest cycle of the pool began reading (epoch seconds; 0 when unknown, so a
+    request is never dropped for a cycle nobody could record)."""
+    try:
+        return cache.get(_SNAPSHOT_KEY.format(pool=pool), 0.0)
+    except Exception:
+        return 0.0
 
 
 def pools_with_pending() -> list[str]:

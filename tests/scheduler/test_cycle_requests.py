@@ -4,6 +4,7 @@ begun, and the task that begins then covers every create that relied on it."""
 import pytest
 from celery.signals import before_task_publish
 from django.core.cache import cache
+from django.test import override_settings
 
 from marketplace import lifecycle
 from marketplace.models import Rental, RentalStatus
@@ -76,3 +77,26 @@ def test_a_request_no_create_relied_on_is_dropped_when_a_later_snapshot_covers_i
     # Without a request behind it, a task still runs a cycle.
     scheduler_cycle(pool)
     assert services.last_snapshot_at(pool) > snapshot_at
+
+
+# A Redis nobody listens on: every cache call fails at once.
+CACHE_DOWN = {
+    "default": {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": "redis://127.0.0.1:1/0",
+        "OPTIONS": {"socket_timeout": 0.2, "socket_connect_timeout": 0.2},
+    }
+}
+
+
+def test_with_the_cache_down_creates_still_send_requests_and_cycles_still_place(
+    make_node, rent, requests_sent
+):
+    make_node(gpus=8)
+    with override_settings(CACHES=CACHE_DOWN):
+        rentals = [rent(1), rent(1)]
+        # No flag to read: each create sends its own request.
+        assert len(requests_sent) == 2
+        (pool, requested_at) = requests_sent[0]
+        scheduler_cycle(pool, requested_at)
+        assert _pending(*rentals) == 0
