@@ -31,9 +31,7 @@ class ApiTokenAuthentication(authentication.BaseAuthentication):
             raw = header[1].decode()
         except UnicodeError as exc:
             raise exceptions.AuthenticationFailed("malformed token") from exc
-        token = (
-            ApiToken.objects.select_related("user", "team").filter(key_hash=token_hash(raw)).first()
-        )
+        token = selectors.api_token_authenticating(key_hash=token_hash(raw))
         now = timezone.now()
         if (
             token is None
@@ -42,7 +40,7 @@ class ApiTokenAuthentication(authentication.BaseAuthentication):
             or not token.user.is_active
         ):
             raise exceptions.AuthenticationFailed("invalid or revoked token")
-        membership = selectors.membership_get(user=token.user, team_id=token.team_id)
+        membership = token.membership
         if membership is None:
             # Leaving a team revokes its tokens; this covers a membership deleted by other means.
             raise exceptions.AuthenticationFailed("the token's user is no longer in its team")

@@ -164,7 +164,7 @@ def rental_submit(*, customer: User, team: Team, **fields) -> Rental:
         status_reason="waiting for the scheduler",
         **fields,
     )
-    RentalEvent.objects.create(
+    created = RentalEvent.objects.create(
         rental=rental,
         from_status="",
         to_status=S.PENDING,
@@ -172,6 +172,9 @@ def rental_submit(*, customer: User, team: Team, **fields) -> Rental:
         actor=customer,
         reason="created",
     )
+    # The rental in hand knows its whole history: one event and no GPUs yet. Whoever shows it
+    # (the create's answer) reads neither back.
+    rental._prefetched_objects_cache = {"events": [created], "allocations": []}
     pool = rental.pool
     transaction.on_commit(lambda: _cycle_soon(pool))
     return rental

@@ -253,7 +253,7 @@ SPECTACULAR_SETTINGS = {
 REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
 CACHES = {
     "default": {
-        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "BACKEND": "config.cache.RedisCache",
         "LOCATION": REDIS_URL,
         "OPTIONS": {"socket_timeout": 2, "socket_connect_timeout": 2},
     }

@@ -372,4 +372,6 @@ class AdvisorBookView(APIView):
             runtime=data.get("runtime"),
         )
         rental = selectors.rental_get(team=team, rental_id=rental.pk)
-        return Response(RentalDetailSerializer(rental).data, status=status.HTTP_201_CREATED)
+        return Response(
+            RentalDetailSerializer.for_instance(rental).data, status=status.HTTP_201_CREATED
+        )

@@ -12,6 +12,7 @@ from rest_framework import serializers
 from marketplace.advisor.presets import PRESETS, decoder_shape
 from marketplace.api.fields import INT32_MAX, BoundedDateTimeField
 from marketplace.api.pagination import MAX_OFFSET
+from marketplace.api.reuse import ReusedPerThread
 from marketplace.models import ApiToken, GpuModel, RentalStatus, TeamRole
 from marketplace.selectors import OFFER_ORDERINGS
 
@@ -227,7 +228,8 @@ class RuntimeSerializer(serializers.Serializer):
         return value
 
 
-class RentalCreateSerializer(serializers.Serializer):
+# The create view validates with this thread's instance (`for_data`, marketplace.api.reuse).
+class RentalCreateSerializer(ReusedPerThread, serializers.Serializer):
     """A rental request: GPU constraints, placement, timing, pricing and the runtime."""
 
     name = serializers.CharField(max_length=80, required=False, default="", allow_blank=True)
@@ -368,7 +370,8 @@ class RentalAccessSerializer(serializers.Serializer):
     command = serializers.CharField(help_text="for SSH: the command that logs in; else empty")
 
 
-class RentalDetailSerializer(RentalSerializer):
+# Views render with this thread's instance (`for_instance`, marketplace.api.reuse).
+class RentalDetailSerializer(ReusedPerThread, RentalSerializer):
     events = RentalEventSerializer(many=True)
     allocations = AllocationSerializer(many=True)
     log_tail = serializers.CharField()

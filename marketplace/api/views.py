@@ -176,7 +176,7 @@ class RentalListCreateView(PaginatedListView):
 
     @extend_schema(request=RentalCreateSerializer, responses={201: RentalDetailSerializer})
     def post(self, request: Request) -> Response:
-        body = RentalCreateSerializer(data=request.data)
+        body = RentalCreateSerializer.for_data(request.data)
         body.is_valid(raise_exception=True)
         data = dict(body.validated_data)
         runtime = RuntimeSpec(**data.pop("runtime"))
@@ -184,6 +184,7 @@ class RentalListCreateView(PaginatedListView):
         rental = rental_create(
             customer=request.user,
             team=team,
+            member=request_membership(request),
             request=RentalRequest(
                 runtime=runtime,
                 gpu_models=tuple(data.pop("gpu_models")),
@@ -193,7 +194,9 @@ class RentalListCreateView(PaginatedListView):
             ),
         )
         rental = selectors.rental_created_detail(rental=rental)
-        return Response(RentalDetailSerializer(rental).data, status=status.HTTP_201_CREATED)
+        return Response(
+            RentalDetailSerializer.for_instance(rental).data, status=status.HTTP_201_CREATED
+        )
 
 
 class RentalDetailView(APIView):
@@ -204,7 +207,7 @@ class RentalDetailView(APIView):
         rental = selectors.rental_get(team=request_team(request), rental_id=rental_id)
         if rental is None:
             raise NotFound("no such rental")
-        return Response(RentalDetailSerializer(rental).data)
+        return Response(RentalDetailSerializer.for_instance(rental).data)
 
 
 class RentalCancelView(APIView):
@@ -215,7 +218,7 @@ class RentalCancelView(APIView):
         team = request_team(request)
         rental_cancel(team=team, actor=request.user, rental_id=rental_id)
         rental = selectors.rental_get(team=team, rental_id=rental_id)
-        return Response(RentalDetailSerializer(rental).data)
+        return Response(RentalDetailSerializer.for_instance(rental).data)
 
 
 class RentalStopView(APIView):
@@ -226,7 +229,7 @@ class RentalStopView(APIView):
         team = request_team(request)
         rental_stop(team=team, actor=request.user, rental_id=rental_id)
         rental = selectors.rental_get(team=team, rental_id=rental_id)
-        return Response(RentalDetailSerializer(rental).data)
+        return Response(RentalDetailSerializer.for_instance(rental).data)
 
 
 class ProviderListView(APIView):

@@ -209,14 +209,21 @@ def _datasets_ready(*, team: Team, names: tuple[str, ...]) -> list[Dataset]:
     return [found[name] for name in names]
 
 
-def rental_create(*, customer: User, team: Team, request: RentalRequest) -> Rental:
+def rental_create(
+    *, customer: User, team: Team, request: RentalRequest, member: Membership | None = None
+) -> Rental:
     """Validate and store a PENDING rental of the team (asked for by `customer`, one of its
-    members; any role may rent), then queue a scheduler cycle after commit.
+    members; any role may rent), then queue a scheduler cycle after commit. `member`: the
+    customer's membership of the team as the caller read it in this request, so that it is not
+    read again.
 
     A request that can never fit (no node has that many matching GPUs, a model nobody lists,
     a price below every offer) is refused with the reason instead of waiting forever.
     """
-    if not Membership.objects.filter(team=team, user=customer).exists():
+    if member is not None:
+        if (member.user_id, member.team_id) != (customer.pk, team.pk):
+            raise NotFound("no such team", field="team")
+    elif not Membership.objects.filter(team=team, user=customer).exists():
         raise NotFound("no such team", field="team")
     now = timezone.now()
     start = request.start_at or now
@@ -281,9 +288,10 @@ def rental_create(*, customer: User, team: Team, request: RentalRequest) -> Rent
             ssh=request.ssh,
             resume_from=resume_from,
         )
-        RentalDataset.objects.bulk_create(
+        links = RentalDataset.objects.bulk_create(
             [RentalDataset(rental=rental, dataset=dataset) for dataset in datasets]
         )
+        rental._prefetched_objects_cache["dataset_links"] = links
         if _funds_hold is not None:
             # The whole booked time is held, at the most the rental can be charged per
             # GPU-hour: the bid, else the price cap, else (no cap) the cheapest node that could

@@ -175,7 +175,7 @@ def test_the_api_answers_while_the_throttles_cache_is_unreachable(settings, auth
     _rates(settings, user="2/min")
     settings.CACHES = {
         "default": {
-            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "BACKEND": "config.cache.RedisCache",
             "LOCATION": f"redis://127.0.0.1:{port}/0",
             "OPTIONS": {"socket_connect_timeout": 0.2, "socket_timeout": 0.2},
         }

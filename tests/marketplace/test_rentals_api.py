@@ -188,3 +188,40 @@ def test_the_booked_time_must_be_covered_at_the_cheapest_node_that_fits(
         actor=None,
     )
     assert auth_api.post("/api/v1/rentals/", body, format="json").status_code == 201
+
+
+def test_each_create_and_answer_holds_only_its_own_body_and_rental(auth_api, node):
+    """The create view's serializers are kept per thread (marketplace.api.reuse): a bad body, a
+    good one and another good one in a row on one thread each get their own answer."""
+    url = "/api/v1/rentals/"
+    bad = auth_api.post(url, {**BODY, "gpus_per_node": 0}, format="json")
+    assert bad.status_code == 400 and set(bad.json()) == {"gpus_per_node"}
+    first = auth_api.post(url, {**BODY, "name": "first"}, format="json")
+    assert first.status_code == 201, first.content
+    second_body = {**BODY, "name": "second", "runtime": {"image": "other:1"}}
+    second = auth_api.post(url, second_body, format="json").json()
+    assert (second["name"], second["image"], second["ports"]) == ("second", "other:1", [])
+    assert second["harness_config"] is None and second["datasets"] == []
+    assert [e["to_status"] for e in second["events"]] == ["pending"]
+    assert second["id"] != first.json()["id"]
+    assert auth_api.post(url, {**BODY, "typo": 1}, format="json").json() == {
+        "typo": ["unknown field"]
+    }
+    shown = auth_api.get(f"{url}{first.json()['id']}/").json()
+    assert (shown["name"], shown["ports"]) == ("first", [8888])
+    assert Rental.objects.filter(team__isnull=False).count() == 2
+
+
+def test_a_kept_serializer_is_one_per_thread():
+    import threading
+
+    from marketplace.api.serializers import RentalCreateSerializer, RentalDetailSerializer
+
+    here = RentalCreateSerializer.for_data({})
+    assert RentalCreateSerializer.for_data({"a": 1}) is here
+    assert RentalDetailSerializer.for_instance(None) is not here
+    elsewhere = []
+    thread = threading.Thread(target=lambda: elsewhere.append(RentalCreateSerializer.for_data({})))
+    thread.start()
+    thread.join()
+    assert elsewhere[0] is not here

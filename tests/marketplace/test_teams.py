@@ -361,6 +361,22 @@ def test_a_token_acts_for_its_own_team_only(make_node, acme, user, member, rent)
     assert teams == [("acme", "member"), (member.username, "owner")]
 
 
+def test_a_token_acts_with_its_persons_membership_as_it_is_at_each_request(acme, member, rent):
+    client = _client(member, acme)
+    assert client.get("/api/v1/billing/topups/").status_code == 403
+    assert client.get("/api/v1/me/").json()["team"]["id"] == acme.pk
+    # The role changes: the same token manages money at its next request
+    Membership.objects.filter(team=acme, user=member).update(role=TeamRole.BILLING)
+    assert client.get("/api/v1/billing/topups/").status_code == 200
+    # The person is no longer in the team (removed in the database, so the token is not
+    # revoked): the token is refused, and creates nothing
+    Membership.objects.filter(team=acme, user=member).delete()
+    refused = client.post("/api/v1/rentals/", BODY, format="json")
+    assert refused.status_code == 401
+    assert "no longer in its team" in refused.json()["detail"]
+    assert not Rental.objects.filter(team=acme).exists()
+
+
 # Every URL parameter that names a team's object, and how to find another team's one. A new
 # parameter fails test_every_id_parameter_is_known until it is listed here or in NOT_TEAM_OWNED.
 NOT_TEAM_OWNED = {

@@ -82,7 +82,7 @@ def test_a_request_no_create_relied_on_is_dropped_when_a_later_snapshot_covers_i
 # A Redis nobody listens on: every cache call fails at once.
 CACHE_DOWN = {
     "default": {
-        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "BACKEND": "config.cache.RedisCache",
         "LOCATION": "redis://127.0.0.1:1/0",
         "OPTIONS": {"socket_timeout": 0.2, "socket_connect_timeout": 0.2},
     }
