@@ -86,3 +86,31 @@ def test_token_without_name_is_400_and_nothing_stored(auth_api):
     assert r.status_code == 400
     assert "name" in r.json()
     assert ApiToken.objects.count() == before
+
+
+def test_the_token_read_at_each_request_is_what_the_orm_reads(user):
+    """The authentication reads a token, its user, team and membership in one hand-built
+    statement: every field of each comes back as the ORM gives it."""
+    from marketplace import selectors
+    from marketplace.models import Membership
+
+    team = personal_team(user)
+    token, raw = api_token_create(
+        user=user, team=team, name="t", expires_at=timezone.now() + timedelta(days=1)
+    )
+    ApiToken.objects.filter(pk=token.pk).update(last_used_at=timezone.now())
+    read = selectors.api_token_authenticating(key_hash=token_hash(raw))
+    membership = Membership.objects.get(team=team, user=user)
+    for got, want in (
+        (read, ApiToken.objects.get(pk=token.pk)),
+        (read.user, user.__class__.objects.get(pk=user.pk)),
+        (read.team, team.__class__.objects.get(pk=team.pk)),
+        (read.membership, membership),
+    ):
+        for field in want._meta.concrete_fields:
+            assert getattr(got, field.attname) == getattr(want, field.attname), field.name
+        assert not got._state.adding
+    assert read.membership.user is read.user and read.membership.team is read.team
+    assert selectors.api_token_authenticating(key_hash=token_hash(raw + "x")) is None
+    membership.delete()
+    assert selectors.api_token_authenticating(key_hash=token_hash(raw)).membership is None
