@@ -192,9 +192,9 @@ def gunicorn(*, workers: int = 2, threads: int = 4, extra_env: dict[str, str] | 
     """The web app under gunicorn on a free loopback port, as production runs it; yields its URL."""
     import requests
 
-    from config.embedded import _free_port
+    from config.embedded import free_port
 
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, DEBUG="0", ALLOWED_HOSTS="127.0.0.1", SECURE_COOKIES="0")
     env.update(extra_env or {})
     server = subprocess.Popen(

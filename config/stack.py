@@ -104,9 +104,9 @@ def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 30
 
 def _localstripe(env: dict[str, str]) -> subprocess.Popen:
     """A stateful Stripe-compatible server for the suite; the keys are its placeholders."""
-    from config.embedded import _free_port
+    from config.embedded import free_port
 
-    port = _free_port()
+    port = free_port()
     log_file = (VAR / "test" / "localstripe.log").open("wb")
     proc = subprocess.Popen(
         [str(BIN / "localstripe"), "--port", str(port), "--from-scratch"],

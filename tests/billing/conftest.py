@@ -3,7 +3,6 @@ confirm hours of use), and localstripe driven through the real Stripe SDK."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
@@ -38,12 +37,6 @@ def _funds_check_on(settings):
     settings.BILLING_FUNDS_CHECK = True
 
 
-def _free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def localstripe_base():
     """The localstripe the test command started, or one started here for a bare pytest run."""
@@ -51,7 +44,9 @@ def localstripe_base():
     if base:
         yield base
         return
-    port = _free_port()
+    from config.embedded import free_port
+
+    port = free_port()
     binary = Path(sys.executable).parent / "localstripe"
     proc = subprocess.Popen(
         [str(binary), "--port", str(port), "--from-scratch"],

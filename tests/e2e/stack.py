@@ -16,7 +16,7 @@ from pathlib import Path
 
 import requests
 
-from config.embedded import _free_port, start_redis
+from config.embedded import free_port, start_redis
 from config.supervisor import Supervisor
 from tests.e2e.conftest import ROOT, wait_for
 
@@ -44,9 +44,9 @@ class Stack:
         `workers` Celery worker processes ("worker", "worker-2", ...) share the broker."""
         self.tmp = tmp
         self.redis_dir = tmp / "redis"
-        self.redis_port = _free_port()
+        self.redis_port = free_port()
         self.redis: subprocess.Popen | None = None
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {**env, "BEAT_MAX_INTERVAL_S": "1", "NODE_SILENCE_TIMEOUT_S": "10"}
         self.messages: list[str] = []

