@@ -28,9 +28,12 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
-from typing import Any
 from urllib.parse import urlencode, urlsplit
+
+# A call is one short process: what it does not use, it does not import (typing included).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 _json = json  # Api.call takes a keyword named json, as requests did
 
@@ -219,6 +222,8 @@ def run(args: argparse.Namespace, api: Api) -> str:
         return _data_run(args, api)
     if args.command == "artifacts":
         if args.artifacts_command == "pull":
+            from pathlib import Path
+
             dest = Path(args.dest or args.rental)
             written = _transfer().pull(api, args.rental, dest)
             api.last = {"files": [str(path) for path in written]}
@@ -288,6 +293,8 @@ def _budget_run(args: argparse.Namespace, api: Api) -> str:
 def _data_run(args: argparse.Namespace, api: Api) -> str:
     """Datasets: push a file or directory, list them, remove one by name (or id)."""
     if args.data_command == "push":
+        from pathlib import Path
+
         root = Path(args.path)
         dataset = _transfer().push(api, root, args.name or root.resolve().name)
         return f"{dataset['id']} {dataset['name']} {dataset['status']} {dataset['total_bytes']} B"
@@ -319,7 +326,11 @@ def _ssh_run(args: argparse.Namespace, api: Api) -> str:
         api.call("DELETE", f"/api/v1/ssh-keys/{args.key}/")
         return f"removed {args.key}"
     try:
-        text = sys.stdin.read() if args.key == "-" else Path(args.key).read_text()
+        if args.key == "-":
+            text = sys.stdin.read()
+        else:
+            with open(args.key, encoding="utf-8") as file:
+                text = file.read()
     except OSError as exc:
         raise CliError(f"cannot read {args.key}: {exc.strerror}") from None
     body = {"public_key": text, **({"name": args.name} if args.name else {})}
