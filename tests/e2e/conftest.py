@@ -135,6 +135,24 @@ def remove_managed(client, rental_id: str | None = None) -> None:
         driver.release_unused_rentals(container.labels.get("gpumarket.rental"))
 
 
+def remove_process_runs(root: Path) -> None:
+    """Remove the process-runtime runs left under `root`, as a provider uninstalling the agent
+    would: they outlive the agent (as containers do), and a test's runs sleeping for an hour
+    would outlive the test session."""
+    from nodeagent.runtime.process import LocalProcessDriver, ProcessDriverConfig
+
+    for state_dir in {meta.parent.parent for meta in root.rglob("meta.json")}:
+        driver = LocalProcessDriver(ProcessDriverConfig(state_dir=str(state_dir)))
+        for run in driver.list_managed():
+            driver.remove(run.run_id)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_runs_left(tmp_path):
+    yield
+    remove_process_runs(tmp_path)
+
+
 class TcpProxy:
     """A loopback TCP forwarder that can be cut, to make the server unreachable for a while."""
 
@@ -269,6 +287,7 @@ def start_agent(live_server, join_token, stack_env, tmp_path):
     yield start
     for agent in agents:
         agent.stop()
+    remove_process_runs(tmp_path)
 
 
 @pytest.fixture
