@@ -172,9 +172,8 @@ def rental_submit(*, customer: User, team: Team, **fields) -> Rental:
         actor=customer,
         reason="created",
     )
-    # The rental in hand knows its whole history: one event and no GPUs yet. Whoever shows it
-    # (the create's answer) reads neither back.
-    rental._prefetched_objects_cache = {"events": [created], "allocations": []}
+    # Its whole history so far, for the create's answer (selectors.rental_created_detail).
+    rental.created_event = created
     pool = rental.pool
     transaction.on_commit(lambda: _cycle_soon(pool))
     return rental

@@ -16,7 +16,6 @@ from django.db.models import (
     QuerySet,
     Subquery,
     Sum,
-    prefetch_related_objects,
 )
 from django.db.models.expressions import RawSQL
 from django.db.models.functions import Coalesce
@@ -411,12 +410,28 @@ def rental_get(*, team: Team, rental_id) -> Rental | None:
 
 
 def rental_created_detail(*, rental: Rental) -> Rental:
-    """A rental just created, in hand, as rental_get gives it, without reading it again:
-    rental_create leaves its history (one event, its datasets, no GPUs) on it; what is not there
-    is read."""
-    prefetch_related_objects([rental], *_rental_detail_prefetches())
+    """The rental rental_create returned, as rental_get gives it, without reading it again: its
+    history is what the create wrote (`created_event`, `created_dataset_links`) and no GPUs.
+    For the create's answer only: the relations it fills are what they were at creation."""
+    for name, rows in (
+        ("events", [rental.created_event]),
+        ("allocations", []),
+        ("dataset_links", rental.created_dataset_links),
+    ):
+        _prefetched(rental, name, rows)
     rental.access = []
     return rental
+
+
+def _prefetched(instance, name: str, rows: list) -> None:
+    """Fill a reverse relation's prefetch cache with rows in hand, as prefetch_related does: its
+    `.all()` gives them, a `.filter()` still queries."""
+    rows_qs = getattr(instance, name).get_queryset()
+    rows_qs._result_cache = list(rows)
+    rows_qs._prefetch_done = True
+    if not hasattr(instance, "_prefetched_objects_cache"):
+        instance._prefetched_objects_cache = {}
+    instance._prefetched_objects_cache[name] = rows_qs
 
 
 def provider_list(*, owner: User) -> QuerySet[Provider]:

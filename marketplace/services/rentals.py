@@ -291,7 +291,7 @@ def rental_create(
         links = RentalDataset.objects.bulk_create(
             [RentalDataset(rental=rental, dataset=dataset) for dataset in datasets]
         )
-        rental._prefetched_objects_cache["dataset_links"] = links
+        rental.created_dataset_links = links  # for the create's answer, as its created_event
         if _funds_hold is not None:
             # The whole booked time is held, at the most the rental can be charged per
             # GPU-hour: the bid, else the price cap, else (no cap) the cheapest node that could

@@ -225,3 +225,14 @@ def test_a_kept_serializer_is_one_per_thread():
     thread.start()
     thread.join()
     assert elsewhere[0] is not here
+
+
+def test_the_rental_a_create_returns_reads_its_relations_from_the_database(make_node, rent):
+    """What a create leaves on the rental it returns, for its own answer, is not a cache its
+    callers read later: after placement its GPUs and events are there."""
+    make_node()
+    rental = rent(2)
+    assert list(rental.allocations.all()) == [] and rental.events.count() == 1
+    scheduler_cycle_run()
+    assert rental.allocations.filter(released_at__isnull=True).count() == 2
+    assert [e.to_status for e in rental.events.order_by("id")] == ["pending", "scheduled"]
