@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import http.client
 import json
 import os
 import sys
 import time
 from urllib.parse import urlencode, urlsplit
+
+from marketplace.cli_http import Connection, HttpError
 
 # A call is one short process: what it does not use, it does not import (typing included).
 TYPE_CHECKING = False
@@ -37,9 +38,9 @@ if TYPE_CHECKING:
 
 _json = json  # Api.call takes a keyword named json, as requests did
 
-# The standard library's HTTP client rather than requests: one call is one short process, and
-# importing requests (urllib3, charset detection, idna) costs more than the call itself. Only
-# the file commands (datasets, artifacts) load the transfers module, which streams with requests.
+# Its own small HTTP client (cli_http) rather than requests or http.client: one call is one
+# short process, and importing either costs more than the call itself. Only the file commands
+# (datasets, artifacts) load the transfers module, which streams with requests.
 TIMEOUT_S = 30
 RETRIES = 3
 
@@ -56,30 +57,24 @@ class Api:
         parts = urlsplit(self.base)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise CliError(f"the server must be an http:// or https:// URL, not {server!r}")
+        try:
+            port = parts.port
+        except ValueError:
+            raise CliError(f"the server's port is not a number: {server!r}") from None
         self._https = parts.scheme == "https"
-        self._netloc = parts.netloc
+        self._host, self._port = parts.hostname, port
         self._prefix = parts.path
         self.headers = {"Accept": "application/json", "User-Agent": "gpumarket-cli"}
         self.last: Any = None  # the last answer's body, for --json
         if token:
             self.headers["Authorization"] = f"Bearer {token}"
-        self._conn: http.client.HTTPConnection | None = None
+        self._conn = Connection(self._host, self._port, https=self._https, timeout=TIMEOUT_S)
 
     def _send(self, method: str, url: str, body: bytes | None) -> tuple[int, bytes]:
-        if self._conn is None:
-            kind = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-            self._conn = kind(self._netloc, timeout=TIMEOUT_S)
         headers = dict(self.headers)
         if body is not None:
             headers["Content-Type"] = "application/json"
-        try:
-            self._conn.request(method, url, body=body, headers=headers)
-            response = self._conn.getresponse()
-            return response.status, response.read()
-        except (OSError, http.client.HTTPException):
-            self._conn.close()
-            self._conn = None
-            raise
+        return self._conn.request(method, url, headers=headers, body=body)
 
     def call(self, method: str, path: str, *, params: dict | None = None, json: Any = None) -> Any:
         """One request; 4xx are shown. Connection errors and 5xx are retried with backoff for
@@ -90,7 +85,7 @@ class Api:
         for attempt in range(tries):
             try:
                 status, content = self._send(method, url, body)
-            except (OSError, http.client.HTTPException) as exc:
+            except (OSError, HttpError) as exc:
                 if attempt == tries - 1:
                     raise CliError(f"cannot reach {self.base}: {exc}") from exc
             else:
