@@ -6,4 +6,4 @@ class MarketplaceConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from marketplace import schema  # noqa: F401 - registers the OpenAPI auth schemes
+        from marketplace import checks, schema  # noqa: F401 - start-up checks, OpenAPI auth schemes

@@ -7,14 +7,12 @@ from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import structlog
-from django.conf import settings
 from drf_spectacular.utils import extend_schema
 from rest_framework import exceptions, permissions, status
 from rest_framework.authentication import BaseAuthentication, get_authorization_header
 from rest_framework.parsers import JSONParser
 from rest_framework.request import Request
 from rest_framework.response import Response
-from rest_framework.throttling import BaseThrottle, SimpleRateThrottle
 from rest_framework.views import APIView
 
 from agentprotocol import (
@@ -28,12 +26,14 @@ from agentprotocol import (
     UsageReport,
 )
 from agentprotocol.untrusted import json_loads_bounded
+from marketplace.api.guards import client_ip
 from marketplace.api.pagination import PaginatedListView
+from marketplace.api.throttles import RateThrottle
 from marketplace.errors import NotFound
 from marketplace.models import Node, Provider, Rental
 from marketplace.services.storage import FileSpec, UploadedFile
 from marketplace.tenancy import request_team
-from provisioning import ratelimit, services
+from provisioning import services
 from provisioning.api.serializers import (
     ArtifactCommitAnswerSerializer,
     ArtifactCommitSerializer,
@@ -50,7 +50,6 @@ from provisioning.api.serializers import (
     RunMetricSerializer,
 )
 from provisioning.models import RunLogLine, RunMetric
-from provisioning.redis_clients import redis_clients
 
 M = TypeVar("M", bound=Message)
 
@@ -101,29 +100,24 @@ class IsNode(permissions.BasePermission):
         return isinstance(request.user, Node)
 
 
-class NodeThrottle(BaseThrottle):
+class NodeThrottle(RateThrottle):
     """Per-node request rate: a runaway agent cannot starve the others."""
 
-    def allow_request(self, request, view) -> bool:
-        clients = redis_clients()
-        self._wait = ratelimit.hit(
-            clients.hot(),
-            scope="agent",
-            ident=f"node-{request.user.pk}",
-            rate=settings.REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"]["agent"],
-            on_error=clients.hot_failed,
-        )
-        return self._wait is None
-
-    def wait(self) -> float | None:
-        return self._wait
-
-
-class JoinThrottle(SimpleRateThrottle):
     scope = "agent"
 
-    def get_cache_key(self, request, view):
-        return self.cache_format % {"scope": "join", "ident": self.get_ident(request)}
+    def ident(self, request) -> str | None:
+        return f"node-{request.user.pk}"
+
+
+class JoinThrottle(RateThrottle):
+    """Join attempts per client address, at the agents' rate: join tokens cannot be guessed
+    at speed."""
+
+    scope = "agent"
+    counter = "join"
+
+    def ident(self, request) -> str | None:
+        return client_ip(request)
 
 
 def _message(cls: type[M], validated: Mapping[str, Any]) -> M:

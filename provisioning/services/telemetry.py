@@ -13,7 +13,7 @@ from django.db.backends.postgresql.psycopg_any import DateTimeTZRange
 from billing.services import telemetry_ingest
 from marketplace.errors import ValidationFailed
 from marketplace.models import Allocation
-from provisioning.redis_clients import redis_clients
+from marketplace.redis_clients import redis_clients
 
 log = logging.getLogger(__name__)
 

@@ -128,6 +128,13 @@ def test_a_spoofed_forwarded_for_does_not_escape_the_lockout(settings, user):
 
 
 def _rates(settings, **rates):
+    from marketplace.redis_clients import redis_clients
+
+    # Account ids start again in every test database: counts of an earlier run are not theirs.
+    client = redis_clients().background()
+    for scope in rates:
+        for key in client.scan_iter(f"gpumarket:rate:{scope}:*"):
+            client.delete(key)
     settings.REST_FRAMEWORK = {
         **settings.REST_FRAMEWORK,
         "DEFAULT_THROTTLE_RATES": {**settings.REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"], **rates},
@@ -164,25 +171,59 @@ def test_forwarded_for_from_an_untrusted_peer_does_not_reset_the_throttle(settin
     assert codes == [200, 200, 429]
 
 
-def test_the_api_answers_while_the_throttles_cache_is_unreachable(settings, auth_api):
-    # Given a cache (Redis) that refuses connections
+def test_the_api_answers_while_the_throttles_redis_is_unreachable(settings, auth_api):
+    # Given a Redis address that refuses connections
     import socket
+
+    from marketplace.redis_clients import RedisClients, redis_clients, redis_clients_replaced
 
     closed = socket.socket()
     closed.bind(("127.0.0.1", 0))
     port = closed.getsockname()[1]
     closed.close()
     _rates(settings, user="2/min")
-    settings.CACHES = {
-        "default": {
-            "BACKEND": "config.cache.RedisCache",
-            "LOCATION": f"redis://127.0.0.1:{port}/0",
-            "OPTIONS": {"socket_connect_timeout": 0.2, "socket_timeout": 0.2},
-        }
-    }
-    # Then the API still answers (the throttle steps aside), past the rate it could not count
+    with redis_clients_replaced(RedisClients(f"redis://127.0.0.1:{port}/0")):
+        # Then the API still answers (the throttle steps aside), past the rate it could not
+        # count, and Redis is left alone for a while after the first failure
+        codes = [auth_api.get("/api/v1/rentals/").status_code for _ in range(3)]
+        assert codes == [200, 200, 200]
+        assert redis_clients().hot() is None
+    # With Redis back, the rate is counted again
     codes = [auth_api.get("/api/v1/rentals/").status_code for _ in range(3)]
-    assert codes == [200, 200, 200]
+    assert codes == [200, 200, 429]
+
+
+@pytest.mark.django_db(transaction=True)  # the threads' connections see the token
+def test_concurrent_requests_of_one_account_never_pass_its_rate(settings, user):
+    # DRF's cache throttle read and rewrote a list: requests racing between the two were all let
+    # through. The counter is one atomic increment.
+    import threading
+
+    from django.db import connection
+
+    _, token = api_token_create(user=user, team=personal_team(user), name="race")
+    _rates(settings, user="10/day")  # one window, unless the test straddles midnight (UTC)
+    codes: list[int] = []
+    lock = threading.Lock()
+
+    def hammer() -> None:
+        client = APIClient()
+        client.credentials(HTTP_AUTHORIZATION=f"Bearer {token}")
+        try:
+            for _ in range(5):
+                code = client.get("/api/v1/me/").status_code
+                with lock:
+                    codes.append(code)
+        finally:
+            connection.close()  # this thread's own
+
+    threads = [threading.Thread(target=hammer) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(codes).count(200) <= 10 and len(codes) == 40
+    assert set(codes) <= {200, 429}
 
 
 # Which address is the client's.

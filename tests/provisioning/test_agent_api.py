@@ -282,7 +282,7 @@ def test_a_running_rental_is_asked_to_stop_when_its_booked_time_ends(agent, rent
 
 def test_heartbeat_telemetry_is_buffered_then_stored_in_bulk(agent):
     from billing.models import TelemetryMinute, TelemetrySample
-    from provisioning.redis_clients import redis_clients
+    from marketplace.redis_clients import redis_clients
     from provisioning.services import TELEMETRY_BUFFER_KEY, telemetry_flush
 
     redis_clients().background().delete(TELEMETRY_BUFFER_KEY)
@@ -305,7 +305,7 @@ def test_heartbeat_telemetry_is_buffered_then_stored_in_bulk(agent):
 
 @pytest.fixture
 def agent_rate(settings):
-    from provisioning.redis_clients import redis_clients
+    from marketplace.redis_clients import redis_clients
 
     # Node ids start again in every test database; counts of an earlier run are not theirs.
     client = redis_clients().background()
@@ -355,7 +355,7 @@ def hung_redis():
     """A Redis address that accepts connections and never answers."""
     import socket
 
-    from provisioning.redis_clients import RedisClients, redis_clients_replaced
+    from marketplace.redis_clients import RedisClients, redis_clients_replaced
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -368,7 +368,7 @@ def hung_redis():
 def test_heartbeats_go_on_when_redis_hangs_and_redis_is_then_left_alone(
     agent, agent_rate, hung_redis
 ):
-    from provisioning.redis_clients import redis_clients
+    from marketplace.redis_clients import redis_clients
 
     agent_rate("1/hour")
     telemetry = [{"gpu_index": 0, "ts": 1.0, "util_pct": 5.0, "mem_used_mb": 1,
@@ -385,7 +385,7 @@ def test_heartbeats_go_on_when_redis_hangs_and_redis_is_then_left_alone(
 
 @pytest.mark.parametrize("rate", ["600", "600/fortnight", "x/min", "/min"])
 def test_a_bad_rate_setting_is_refused(rate):
-    from provisioning.ratelimit import parse_rate
+    from marketplace.ratelimit import parse_rate
 
     with pytest.raises(ValueError, match="bad rate"):
         parse_rate(rate)
@@ -395,6 +395,6 @@ def test_a_bad_agent_rate_fails_the_start_up_check(settings, agent_rate):
     from django.core import checks
 
     agent_rate("lots")
-    assert [e.id for e in checks.run_checks()] == ["provisioning.E001"]
+    assert [e.id for e in checks.run_checks()] == ["marketplace.E001"]
     agent_rate("600/min")
     assert checks.run_checks() == []

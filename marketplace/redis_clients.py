@@ -1,10 +1,12 @@
-"""The Redis clients of provisioning, behind one small object that tests can replace.
+"""The process's own Redis clients (beside Django's cache), behind one small object that tests
+can replace.
 
 Two clients with different contracts:
 - `background`: for periodic work (the telemetry flush); ordinary timeouts with a retry.
-- `hot`: for the heartbeat path (rate limit, telemetry buffer), which must never be held up by
-  Redis: short timeouts, no retry, and after a failure Redis is left alone for a few seconds, so
-  a hung Redis costs a heartbeat at most one short timeout, then nothing.
+- `hot`: for the request path (the API's and the agents' rate limits, the telemetry buffer),
+  which must never be held up by Redis: short timeouts, no retry, and after a failure Redis is
+  left alone for a few seconds, so a hung Redis costs a request at most one short timeout, then
+  nothing.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class RedisClients:
             return self._background
 
     def hot(self) -> redis.Redis | None:
-        """The heartbeat path's client, or None while Redis is left alone after a failure."""
+        """The request path's client, or None while Redis is left alone after a failure."""
         if time.monotonic() < self._paused_until:
             return None
         with self._lock:
@@ -63,10 +65,10 @@ class RedisClients:
             return self._hot
 
     def hot_failed(self, exc: Exception) -> None:
-        """Note a failure on the heartbeat path: Redis is left alone for `hot_pause_s`."""
+        """Note a failure on the request path: Redis is left alone for `hot_pause_s`."""
         self._paused_until = time.monotonic() + self.hot_pause_s
         log.warning(
-            "Redis failed on the heartbeat path, left alone for %.0f s: %s", self.hot_pause_s, exc
+            "Redis failed on the request path, left alone for %.0f s: %s", self.hot_pause_s, exc
         )
 
 

@@ -1,10 +1,12 @@
-"""Fixed-window request counting in Redis for the agent API: one round trip per request.
+"""Fixed-window request counting in Redis for the customer and agent APIs: one round trip per
+request.
 
-DRF's cache throttle reads and rewrites a list of timestamps through Django's cache (two round
-trips, a new Redis client object each, and a race between them); at 200 heartbeats a second
-that was a tenth of a heartbeat's server time. Here a counter per (scope, node, window) is
-INCRemented and given its expiry in one pipeline. When Redis does not answer, requests are let
-through: an outage of the limiter must not stop every node's heartbeats.
+DRF's cache throttle reads and rewrites a list of timestamps through Django's cache: two round
+trips, a list as long as the rate pickled both ways on every request, and a race between the
+read and the write that lets concurrent requests past the rate. Here a counter per (scope,
+ident, window) is INCRemented and given its expiry in one pipeline, atomically. A fixed window
+lets a client make up to twice its rate across a window's edge, never more. When Redis does not
+answer, requests are let through: an outage of the limiter must not stop the API.
 """
 
 from __future__ import annotations
