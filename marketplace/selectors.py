@@ -17,7 +17,6 @@ from django.db.models import (
     Subquery,
     Sum,
 )
-from django.db.models.expressions import RawSQL
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -478,40 +477,79 @@ _ENGINE_NODE_FIELDS = (
 )
 
 
-# Each node's GPUs in index order, as arrays beside its row. Written as SQL: resolving three
-# correlated subqueries through the ORM cost more than the rest of a create's checks.
-def _gpu_array(column: str) -> RawSQL:
-    # Only this module's column names and the models' table names go into the text.
-    return RawSQL(  # noqa: S611
-        f"ARRAY(SELECT g.{column} FROM {Gpu._meta.db_table} g"  # noqa: S608
-        f" WHERE g.node_id = {Node._meta.db_table}.id ORDER BY g.index)",
-        (),
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeFilter:
+    """What a request asks of a node's listing (not of its free GPUs), for engine_nodes_cheapest.
+    An empty or None field does not filter."""
+
+    pool: str
+    region: str = ""  # the region or any of its zones (eu matches eu and eu-west)
+    gpu_models: tuple[str, ...] = ()
+    gpu_families: tuple[str, ...] = ()
+    min_memory_gb: int = 0
+    min_tensor_tflops: Decimal = Decimal(0)
+    min_gpus: int = 0
+    max_min_bid: Decimal | None = None  # nodes whose minimum bid is at most this
+    max_price: Decimal | None = None  # nodes whose price is at most this
+
+
+@cache
+def _cheapest_nodes_sql() -> str:
+    node, model, gpu = Node._meta.db_table, GpuModel._meta.db_table, Gpu._meta.db_table
+    arrays = ", ".join(
+        f"ARRAY(SELECT g.{column} FROM {gpu} g WHERE g.node_id = n.id ORDER BY g.index)"  # noqa: S608
+        for column in ("id", "index", "topology_group")
+    )
+    # Only the models' table and column names go into the text; every value is a parameter.
+    return (
+        "SELECT n.id, n.region, n.pool, n.price_per_gpu_hour, n.min_bid_per_gpu_hour,"  # noqa: S608
+        f" n.reliability, n.nvlink, m.slug, m.family, m.memory_gb, m.tensor_tflops, {arrays}"
+        f" FROM {node} n JOIN {model} m ON m.id = n.gpu_model_id"
+        " WHERE n.pool = %(pool)s"
+        " AND (%(region)s = '' OR n.region = %(region)s OR n.region LIKE %(zones)s)"
+        " AND (cardinality(%(models)s::text[]) = 0 OR m.slug = ANY(%(models)s::text[]))"
+        " AND (cardinality(%(families)s::text[]) = 0 OR m.family = ANY(%(families)s::text[]))"
+        " AND m.memory_gb >= %(memory)s AND m.tensor_tflops >= %(tflops)s"
+        " AND n.gpu_count >= %(gpus)s"
+        " AND (%(bid)s::numeric IS NULL OR n.min_bid_per_gpu_hour <= %(bid)s::numeric)"
+        " AND (%(price)s::numeric IS NULL OR n.price_per_gpu_hour <= %(price)s::numeric)"
+        " ORDER BY n.price_per_gpu_hour, n.id LIMIT %(limit)s"
     )
 
 
-_NODE_GPU_ARRAYS = {
-    "gpu_ids": _gpu_array("id"),
-    "gpu_indexes": _gpu_array("index"),
-    "gpu_groups": _gpu_array("topology_group"),
-}
+def _like_escaped(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
 
 
-def engine_nodes_few(nodes: QuerySet[Node]) -> list[engine.Node]:
-    """engine_nodes for a handful of nodes (a sliced queryset) in one query: each node's GPUs
-    come as arrays from correlated subqueries, so a short list pays one round trip, not two."""
-    rows = nodes.values(*_ENGINE_NODE_FIELDS, **_NODE_GPU_ARRAYS)
-    return [
-        _engine_node(
-            r,
-            [
-                _engine_gpu(r, gpu_id, index, group)
-                for gpu_id, index, group in zip(
-                    r["gpu_ids"], r["gpu_indexes"], r["gpu_groups"], strict=True
-                )
-            ],
-        )
-        for r in rows
-    ]
+def engine_nodes_cheapest(nodes: NodeFilter, *, limit: int) -> list[engine.Node]:
+    """The `limit` cheapest listed nodes that meet `nodes` (whatever their state), with their
+    GPUs, as the engine's values: one statement, written once. On every create (the refusal
+    check), where compiling the same query through the ORM cost more than running it."""
+    params = {
+        "pool": nodes.pool,
+        "region": nodes.region,
+        "zones": f"{_like_escaped(nodes.region)}-%",
+        "models": list(nodes.gpu_models),
+        "families": list(nodes.gpu_families),
+        "memory": nodes.min_memory_gb,
+        "tflops": nodes.min_tensor_tflops,
+        "gpus": nodes.min_gpus,
+        "bid": nodes.max_min_bid,
+        "price": nodes.max_price,
+        "limit": limit,
+    }
+    with connection.cursor() as cursor:
+        cursor.execute(_cheapest_nodes_sql(), params)
+        rows = cursor.fetchall()
+    result = []
+    for *fields, gpu_ids, indexes, groups in rows:
+        r = dict(zip(_ENGINE_NODE_FIELDS, fields, strict=True))
+        gpus = [
+            _engine_gpu(r, gpu_id, index, group)
+            for gpu_id, index, group in zip(gpu_ids, indexes, groups, strict=True)
+        ]
+        result.append(_engine_node(r, gpus))
+    return result
 
 
 def _engine_gpu(r: dict, gpu_id: int, index: int, group: str) -> engine.Gpu:

@@ -7,14 +7,13 @@ the lifecycle's (marketplace.lifecycle).
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Protocol
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Q
 from django.utils import timezone
 
 from marketplace import selectors
@@ -25,14 +24,18 @@ from marketplace.models import (
     DatasetStatus,
     GpuModel,
     Membership,
-    Node,
     Rental,
     RentalDataset,
     RentalKind,
     Team,
     User,
 )
-from marketplace.selectors import datasets_owned, engine_nodes_few, rental_owned
+from marketplace.selectors import (
+    NodeFilter,
+    datasets_owned,
+    engine_nodes_cheapest,
+    rental_owned,
+)
 from scheduler.engine import feasibility
 from scheduler.engine import types as engine
 
@@ -130,30 +133,26 @@ def _never_fits(
     (price, size, hardware, location), cheapest first, so the reason names the first
     constraint no node meets.
     """
-    located = Node.objects.filter(pool=req.pool)
-    if req.region:
-        located = located.filter(Q(region=req.region) | Q(region__startswith=f"{req.region}-"))
-    hardware = located
-    if req.gpu_models:
-        hardware = hardware.filter(gpu_model__slug__in=req.gpu_models)
-    if req.gpu_families:
-        hardware = hardware.filter(gpu_model__family__in=req.gpu_families)
-    if req.min_memory_gb:
-        hardware = hardware.filter(gpu_model__memory_gb__gte=req.min_memory_gb)
-    if req.min_tensor_tflops:
-        hardware = hardware.filter(gpu_model__tensor_tflops__gte=req.min_tensor_tflops)
-    sized = hardware.filter(gpu_count__gte=req.gpus_per_node)
+    located = NodeFilter(pool=req.pool, region=req.region or "")
+    hardware = replace(
+        located,
+        gpu_models=tuple(req.gpu_models),
+        gpu_families=tuple(req.gpu_families),
+        min_memory_gb=req.min_memory_gb or 0,
+        min_tensor_tflops=req.min_tensor_tflops or Decimal(0),
+    )
+    sized = replace(hardware, min_gpus=req.gpus_per_node)
     if req.kind == RentalKind.INTERRUPTIBLE and req.bid_per_gpu_hour is not None:
-        priced = sized.filter(min_bid_per_gpu_hour__lte=req.bid_per_gpu_hour)
+        priced = replace(sized, max_min_bid=req.bid_per_gpu_hour)
     elif req.max_price_per_gpu_hour is not None:
-        priced = sized.filter(price_per_gpu_hour__lte=req.max_price_per_gpu_hour)
+        priced = replace(sized, max_price=req.max_price_per_gpu_hour)
     else:
         priced = sized
     request = _engine_request(req, start, deadline)
     tiers = [(priced, 4 * req.node_count), (priced, 256), (sized, 256), (hardware, 256)]
     nodes: list[engine.Node] = []
     for i, (candidates, limit) in enumerate(tiers):
-        nodes = engine_nodes_few(candidates.order_by("price_per_gpu_hour", "id")[:limit])
+        nodes = engine_nodes_cheapest(candidates, limit=limit)
         if len(nodes) < req.node_count:
             continue
         reason = feasibility.never_fits(request, nodes)
@@ -161,8 +160,7 @@ def _never_fits(
             return None, nodes[0].price_per_gpu_hour
         if i > 0:
             return reason, None
-    located_nodes = engine_nodes_few(located.order_by("price_per_gpu_hour", "id")[:256])
-    return feasibility.never_fits(request, located_nodes), None
+    return feasibility.never_fits(request, engine_nodes_cheapest(located, limit=256)), None
 
 
 class FundsHolder(Protocol):
