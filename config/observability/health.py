@@ -29,7 +29,10 @@ def healthz(request: HttpRequest) -> JsonResponse:
 def _postgres() -> None:
     with connection.cursor() as cursor:
         # Local to this transaction-less statement pair: a stuck server cannot hold the probe.
-        cursor.execute("SET statement_timeout = %s", [int(CHECK_TIMEOUT_S * 1000)])
+        # set_config rather than SET: a utility statement takes no bound parameter.
+        cursor.execute(
+            "SELECT set_config('statement_timeout', %s, false)", [str(int(CHECK_TIMEOUT_S * 1000))]
+        )
         try:
             cursor.execute("SELECT 1")
         finally:

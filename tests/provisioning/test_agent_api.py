@@ -307,10 +307,12 @@ def test_heartbeat_telemetry_is_buffered_then_stored_in_bulk(agent):
 def agent_rate(settings):
     from marketplace.redis_clients import redis_clients
 
-    # Node ids start again in every test database; counts of an earlier run are not theirs.
+    # Node ids start again in every test database, and every test's agent joins from loopback:
+    # counts of earlier tests and runs are not theirs.
     client = redis_clients().background()
-    for key in client.scan_iter("gpumarket:rate:agent:*"):
-        client.delete(key)
+    for counters in ("agent", "join"):
+        for key in client.scan_iter(f"gpumarket:rate:{counters}:*"):
+            client.delete(key)
 
     def set_rate(rate: str) -> None:
         settings.REST_FRAMEWORK = {
