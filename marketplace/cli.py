@@ -182,7 +182,7 @@ def run(args: argparse.Namespace, api: Api) -> str:
             "duration_s": int(args.hours * 3600),
             "runtime": {"image": args.image, "command": args.cmd},
         }
-        for key in ("region",):
+        for key in ("region", "name"):
             if getattr(args, key):
                 body[key] = getattr(args, key)
         if args.gpu_family:
@@ -419,7 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--json", action="store_true", help="print the server's answer as JSON, for scripts"
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    # Each subparsers names its prog: argparse would build a help formatter (and import shutil,
+    # with bz2 and lzma) to work it out, on every call.
+    sub = parser.add_subparsers(dest="command", required=True, prog="gpumarket")
     offers = sub.add_parser("offers", help="GPUs free now")
     offers.add_argument("--gpu-family")
     offers.add_argument("--gpu-model")
@@ -446,6 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
             which.add_argument("--card", help="a card: its cheapest plan")
     rent = sub.add_parser("rent", help="rent GPUs for an image and command")
     rent.add_argument("--gpus", type=int, required=True, help="GPUs per node")
+    rent.add_argument("--name", help="a name to know the rental by (up to 80 characters)")
     rent.add_argument("--nodes", type=int, default=1)
     rent.add_argument("--gpu-family")
     rent.add_argument("--region")
@@ -463,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
     rent.add_argument("cmd", nargs="*", help="the command (after --)")
     rent.add_argument("--ssh", action="store_true", help="an sshd for your SSH keys")
     keys = sub.add_parser("ssh-key", help="your team's SSH public keys")
-    key_sub = keys.add_subparsers(dest="action", required=True)
+    key_sub = keys.add_subparsers(dest="action", required=True, prog="gpumarket ssh-key")
     add_key = key_sub.add_parser("add", help="add a public key")
     add_key.add_argument("key", metavar="FILE", help="the .pub file, or - for standard input")
     add_key.add_argument("--name")
@@ -474,14 +477,16 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("show", "metrics", "stop", "cancel"):
         sub.add_parser(name).add_argument("id")
     data = sub.add_parser("data", help="datasets: push, ls, rm")
-    data_sub = data.add_subparsers(dest="data_command", required=True)
+    data_sub = data.add_subparsers(dest="data_command", required=True, prog="gpumarket data")
     push = data_sub.add_parser("push", help="upload a file or a directory as a dataset")
     push.add_argument("path")
     push.add_argument("--name", help="the dataset's name (default: the file or folder name)")
     data_sub.add_parser("ls", help="your datasets")
     data_sub.add_parser("rm", help="delete a dataset").add_argument("dataset", help="name or id")
     artifacts = sub.add_parser("artifacts", help="a rental's synced output: ls, pull")
-    artifacts_sub = artifacts.add_subparsers(dest="artifacts_command", required=True)
+    artifacts_sub = artifacts.add_subparsers(
+        dest="artifacts_command", required=True, prog="gpumarket artifacts"
+    )
     artifacts_sub.add_parser("ls").add_argument("rental")
     pull = artifacts_sub.add_parser("pull", help="download a rental's output files")
     pull.add_argument("rental")
@@ -498,7 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--max-gpus", help="GPUs at once; 'none': the account's ceiling")
     budget.add_argument("--max-rentals-per-minute", help="'none': the account's ceiling")
     notify = sub.add_parser("notify", help="what you are told by email and webhook")
-    notify_sub = notify.add_subparsers(dest="notify_command", required=True)
+    notify_sub = notify.add_subparsers(
+        dest="notify_command", required=True, prog="gpumarket notify"
+    )
     notify_sub.add_parser("show", help="your notification settings")
     notify_set = notify_sub.add_parser("set", help="switch channels and kinds on or off")
     notify_set.add_argument("--email", action=argparse.BooleanOptionalAction, default=None)

@@ -36,7 +36,10 @@ class Connection:
         self._sock = self._file = None
 
     def _connect(self) -> None:
-        sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+        # An ASCII name goes to the resolver as bytes: as text it is IDNA-encoded first, which
+        # imports the codec and unicodedata for nothing.
+        host = self.host.encode() if self.host.isascii() else self.host
+        sock = socket.create_connection((host, self.port), timeout=self.timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self.https:
             import ssl

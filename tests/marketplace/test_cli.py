@@ -33,10 +33,15 @@ def test_offers_advise_rent_show_and_cancel(cli, make_node):
     assert code == 0 and "fra-1" in out and "H100 SXM5 80 GB" in out
     code, out, _ = cli("advise", "--model", "llama2-7b", "--tokens-b", "1")
     assert code == 0 and "h100-sxm5-80gb:1x" in out and "cheapest" in out
-    code, out, _ = cli("rent", "--gpus", "2", "--hours", "2", "--image", "img", "--", "train")
+    code, out, _ = cli(
+        "rent", "--gpus", "2", "--hours", "2", "--image", "img", "--name", "sweep 3", "--", "train"
+    )
     assert code == 0 and out.split()[1] == "pending"
     rental = Rental.objects.get()
     assert (rental.gpus_per_node, rental.duration_s, rental.command) == (2, 7200, ["train"])
+    assert rental.name == "sweep 3"
+    code, _, err = cli("rent", "--gpus", "1", "--image", "img", "--name", "x" * 81)
+    assert code == 1 and "name" in err and Rental.objects.count() == 1
     code, out, _ = cli("rentals")
     assert str(rental.pk) in out
     code, out, _ = cli("cancel", str(rental.pk))
