@@ -70,13 +70,14 @@ class Connection:
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
         try:
             self._sock.sendall(head + (body or b""))  # type: ignore[union-attr]
-            status, answer_headers = self._read_head()
+            version, status, answer_headers = self._read_head()
             content = b"" if method == "HEAD" else self._read_body(status, answer_headers)
         except BaseException:
             self.close()
             raise
-        if answer_headers.get("connection", "").lower() == "close":
-            self.close()
+        connection = answer_headers.get("connection", "").lower()
+        if connection == "close" or (version == "HTTP/1.0" and connection != "keep-alive"):
+            self.close()  # the server ends the connection after this answer
         return status, content
 
     def _line(self) -> bytes:
@@ -85,7 +86,7 @@ class Connection:
             raise HttpError("an answer line is too long")
         return line
 
-    def _read_head(self) -> tuple[int, dict[str, str]]:
+    def _read_head(self) -> tuple[str, int, dict[str, str]]:
         while True:
             line = self._line()
             if not line:
@@ -106,7 +107,7 @@ class Connection:
             else:
                 raise HttpError("too many headers")
             if not 100 <= status < 200:  # an interim answer (100 Continue) is followed by one
-                return status, headers
+                return parts[0], status, headers
 
     def _read_body(self, status: int, headers: dict[str, str]) -> bytes:
         if status in (204, 304):

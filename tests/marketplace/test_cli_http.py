@@ -120,11 +120,13 @@ def test_a_body_without_a_length_ends_with_the_connection_and_the_next_call_reco
     server = serve(
         (b"HTTP/1.0 200 OK\r\n\r\nall of it", False),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok", False),
+        (b"HTTP/1.0 200 OK\r\nContent-Length: 3\r\n\r\n1.0", False),  # 1.0 closes by default
         (b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nmore", True),
     )
     conn = _connection(server)
     assert conn.request("GET", "/", headers={}) == (200, b"all of it")
     assert conn.request("GET", "/", headers={}) == (200, b"ok")
+    assert conn.request("GET", "/", headers={}) == (200, b"1.0")
     assert conn.request("GET", "/", headers={}) == (200, b"more")
 
 
