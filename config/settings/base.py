@@ -268,6 +268,9 @@ CACHES = {
 CELERY_BROKER_URL = env.str("CELERY_BROKER_URL", default=REDIS_URL)
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_IGNORE_RESULT = True
+# What a task prints (the console mail backend's messages in `dev.py up`) is logged at INFO, not as
+# a warning.
+CELERY_WORKER_REDIRECT_STDOUTS_LEVEL = "INFO"
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 # Every task names its own time_limit and soft_time_limit (a global soft limit above a task's own
