@@ -205,7 +205,38 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _stack_lock(path: Path):
+    """An exclusive lock on `path` held for the life of this process (the kernel releases it when
+    the process ends, however it ends), with our pid inside; None when another process holds it,
+    which then names that process."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(path, "a+")  # noqa: SIM115 - held open on purpose, for the process's life
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "?"
+        handle.close()
+        print(
+            f"another stack runs from {path.parent} (pid {holder}), or is still stopping:"
+            " stop it first (Ctrl-C, or kill -TERM that pid)",
+            file=sys.stderr,
+        )
+        return None
+    handle.truncate(0)
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
+
+
 def cmd_up(port: int) -> int:
+    # One stack per data folder: a second one would find the first's embedded services, or their
+    # files still locked while it stops.
+    lock = _stack_lock(VAR / "dev" / "stack.lock")
+    if lock is None:
+        return 1
     # SIGTERM (a service manager, `kill`) stops the stack as Ctrl-C does; so does SIGINT even when
     # a non-interactive shell started us in the background with SIGINT ignored.
     signal.signal(signal.SIGTERM, _interrupt)
