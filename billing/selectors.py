@@ -111,12 +111,15 @@ def team_available_micros(*, team_id: int, balance_micros: int | None = None) ->
         account = team_account(team_id=team_id)
         balance_micros = account.balance_micros if account else 0
     with connection.cursor() as cursor:
-        cursor.execute(
-            f"SELECT ({_ACCRUED_SQL}), ({_HELD_SQL})",
-            [team_id, team_id, _active()],
-        )
+        cursor.execute(*team_owed_statement(team_id=team_id))
         accrued, held = cursor.fetchone()
     return balance_micros - int(accrued) - int(held)
+
+
+def team_owed_statement(*, team_id: int) -> tuple[str, list]:
+    """The one statement behind team_available_micros: the team's accrued usage and its holds
+    (one row: accrued, held), for a caller that sends it together with its lock."""
+    return f"SELECT ({_ACCRUED_SQL}), ({_HELD_SQL})", [team_id, team_id, _active()]
 
 
 def _active() -> list[str]:

@@ -30,6 +30,7 @@ from django.utils import timezone
 
 from marketplace.errors import Conflict, NotFound
 from marketplace.models import Allocation, Rental, RentalEvent, RentalStatus, Team, User
+from marketplace.rows import model_insert
 
 S = RentalStatus
 A = RentalEvent.Actor
@@ -157,20 +158,25 @@ def rental_submit(*, customer: User, team: Team, **fields) -> Rental:
     """Store a validated request as a PENDING rental of the team, created by `customer`, with
     its first event; a scheduler cycle for its pool is queued after commit."""
     _require_transaction()
-    rental = Rental.objects.create(
-        customer=customer,
-        team=team,
-        status=S.PENDING,
-        status_reason="waiting for the scheduler",
-        **fields,
+    # Every create writes these two rows: through statements prepared once (marketplace.rows).
+    rental = model_insert(
+        Rental(
+            customer=customer,
+            team=team,
+            status=S.PENDING,
+            status_reason="waiting for the scheduler",
+            **fields,
+        )
     )
-    created = RentalEvent.objects.create(
-        rental=rental,
-        from_status="",
-        to_status=S.PENDING,
-        actor_kind=A.CUSTOMER,
-        actor=customer,
-        reason="created",
+    created = model_insert(
+        RentalEvent(
+            rental=rental,
+            from_status="",
+            to_status=S.PENDING,
+            actor_kind=A.CUSTOMER,
+            actor=customer,
+            reason="created",
+        )
     )
     # Its whole history so far, for the create's answer (selectors.rental_created_detail).
     rental.created_event = created

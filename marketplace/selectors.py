@@ -46,6 +46,7 @@ from marketplace.models import (
     Team,
     User,
 )
+from marketplace.rows import model_from_row
 from scheduler.engine import types as engine
 
 # The most GPUs one node is listed with (the `fits=` filter looks no further).
@@ -348,24 +349,13 @@ def api_token_authenticating(*, key_hash: str) -> ApiToken | None:
     for model, _ in _TOKEN_JOIN:
         fields = model._meta.concrete_fields
         values, row = row[: len(fields)], row[len(fields) :]
-        loaded.append(_from_row(model, fields, values) if values[0] is not None else None)
+        loaded.append(model_from_row(model, fields, values) if values[0] is not None else None)
     token, user, team, membership = loaded
     token.user, token.team = user, team
     if membership is not None:
         membership.user, membership.team = user, team
     token.membership = membership
     return token
-
-
-def _from_row(model, fields, values):
-    """A model instance from its columns, with each field's converters applied, as the ORM's
-    own reads do."""
-    converted = []
-    for field, value in zip(fields, values, strict=True):
-        for converter in field.get_db_converters(connection):
-            value = converter(value, field, connection)
-        converted.append(value)
-    return model.from_db(connection.alias, [f.attname for f in fields], converted)
 
 
 def api_token_list(*, team: Team, user: User) -> QuerySet[ApiToken]:

@@ -76,10 +76,16 @@ def budget_micros(value, *, field: str) -> int:
 
 
 def rental_budgets_check(
-    *, account: Account, rental: Rental, hold_micros: int, now: datetime | None = None
+    *,
+    account: Account,
+    rental: Rental,
+    hold_micros: int,
+    held_micros: int | None = None,
+    now: datetime | None = None,
 ) -> None:
     """Refuse the new rental (already inserted in this transaction) when it takes the account
-    past a limit or its monthly budget. The caller holds the account's row lock."""
+    past a limit or its monthly budget. The caller holds the account's row lock. `held_micros`:
+    what the team's other unfinished rentals hold, when the caller read it under the lock."""
     now = now or timezone.now()
     limits = selectors.account_limits(account=account)
     if limits.max_rentals_per_minute:
@@ -107,7 +113,11 @@ def rental_budgets_check(
     budget = account.monthly_budget_micros
     if budget is not None:
         spent = selectors.account_month_spent_micros(account=account, now=now)
-        held = selectors.team_held_micros(team_id=account.team_id)
+        held = (
+            selectors.team_held_micros(team_id=account.team_id)
+            if held_micros is None
+            else held_micros
+        )
         if spent + held + hold_micros > budget:
             raise BudgetExceeded(
                 f"this rental may cost {_usd(hold_micros)}; with {_usd(spent)} charged this month"
