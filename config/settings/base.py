@@ -104,6 +104,8 @@ DATABASES = {"default": env.db_url("DATABASE_URL")}
 if not DATABASES["default"]["ENGINE"].endswith("postgresql"):
     raise ImproperlyConfigured("DATABASE_URL must point at PostgreSQL")
 DATABASES["default"].setdefault("CONN_MAX_AGE", env.int("DB_CONN_MAX_AGE", default=60))
+# Django's backend with a health check that polls the socket before paying a round trip.
+DATABASES["default"]["ENGINE"] = "config.postgresql"
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 DATABASES["default"].setdefault("OPTIONS", {})
 # A statement that runs away must not hold locks the scheduler needs.
