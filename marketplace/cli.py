@@ -410,8 +410,37 @@ def _provider_run(args: argparse.Namespace, api: Api) -> str:
     raise CliError(f"unknown command {args.command}")
 
 
+def _terminal_columns() -> int:
+    """What shutil.get_terminal_size() answers, without importing shutil: $COLUMNS when it is a
+    positive number, else the terminal's width, else 80."""
+    try:
+        columns = int(os.environ.get("COLUMNS", "0"))
+    except ValueError:
+        columns = 0
+    if columns <= 0:
+        try:
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns
+        except (AttributeError, ValueError, OSError):
+            columns = 0
+    return columns or 80
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse builds a help formatter for every argument it adds (to check its metavar), and
+    a formatter not told the width imports shutil, with bz2 and lzma, to ask the terminal: a
+    tenth of a call. Subcommands' parsers are of this class too (argparse makes them of the
+    parent's)."""
+
+    _width: int | None = None
+
+    def _get_formatter(self) -> argparse.HelpFormatter:
+        if _Parser._width is None:
+            _Parser._width = _terminal_columns() - 2  # the margin HelpFormatter leaves
+        return self.formatter_class(prog=self.prog, width=_Parser._width)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpumarket", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="gpumarket", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--server", default=os.environ.get("GPUMARKET_SERVER_URL", "http://127.0.0.1:8000")
     )
