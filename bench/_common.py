@@ -188,8 +188,14 @@ def build_inventory(url: str, nodes: int, *, busy_node_fraction: float = 0.0, se
 
 
 @contextmanager
-def gunicorn(*, workers: int = 2, threads: int = 4, extra_env: dict[str, str] | None = None):
-    """The web app under gunicorn on a free loopback port, as production runs it; yields its URL."""
+def gunicorn(
+    *,
+    workers: int | None = None,
+    threads: int | None = None,
+    extra_env: dict[str, str] | None = None,
+):
+    """The web app under gunicorn on a free loopback port, as production runs it (the layout of
+    config/gunicorn.py unless `workers` or `threads` are given); yields its URL."""
     import requests
 
     from config.embedded import free_port
@@ -198,9 +204,10 @@ def gunicorn(*, workers: int = 2, threads: int = 4, extra_env: dict[str, str] | 
     env = dict(os.environ, DEBUG="0", ALLOWED_HOSTS="127.0.0.1", SECURE_COOKIES="0")
     env.update(extra_env or {})
     server = subprocess.Popen(
-        [sys.executable, "-m", "gunicorn", "config.wsgi",
-         "--bind", f"127.0.0.1:{port}", "--workers", str(workers), "--threads", str(threads),
-         "--log-level", "warning"],
+        [sys.executable, "-m", "gunicorn", "config.wsgi", "-c", "python:config.gunicorn",
+         "--bind", f"127.0.0.1:{port}", "--log-level", "warning",
+         *(["--workers", str(workers)] if workers else []),
+         *(["--threads", str(threads)] if threads else [])],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"

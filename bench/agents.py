@@ -1,7 +1,8 @@
 """Agent API load: 200 simulated agents heartbeating once a second against one server.
 
-The server is one gunicorn instance (2 sync workers, one per core of this machine) on the same
-PostgreSQL and Redis a deployment would use. The agents are protocol clients in one asyncio
+The server is one gunicorn instance in the production layout (config/gunicorn.py: two
+processes per core, two threads each; `--workers` to change) on the same PostgreSQL and Redis a
+deployment would use. The agents are protocol clients in one asyncio
 process (a real agent per simulated host would need 200 processes): each joins with its own
 one-time token, then sends a heartbeat every second carrying telemetry for its 2 GPUs, exactly
 the payload shape the real agent sends. Printed beside the figures: the offered rate, and the
@@ -252,7 +253,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--agents", type=int, default=200)
     parser.add_argument("--seconds", type=float, default=20.0)
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, help="gunicorn processes (default: 2 per core)")
     args = parser.parse_args()
     with bench_database("gpumarket_bench_agents"):
         tokens = join_tokens(args.agents)

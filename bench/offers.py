@@ -27,7 +27,7 @@ QUERY = {
 def measure_api(requests_n: int) -> list[float]:
     import requests
 
-    with gunicorn(workers=2) as server:
+    with gunicorn() as server:
         session = requests.Session()
         url = f"{server.base_url}/api/v1/offers/"
         for _ in range(20):

@@ -8,8 +8,9 @@ Prints, each beside a baseline measured in the same run:
 - streaming: rentals created through rental_create (the real service) at 25, 50, 100 and
   200/s for 20 s each, a real Celery worker running the cycles: per rate the achieved rate and
   p50 / p99 create->SCHEDULED, beside the one-thread rental_create rate;
-- creates through the REST API under gunicorn (4 keep-alive clients) beside the same server's
-  /healthz rate, and the `gpumarket rent` call time beside a bare interpreter start.
+- creates through the REST API under gunicorn (4 keep-alive clients, one team, from cold
+  connections) beside the same server's /healthz rate, and the `gpumarket rent` call time
+  beside a bare interpreter start.
 
     python bench/scheduler.py [--nodes 10000] [--pending 20000] [--rates 25 50 100 200]
                               [--seconds 20] [--parts cycle stream api]
@@ -317,9 +318,7 @@ def api_creates(customer, seconds: float = 10.0, threads_n: int = 4) -> dict:
         return sum(counts) / (time.perf_counter() - t0)
 
     # One token creates far past the per-user request rate a deployment allows its customers.
-    with gunicorn(
-        workers=2, threads=threads_n, extra_env={"API_USER_THROTTLE_RATE": "1000000/min"}
-    ) as server:
+    with gunicorn(extra_env={"API_USER_THROTTLE_RATE": "1000000/min"}) as server:
         health = hammer(server.base_url, "/healthz", post=False)
         creates = hammer(server.base_url, "/api/v1/rentals/", post=True)
         env = dict(os.environ, GPUMARKET_SERVER_URL=server.base_url, GPUMARKET_TOKEN=token)

@@ -291,9 +291,11 @@ def cmd_up(port: int) -> int:
 
 def stack_commands(*, port: int, beat_schedule: Path) -> list[tuple[str, list[str]]]:
     """The stack's processes: web, a worker, beat and one local agent with simulated GPUs."""
+    # The production layout (config/gunicorn.py), at most 4 processes on a bigger machine.
+    workers = os.environ.get("WEB_WORKERS") or str(min(4, 2 * len(os.sched_getaffinity(0))))
     gunicorn = [
-        str(BIN / "gunicorn"), "config.wsgi", "--bind", f"127.0.0.1:{port}",
-        "--workers", "2", "--threads", "4", "--access-logfile", "-",
+        str(BIN / "gunicorn"), "config.wsgi", "-c", "python:config.gunicorn",
+        "--workers", workers, "--bind", f"127.0.0.1:{port}", "--access-logfile", "-",
     ]  # fmt: skip
     worker = [str(BIN / "celery"), "-A", "config", "worker", "-l", "info", "-c", "2"]
     beat = [str(BIN / "celery"), "-A", "config", "beat", "-l", "info", "-s", str(beat_schedule)]
