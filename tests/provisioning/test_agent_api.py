@@ -127,6 +127,22 @@ def test_forged_or_missing_node_token_is_401_and_changes_nothing(agent, header):
     assert Node.objects.get(pk=node.pk).last_seen_at == before
 
 
+def test_the_node_read_at_each_agent_call_is_what_the_orm_reads(agent):
+    """Every agent call reads its node by token in one hand-built statement: each field comes
+    back as the ORM gives it, and a revoked or unknown token reads no node."""
+    from provisioning.services.join import node_authenticate
+
+    raw = agent._credentials["HTTP_AUTHORIZATION"].split()[1]
+    read = node_authenticate(raw)
+    want = Node.objects.get(pk=agent.node.pk)
+    for field in Node._meta.concrete_fields:
+        assert getattr(read, field.attname) == getattr(want, field.attname), field.name
+    assert not read._state.adding
+    assert node_authenticate(raw + "x") is None
+    node_credential_revoke(node_id=agent.node.pk, actor=None)
+    assert node_authenticate(raw) is None
+
+
 def test_revoked_node_token_is_401(agent):
     assert _beat(agent).status_code == 200
     node_credential_revoke(node_id=agent.node.pk, actor=None)
