@@ -188,13 +188,16 @@ def scheduled_to_running(base: str) -> tuple[float, str]:
         price_per_gpu_hour=Decimal("1.00"), min_bid_per_gpu_hour=Decimal("0.40"),
     )  # fmt: skip
     state = Path(tempfile.mkdtemp(prefix="bench-agent-"))
+    state.chmod(0o711)  # run as root, the process runtime runs a rental as nobody (uid 65534)
+    log_path = ROOT / ".var" / "bench" / "agents-real-agent.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     agent = subprocess.Popen(
         [sys.executable, "-m", "nodeagent", "--server", base, "--join-token", token,
          "--runtime", runtime, "--gpu-mode", "none", "--telemetry", "simulated",
          "--simulate-gpus", "rtx4090-24gb:1", "--hostname", "bench-real",
          "--state-dir", str(state / "s"), "--volume-root", str(state / "v"),
          "--process-dir", str(state / "r"), "--interval", "1"],
-        cwd=ROOT, env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=ROOT, env=dict(os.environ), stdout=log_path.open("wb"), stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
         from marketplace.models import Node
@@ -229,7 +232,11 @@ def scheduled_to_running(base: str) -> tuple[float, str]:
         deadline = time.monotonic() + 120
         while Rental.objects.get(pk=rental.pk).status != RentalStatus.RUNNING:
             if time.monotonic() > deadline:
-                raise RuntimeError("the rental did not reach RUNNING")
+                rental = Rental.objects.get(pk=rental.pk)
+                raise RuntimeError(
+                    f"the rental did not reach RUNNING: {rental.status} ({rental.status_reason});"
+                    f" the agent's log: {log_path}"
+                )
             time.sleep(0.1)
         events = dict(
             RentalEvent.objects.filter(rental=rental).values_list("to_status", "created_at")
