@@ -18,7 +18,6 @@ from marketplace.models import Rental, RentalEvent
 from marketplace.rows import model_insert, pipelined
 from tests.factories import personal_team
 
-
 START = timezone.now()
 
 
