@@ -57,6 +57,11 @@ def model_insert(obj: M) -> M:
         row = cursor.fetchone() if returning else ()
     for field, value in zip(returning, row, strict=True):
         setattr(obj, field.attname, _converted(field, value))
+    return mark_saved(obj)
+
+
+def mark_saved(obj: M) -> M:
+    """The instance is a row of the database now (its INSERT went through a statement here)."""
     obj._state.adding = False
     obj._state.db = connection.alias
     return obj
@@ -81,7 +86,8 @@ def pipelined(statements: Sequence[tuple[str, Sequence]]) -> list[list[tuple]]:
     it ends, each with a snapshot of its own as any statement in READ COMMITTED, so a read
     sent behind a `FOR UPDATE` sees what the lock's previous holder committed. The rows of
     each; a failing statement raises, as Django's cursors do, and the ones after it do not
-    run."""
+    run. The statements go through psycopg's cursors, so Django's execute wrappers (and its
+    query log) do not see them."""
     with connection.cursor() as checked:  # Django's checks: connected, no broken atomic block
         pg = checked.cursor.connection
         with connection.wrap_database_errors:

@@ -16,7 +16,7 @@ from billing.models import Account, AccountKind, EntryKind, FundsHold, LedgerEnt
 from billing.services import budgets
 from marketplace.errors import PaymentRequired, ValidationFailed
 from marketplace.models import Provider, Rental, Team, User
-from marketplace.rows import insert_values, model_from_row, model_insert, pipelined
+from marketplace.rows import insert_values, mark_saved, model_from_row, model_insert, pipelined
 
 
 def account_for_team(*, team: Team) -> Account:
@@ -202,7 +202,7 @@ def _team_account_locked_holding(*, hold: FundsHold, team_id: int) -> tuple[Acco
         return _team_account_locked_holding(hold=hold, team_id=team_id)
     account = model_from_row(Account, _ACCOUNT_FIELDS, locked[0])
     hold.account = account
-    hold._state.adding, hold._state.db = False, connection.alias
+    mark_saved(hold)
     accrued, held = owed[0]
     return account, int(accrued), int(held)
 
