@@ -1,11 +1,12 @@
 """The web server's layout, one definition for `dev.py up`, the benchmarks, the image and the
 Kubernetes manifest: `gunicorn config.wsgi -c python:config.gunicorn`.
 
-An API request is CPU-bound Python (PostgreSQL answers in a fraction of its time), and a process
-runs Python on one core at a time, so the cores are used by processes, two per core; two threads
-in each cover a request that waits (object storage, Stripe). More threads only queue on the
-interpreter lock: on 2 cores, API creates from 4 clients ran at 256/s with 4 processes of 1
-thread, 241/s with 4 of 2, and 216-221/s with 2 of 4 (bench/scheduler.py, the same minutes).
+An API request is mostly Python on the CPU (PostgreSQL answers in a fraction of its time), and
+the threads of one process take turns on the interpreter lock: the cores are filled with
+processes, two per core, and two threads in each cover a request that waits (object storage,
+Stripe). bench/scheduler.py on 2 cores (4 clients creating, from cold connections) found the
+layouts within its noise of each other: 4 processes of 2 threads 204.9-214.7 creates/s, 2 of 4
+211.7-212.3/s, 4 of 1 208.4/s.
 
 WEB_WORKERS and WEB_THREADS override both. In a container limited by a CPU quota, set
 WEB_WORKERS to twice the pod's cores: the processor count seen here is the node's.
