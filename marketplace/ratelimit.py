@@ -1,12 +1,15 @@
-"""Fixed-window request counting in Redis for the customer and agent APIs: one round trip per
-request.
+"""Request counting in Redis for the customer and agent APIs: one round trip per request.
 
 DRF's cache throttle reads and rewrites a list of timestamps through Django's cache: two round
 trips, a list as long as the rate pickled both ways on every request, and a race between the
 read and the write that lets concurrent requests past the rate. Here a counter per (scope,
-ident, window) is INCRemented and given its expiry in one pipeline, atomically. A fixed window
-lets a client make up to twice its rate across a window's edge, never more. When Redis does not
-answer, requests are let through: an outage of the limiter must not stop the API.
+ident, window) is INCRemented and given its expiry in one pipeline, atomically, which also reads
+the previous window's counter. The count that decides is a sliding window's: this window's
+requests plus the previous window's, weighted by the share of the previous window that the last
+`period` seconds still cover. A fixed window alone let a client make twice its rate across a
+window's edge; this one lets it past its rate only by what the weighting assumes (requests
+spread evenly over the previous window). When Redis does not answer, requests are let through:
+an outage of the limiter must not stop the API.
 """
 
 from __future__ import annotations
@@ -37,25 +40,38 @@ def hit(
     ident: str,
     rate: str,
     on_error: Callable[[Exception], None] | None = None,
+    now: float | None = None,
 ) -> float | None:
-    """Count one request; None when it is allowed, else the seconds until the window ends.
-    Without a client (Redis paused) or when Redis fails, the request is allowed."""
+    """Count one request; None when it is allowed, else the seconds until one would be (if no
+    other came). Without a client (Redis paused) or when Redis fails, the request is allowed.
+    `now`: the time, for tests that cross a window's edge."""
     limit, period = parse_rate(rate)
     if client is None:
         return None
-    now = time.time()
+    now = time.time() if now is None else now
     window = int(now // period)
-    key = f"gpumarket:rate:{scope}:{ident}:{window}"
+    key = f"gpumarket:rate:{scope}:{ident}:"
     try:
         pipe = client.pipeline(transaction=False)
-        pipe.incr(key)
-        pipe.expire(key, period + 1)
-        count, _ = pipe.execute()
+        pipe.incr(f"{key}{window}")
+        # Kept through the next window, which weighs it.
+        pipe.expire(f"{key}{window}", 2 * period + 1)
+        pipe.get(f"{key}{window - 1}")
+        count, _, previous = pipe.execute()
     except redis.RedisError as exc:
         log.warning("rate limiter unavailable, request allowed: %s", exc)
         if on_error is not None:
             on_error(exc)
         return None
-    if count <= limit:
+    previous = int(previous or 0)
+    into = now - window * period  # seconds into this window
+    # Requests are whole: the tolerance keeps rounding (a float of today's epoch seconds is
+    # exact to about 2e-7 s) from refusing a request exactly at the rate.
+    if previous * (1 - into / period) + count <= limit + 1e-6:
         return None
-    return (window + 1) * period - now
+    # When the next request would pass if no other came: this one is counted, so the next makes
+    # count + 1, and the previous window's weight falls to zero at this window's end...
+    if count + 1 <= limit:
+        return period * (1 - (limit - count - 1) / previous) - into
+    # ...or not before the next window, where this window's count is weighed the same way.
+    return (window + 1) * period - now + period * min(1.0, max(0.0, 1 - (limit - 1) / count))

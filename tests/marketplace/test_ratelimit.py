@@ -1,0 +1,56 @@
+"""The request counter behind the API throttles (marketplace.ratelimit), on the real Redis:
+a sliding window, so a client cannot make twice its rate across a window's edge."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from marketplace.ratelimit import hit
+from marketplace.redis_clients import redis_clients
+
+RATE = "10/min"
+START = 29_000_000 * 60.0  # the start of a minute's window
+
+
+@pytest.fixture
+def counter():
+    client = redis_clients().hot()
+    assert client is not None
+    ident = uuid.uuid4().hex
+
+    def count(at: float, rate: str = RATE):
+        return hit(client, scope="test", ident=ident, rate=rate, now=START + at)
+
+    return count
+
+
+def test_a_burst_across_a_windows_edge_is_held_to_the_rate(counter):
+    # Given a client that spent its rate in the last second of one window
+    assert [counter(59.0) for _ in range(10)] == [None] * 10
+
+    # When it asks again half a second into the next window (a fixed window would let ten by)
+    wait = counter(60.5)
+
+    # Then it is refused, and told when the next request passes: once the last window's weight
+    # has fallen enough for one more (10 x (1 - 12/60) + 2 = 10)
+    assert wait == pytest.approx(11.5)
+    assert counter(60.5 + wait) is None
+    assert counter(60.5 + wait) is not None
+
+
+def test_a_client_below_its_rate_is_never_refused(counter):
+    # Nine requests a minute, evenly, for five minutes, across every window's edge
+    times = [i * 60 / 9 for i in range(45)]
+    assert [counter(at) for at in times] == [None] * 45
+
+
+def test_a_client_far_past_its_rate_waits_into_the_next_window(counter):
+    # 25 requests in one window: the next must wait until this window's weight has fallen too
+    answers = [counter(30.0) for _ in range(25)]
+    assert answers[:10] == [None] * 10
+    wait = answers[-1]
+    # 30 s to the window's end, then until 25 x (1 - e/60) + 1 <= 10: e = 60 x (1 - 9/25)
+    assert wait == pytest.approx(30 + 60 * (1 - 9 / 25))
+    assert counter(30.0 + wait) is None
