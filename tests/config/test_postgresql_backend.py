@@ -4,6 +4,8 @@ server closed is still found and replaced."""
 
 from __future__ import annotations
 
+import select
+
 import psycopg
 import pytest
 from django.conf import settings
@@ -25,6 +27,14 @@ def _last_query(pid: int) -> str:
         return admin.execute("SELECT query FROM pg_stat_activity WHERE pid = %s", [pid]).fetchone()[
             0
         ]
+
+
+def _readable(timeout_s: float = 10.0) -> bool:
+    """Wait until the kept connection's socket has bytes to read: the server writes them
+    (a notification, the message that ends the connection) a moment after it is asked to."""
+    poller = select.poll()
+    poller.register(connection.connection.fileno(), select.POLLIN)
+    return bool(poller.poll(int(timeout_s * 1000)))
 
 
 def _new_request() -> None:
@@ -60,6 +70,7 @@ def test_a_connection_the_server_ended_is_replaced_before_the_request_uses_it():
     pid = connection.connection.info.backend_pid
     with _admin() as admin:
         assert admin.execute("SELECT pg_terminate_backend(%s)", [pid]).fetchone()[0] is True
+    assert _readable()
 
     # When the next request checks it and runs a query
     _new_request()
@@ -79,6 +90,7 @@ def test_a_connection_with_something_to_read_gets_the_full_check_and_is_kept():
     pid = connection.connection.info.backend_pid
     with _admin() as admin:
         admin.execute("NOTIFY gpumarket_test_channel")
+    assert _readable()
 
     # When the next request checks it
     _new_request()
