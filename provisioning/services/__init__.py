@@ -28,6 +28,8 @@ from provisioning.services.telemetry import (
     TELEMETRY_BUFFER_KEY,
     telemetry_buffer,
     telemetry_flush,
+    telemetry_outbox_discard,
+    telemetry_outbox_push,
 )
 
 __all__ = [
@@ -54,4 +56,6 @@ __all__ = [
     "run_logs_store",
     "telemetry_buffer",
     "telemetry_flush",
+    "telemetry_outbox_discard",
+    "telemetry_outbox_push",
 ]

@@ -319,6 +319,92 @@ def test_heartbeat_telemetry_is_buffered_then_stored_in_bulk(agent):
     assert telemetry_flush() == 0
 
 
+def _buffered() -> list[dict]:
+    from marketplace.redis_clients import redis_clients
+    from provisioning.services import TELEMETRY_BUFFER_KEY
+
+    raw = redis_clients().background().lrange(TELEMETRY_BUFFER_KEY, 0, -1)
+    return [json.loads(entry) for entry in raw]
+
+
+def _sample(ts: float, gpu: int = 0) -> dict:
+    return {"gpu_index": gpu, "ts": ts, "util_pct": 10.0, "mem_used_mb": 1, "power_w": 1.0,
+            "temp_c": 30.0}  # fmt: skip
+
+
+def test_a_heartbeats_samples_reach_the_redis_buffer_from_the_process_outbox(agent):
+    """The heartbeat makes no round trip for its samples: the outbox's thread pushes them."""
+    import time
+
+    from marketplace.redis_clients import redis_clients
+    from provisioning.services import TELEMETRY_BUFFER_KEY
+
+    redis_clients().background().delete(TELEMETRY_BUFFER_KEY)
+    for t in range(3):
+        assert _beat(agent, telemetry=[_sample(1.8e9 + t)]).status_code == 200
+    deadline = time.monotonic() + 10
+    while len(_buffered()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [(e["node"], e["samples"][0]["ts"]) for e in _buffered()] == [
+        (agent.node.pk, 1.8e9 + t) for t in range(3)
+    ]
+
+
+def test_samples_wait_in_the_outbox_while_redis_is_down_and_go_in_order_when_it_is_back(
+    agent, caplog, monkeypatch
+):
+    import socket
+
+    from marketplace.redis_clients import RedisClients, redis_clients, redis_clients_replaced
+    from provisioning.services import TELEMETRY_BUFFER_KEY, telemetry_outbox_push
+    from provisioning.services import telemetry as telemetry_module
+
+    redis_clients().background().delete(TELEMETRY_BUFFER_KEY)
+    monkeypatch.setattr(telemetry_module, "OUTBOX_MAX_ENTRIES", 4)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there: every connection is refused
+    with redis_clients_replaced(RedisClients(f"redis://127.0.0.1:{port}/0", hot_pause_s=0)):
+        for t in range(6):
+            assert _beat(agent, telemetry=[_sample(1.8e9 + t)]).status_code == 200
+        assert telemetry_outbox_push() == 0  # refused, and kept
+    telemetry_outbox_push()  # or the outbox's thread, whichever comes first
+    # the newest 4, in order; the 2 oldest were dropped, and said so
+    assert [e["samples"][0]["ts"] for e in _buffered()] == [1.8e9 + t for t in range(2, 6)]
+    assert "2 heartbeats' samples dropped" in caplog.text
+    assert telemetry_outbox_push() == 0
+
+
+def test_a_forked_process_pushes_only_its_own_samples(agent):
+    import os
+
+    from marketplace.redis_clients import redis_clients
+    from provisioning.services import (
+        TELEMETRY_BUFFER_KEY,
+        telemetry_buffer,
+        telemetry_outbox_discard,
+        telemetry_outbox_push,
+    )
+
+    client = redis_clients().background()
+    client.delete(TELEMETRY_BUFFER_KEY)
+    telemetry_buffer(node_id=1, samples=[_sample(1.0)])
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's entry is not its to push
+        code = 1
+        try:
+            telemetry_buffer(node_id=2, samples=[_sample(2.0)])
+            code = 0 if telemetry_outbox_push() == 1 else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    telemetry_outbox_push()  # the parent's own (unless its thread pushed it already)
+    assert sorted(e["node"] for e in _buffered()) == [1, 2]  # each once
+    telemetry_outbox_discard()
+
+
 @pytest.fixture
 def agent_rate(settings):
     from marketplace.redis_clients import redis_clients

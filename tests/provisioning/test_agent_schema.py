@@ -11,6 +11,9 @@ from typing import Any
 
 import pytest
 from drf_spectacular.generators import SchemaGenerator
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rest_framework import serializers as rf_serializers
 
 from agentprotocol import (
     ArtifactCommit,
@@ -116,3 +119,98 @@ def test_the_join_answer_in_the_schema_is_the_protocols(schema):
 )
 def test_each_serializer_has_exactly_its_messages_fields(serializer, message):
     assert set(serializer().fields) == field_names(message)
+
+
+# Values of every kind a JSON body can hold, near and past the telemetry fields' bounds.
+_JSON_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(1 << 40), max_value=1 << 40),
+    st.sampled_from([0, 1, 100, 101, 255, 256, -273, -274, 1 << 24, (1 << 24) + 1, (1 << 31) - 1,
+                     1 << 31, 10**400]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0.0, 100.0, 100.5, -273.0, 1e10, 1e10 + 1e-3, 1.5e9]),
+    st.text(max_size=8),
+    st.sampled_from(["5", "5.0", "1e3", "true", "nan"]),
+    st.lists(st.integers(), max_size=2),
+)  # fmt: skip
+_SAMPLE_KEYS = [f.name for f in dataclasses.fields(GpuSample)]
+
+
+def _drf_answer(data: Any) -> tuple[str, Any]:
+    """What DRF's own field-by-field path gives for one telemetry element."""
+    element = serializers.TelemetrySerializer()
+    try:
+        return "valid", rf_serializers.Serializer.run_validation(element, data)
+    except rf_serializers.ValidationError as exc:
+        return "refused", exc.detail
+
+
+def _answer(data: Any) -> tuple[str, Any]:
+    element = serializers.TelemetrySerializer()
+    try:
+        return "valid", element.run_validation(data)
+    except rf_serializers.ValidationError as exc:
+        return "refused", exc.detail
+
+
+# A valid value of each field of a GPU sample.
+_VALID = {
+    "gpu_index": st.integers(0, 255),
+    "ts": st.floats(0, 1e10) | st.integers(0, 10**10),
+    "util_pct": st.floats(0, 100),
+    "mem_used_mb": st.integers(0, 1 << 24),
+    "power_w": st.floats(0, 100_000),
+    "temp_c": st.floats(-273, 1000),
+    "ecc_errors": st.integers(0, (1 << 31) - 1),
+    "xid_errors": st.integers(0, (1 << 31) - 1),
+    "healthy": st.booleans(),
+}
+_REQUIRED = ["gpu_index", "ts", "util_pct", "mem_used_mb", "power_w", "temp_c"]
+
+
+_VALID_SAMPLES = st.builds(
+    lambda required, optional: {**required, **optional},
+    st.fixed_dictionaries({key: _VALID[key] for key in _REQUIRED}),
+    st.fixed_dictionaries(
+        {}, optional={key: _VALID[key] for key in ("ecc_errors", "xid_errors", "healthy")}
+    ),
+)
+
+
+@given(
+    sample=_VALID_SAMPLES,
+    # a valid sample with one or two values replaced by anything JSON can hold, or removed
+    changes=st.lists(
+        st.tuples(st.sampled_from([*_SAMPLE_KEYS, "extra"]), st.none() | st.just("del")),
+        min_size=1,
+        max_size=2,
+    ),
+    values=st.lists(_JSON_SCALARS, min_size=2, max_size=2),
+)
+@settings(max_examples=1500, deadline=None)
+def test_a_gpu_sample_checked_in_one_pass_gets_drfs_answer(sample, changes, values):
+    for (key, how), value in zip(changes, values, strict=False):
+        if how == "del":
+            sample.pop(key, None)
+        else:
+            sample[key] = value
+    assert _answer(sample) == _drf_answer(sample)
+
+
+@given(sample=_VALID_SAMPLES)
+@settings(max_examples=300, deadline=None)
+def test_a_valid_gpu_sample_is_checked_in_one_pass(sample):
+    plan = serializers._scalar_plan(serializers.TelemetrySerializer())
+    checked = serializers._scalar_checked(plan, sample)
+    assert checked is not None
+    status, drf = _drf_answer(sample)
+    assert status == "valid"
+    assert list(checked.items()) == list(drf.items())
+    assert [type(v) for v in checked.values()] == [type(v) for v in drf.values()]
+
+
+def test_the_heartbeats_scalar_elements_are_checked_in_one_pass():
+    """A field added to the sample of a kind the one pass cannot check (or a validate method)
+    would silently turn it off: it stays on for the telemetry element."""
+    assert len(serializers._scalar_plan(serializers.TelemetrySerializer())) == len(_SAMPLE_KEYS)
