@@ -74,6 +74,17 @@ MIDDLEWARE = [
     # After sessions, auth and messages: it reads the user and says why it redirects.
     "config.accounts.StaffTwoFactorMiddleware",
 ]
+# The agent API (node tokens, no browser) is served by its own handler with only the middleware
+# a machine's request needs (config/wsgi.py): sessions, CSRF, the user, allauth, messages, axes
+# and the staff check did nothing for it but cost a tenth of a heartbeat's server time.
+AGENT_API_PREFIX = "/api/agent/"
+AGENT_MIDDLEWARE = [
+    "config.observability.logs.RequestIdMiddleware",
+    "config.observability.metrics.RequestMetricsMiddleware",
+    "django.middleware.security.SecurityMiddleware",
+    "marketplace.api.guards.RequestGuardMiddleware",
+    "django.middleware.common.CommonMiddleware",
+]
 
 ROOT_URLCONF = "config.urls"
 WSGI_APPLICATION = "config.wsgi.application"
