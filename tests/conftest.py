@@ -49,6 +49,21 @@ def provider(db) -> Provider:
 
 
 @pytest.fixture
+def join_token(provider) -> str:
+    """A one-time join token of `provider` for region eu-west."""
+    from provisioning.services import join_token_create
+
+    _, raw = join_token_create(
+        provider=provider,
+        created_by=provider.owner,
+        region="eu-west",
+        price_per_gpu_hour=Decimal("1.20"),
+        min_bid_per_gpu_hour=Decimal("0.40"),
+    )
+    return raw
+
+
+@pytest.fixture
 def api() -> APIClient:
     return APIClient()
 

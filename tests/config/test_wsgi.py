@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import io
 import json
-from decimal import Decimal
 from wsgiref.util import setup_testing_defaults
 
 import pytest
 from django.conf import settings
 
 from marketplace.models import Node
-from provisioning.services import join_token_create
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -43,19 +41,12 @@ def _call(method: str, path: str, body: dict | None = None, **headers: str):
 
 
 @pytest.fixture
-def node_token(provider) -> str:
-    _, raw = join_token_create(
-        provider=provider,
-        created_by=provider.owner,
-        region="eu-west",
-        price_per_gpu_hour=Decimal("1.20"),
-        min_bid_per_gpu_hour=Decimal("0.40"),
-    )
+def node_token(join_token) -> str:
     status, _, content = _call(
         "POST",
         "/api/agent/v1/join/",
         {
-            "join_token": raw,
+            "join_token": join_token,
             "hostname": "wsgi-host",
             "host": {"cpu_cores": 8, "ram_gb": 64, "disk_gb": 500},
             "gpus": [{"index": 0, "uuid": "GPU-wsgi-0", "name": "NVIDIA A100-SXM4-80GB",

@@ -27,18 +27,6 @@ def _gpus(n=4, name="NVIDIA A100-SXM4-80GB", memory_mb=81920):
 
 
 @pytest.fixture
-def join_token(provider):
-    _, raw = join_token_create(
-        provider=provider,
-        created_by=provider.owner,
-        region="eu-west",
-        price_per_gpu_hour=Decimal("1.20"),
-        min_bid_per_gpu_hour=Decimal("0.40"),
-    )
-    return raw
-
-
-@pytest.fixture
 def agent(api, join_token):
     r = api.post(
         "/api/agent/v1/join/",
