@@ -9,7 +9,7 @@ from marketplace.cli import main
 from marketplace.models import Rental
 from marketplace.services import api_token_create
 from tests.factories import personal_team
-from tests.provisioning.test_agent_api import _beat, agent, join_token  # noqa: F401
+from tests.provisioning.test_agent_api import _beat, agent  # noqa: F401
 from tests.provisioning.test_run_logs import _running
 
 pytestmark = pytest.mark.django_db(transaction=True)

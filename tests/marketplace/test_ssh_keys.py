@@ -19,7 +19,7 @@ from marketplace.services.sshkeys import ssh_key_add, ssh_key_parse
 from provisioning.models import ContainerRun
 from scheduler.services import scheduler_cycle_run
 from tests.factories import personal_team
-from tests.provisioning.test_agent_api import _beat, agent, join_token  # noqa: F401
+from tests.provisioning.test_agent_api import _beat, agent  # noqa: F401
 
 pytestmark = pytest.mark.django_db
 

@@ -8,7 +8,7 @@ from rest_framework.test import APIClient
 
 from provisioning.models import RunLogLine
 from provisioning.services import run_logs_expire, telemetry_flush
-from tests.provisioning.test_agent_api import _beat, _schedule, agent, join_token  # noqa: F401
+from tests.provisioning.test_agent_api import _beat, _schedule, agent  # noqa: F401
 
 pytestmark = pytest.mark.django_db
 
