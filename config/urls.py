@@ -17,6 +17,8 @@ admin.site.login = secure_admin_login(admin.site.login)
 handler404 = "marketplace.api.exceptions.not_found"
 
 urlpatterns = [
+    # First: the agents' requests are the most frequent, and Django tries the routes in order.
+    path("api/agent/v1/", include(agent_urlpatterns)),
     path("admin/", admin.site.urls),
     path(
         "accounts/confirm-email/<str:key>/",
@@ -33,7 +35,6 @@ urlpatterns = [
     path("notifications/", include("notifications.urls")),
     path("api/v1/providers/", include(provider_urlpatterns)),
     path("api/v1/rentals/", include(rental_urlpatterns)),
-    path("api/agent/v1/", include(agent_urlpatterns)),
     path("healthz", healthz, name="healthz"),
     path("readyz", readyz, name="readyz"),
     path("metrics", metrics_view, name="metrics"),
