@@ -41,12 +41,15 @@ from tests.e2e.conftest import (
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 # Long enough that the host dies mid-run, whatever the machine's speed: a run that reached its
-# last step before the kill would resume with nothing left to do.
+# last step before the kill would resume with nothing left to do. The steps are made heavy
+# enough for that (about 18 ms each on one core here, 27 s in all; a first checkpoint is synced
+# within a few seconds): with a 1-layer, 32-wide model 1,500 steps took 3.5 s, and a run once
+# ended before its first sync was seen.
 STEPS = 1500
 CHECKPOINT_EVERY = 50
 CONFIG = {
-    "model": {"name": "gpt", "layers": 1, "width": 32, "heads": 2},
-    "data": {"name": "text", "batch_size": 4, "seq_len": 16, "path": "corpus"},
+    "model": {"name": "gpt", "layers": 2, "width": 128, "heads": 4},
+    "data": {"name": "text", "batch_size": 16, "seq_len": 32, "path": "corpus"},
     "train": {"steps": STEPS, "log_every": 25, "device": "cpu"},
     "checkpoint": {"every_steps": CHECKPOINT_EVERY, "keep": 2},
 }
