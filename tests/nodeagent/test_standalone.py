@@ -44,7 +44,7 @@ def test_the_agent_installs_and_runs_without_django(tmp_path):
     python = env_dir / "bin" / "python"
     install = run(
         python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-        f"{source}[agent]", "pytest",
+        f"{source}[agent]", "pytest", "hypothesis",
         cwd=tmp_path, timeout=600,
     )  # fmt: skip
     assert install.returncode == 0, install.stderr
