@@ -12,7 +12,11 @@ Then one real agent (`python -m nodeagent`, Docker runtime when an engine answer
 else the local-process runtime) gets a rental, and the time from SCHEDULED to RUNNING is read
 from the rental's event rows.
 
-    python bench/agents.py [--agents 200] [--seconds 20]
+    python bench/agents.py [--agents 200] [--seconds 20] [--interval 1]
+
+`--interval 5` is the agents' real heartbeat interval (the server's HEARTBEAT_INTERVAL_S): with
+`--agents 1000` it offers the same 200 heartbeats a second from five times the hosts, each
+connection idle for 5 s between its heartbeats.
 """
 
 from __future__ import annotations
@@ -94,7 +98,9 @@ async def join_agents(base: str, tokens: list[str]) -> list[str]:
     return node_tokens
 
 
-async def run_agents(base: str, node_tokens: list[str], seconds: float) -> tuple[list[float], int]:
+async def run_agents(
+    base: str, node_tokens: list[str], seconds: float, interval: float = 1.0
+) -> tuple[list[float], int]:
     import aiohttp
 
     from agentprotocol import HEARTBEAT_PATH, GpuSample, Heartbeat
@@ -137,10 +143,12 @@ async def run_agents(base: str, node_tokens: list[str], seconds: float) -> tuple
                 except (aiohttp.ClientError, TimeoutError):
                     errors += 1
                 latencies.append((time.perf_counter() - t0) * 1000)
-                next_at += 1.0
+                next_at += interval
                 await asyncio.sleep(max(0.0, next_at - time.monotonic()))
 
-        await asyncio.gather(*(agent(t, i / len(node_tokens)) for i, t in enumerate(node_tokens)))
+        await asyncio.gather(
+            *(agent(t, i * interval / len(node_tokens)) for i, t in enumerate(node_tokens))
+        )
     return latencies, errors
 
 
@@ -260,6 +268,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--agents", type=int, default=200)
     parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between heartbeats")
     parser.add_argument("--workers", type=int, help="gunicorn processes (default: 2 per core)")
     args = parser.parse_args()
     with bench_database("gpumarket_bench_agents"):
@@ -269,7 +278,9 @@ def main() -> None:
             node_tokens = asyncio.run(join_agents(server.base_url, tokens))
             cpu0 = server_cpu_seconds(server)
             t0 = time.perf_counter()
-            latencies, errors = asyncio.run(run_agents(server.base_url, node_tokens, args.seconds))
+            latencies, errors = asyncio.run(
+                run_agents(server.base_url, node_tokens, args.seconds, args.interval)
+            )
             wall = time.perf_counter() - t0
             cpu = server_cpu_seconds(server) - cpu0
             health_ms = cpu_per_request(server, server.base_url + "/healthz")
@@ -278,8 +289,10 @@ def main() -> None:
     rate = handled / args.seconds
     p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
     cpu_ms = cpu * 1000 / max(1, len(latencies))
+    offered = args.agents / args.interval
     print(
-        f"{args.agents} agents x 1 heartbeat/s = {args.agents}/s offered for {args.seconds:.0f} s"
+        f"{args.agents} agents x 1 heartbeat every {args.interval:g} s = {offered:g}/s offered"
+        f" for {args.seconds:.0f} s"
     )
     print(f"handled {rate:,.1f} heartbeats/s ({errors} errors), p50 {p50:.1f} ms, p99 {p99:.1f} ms")
     print(
@@ -296,7 +309,8 @@ def main() -> None:
             "server_cpu_ms_per_healthz": round(health_ms, 2),
             "heartbeat_cpu_to_healthz": round(cpu_ms / health_ms, 2),
             "scheduled_to_running_s": round(to_running, 2),
-            "offered_heartbeats_per_s": args.agents,
+            "offered_heartbeats_per_s": round(offered, 1),
+            "interval_s": args.interval,
             "heartbeat_p50_ms": round(p50, 1),
             "errors": errors,
             "runtime": runtime,
