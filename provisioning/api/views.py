@@ -31,6 +31,7 @@ from marketplace.api.pagination import PaginatedListView
 from marketplace.api.throttles import RateThrottle
 from marketplace.errors import NotFound
 from marketplace.models import Node, Provider, Rental
+from marketplace.services import token_hash
 from marketplace.services.storage import FileSpec, UploadedFile
 from marketplace.tenancy import request_team
 from provisioning import services
@@ -77,14 +78,19 @@ class AgentJSONParser(JSONParser):
 class NodeAuthentication(BaseAuthentication):
     """`Authorization: Bearer gpn_...`: the node token; the request's `user` is the node."""
 
-    def authenticate(self, request):
+    @staticmethod
+    def bearer(request) -> str:
+        """The token as sent, not yet checked; 401 when there is none or it is malformed."""
         header = get_authorization_header(request).split()
         if len(header) != 2 or header[0].lower() != b"bearer":
             raise exceptions.AuthenticationFailed("node token required")
         try:
-            raw = header[1].decode()
+            return header[1].decode()
         except UnicodeError as exc:
             raise exceptions.AuthenticationFailed("malformed token") from exc
+
+    def authenticate(self, request):
+        raw = self.bearer(request)
         node = services.node_authenticate(raw)
         if node is None:
             raise exceptions.AuthenticationFailed("invalid or revoked node token")
@@ -101,12 +107,15 @@ class IsNode(permissions.BasePermission):
 
 
 class NodeThrottle(RateThrottle):
-    """Per-node request rate: a runaway agent cannot starve the others."""
+    """Per-node request rate: a runaway agent cannot starve the others.
+
+    Counted per node token (a node has one at a time), so the heartbeat can be counted before
+    its token is checked with it."""
 
     scope = "agent"
 
     def ident(self, request) -> str | None:
-        return f"node-{request.user.pk}"
+        return f"node-{token_hash(NodeAuthentication.bearer(request))[:32]}"
 
 
 class JoinThrottle(RateThrottle):
@@ -161,21 +170,37 @@ class JoinView(APIView):
 
 
 class HeartbeatView(APIView):
-    """Actual state in, desired state out."""
+    """Actual state in, desired state out.
+
+    The token is checked with the heartbeat, not before it: a heartbeat with nothing to report
+    but telemetry, the common case, is authenticated, marked seen and answered in one statement.
+    So the token's form is checked first (401), then the node's rate (429), then the body (400,
+    or 401 when the token is not valid), then the token (401)."""
 
     authentication_classes = [NodeAuthentication]
     permission_classes = [IsNode]
     throttle_classes = [NodeThrottle]
     parser_classes = [AgentJSONParser]
 
+    def perform_authentication(self, request: Request) -> None:
+        NodeAuthentication.bearer(request)  # its form only: post() checks the token
+
+    def check_permissions(self, request: Request) -> None:
+        """Not before the body: post() lets no request through without a node's valid token."""
+
     @extend_schema(request=HeartbeatSerializer, responses={200: HeartbeatAnswerSerializer})
     def post(self, request: Request) -> Response:
-        _check_size(request)
-        body = HeartbeatSerializer.for_data(request.data)
-        body.is_valid(raise_exception=True)
+        try:
+            _check_size(request)
+            body = HeartbeatSerializer.for_data(request.data)
+            body.is_valid(raise_exception=True)
+        except exceptions.APIException:
+            # An unknown token is told so, not what was wrong with its body.
+            super().check_permissions(request)
+            raise
         data = body.validated_data
-        answer = services.node_heartbeat(
-            node=request.user,
+        applied = services.node_heartbeat_by_token(
+            raw_token=NodeAuthentication.bearer(request),
             containers=[_message(ContainerReport, c) for c in data["containers"]],
             usage=[_message(UsageReport, u) for u in data["usage"]],
             telemetry=data["telemetry"],
@@ -184,6 +209,10 @@ class HeartbeatView(APIView):
             benchmark=data["benchmark"],
             dropped=body.dropped(),
         )
+        if applied is None:
+            raise exceptions.AuthenticationFailed("invalid or revoked node token")
+        node_id, answer = applied
+        structlog.contextvars.bind_contextvars(node_id=node_id)
         return Response(answer.to_payload())
 
 

@@ -11,6 +11,7 @@ from provisioning.services.heartbeat import (
     heartbeat_interval_s,
     metrics_store,
     node_heartbeat,
+    node_heartbeat_by_token,
     run_id_for,
 )
 from provisioning.services.join import (
@@ -47,6 +48,7 @@ __all__ = [
     "node_authenticate",
     "node_credential_revoke",
     "node_heartbeat",
+    "node_heartbeat_by_token",
     "node_join",
     "nodes_mark_silent",
     "nodes_reliability_update",

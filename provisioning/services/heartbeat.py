@@ -44,7 +44,9 @@ from marketplace.selectors import (
     rentals_dataset_files,
     rentals_resume_checkpoints,
 )
+from marketplace.services import token_hash
 from provisioning.models import ContainerRun, NodeBenchmark, RunMetric
+from provisioning.services.join import node_authenticate
 from provisioning.services.logs import run_logs_store
 from provisioning.services.telemetry import telemetry_buffer
 
@@ -66,15 +68,37 @@ def _dt(epoch: float | None) -> datetime | None:
 # The reads of every heartbeat, in SQL: building them through the ORM cost more server time
 # than running them (they were a third of a heartbeat).
 _SEEN_SQL = "UPDATE marketplace_node SET last_seen_at = %s WHERE id = %s"
-_HELD_SQL = """
-SELECT a.rental_id, g.index, g.uuid
+# The GPUs a node holds now, for rentals whose container should run; {node} names the node.
+_HELD_FROM_WHERE = """
 FROM marketplace_allocation a
 JOIN marketplace_gpu g ON g.id = a.gpu_id
 JOIN marketplace_rental r ON r.id = a.rental_id
-WHERE a.node_id = %s AND a.released_at IS NULL AND a.during @> %s::timestamptz
+WHERE a.node_id = {node} AND a.released_at IS NULL AND a.during @> %s::timestamptz
   AND r.status = ANY(%s)
+"""
+_HELD_SQL = f"""
+SELECT a.rental_id, g.index, g.uuid {_HELD_FROM_WHERE.format(node="%s")}
 ORDER BY a.rental_id, g.index
 """
+# An idle heartbeat in one statement, from the token alone: the token names the node (no row:
+# it is unknown or revoked), the node is marked seen unless it is coming back from OFFLINE (the
+# full path brings it back under its row lock: `seen` is NULL), and `holds` says whether it
+# holds GPUs for a container that should run (the full path hands it over).
+_IDLE_BY_TOKEN_SQL = f"""
+WITH node AS (
+  SELECT c.node_id AS id FROM provisioning_nodecredential c
+  WHERE c.key_hash = %s AND c.revoked_at IS NULL
+  LIMIT 1
+), seen AS (
+  UPDATE marketplace_node n SET last_seen_at = %s FROM node
+  WHERE n.id = node.id AND n.status <> %s
+  RETURNING n.id, n.benchmark_requested
+)
+SELECT node.id, seen.id IS NOT NULL, seen.benchmark_requested,
+       EXISTS (SELECT 1 {_HELD_FROM_WHERE.format(node="node.id")}) AS holds
+FROM node LEFT JOIN seen ON true
+"""  # noqa: S608 - no value is formatted in, only the statement's own text
+_CONTAINER_WANTED = [str(s) for s in lifecycle.CONTAINER_WANTED]
 
 
 def run_id_for(rental_id, node_id: int, placed_at: datetime) -> str:
@@ -91,15 +115,6 @@ def _cpu_and_memory(node: Node, gpus: int) -> tuple[float, int]:
     return max(1.0, round(node.cpu_cores * share, 2)), max(2048, int(node.ram_gb * 1024 * share))
 
 
-# An idle node's heartbeat: seen, and asked what to run, in one statement (so in one
-# transaction) instead of BEGIN, UPDATE, SELECT, COMMIT.
-_SEEN_AND_HELD_SQL = f"WITH seen AS ({_SEEN_SQL}) {_HELD_SQL}"
-
-
-def _held_params(node: Node, now: datetime) -> list:
-    return [node.pk, now, [str(s) for s in lifecycle.CONTAINER_WANTED]]
-
-
 def _ports(rental: Rental) -> tuple[int, ...]:
     """The container ports to publish: the rental's own, and sshd's when it asked for SSH."""
     return tuple(sorted({*rental.ports, SSH_PORT})) if rental.ssh else tuple(rental.ports)
@@ -108,7 +123,7 @@ def _ports(rental: Rental) -> tuple[int, ...]:
 def desired_state(*, node: Node, now: datetime) -> list[DesiredRun]:
     """The containers that should run on the node now, from its active allocations."""
     with connection.cursor() as cursor:
-        cursor.execute(_HELD_SQL, _held_params(node, now))
+        cursor.execute(_HELD_SQL, [node.pk, now, _CONTAINER_WANTED])
         held = cursor.fetchall()
     return _desired_from(node=node, held=held)
 
@@ -315,6 +330,49 @@ def benchmark_record(*, node: Node, result: Mapping[str, Any]) -> NodeBenchmark:
     return bench
 
 
+def node_heartbeat_by_token(
+    *,
+    raw_token: str,
+    containers: list[ContainerReport],
+    usage: list[UsageReport],
+    telemetry: list[dict],
+    metrics: list[tuple[str, str, str]],
+    logs: list[tuple[str, int, str]] = (),
+    benchmark: Mapping[str, Any] | None = None,
+    dropped: Mapping[str, int] | None = None,
+) -> tuple[int, HeartbeatAnswer] | None:
+    """Authenticate a heartbeat's node token and apply the heartbeat (node_heartbeat); None,
+    and nothing changed, when the token is unknown or revoked.
+
+    A heartbeat with no report but telemetry, the common case, is one statement: the token
+    names the node, the node is marked seen and its held GPUs are read together. Only a node
+    that holds GPUs, or is coming back from OFFLINE, is read whole and takes the full path."""
+    # A report kind added to the heartbeat is named here too, or an idle node's would be lost.
+    if not any((containers, usage, metrics, logs, benchmark)):
+        now = timezone.now()
+        with connection.cursor() as cursor:
+            cursor.execute(
+                _IDLE_BY_TOKEN_SQL,
+                [token_hash(raw_token), now, NodeStatus.OFFLINE.value, now, _CONTAINER_WANTED],
+            )
+            row = cursor.fetchone()
+        if row is None:
+            return None
+        node_id, seen, run_benchmark, holds = row
+        if seen and not holds:
+            return node_id, _answer(node_id=node_id, telemetry=telemetry, desired=[], ack=0,
+                                    counts=Counter(dropped or {}),
+                                    run_benchmark=run_benchmark)  # fmt: skip
+    node = node_authenticate(raw_token)
+    if node is None:
+        return None
+    answer = node_heartbeat(
+        node=node, containers=containers, usage=usage, telemetry=telemetry, metrics=metrics,
+        logs=logs, benchmark=benchmark, dropped=dropped,
+    )  # fmt: skip
+    return node.pk, answer
+
+
 def node_heartbeat(
     *,
     node: Node,
@@ -334,15 +392,6 @@ def node_heartbeat(
     now = timezone.now()
     counts: Counter[str] = Counter(dropped or {})
     run_benchmark = node.benchmark_requested
-    # A report kind added to the heartbeat is named here too, or an idle node's would be lost.
-    if _idle_and_online(node, containers, usage, metrics, logs, benchmark):
-        with connection.cursor() as cursor:
-            cursor.execute(_SEEN_AND_HELD_SQL, [now, node.pk, *_held_params(node, now)])
-            held = cursor.fetchall()
-        if not held:
-            return _answer(node=node, telemetry=telemetry, desired=[], ack=0, counts=counts,
-                           run_benchmark=run_benchmark)  # fmt: skip
-        # Something to run: the full path below records the hand-over in its transaction.
     with transaction.atomic():
         _node_seen(node=node, now=now)
         for report in sorted(containers, key=lambda c: c.run_id):
@@ -368,19 +417,13 @@ def node_heartbeat(
         desired = desired_state(node=node, now=now)
         if desired:
             _runs_request(node=node, desired=desired)
-    return _answer(node=node, telemetry=telemetry, desired=desired, ack=ack, counts=counts,
+    return _answer(node_id=node.pk, telemetry=telemetry, desired=desired, ack=ack, counts=counts,
                    run_benchmark=run_benchmark)  # fmt: skip
-
-
-def _idle_and_online(node: Node, *reports: object) -> bool:
-    """A heartbeat whose reports (every kind but telemetry, each named by the caller) are all
-    empty, from a node that is not coming back from OFFLINE: it only marks the node seen."""
-    return not any(reports) and node.status != NodeStatus.OFFLINE
 
 
 def _answer(
     *,
-    node: Node,
+    node_id: int,
     telemetry: list[dict],
     desired: list[DesiredRun],
     ack: int,
@@ -389,7 +432,7 @@ def _answer(
 ) -> HeartbeatAnswer:
     if telemetry:
         # Redis is not in the transaction: buffered once the rest is applied.
-        telemetry_buffer(node_id=node.pk, samples=telemetry)
+        telemetry_buffer(node_id=node_id, samples=telemetry)
     return HeartbeatAnswer(
         desired=tuple(desired),
         ack_usage_seq=ack,

@@ -115,6 +115,52 @@ def test_forged_or_missing_node_token_is_401_and_changes_nothing(agent, header):
     assert Node.objects.get(pk=node.pk).last_seen_at == before
 
 
+def test_an_idle_heartbeat_is_one_statement_with_its_token_check(agent):
+    """Telemetry only, nothing held: the token is checked, the node marked seen and its held
+    GPUs read by one statement."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    Node.objects.filter(pk=agent.node.pk).update(last_seen_at=None)
+    sample = {"gpu_index": 0, "ts": 1.0, "util_pct": 5.0, "mem_used_mb": 1, "power_w": 1.0,
+              "temp_c": 30.0}  # fmt: skip
+    with CaptureQueriesContext(connection) as queries:
+        r = _beat(agent, telemetry=[sample])
+    assert r.status_code == 200, r.content
+    assert len(queries) == 1, [q["sql"] for q in queries]
+    assert "provisioning_nodecredential" in queries[0]["sql"]
+    assert r.json()["desired"] == [] and r.json()["run_benchmark"] is True  # asked at join
+    assert Node.objects.get(pk=agent.node.pk).last_seen_at is not None
+
+
+@pytest.mark.parametrize(
+    ("body", "content_type"),
+    [
+        ("{", "application/json"),
+        ('{"containers": "not a list"}', "application/json"),
+        ("[" * 50_000, "application/json"),
+        ("containers=1", "application/x-www-form-urlencoded"),
+    ],
+)
+def test_a_bad_heartbeat_is_401_for_a_bad_token_and_400_for_a_good_one(agent, body, content_type):
+    """The token is checked with the body: an unknown or revoked token is told only that, and
+    nothing is applied either way."""
+    seen = Node.objects.get(pk=agent.node.pk).last_seen_at
+    good = agent._credentials["HTTP_AUTHORIZATION"]
+    for header, want in [("Bearer gpn_forged", 401), (good, None)]:
+        client = APIClient()
+        client.credentials(HTTP_AUTHORIZATION=header)
+        r = client.generic("POST", "/api/agent/v1/heartbeat/", body, content_type=content_type)
+        if want == 401:
+            assert r.status_code == 401 and r["WWW-Authenticate"] == "Bearer", r.content
+        else:
+            assert r.status_code in (400, 415), r.content
+    node_credential_revoke(node_id=agent.node.pk, actor=None)
+    r = agent.generic("POST", "/api/agent/v1/heartbeat/", body, content_type=content_type)
+    assert r.status_code == 401
+    assert Node.objects.get(pk=agent.node.pk).last_seen_at == seen
+
+
 def test_the_node_read_at_each_agent_call_is_what_the_orm_reads(agent):
     """Every agent call reads its node by token in one hand-built statement: each field comes
     back as the ORM gives it, and a revoked or unknown token reads no node."""
@@ -441,6 +487,18 @@ def test_a_node_over_its_rate_gets_429_with_retry_after_and_nothing_applied(
     other = APIClient()
     other.credentials(HTTP_AUTHORIZATION=f"Bearer {r.json()['node_token']}")
     assert _beat(other).status_code == 200
+
+
+def test_a_nodes_agent_calls_share_one_budget(agent, agent_rate):
+    """The heartbeat is counted before its token is checked, by token, as the node's other
+    calls are: their requests count against the same rate."""
+    agent_rate("3/hour")
+    assert _beat(agent).status_code == 200
+    rental = "00000000-0000-0000-0000-000000000000"
+    for _ in range(2):  # refused by the view (no such run): counted all the same
+        r = agent.post(f"/api/agent/v1/rentals/{rental}/artifacts/uploads/", {}, format="json")
+        assert r.status_code == 400, r.content
+    assert _beat(agent).status_code == 429
 
 
 @pytest.fixture
