@@ -161,6 +161,16 @@ def test_a_bad_heartbeat_is_401_for_a_bad_token_and_400_for_a_good_one(agent, bo
     assert Node.objects.get(pk=agent.node.pk).last_seen_at == seen
 
 
+@pytest.mark.parametrize("method", ["OPTIONS", "GET", "PUT"])
+def test_other_methods_on_the_heartbeat_need_a_valid_token_first(agent, method):
+    forged = APIClient()
+    forged.credentials(HTTP_AUTHORIZATION="Bearer gpn_forged")
+    r = forged.generic(method, "/api/agent/v1/heartbeat/")
+    assert r.status_code == 401, r.content
+    assert "actions" not in r.content.decode()
+    assert agent.generic(method, "/api/agent/v1/heartbeat/").status_code in (200, 405)
+
+
 def test_the_node_read_at_each_agent_call_is_what_the_orm_reads(agent):
     """Every agent call reads its node by token in one hand-built statement: each field comes
     back as the ORM gives it, and a revoked or unknown token reads no node."""
