@@ -144,6 +144,28 @@ def _table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _duration(hours: float) -> str:
+    """Hours as a person reads them: 42 s, 6.4 min, 3.2 h, 12 d."""
+    seconds = hours * 3600
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            value = seconds / size
+            return f"{value:.1f} {unit}" if value < 10 else f"{value:,.0f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def _plan_row(plan: dict) -> dict:
+    """One of the advisor's plans as a table row: the memory a GPU needs in all (the JSON
+    output keeps its parts), the time, MFU as a percentage."""
+    return {
+        **plan,
+        "gb_per_gpu": f"{plan['per_gpu_gb']['total']:.1f}",
+        "time": _duration(plan["hours"]),
+        "mfu": f"{plan['mfu']:.0%}",
+        "flags": ",".join(plan["flags"]),
+    }
+
+
 def _advisor_body(args: argparse.Namespace) -> dict:
     body: dict[str, Any] = {"tokens_b": args.tokens_b, "precision": args.precision}
     for key in ("model", "params_b", "seq_len", "deadline_hours", "budget", "region"):
@@ -166,8 +188,8 @@ def run(args: argparse.Namespace, api: Api) -> str:
         return _table(rows, [*columns, "price_per_gpu_hour", "price_per_tflop_hour", "reliability"])
     if args.command == "advise":
         answer = api.call("POST", "/api/v1/advisor/", json=_advisor_body(args))
-        rows = [{**p, "flags": ",".join(p["flags"])} for p in answer["plans"]]
-        columns = ["id", "gpus", "per_gpu_gb", "hours", "mfu", "cost", "flags"]
+        rows = [_plan_row(p) for p in answer["plans"]]
+        columns = ["id", "gpus", "gb_per_gpu", "time", "mfu", "cost", "flags"]
         table = _table(rows, columns) if rows else "no plan"
         return "\n".join([table, *answer["reasons"]])
     if args.command == "book":

@@ -1,6 +1,7 @@
 """The command line against the live server over real HTTP."""
 
 import json
+import re
 import time
 
 import pytest
@@ -33,6 +34,10 @@ def test_offers_advise_rent_show_and_cancel(cli, make_node):
     assert code == 0 and "fra-1" in out and "H100 SXM5 80 GB" in out
     code, out, _ = cli("advise", "--model", "llama2-7b", "--tokens-b", "1")
     assert code == 0 and "h100-sxm5-80gb:1x" in out and "cheapest" in out
+    # A person's table: memory per GPU in all, a duration, MFU in percent; no raw JSON parts
+    header, first = out.splitlines()[:2]
+    assert header.split()[:5] == ["ID", "GPUS", "GB_PER_GPU", "TIME", "MFU"]
+    assert "{" not in out and re.search(r"\d+(\.\d)? (s|min|h|d) +\d+%", first), first
     code, out, _ = cli(
         "rent", "--gpus", "2", "--hours", "2", "--image", "img", "--name", "sweep 3", "--", "train"
     )
@@ -181,3 +186,14 @@ def test_every_command_prints_the_servers_answer_as_json(cli, make_node, agent, 
     # Errors stay on stderr with a non-zero exit, --json or not.
     code, out, err = cli("--json", "show", "00000000-0000-0000-0000-000000000000")
     assert code == 1 and out == "" and "404" in err
+
+
+@pytest.mark.parametrize(
+    ("hours", "text"),
+    [(0.0001, "0 s"), (0.01, "36 s"), (0.1, "6.0 min"), (0.5, "30 min"), (3.25, "3.2 h"),
+     (30, "1.2 d"), (2400, "100 d")],
+)  # fmt: skip
+def test_a_plans_time_reads_as_a_duration(hours, text):
+    from marketplace.cli import _duration
+
+    assert _duration(hours) == text
