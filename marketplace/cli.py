@@ -137,11 +137,19 @@ def logs(args: argparse.Namespace, api: Api) -> None:
         time.sleep(args.interval)
 
 
+def _cell(value: Any) -> str:
+    """A table cell: a float to four significant digits (--json keeps every digit)."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
+
+
 def _table(rows: list[dict], columns: list[str]) -> str:
-    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns}
-    lines = ["  ".join(c.upper().ljust(widths[c]) for c in columns)]
-    lines += ["  ".join(str(r.get(c, "")).ljust(widths[c]) for c in columns) for r in rows]
-    return "\n".join(lines)
+    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def _duration(hours: float) -> str:
@@ -184,6 +192,8 @@ def run(args: argparse.Namespace, api: Api) -> str:
             "ordering": args.sort, "limit": args.limit,
         }.items() if v is not None}  # fmt: skip
         rows = api.call("GET", "/api/v1/offers/", params=params)["results"]
+        if not rows:
+            return "no free GPUs match"
         columns = ["node_id", "hostname", "region", "gpu_name", "free_gpus"]
         return _table(rows, [*columns, "price_per_gpu_hour", "price_per_tflop_hour", "reliability"])
     if args.command == "advise":
@@ -614,6 +624,10 @@ def main(argv: list[str] | None = None) -> int:
     except (CliError, *_transfer_errors()) as exc:
         print(f"gpumarket: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # The reader went away (`gpumarket logs ID | head`): stop quietly, as `cat` does.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer cut off
     return 0
 
 

@@ -29,6 +29,8 @@ def cli(live_server, user, capsys):
 
 
 def test_offers_advise_rent_show_and_cancel(cli, make_node):
+    code, out, _ = cli("offers")
+    assert (code, out.strip()) == (0, "no free GPUs match")
     make_node(card="h100-sxm5-80gb", price="2.50", nvlink=True, hostname="fra-1")
     code, out, _ = cli("offers", "--gpu-family", "h100")
     assert code == 0 and "fra-1" in out and "H100 SXM5 80 GB" in out
@@ -197,3 +199,13 @@ def test_a_plans_time_reads_as_a_duration(hours, text):
     from marketplace.cli import _duration
 
     assert _duration(hours) == text
+
+
+def test_a_tables_floats_have_four_significant_digits_and_an_empty_one_its_header():
+    from marketplace.cli import _table
+
+    rows = [{"step": 10, "loss": 4.572563171386719, "mfu": 0.0008537377754423434, "note": None}]
+    header, row = _table(rows, ["step", "loss", "mfu", "note"]).splitlines()
+    assert header.split() == ["STEP", "LOSS", "MFU", "NOTE"]
+    assert row.split() == ["10", "4.573", "0.0008537"]
+    assert _table([], ["step", "loss"]) == "STEP  LOSS"
