@@ -263,6 +263,9 @@ def cmd_up(port: int) -> int:
             return 1
         if _manage("seed_demo", env=env) != 0:
             return 1
+        # The web server serves the collected files, as the image does (about a second).
+        if _manage("collectstatic", "--no-input", "--verbosity", "0", env=env) != 0:
+            return 1
         logs = VAR / "dev" / "logs"
         schedule = VAR / "dev" / "celerybeat-schedule"
         for name, cmd in stack_commands(port=port, beat_schedule=schedule):
