@@ -254,7 +254,7 @@ def run(args: argparse.Namespace, api: Api) -> str:
             dest = Path(args.dest or args.rental)
             written = _transfer().pull(api, args.rental, dest)
             api.last = {"files": [str(path) for path in written]}
-            return f"{len(written)} files in {dest}"
+            return f"{len(written)} file{'' if len(written) == 1 else 's'} in {dest}"
         rows = list(_transfer().pages(api, f"/api/v1/rentals/{args.rental}/artifacts/"))
         api.last = rows
         return _table(rows, ["path", "size_bytes", "reason", "synced_at"]) if rows else "none"
