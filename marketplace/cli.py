@@ -174,6 +174,60 @@ def _plan_row(plan: dict) -> dict:
     }
 
 
+def _when(stamp: str | None) -> str:
+    """An API timestamp as `2026-12-06 03:10:39` (UTC), or `-`."""
+    return stamp[:19].replace("T", " ") if stamp else "-"
+
+
+def _rental_summary(rental: dict) -> str:
+    """`gpumarket show`: what a person looks for first; --json gives the whole rental."""
+    from datetime import datetime
+
+    def span(start: str | None, end: str | None) -> str:
+        if not start:
+            return "-"
+        text = f"{_when(start)} to {_when(end)[11:] if end else 'now'}"
+        if end:
+            seconds = (datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds()
+            text += f" ({_duration(max(0.0, seconds) / 3600)})"
+        return text
+
+    status = rental["status"]
+    if rental["status_reason"]:
+        status += f": {rental['status_reason']}"
+    if rental["exit_code"] is not None:
+        status += f" (exit code {rental['exit_code']})"
+    price = rental["price_per_gpu_hour"] or rental["max_price_per_gpu_hour"] or "market"
+    held: dict[str, list[str]] = {}
+    for a in rental["allocations"]:
+        held.setdefault(a["node"], []).append(str(a["gpu_index"]))
+    fields = [
+        ("status", status),
+        (
+            "gpus",
+            f"{rental['gpus_per_node']} per node x {rental['node_count']}, {rental['kind']}"
+            f" at ${price}/GPU-hour",
+        ),
+        ("on", "; ".join(f"{node} GPU {','.join(gpus)}" for node, gpus in held.items()) or "-"),
+        ("image", " ".join([rental["image"], *map(str, rental["command"] or [])])),
+        ("booked", span(rental["scheduled_start"], rental["scheduled_end"])),
+        ("ran", span(rental["started_at"], rental["ended_at"])),
+    ]
+    if rental.get("datasets"):
+        fields.append(("datasets", ", ".join(rental["datasets"])))
+    fields += [("access", a["command"] or f"{a['host']}:{a['host_port']}")
+               for a in rental.get("access", [])]  # fmt: skip
+    lines = [f"{rental['id']}  {rental['name']}".rstrip()]
+    lines += [f"{label:<9} {value}" for label, value in fields]
+    lines += ["", "events"]
+    lines += [f"  {_when(e['created_at'])}  {e['to_status']:<12} {e['reason']}"
+              for e in rental["events"]]  # fmt: skip
+    tail = rental["log_tail"].rstrip("\n").splitlines()[-5:]
+    if tail:
+        lines += ["", "log (last lines; `gpumarket logs ID` for all)", *(f"  {t}" for t in tail)]
+    return "\n".join(lines)
+
+
 def _advisor_body(args: argparse.Namespace) -> dict:
     body: dict[str, Any] = {"tokens_b": args.tokens_b, "precision": args.precision}
     for key in ("model", "params_b", "seq_len", "deadline_hours", "budget", "region"):
@@ -238,7 +292,7 @@ def run(args: argparse.Namespace, api: Api) -> str:
         return _table(rows, ["id", "name", "status", "gpus_per_node", "node_count",
                              "price_per_gpu_hour", "status_reason"])  # fmt: skip
     if args.command == "show":
-        return json.dumps(api.call("GET", f"/api/v1/rentals/{args.id}/"), indent=2)
+        return _rental_summary(api.call("GET", f"/api/v1/rentals/{args.id}/"))
     if args.command == "metrics":
         rows = api.call("GET", f"/api/v1/rentals/{args.id}/metrics/", params={"event": "step"})
         return _table(rows["results"], ["step", "loss", "samples_per_s", "mfu"])

@@ -47,6 +47,14 @@ def test_offers_advise_rent_show_and_cancel(cli, make_node):
     rental = Rental.objects.get()
     assert (rental.gpus_per_node, rental.duration_s, rental.command) == (2, 7200, ["train"])
     assert rental.name == "sweep 3"
+    code, out, _ = cli("show", str(rental.pk))
+    lines = out.splitlines()
+    assert code == 0 and lines[0] == f"{rental.pk}  sweep 3"
+    assert lines[1].split()[:2] == ["status", "pending:"]
+    assert "2 per node x 1, on_demand" in lines[2] and lines[4] == "image     img train"
+    assert "events" in lines and "created" in out
+    code, out, _ = cli("--json", "show", str(rental.pk))
+    assert json.loads(out)["id"] == str(rental.pk)
     code, _, err = cli("rent", "--gpus", "1", "--image", "img", "--name", "x" * 81)
     assert code == 1 and "name" in err and Rental.objects.count() == 1
     code, out, _ = cli("rentals")
@@ -209,3 +217,33 @@ def test_a_tables_floats_have_four_significant_digits_and_an_empty_one_its_heade
     assert header.split() == ["STEP", "LOSS", "MFU", "NOTE"]
     assert row.split() == ["10", "4.573", "0.0008537"]
     assert _table([], ["step", "loss"]) == "STEP  LOSS"
+
+
+def test_show_summarises_a_finished_rental():
+    from marketplace.cli import _rental_summary
+
+    rental = {
+        "id": "c1035768-842c-4909-8d69-194d4eafe81c", "name": "advisor: RTX 4090",
+        "status": "completed", "status_reason": "finished", "exit_code": 0, "kind": "on_demand",
+        "gpus_per_node": 2, "node_count": 1, "price_per_gpu_hour": "0.5000",
+        "max_price_per_gpu_hour": None, "image": "gpumarket/harness:dev", "command": [],
+        "scheduled_start": "2026-12-06T03:10:39.112456Z",
+        "scheduled_end": "2026-12-06T03:20:39.112456Z",
+        "started_at": "2026-12-06T03:10:40.495150Z", "ended_at": "2026-12-06T03:13:28.000000Z",
+        "allocations": [{"node": "local-sim-01", "gpu_index": i} for i in (0, 1)],
+        "datasets": ["shakespeare"],
+        "access": [{"command": "ssh -p 2222 root@gpu.example", "host": "gpu.example",
+                    "host_port": 2222}],
+        "events": [{"created_at": "2026-12-06T03:10:39.066007Z", "to_status": "pending",
+                    "reason": "created"}],
+        "log_tail": "".join(f"line {i}\n" for i in range(20)),
+    }  # fmt: skip
+    out = _rental_summary(rental)
+    assert "status    completed: finished (exit code 0)" in out
+    assert "gpus      2 per node x 1, on_demand at $0.5000/GPU-hour" in out
+    assert "on        local-sim-01 GPU 0,1" in out
+    assert "booked    2026-12-06 03:10:39 to 03:20:39 (10 min)" in out
+    assert "ran       2026-12-06 03:10:40 to 03:13:28 (2.8 min)" in out
+    assert "datasets  shakespeare" in out and "access    ssh -p 2222 root@gpu.example" in out
+    assert "  2026-12-06 03:10:39  pending      created" in out
+    assert out.splitlines()[-1] == "  line 19" and "line 14" not in out
