@@ -62,7 +62,8 @@ def bench_database(name: str):
     given = os.environ.get("DATABASE_URL")
     if given and urlsplit(given).path.strip("/"):
         name = f"{urlsplit(given).path.strip('/')}_{name}"
-    services = ensure_services(ROOT / ".var" / "bench", durable=False)
+    # The benchmarks on this database store no object: no SeaweedFS (artifacts.py starts its own).
+    services = ensure_services(ROOT / ".var" / "bench", durable=False, object_storage=False)
     import psycopg
 
     admin_url = _with_database(services.database_url, "postgres")

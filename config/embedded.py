@@ -350,10 +350,10 @@ def bucket_ensure(
 
 
 def ensure_services(
-    data_dir: Path, *, durable: bool = True, bucket: str = "gpumarket"
+    data_dir: Path, *, durable: bool = True, bucket: str = "gpumarket", object_storage: bool = True
 ) -> EmbeddedServices:
     """Use DATABASE_URL / REDIS_URL / S3_ENDPOINT_URL when set; start embedded servers for what
-    is missing."""
+    is missing (object storage only when asked for)."""
     pg = redis_proc = None
     database_url = os.environ.get("DATABASE_URL")
     if not database_url:
@@ -364,7 +364,7 @@ def ensure_services(
         redis_url, redis_proc = start_redis(data_dir / "redis")
         log.info("embedded Redis at %s", redis_url)
     s3_env, s3_proc = None, None
-    if not os.environ.get("S3_ENDPOINT_URL"):
+    if object_storage and not os.environ.get("S3_ENDPOINT_URL"):
         try:
             s3_env, s3_proc = start_seaweedfs(data_dir / "seaweedfs", bucket=bucket)
         except BaseException:
