@@ -49,18 +49,26 @@ def provider(db) -> Provider:
 
 
 @pytest.fixture
-def join_token(provider) -> str:
-    """A one-time join token of `provider` for region eu-west."""
+def make_join_token(provider):
+    """make_join_token(region=, price=, min_bid=) -> a one-time join token of `provider`."""
     from provisioning.services import join_token_create
 
-    _, raw = join_token_create(
-        provider=provider,
-        created_by=provider.owner,
-        region="eu-west",
-        price_per_gpu_hour=Decimal("1.20"),
-        min_bid_per_gpu_hour=Decimal("0.40"),
-    )
-    return raw
+    def make(region: str = "eu-west", price: str = "1.20", min_bid: str = "0.40") -> str:
+        return join_token_create(
+            provider=provider,
+            created_by=provider.owner,
+            region=region,
+            price_per_gpu_hour=Decimal(price),
+            min_bid_per_gpu_hour=Decimal(min_bid),
+        )[1]
+
+    return make
+
+
+@pytest.fixture
+def join_token(make_join_token) -> str:
+    """A one-time join token of `provider` for region eu-west."""
+    return make_join_token()
 
 
 @pytest.fixture

@@ -183,7 +183,7 @@ class HeartbeatView(APIView):
     parser_classes = [AgentJSONParser]
 
     def perform_authentication(self, request: Request) -> None:
-        NodeAuthentication.bearer(request)  # its form only: post() checks the token
+        self.raw_token = NodeAuthentication.bearer(request)  # its form only: post() checks it
 
     def check_permissions(self, request: Request) -> None:
         """A POST's not before its body: post() lets none through without a node's valid token."""
@@ -202,14 +202,16 @@ class HeartbeatView(APIView):
             raise
         data = body.validated_data
         applied = services.node_heartbeat_by_token(
-            raw_token=NodeAuthentication.bearer(request),
-            containers=[_message(ContainerReport, c) for c in data["containers"]],
-            usage=[_message(UsageReport, u) for u in data["usage"]],
-            telemetry=data["telemetry"],
-            metrics=[(str(m["rental_id"]), m["run_id"], m["line"]) for m in data["metrics"]],
-            logs=[(m["run_id"], m["line_no"], m["line"]) for m in data["logs"]],
-            benchmark=data["benchmark"],
-            dropped=body.dropped(),
+            raw_token=self.raw_token,
+            reports=services.HeartbeatReports(
+                containers=[_message(ContainerReport, c) for c in data["containers"]],
+                usage=[_message(UsageReport, u) for u in data["usage"]],
+                metrics=[(str(m["rental_id"]), m["run_id"], m["line"]) for m in data["metrics"]],
+                logs=[(m["run_id"], m["line_no"], m["line"]) for m in data["logs"]],
+                benchmark=data["benchmark"],
+                telemetry=data["telemetry"],
+                dropped=body.dropped(),
+            ),
         )
         if applied is None:
             raise exceptions.AuthenticationFailed("invalid or revoked node token")

@@ -6,6 +6,7 @@
 from provisioning.services.artifacts import artifact_uploads_for_node, artifacts_commit_for_node
 from provisioning.services.calibration import advisor_runs_calibrate
 from provisioning.services.heartbeat import (
+    HeartbeatReports,
     benchmark_record,
     desired_state,
     heartbeat_interval_s,
@@ -35,6 +36,7 @@ from provisioning.services.telemetry import (
 
 __all__ = [
     "TELEMETRY_BUFFER_KEY",
+    "HeartbeatReports",
     "HostFacts",
     "advisor_runs_calibrate",
     "artifact_uploads_for_node",

@@ -10,6 +10,7 @@ import logging
 import uuid
 from collections import Counter
 from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from typing import Any
 
@@ -330,16 +331,29 @@ def benchmark_record(*, node: Node, result: Mapping[str, Any]) -> NodeBenchmark:
     return bench
 
 
+@dataclass(frozen=True)
+class HeartbeatReports:
+    """What one heartbeat carries, as the HTTP edge checked it. `dropped` counts the elements
+    the edge already refused."""
+
+    containers: list[ContainerReport] = field(default_factory=list)
+    usage: list[UsageReport] = field(default_factory=list)
+    metrics: list[tuple[str, str, str]] = field(default_factory=list)
+    logs: list[tuple[str, int, str]] = field(default_factory=list)
+    benchmark: Mapping[str, Any] | None = None
+    telemetry: list[dict] = field(default_factory=list)
+    dropped: Mapping[str, int] = field(default_factory=dict)
+
+    def idle(self) -> bool:
+        """Nothing to apply but telemetry: every other report kind (a field added later
+        included) is empty."""
+        return not any(
+            getattr(self, f.name) for f in fields(self) if f.name not in ("telemetry", "dropped")
+        )
+
+
 def node_heartbeat_by_token(
-    *,
-    raw_token: str,
-    containers: list[ContainerReport],
-    usage: list[UsageReport],
-    telemetry: list[dict],
-    metrics: list[tuple[str, str, str]],
-    logs: list[tuple[str, int, str]] = (),
-    benchmark: Mapping[str, Any] | None = None,
-    dropped: Mapping[str, int] | None = None,
+    *, raw_token: str, reports: HeartbeatReports
 ) -> tuple[int, HeartbeatAnswer] | None:
     """Authenticate a heartbeat's node token and apply the heartbeat (node_heartbeat); None,
     and nothing changed, when the token is unknown or revoked.
@@ -347,8 +361,7 @@ def node_heartbeat_by_token(
     A heartbeat with no report but telemetry, the common case, is one statement: the token
     names the node, the node is marked seen and its held GPUs are read together. Only a node
     that holds GPUs, or is coming back from OFFLINE, is read whole and takes the full path."""
-    # A report kind added to the heartbeat is named here too, or an idle node's would be lost.
-    if not any((containers, usage, metrics, logs, benchmark)):
+    if reports.idle():
         now = timezone.now()
         with connection.cursor() as cursor:
             cursor.execute(
@@ -360,41 +373,27 @@ def node_heartbeat_by_token(
             return None
         node_id, seen, run_benchmark, holds = row
         if seen and not holds:
-            return node_id, _answer(node_id=node_id, telemetry=telemetry, desired=[], ack=0,
-                                    counts=Counter(dropped or {}),
+            return node_id, _answer(node_id=node_id, reports=reports, desired=[], ack=0,
+                                    counts=Counter(reports.dropped),
                                     run_benchmark=run_benchmark)  # fmt: skip
     node = node_authenticate(raw_token)
     if node is None:
         return None
-    answer = node_heartbeat(
-        node=node, containers=containers, usage=usage, telemetry=telemetry, metrics=metrics,
-        logs=logs, benchmark=benchmark, dropped=dropped,
-    )  # fmt: skip
-    return node.pk, answer
+    return node.pk, node_heartbeat(node=node, reports=reports)
 
 
-def node_heartbeat(
-    *,
-    node: Node,
-    containers: list[ContainerReport],
-    usage: list[UsageReport],
-    telemetry: list[dict],
-    metrics: list[tuple[str, str, str]],
-    logs: list[tuple[str, int, str]] = (),
-    benchmark: Mapping[str, Any] | None = None,
-    dropped: Mapping[str, int] | None = None,
-) -> HeartbeatAnswer:
+def node_heartbeat(*, node: Node, reports: HeartbeatReports) -> HeartbeatAnswer:
     """Apply one heartbeat, all of it or nothing, and answer with the desired state.
 
-    `dropped` counts the elements the HTTP edge already refused; an element that passed it and
-    still cannot be applied (a database refusal) is rolled back to its savepoint, counted the
-    same way and logged: one bad report never fails the others, and never the answer."""
+    An element that passed the HTTP edge and still cannot be applied (a database refusal) is
+    rolled back to its savepoint, counted with the edge's `dropped` and logged: one bad report
+    never fails the others, and never the answer."""
     now = timezone.now()
-    counts: Counter[str] = Counter(dropped or {})
+    counts: Counter[str] = Counter(reports.dropped)
     run_benchmark = node.benchmark_requested
     with transaction.atomic():
         _node_seen(node=node, now=now)
-        for report in sorted(containers, key=lambda c: c.run_id):
+        for report in sorted(reports.containers, key=lambda c: c.run_id):
             try:
                 with transaction.atomic():
                     _apply_container(node, report, now)
@@ -404,35 +403,35 @@ def node_heartbeat(
                     "container report dropped node=%s run=%s: %s", node.pk, report.run_id, exc
                 )
         ack = 0
-        if usage:
-            ack, refused = _usage_apply(node=node, usage=usage)
+        if reports.usage:
+            ack, refused = _usage_apply(node=node, usage=reports.usage)
             counts["usage"] += refused
-        if metrics:
-            counts["metrics"] += metrics_store(node=node, lines=metrics)
-        if logs:
-            counts["logs"] += run_logs_store(node=node, lines=logs)
-        if benchmark:
-            benchmark_record(node=node, result=benchmark)
+        if reports.metrics:
+            counts["metrics"] += metrics_store(node=node, lines=reports.metrics)
+        if reports.logs:
+            counts["logs"] += run_logs_store(node=node, lines=reports.logs)
+        if reports.benchmark:
+            benchmark_record(node=node, result=reports.benchmark)
             run_benchmark = False
         desired = desired_state(node=node, now=now)
         if desired:
             _runs_request(node=node, desired=desired)
-    return _answer(node_id=node.pk, telemetry=telemetry, desired=desired, ack=ack, counts=counts,
+    return _answer(node_id=node.pk, reports=reports, desired=desired, ack=ack, counts=counts,
                    run_benchmark=run_benchmark)  # fmt: skip
 
 
 def _answer(
     *,
     node_id: int,
-    telemetry: list[dict],
+    reports: HeartbeatReports,
     desired: list[DesiredRun],
     ack: int,
     counts: Counter[str],
     run_benchmark: bool,
 ) -> HeartbeatAnswer:
-    if telemetry:
+    if reports.telemetry:
         # Redis is not in the transaction: buffered once the rest is applied.
-        telemetry_buffer(node_id=node_id, samples=telemetry)
+        telemetry_buffer(node_id=node_id, samples=reports.telemetry)
     return HeartbeatAnswer(
         desired=tuple(desired),
         ack_usage_seq=ack,

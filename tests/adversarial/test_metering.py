@@ -30,7 +30,6 @@ from billing.models import EntryKind, LedgerEntry, UsageMeter, UsageSegment
 from billing.services import UsageReport, billing_pass_run, usage_reports_apply
 from marketplace import lifecycle
 from marketplace.models import Allocation, Node, Rental, RentalEvent, RentalStatus
-from provisioning.services import join_token_create
 from tests.billing.conftest import (  # noqa: F401 - the billing suite's fixtures
     _funds_check_on,
     book,
@@ -309,15 +308,9 @@ def test_after_a_requeue_the_old_nodes_meter_is_capped_at_the_release(make_node,
 # --- through the agent API ----------------------------------------------------------------------
 
 
-def test_a_forging_agent_through_the_api_bills_only_what_ran(api, provider, book):
+def test_a_forging_agent_through_the_api_bills_only_what_ran(api, make_join_token, book):
     # Given a node joined through the agent API, running a rental stopped at second 45
-    _, raw = join_token_create(
-        provider=provider,
-        created_by=provider.owner,
-        region="eu-west",
-        price_per_gpu_hour=Decimal("1.00"),
-        min_bid_per_gpu_hour=Decimal("0.40"),
-    )
+    raw = make_join_token(price="1.00")
     gpus = [
         {"index": i, "uuid": f"GPU-adv-{i}", "name": "NVIDIA A100-SXM4-80GB",
          "memory_mb": 81920, "topology_group": "nvl0"}

@@ -16,7 +16,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from decimal import Decimal
 from pathlib import Path
 from urllib.parse import quote
 
@@ -256,17 +255,8 @@ class AgentProcess:
 
 
 @pytest.fixture
-def join_token(provider) -> str:
-    from provisioning.services import join_token_create
-
-    _, raw = join_token_create(
-        provider=provider,
-        created_by=provider.owner,
-        region="e2e",
-        price_per_gpu_hour=Decimal("0.60"),
-        min_bid_per_gpu_hour=Decimal("0.20"),
-    )
-    return raw
+def join_token(make_join_token) -> str:
+    return make_join_token(region="e2e", price="0.60", min_bid="0.20")
 
 
 @pytest.fixture
@@ -320,18 +310,14 @@ def browser(tmp_path):
 
 
 @pytest.fixture
-def start_stack(stack_env, provider, tmp_path):
+def start_stack(stack_env, make_join_token, tmp_path):
     """The stack as `dev.py up` runs it (tests/e2e/stack.py), its agent joined in `region`."""
-    from provisioning.services import join_token_create
     from tests.e2e.stack import Stack, agent_command
 
     stacks = []
 
     def start(*, runtime: str, gpus: int, region: str = "e2e"):
-        _, token = join_token_create(
-            provider=provider, created_by=provider.owner, region=region,
-            price_per_gpu_hour=Decimal("0.60"), min_bid_per_gpu_hour=Decimal("0.20"),
-        )  # fmt: skip
+        token = make_join_token(region=region, price="0.60", min_bid="0.20")
         agent = agent_command(state=tmp_path / "agent", runtime=runtime, gpus=gpus, hostname="cp-1")
         stack = Stack(env=stack_env, tmp=tmp_path, join_token=token, agent=agent)
         stacks.append(stack)

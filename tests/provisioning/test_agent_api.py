@@ -559,3 +559,15 @@ def test_a_bad_agent_rate_fails_the_start_up_check(settings, agent_rate):
     assert [e.id for e in checks.run_checks()] == ["marketplace.E001"]
     agent_rate("600/min")
     assert checks.run_checks() == []
+
+
+def test_a_heartbeat_is_idle_only_with_nothing_but_telemetry_and_drop_counts():
+    from dataclasses import fields
+
+    from provisioning.services import HeartbeatReports
+
+    sample = {"gpu_index": 0, "ts": 1.0}
+    assert HeartbeatReports(telemetry=[sample], dropped={"logs": 2}).idle()
+    for f in fields(HeartbeatReports):
+        if f.name not in ("telemetry", "dropped"):
+            assert not HeartbeatReports(**{f.name: [object()]}).idle(), f.name

@@ -31,7 +31,7 @@ from marketplace.lifecycle import rental_cancel, rental_stop
 from marketplace.models import Artifact, Node, Rental, RentalStatus
 from marketplace.services import api_token_create, storage, team_create
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
-from provisioning.services import join_token_create, nodes_mark_silent
+from provisioning.services import nodes_mark_silent
 from scheduler.services import scheduler_cycle_run
 from tests.factories import UserFactory, personal_team
 
@@ -42,17 +42,11 @@ HOST = {"cpu_cores": 32, "ram_gb": 256, "disk_gb": 2000}
 
 
 @pytest.fixture
-def join_agent(provider):
+def join_agent(make_join_token):
     """join(hostname) -> an APIClient holding that new node's token (`.node` is the node)."""
 
     def join(hostname: str) -> APIClient:
-        _, raw = join_token_create(
-            provider=provider,
-            created_by=provider.owner,
-            region="eu-west",
-            price_per_gpu_hour=Decimal("1.20"),
-            min_bid_per_gpu_hour=Decimal("0.40"),
-        )
+        raw = make_join_token()
         gpus = [
             {"index": i, "uuid": f"GPU-{hostname}-{i}", "name": "NVIDIA A100-SXM4-80GB",
              "memory_mb": 81920, "topology_group": "nvl0"}
