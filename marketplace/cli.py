@@ -197,16 +197,18 @@ def _rental_summary(rental: dict) -> str:
         status += f": {rental['status_reason']}"
     if rental["exit_code"] is not None:
         status += f" (exit code {rental['exit_code']})"
-    price = rental["price_per_gpu_hour"] or rental["max_price_per_gpu_hour"] or "market"
-    held: dict[str, list[str]] = {}
-    for a in rental["allocations"]:
-        held.setdefault(a["node"], []).append(str(a["gpu_index"]))
+    price = rental["price_per_gpu_hour"] or rental["max_price_per_gpu_hour"]
+    # Where it runs now; when it holds nothing (ended, or requeued), every node it was placed on.
+    current = [a for a in rental["allocations"] if not a.get("released_at")]
+    held: dict[str, dict[str, None]] = {}
+    for a in current or rental["allocations"]:
+        held.setdefault(a["node"], {})[str(a["gpu_index"])] = None
     fields = [
         ("status", status),
         (
             "gpus",
             f"{rental['gpus_per_node']} per node x {rental['node_count']}, {rental['kind']}"
-            f" at ${price}/GPU-hour",
+            + (f" at ${price}/GPU-hour" if price else ", priced when placed"),
         ),
         ("on", "; ".join(f"{node} GPU {','.join(gpus)}" for node, gpus in held.items()) or "-"),
         ("image", " ".join([rental["image"], *map(str, rental["command"] or [])])),

@@ -230,7 +230,9 @@ def test_show_summarises_a_finished_rental():
         "scheduled_start": "2026-12-06T03:10:39.112456Z",
         "scheduled_end": "2026-12-06T03:20:39.112456Z",
         "started_at": "2026-12-06T03:10:40.495150Z", "ended_at": "2026-12-06T03:13:28.000000Z",
-        "allocations": [{"node": "local-sim-01", "gpu_index": i} for i in (0, 1)],
+        # placed twice on the same node (requeued), both placements ended
+        "allocations": [{"node": "local-sim-01", "gpu_index": i, "released_at": "2026-12-06"}
+                        for i in (0, 1, 0, 1)],
         "datasets": ["shakespeare"],
         "access": [{"command": "ssh -p 2222 root@gpu.example", "host": "gpu.example",
                     "host_port": 2222}],
