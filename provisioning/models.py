@@ -29,6 +29,9 @@ class JoinToken(models.Model):
     node = models.ForeignKey(
         "marketplace.Node", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
+    # Hash of the secret the joining host sent with it: the same host may repeat a join whose
+    # answer it never received (a timeout after the server committed) and gets its node back.
+    host_key_hash = models.CharField(max_length=64, blank=True)
 
     class Meta:
         constraints = [

@@ -54,6 +54,15 @@ class Node(models.Model):
     simulated = models.BooleanField(
         default=False, help_text="GPUs and telemetry are simulated: no real NVIDIA hardware"
     )
+    # What the node's agent can run, as it said at its (re)join: the local-process runtime has
+    # no container, so no sshd and no published port. Nodes that joined before agents said so
+    # keep True, the behaviour they had.
+    runtime = models.CharField(
+        max_length=12, blank=True, help_text="docker or process, as the agent said at join"
+    )
+    ssh_capable = models.BooleanField(
+        default=True, help_text="the agent can run an sshd in a rental and publish its port"
+    )
     price_per_gpu_hour = models.DecimalField(max_digits=10, decimal_places=4)
     min_bid_per_gpu_hour = models.DecimalField(max_digits=10, decimal_places=4)
     last_seen_at = models.DateTimeField(null=True, blank=True)

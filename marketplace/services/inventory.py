@@ -118,6 +118,8 @@ def node_register(
     driver_version: str = "",
     cuda_version: str = "",
     pool: str = "default",
+    runtime: str = "",
+    ssh_capable: bool = True,
 ) -> Node:
     """List a server and its GPUs in one transaction; unknown card models are refused."""
     if not gpus:
@@ -153,6 +155,8 @@ def node_register(
             reliability=reliability,
             reliability_declared=reliability,
             simulated=simulated,
+            runtime=runtime,
+            ssh_capable=ssh_capable,
             price_per_gpu_hour=price_per_gpu_hour,
             min_bid_per_gpu_hour=min_bid_per_gpu_hour,
         )

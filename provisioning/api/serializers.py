@@ -174,6 +174,12 @@ class JoinSerializer(serializers.Serializer):
     host = HostSerializer()
     gpus = ReportedGpuSerializer(many=True, max_length=MAX_GPUS, allow_empty=False)
     simulated = serializers.BooleanField(default=False)
+    # A secret the host keeps across attempts: repeating a join it never heard the answer to
+    # gets it the same node. Agents that predate it send none and cannot repeat a join.
+    host_key = serializers.RegexField(r"^[A-Za-z0-9_-]{32,128}$", required=False, default="")
+    # What the agent can run (agents that predate these said nothing: docker, with SSH).
+    runtime = serializers.ChoiceField(choices=["docker", "process"], required=False, default="")
+    ssh = serializers.BooleanField(required=False, default=True)
 
 
 class PublishedPortSerializer(serializers.Serializer):

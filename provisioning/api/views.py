@@ -159,9 +159,14 @@ class JoinView(APIView):
         node, raw = services.node_join(
             raw_join_token=data["join_token"],
             host=services.HostFacts(
-                hostname=data["hostname"], simulated=data["simulated"], **data["host"]
+                hostname=data["hostname"],
+                simulated=data["simulated"],
+                runtime=data["runtime"],
+                ssh_capable=data["ssh"] and data["runtime"] != "process",
+                **data["host"],
             ),
             gpus=[_message(GpuInfo, g) for g in data["gpus"]],
+            host_key=data["host_key"],
         )
         answer = JoinAnswer(
             node_id=node.pk, node_token=raw, heartbeat_interval_s=services.heartbeat_interval_s()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass
 from datetime import timedelta
 from decimal import Decimal
@@ -110,13 +111,23 @@ class HostFacts:
     driver_version: str = ""
     cuda_version: str = ""
     simulated: bool = False
+    runtime: str = ""  # "docker" | "process"; "" from agents that predate saying it
+    ssh_capable: bool = True
 
 
-def node_join(*, raw_join_token: str, host: HostFacts, gpus: list[GpuInfo]) -> tuple[Node, str]:
+def node_join(
+    *, raw_join_token: str, host: HostFacts, gpus: list[GpuInfo], host_key: str = ""
+) -> tuple[Node, str]:
     """Turn a one-time join token into a listed node and a node token (stored hashed).
 
     GPUs the catalog already lists, by UUID, make this a rejoin (`_node_rekey`): a host that
     lost its node token joins its own node again. Another provider's GPUs are refused (409).
+
+    A join is safe to repeat: the host sends a secret of its own (`host_key`, kept across
+    attempts), and a used token presented again with the same secret and the same GPUs, before
+    it expires, gets the node it made back with a fresh node token (the earlier one revoked).
+    That is the host whose first answer was lost (a timeout after the server committed);
+    anyone else presenting a used token gets nothing.
     """
     if not gpus:
         raise ValidationFailed("a node needs at least one GPU", field="gpus")
@@ -129,8 +140,11 @@ def node_join(*, raw_join_token: str, host: HostFacts, gpus: list[GpuInfo]) -> t
             .filter(key_hash=token_hash(raw_join_token))
             .first()
         )
-        if token is None or token.used_at is not None or token.expires_at <= timezone.now():
+        if token is None or token.expires_at <= timezone.now():
             raise ValidationFailed("invalid, used or expired join token", field="join_token")
+        if token.used_at is not None:
+            node = _join_repeated(token=token, host_key=host_key, gpus=gpus)
+            return node, _node_credential_mint(node)
         models = {g.index: catalog_match(g.name, g.memory_mb) for g in gpus}
         unknown = sorted({g.name for g in gpus if models[g.index] is None})
         if unknown:
@@ -170,16 +184,46 @@ def node_join(*, raw_join_token: str, host: HostFacts, gpus: list[GpuInfo]) -> t
                 nvlink=any(g.topology_group.startswith("nvl") for g in gpus),
                 driver_version=host.driver_version,
                 cuda_version=host.cuda_version,
+                runtime=host.runtime,
+                ssh_capable=host.ssh_capable,
             )
         node.last_seen_at = timezone.now()
         node.benchmark_requested = True  # measured, not declared: benchmark on join
         node.save(update_fields=["last_seen_at", "benchmark_requested"])
-        _, raw = token_mint("gpn")
-        NodeCredential.objects.create(node=node, key_hash=token_hash(raw))
         token.used_at = timezone.now()
         token.node = node
-        token.save(update_fields=["used_at", "node"])
-    return node, raw
+        token.host_key_hash = token_hash(host_key) if host_key else ""
+        token.save(update_fields=["used_at", "node", "host_key_hash"])
+        return node, _node_credential_mint(node)
+
+
+def _node_credential_mint(node: Node) -> str:
+    _, raw = token_mint("gpn")
+    NodeCredential.objects.create(node=node, key_hash=token_hash(raw))
+    return raw
+
+
+def _join_repeated(*, token: JoinToken, host_key: str, gpus: list[GpuInfo]) -> Node:
+    """The node of a used join token, for the host that used it (same secret, same GPUs) while
+    the node token it was given is still valid, that token revoked; a refusal otherwise,
+    worded as for any spent token."""
+    refused = ValidationFailed("invalid, used or expired join token", field="join_token")
+    if not host_key or not token.host_key_hash or token.node_id is None:
+        raise refused
+    if not secrets.compare_digest(token.host_key_hash, token_hash(host_key)):
+        raise refused
+    node = Node.objects.select_for_update().get(pk=token.node_id)
+    listed = set(Gpu.objects.filter(node=node).values_list("uuid", flat=True))
+    if listed != {g.uuid for g in gpus}:
+        raise refused
+    # The node token the lost answer carried is still valid; once revoked (by ops, say), a
+    # repeat would undo the revocation, so the host needs a new join token like any other.
+    if not NodeCredential.objects.filter(node=node, revoked_at__isnull=True).exists():
+        raise refused
+    node_credential_revoke(node_id=node.pk, actor=None)
+    Node.objects.filter(pk=node.pk).update(last_seen_at=timezone.now())
+    log.info("join repeated node=%s provider=%s", node.pk, token.provider_id)
+    return node
 
 
 def _node_rekey(
@@ -215,6 +259,8 @@ def _node_rekey(
         disk_gb=host.disk_gb,
         driver_version=host.driver_version,
         cuda_version=host.cuda_version,
+        runtime=host.runtime,
+        ssh_capable=host.ssh_capable,
     )
     log.info("node rejoined node=%s provider=%s", node.pk, token.provider_id)
     node.refresh_from_db()
