@@ -1,5 +1,9 @@
 """Command line: ``python -m harness --config FILE`` and ``python -m harness benchmark``.
 
+Training writes into the output directory (harness.paths: $GPUMARKET_WORKSPACE, else the working
+directory): checkpoints/, final/ (model.pt and config.json, when the run completes) and logs/
+(metrics.jsonl, the JSON lines also printed on stdout, and harness.log, rank 0's log).
+
 Exit status: 0 when training completed or stopped cleanly on SIGTERM/SIGINT (a checkpoint was
 written), 2 for an invalid config or command line, anything else for a failure.
 """
@@ -12,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 from harness.config import (
     CONFIG_ERROR_EXIT_CODE,
@@ -20,6 +25,7 @@ from harness.config import (
     load_config,
     load_config_dict,
 )
+from harness.paths import HUMAN_LOG, LOG_SUBDIR, METRICS_LOG, output_dir
 
 
 def _nproc(value: str) -> int | str:
@@ -76,6 +82,22 @@ def _configure_logging() -> None:
     )
 
 
+def _log_to_output(output: Path) -> None:
+    """Also write rank 0's human log into the output directory, which is synced out with the
+    checkpoints (stderr reaches the rental's log view, but only its tail is kept)."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    path = output / LOG_SUBDIR / HUMAN_LOG
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(path, encoding="utf-8")
+    except OSError as exc:
+        logging.getLogger("harness").warning("no log file in %s: %s", output, exc)
+        return
+    handler.setFormatter(logging.getLogger().handlers[0].formatter)
+    logging.getLogger().addHandler(handler)
+
+
 def _env_json(name: str) -> object:
     text = os.environ.get(name)
     if text is None:
@@ -130,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from harness.launcher import launch_local
 
+    output = output_dir()
+    _log_to_output(output)
+
     nproc = args.nproc
     if nproc == "auto":
         nproc = _visible_gpus() if config.train.device != "cpu" else 1
@@ -144,9 +169,16 @@ def main(argv: list[str] | None = None) -> int:
                 return 0  # stopped before any rank started: nothing to checkpoint
             return launch_local(worker_args, nproc)
         # torch loads only now, so a bad config fails fast and the launcher stays light.
+        from harness.metrics import JsonLines
         from harness.trainer import Trainer
 
-        trainer = Trainer(config)
+        # The run's output directory gets its final model and its metrics log: the artifacts
+        # of a rental are its checkpoints, final model and logs.
+        trainer = Trainer(
+            config,
+            emit=JsonLines(log_path=output / LOG_SUBDIR / METRICS_LOG),
+            output_dir=output,
+        )
         if early:
             trainer.request_stop("sigint" if early[0] == signal.SIGINT else "sigterm")
         trainer.run()

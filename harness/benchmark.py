@@ -110,6 +110,13 @@ def _matmul_tflops(
     return 2 * n**3 / seconds / 1e12
 
 
+def cpu_matmul_tflops(dtype: torch.dtype) -> float:
+    """The dense matmul rate of this process's CPU threads in `dtype`, measured in a fraction
+    of a second (the quick benchmark's method at a size that reaches a CPU's steady rate)."""
+    work = _Workload(512, 0, 0.2, {}, 0, 0, 0, 0)
+    return _matmul_tflops(work, torch.device("cpu"), dtype, lambda: None)
+
+
 def _copy_gbs(work: _Workload, dev: torch.device, sync: Callable[[], None]) -> float:
     src = torch.ones(work.copy_bytes, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)

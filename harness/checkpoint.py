@@ -4,27 +4,35 @@ A checkpoint is one ``torch.save`` file ``step_<step>.pt``. It is written to a t
 the same directory, flushed and fsynced, then renamed over the final name (``os.replace`` is
 atomic on POSIX), and the directory is fsynced so the rename survives a crash. A reader therefore
 sees either a complete checkpoint or none; a half-written temporary file left by a killed process
-is removed at the next start. Files are loaded with ``weights_only=True``: they hold only tensors
+is removed at the next start. A completed run also writes its final model (``save_final_model``)
+the same way. Files are loaded with ``weights_only=True``: they hold only tensors
 and plain Python values, so loading cannot execute code.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
+
+from harness.metrics import json_safe
 
 log = logging.getLogger("harness")
 
 _NAME = re.compile(r"^step_(\d+)\.pt$")
 _TMP_PREFIX = ".step_"
 _TMP_SUFFIX = ".tmp"
+_FINAL_TMP_PREFIX = ".final_"
+FINAL_MODEL = "model.pt"
+FINAL_CONFIG = "config.json"
 FORMAT_VERSION = 1
 
 
@@ -63,16 +71,15 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(state: dict[str, Any], directory: Path, step: int, keep: int) -> Path:
-    """Atomically write ``state`` as the checkpoint of ``step``; keep only the newest ``keep``."""
-    directory.mkdir(parents=True, exist_ok=True)
-    final = checkpoint_path(directory, step)
+def _write_atomic(final: Path, write: Callable[[IO[bytes]], None], prefix: str) -> None:
+    """Write a file through a temporary beside it (fsync, rename, fsync of the directory)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
     handle = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed explicitly before the rename
-        dir=directory, prefix=_TMP_PREFIX, suffix=_TMP_SUFFIX, delete=False
+        dir=final.parent, prefix=prefix, suffix=_TMP_SUFFIX, delete=False
     )
     try:
         with handle:
-            torch.save({"format_version": FORMAT_VERSION, **state}, handle)
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(handle.name, final)
@@ -80,7 +87,15 @@ def save_checkpoint(state: dict[str, Any], directory: Path, step: int, keep: int
         with contextlib.suppress(FileNotFoundError):
             os.unlink(handle.name)
         raise
-    _fsync_directory(directory)
+    _fsync_directory(final.parent)
+
+
+def save_checkpoint(state: dict[str, Any], directory: Path, step: int, keep: int) -> Path:
+    """Atomically write ``state`` as the checkpoint of ``step``; keep only the newest ``keep``."""
+    final = checkpoint_path(directory, step)
+    _write_atomic(
+        final, lambda f: torch.save({"format_version": FORMAT_VERSION, **state}, f), _TMP_PREFIX
+    )
     for _, old in list_checkpoints(directory)[:-keep]:
         with contextlib.suppress(FileNotFoundError):
             old.unlink()
@@ -104,3 +119,17 @@ def load_latest(
         except Exception as exc:  # a truncated or foreign file must not block resuming
             log.warning("skipping unreadable checkpoint %s: %s", path, exc)
     return None
+
+
+def save_final_model(
+    model_state: dict[str, Any], description: dict[str, Any], directory: Path
+) -> Path:
+    """Write a completed run's model: ``model.pt``, the model's state dict alone (load it with
+    ``torch.load(path, weights_only=True)`` into the model that ``config.json`` describes), and
+    ``config.json``, the harness config and where the run ended. Atomic like a checkpoint, so
+    the artifact sync never uploads half a file; returns the model's path."""
+    model_path = directory / FINAL_MODEL
+    _write_atomic(model_path, lambda f: torch.save(model_state, f), _FINAL_TMP_PREFIX)
+    text = json.dumps(json_safe(description), indent=2, sort_keys=True, allow_nan=False) + "\n"
+    _write_atomic(directory / FINAL_CONFIG, lambda f: f.write(text.encode()), _FINAL_TMP_PREFIX)
+    return model_path

@@ -24,6 +24,8 @@ from typing import Any, Literal
 
 import yaml
 
+from harness.paths import default_checkpoint_dir
+
 CONFIG_ERROR_EXIT_CODE = 2
 
 Precision = Literal["fp32", "fp16", "bf16", "auto"]
@@ -171,16 +173,12 @@ class TrainConfig:
     log_every: int = field(default=10, metadata=_bounds(ge=1))
 
 
-def _default_checkpoint_dir() -> str:
-    return os.environ.get("HARNESS_CHECKPOINT_DIR") or "./checkpoints"
-
-
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Where and how often to checkpoint; resuming from the latest one is automatic."""
 
     enabled: bool = True
-    dir: str = field(default_factory=_default_checkpoint_dir)
+    dir: str = field(default_factory=default_checkpoint_dir)
     every_steps: int = field(default=0, metadata=_bounds(ge=0))
     every_seconds: float = field(default=600.0, metadata=_bounds(ge=0.0))
     keep: int = field(default=3, metadata=_bounds(ge=1))

@@ -14,7 +14,6 @@ tensor avoids a host-to-device copy and a worker pool per step.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from harness.config import (
     SyntheticDataConfig,
     TextDataConfig,
 )
+from harness.paths import data_dir
 
 TEXT_DIR = Path(__file__).with_name("data")
 TEXT_FILES = ("gettysburg_address.txt", "declaration_of_independence.txt")
@@ -109,9 +109,9 @@ def load_text_corpus() -> str:
 
 
 def load_text_file(path: str) -> str:
-    """The text at `path` (relative: under GPUMARKET_DATA_DIR, /data in a rental): a file, or
+    """The text at `path` (relative: under GPUMARKET_DATA_DIR, harness.paths.data_dir): a file, or
     the *.txt files of a directory in name order with a blank line between them."""
-    base = Path(os.environ.get("GPUMARKET_DATA_DIR") or "/data")
+    base = data_dir()
     target = base / path
     try:
         if target.is_dir():

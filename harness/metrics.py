@@ -14,18 +14,22 @@ per GPU, set by the node agent from the catalog). Model FLOPs are:
 * image models: counted once at start by ``torch.utils.flop_counter.FlopCounterMode`` on a
   forward and backward pass of a meta-device copy (no memory, no compute).
 
-Without a peak there is no MFU, and the FLOPs are not computed at all.
+Without a peak there is no MFU, and the FLOPs are not computed at all. A rental on a simulated
+node runs on the host's CPU: its peak is then the CPU's measured matmul rate (the trainer's
+``_peak``), not the simulated card's datasheet figure.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import resource
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import IO, Any
 
 import torch
@@ -39,27 +43,49 @@ from harness.models import Gpt, build_model
 Emit = Callable[[dict[str, Any]], None]
 
 
-def _finite(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
+    """`value` with non-finite floats (at any depth) replaced by None: valid JSON."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
+        return {key: json_safe(item) for key, item in value.items()}
     if isinstance(value, list):
-        return [_finite(item) for item in value]
+        return [json_safe(item) for item in value]
     return value
 
 
 class JsonLines:
-    """Writes events as JSON lines with a ``time`` (Unix seconds) to a stream, flushing each."""
+    """Writes events as JSON lines with a ``time`` (Unix seconds) to a stream, flushing each;
+    with ``log_path``, the same lines are appended to that file too (the run's metrics log in
+    its output directory, opened at the first event: only rank 0 emits)."""
 
-    def __init__(self, stream: IO[str] | None = None) -> None:
+    def __init__(self, stream: IO[str] | None = None, *, log_path: Path | None = None) -> None:
         self.stream = stream
+        self.log_path = log_path
+        self._log: IO[str] | None = None
 
     def __call__(self, event: dict[str, Any]) -> None:
         stream = self.stream or sys.stdout
         record = {**event, "time": round(time.time(), 3)}
-        stream.write(json.dumps(_finite(record), allow_nan=False) + "\n")
+        line = json.dumps(json_safe(record), allow_nan=False) + "\n"
+        stream.write(line)
         stream.flush()
+        if self.log_path is not None:
+            try:
+                if self._log is None:
+                    self.log_path.parent.mkdir(parents=True, exist_ok=True)
+                    self._log = open(self.log_path, "a", encoding="utf-8")  # noqa: SIM115
+                self._log.write(line)
+                self._log.flush()
+            except OSError as exc:
+                # The file is a copy of stdout: losing it must not stop the training.
+                logging.getLogger("harness").warning("metrics log %s: %s", self.log_path, exc)
+                self.log_path = None
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
 
 def peak_tflops_from_env() -> float | None:
@@ -70,6 +96,12 @@ def peak_tflops_from_env() -> float | None:
     except ValueError:
         return None
     return value if value > 0 and math.isfinite(value) else None
+
+
+def on_simulated_node() -> bool:
+    """Whether the run is a rental of simulated GPUs (the node agent names them in
+    ``GPUMARKET_SIMULATED_GPUS`` and hides CUDA): it runs on the host's CPU."""
+    return "GPUMARKET_SIMULATED_GPUS" in os.environ
 
 
 def flops_per_sample(model_config: ModelConfig, info: DatasetInfo, model: torch.nn.Module) -> int:

@@ -33,7 +33,13 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 
-from harness.checkpoint import load_checkpoint, load_latest, remove_stale_temporaries
+from harness.benchmark import cpu_matmul_tflops
+from harness.checkpoint import (
+    load_checkpoint,
+    load_latest,
+    remove_stale_temporaries,
+    save_final_model,
+)
 from harness.checkpoint import save_checkpoint as write_checkpoint_file
 from harness.config import ConfigError, HarnessConfig, TrainConfig
 from harness.datasets import Dataset, DatasetInfo, ShardedBatches, build_datasets, eval_batches
@@ -50,10 +56,12 @@ from harness.metrics import (
     JsonLines,
     flops_per_sample,
     mfu,
+    on_simulated_node,
     peak_memory_bytes,
     peak_tflops_from_env,
 )
 from harness.models import build_model
+from harness.paths import FINAL_SUBDIR
 from harness.precision import PrecisionPlan, resolve_precision
 
 log = logging.getLogger("harness")
@@ -101,13 +109,18 @@ class Trainer:
         *,
         emit: Emit | None = None,
         peak_tflops: float | None = None,
+        output_dir: Path | None = None,
     ) -> None:
         """``emit`` receives rank 0's events (default: JSON lines on stdout); ``peak_tflops``
-        replaces ``HARNESS_PEAK_TFLOPS`` as the per-GPU peak for MFU."""
+        replaces ``HARNESS_PEAK_TFLOPS`` as the per-GPU peak for MFU; with ``output_dir`` (the
+        command line passes harness.paths.output_dir()), a completed run writes its final model
+        to ``final/`` there."""
         self.config = config
         self._emit = emit if emit is not None else JsonLines()
         self._stop_reason: str | None = None
+        self.peak_given = peak_tflops is not None
         self.peak_tflops = peak_tflops if peak_tflops is not None else peak_tflops_from_env()
+        self.output_dir = output_dir
 
     def request_stop(self, reason: str = "requested") -> None:
         """Stop after the current step, checkpoint and return (what SIGTERM does)."""
@@ -202,7 +215,7 @@ class _Run:
             seq_len=self.info.seq_len,
         ).to(ctx.device)
         self.model.activation_checkpointing = train.activation_checkpointing
-        self.peak_tflops = self.trainer.peak_tflops
+        self.peak_tflops, self.peak_source = self._peak()
         # FLOPs only serve MFU, and counting them costs a second of imports at start.
         self.flops_per_sample = (
             flops_per_sample(self.config.model, self.info, self.model) if self.peak_tflops else None
@@ -242,6 +255,21 @@ class _Run:
             if not getattr(self.model, "inductor_layout_optimization", True):
                 options["layout_optimization"] = False
             self.train_model = torch.compile(self.train_model, options=options)
+
+    def _peak(self) -> tuple[float | None, str | None]:
+        """The per-rank peak MFU is measured against, and where it comes from.
+
+        A rental on a simulated node runs on the host's CPU, not on the card it booked: its
+        model FLOPs/s over that card's datasheet peak would be a meaningless 0.0 %. There the
+        peak is the dense matmul rate this CPU measures now, in the run's precision, so the MFU
+        says how well the run uses the hardware it really has (the card's figure is kept in
+        the start event as ``simulated_card_peak_tflops``)."""
+        trainer = self.trainer
+        if trainer.peak_given:
+            return trainer.peak_tflops, "argument"
+        if self.ctx.device.type == "cpu" and on_simulated_node():
+            return cpu_matmul_tflops(self.precision.dtype), "cpu-measured"
+        return trainer.peak_tflops, "env" if trainer.peak_tflops else None
 
     def _resume(self) -> None:
         if not self.ckpt_cfg.enabled:
@@ -406,13 +434,37 @@ class _Run:
         }
         if self.info.task == "lm":
             summary["tokens_per_s"] = samples_per_s * self.info.seq_len
+        final_model = None
+        if stop_reason is None and self.trainer.output_dir is not None and ctx.is_primary:
+            final_model = self._save_final(step, summary, last_eval)
         summary.update(
             peak_mem_bytes=peak_memory_bytes(ctx.device),
             checkpoint=last_checkpoint,
             eval=last_eval,
+            final_model=final_model,
         )
         self.trainer.emit(ctx, summary)
         return summary
+
+    def _save_final(
+        self, step: int, summary: dict[str, Any], last_eval: dict[str, Any] | None
+    ) -> str:
+        """The completed run's model and what it is, in ``final/`` of the output directory (a
+        stopped run's weights are in its checkpoint: a stop is a pause, not the end)."""
+        assert self.trainer.output_dir is not None
+        directory = self.trainer.output_dir / FINAL_SUBDIR
+        description = {
+            "config": self.config.to_dict(),
+            "step": step,
+            "params": sum(p.numel() for p in self.model.parameters()),
+            "final_loss": summary["final_loss"],
+            "eval": last_eval,
+            "torch_version": torch.__version__,
+        }
+        state = {name: tensor.detach().cpu() for name, tensor in self.model.state_dict().items()}
+        path = save_final_model(state, description, directory)
+        log.info("final model written to %s", path)
+        return str(path)
 
     def _poll(self, last_checkpoint_time: float) -> tuple[str | None, bool]:
         """(why to stop now, or None; whether a time-based checkpoint is due), the same on every
@@ -445,6 +497,10 @@ class _Run:
             "resumed_from": self.resumed_from,
             "flops_per_sample": self.flops_per_sample,
             "peak_tflops": peak,
+            "peak_tflops_source": self.peak_source,
+            "simulated_card_peak_tflops": (
+                self.trainer.peak_tflops if self.peak_source == "cpu-measured" else None
+            ),
             "torch_version": torch.__version__,
             "config": self.config.to_dict(),
         }

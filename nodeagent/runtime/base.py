@@ -22,6 +22,10 @@ LABEL_RENTAL = "gpumarket.rental"
 LABEL_RUN = "gpumarket.run"
 LABEL_NODE = "gpumarket.node"
 
+# Where a container sees its workspace and its datasets (the Docker driver mounts them there).
+CONTAINER_WORKSPACE = "/workspace"
+CONTAINER_DATA = "/data"
+
 # Docker's container-name grammar; the process driver uses run_id as a directory name, so the
 # same restriction keeps both safe (no "/" or "..").
 _RUN_ID_RE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,127}$")
@@ -56,8 +60,9 @@ class ContainerSpec(DesiredRun):
     volume_dir: str
     labels: Mapping[str, str] = field(default_factory=dict)
     # Staged by the agent (nodeagent.staging): a directory with one read-only directory per
-    # dataset, seen by the run at /data (GPUMARKET_DATA_DIR), and files the runtime copies into
-    # the workspace before the run starts (a checkpoint to resume from); "": none.
+    # dataset, seen by the run at $GPUMARKET_DATA_DIR (/data in a container), and files the
+    # runtime copies into the workspace before the run starts (a checkpoint to resume from);
+    # "": none.
     data_dir: str = ""
     seed_dir: str = ""
 
@@ -209,6 +214,13 @@ def run_env(
 ) -> dict:
     """The full environment of a run: the caller's, then ours (ours win where they overlap).
 
+    Every run, on every runtime, gets GPUMARKET_WORKSPACE (its writable output directory, which
+    is also its working directory) and GPUMARKET_DATA_DIR (one read-only directory per dataset
+    in it): /workspace and /data in a container, host paths for a host process, which cannot
+    have those root-level paths (see nodeagent.runtime.process). Programs that find their files
+    through these two variables behave the same on both runtimes. `data_dir` "" in a container
+    still names /data, which then does not exist: no dataset was staged.
+
     Defaults the caller may override: unbuffered Python (metrics lines reach the agent as they
     are printed) and one intra-op thread per granted core (torch otherwise starts one per host
     core and oversubscribes the CPU share).
@@ -229,8 +241,9 @@ def run_env(
             "GPUMARKET_RENTAL_ID": spec.rental_id,
             "GPUMARKET_RUN_ID": spec.run_id,
             "GPUMARKET_WORKSPACE": workspace,
+            "GPUMARKET_DATA_DIR": data_dir or (CONTAINER_DATA if in_container else ""),
         }
     )
-    if data_dir:
-        env["GPUMARKET_DATA_DIR"] = data_dir
+    if not env["GPUMARKET_DATA_DIR"]:
+        raise ValueError("a host process needs a data_dir (an empty one when nothing is staged)")
     return env

@@ -19,6 +19,17 @@ not enforced. cpu_limit sets OMP_NUM_THREADS/MKL_NUM_THREADS (what actually boun
 use); memory is not limited (RLIMIT_AS would break CUDA and torch's allocator). Ports are opened
 directly on the host, so a port maps to itself. Linux only (/proc, flock, process groups).
 
+Paths. A container sees its workspace at /workspace (also its working directory) and its datasets
+at /data/NAME; a host process cannot: creating or mounting over /workspace and /data takes root
+(or a mount namespace), and two runs would share them. A host process instead runs with its
+working directory = its workspace (the rental's volume directory), and finds both through the
+variables every runtime sets (nodeagent.runtime.base.run_env): GPUMARKET_WORKSPACE (the volume
+directory) and GPUMARKET_DATA_DIR (the staged `data/` directory, one read-only NAME directory per
+dataset; with no dataset, an empty read-only directory in the volume root, EMPTY_DATA_DIR). The
+harness, the checkpoint the agent seeds for a resume and the synced output all go through them,
+so a program that uses the variables (or relative paths from its working directory) behaves the
+same on both runtimes; one that hard-codes /data or /workspace works in containers only.
+
 This is no isolation boundary, so it is for development with simulated GPUs only: a run asking
 for real GPUs is refused. The command gets a scrubbed environment (a few variables, never the
 agent's), and when the agent runs as root it runs as an unprivileged uid (`run_as_uid`), which
@@ -59,6 +70,10 @@ from nodeagent.staging import workspace_seed
 logger = logging.getLogger(__name__)
 
 WRAPPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_process_wrapper.py")
+
+# The GPUMARKET_DATA_DIR of a run without datasets: empty and read-only, in the volume root
+# (searchable by the run's user, like the workspace beside it; no rental id starts with ".").
+EMPTY_DATA_DIR = ".no-datasets"
 
 # After SIGKILL the supervisor needs a moment to notice the exit and record it.
 _RECORD_EXIT_WAIT_S = 5.0
@@ -322,10 +337,21 @@ class LocalProcessDriver:
                 gpu_mode=self.config.gpu_mode,
                 in_container=False,
                 workspace=spec.volume_dir,
-                data_dir=spec.data_dir,
+                data_dir=self._data_dir(spec),
             )
         )
         return env
+
+    @staticmethod
+    def _data_dir(spec: ContainerSpec) -> str:
+        """The staged datasets, else an empty read-only directory: the variable is always set
+        and always names a directory, so listing it lists the run's datasets (none)."""
+        if spec.data_dir:
+            return spec.data_dir
+        empty = os.path.join(os.path.dirname(os.path.abspath(spec.volume_dir)), EMPTY_DATA_DIR)
+        os.makedirs(empty, exist_ok=True)
+        os.chmod(empty, 0o555)  # noqa: S103 - the run's user (another uid) lists it
+        return empty
 
     def _spawn(self, spec: ContainerSpec, meta: dict[str, Any]) -> None:
         run_dir = self._run_dir(spec.run_id)

@@ -32,7 +32,7 @@ _KEY_LINE = re.compile(
 # environment); values with spaces or quotes are left out, as sshd_config cannot quote them.
 _SESSION_ENV = (
     "PATH|PYTHONPATH|LANG|HARNESS_CHECKPOINT_DIR|CUDA_VISIBLE_DEVICES|OMP_NUM_THREADS|"
-    "MKL_NUM_THREADS|GPUMARKET_(RENTAL_ID|RUN_ID|WORKSPACE|GPU_COUNT|SIMULATED_GPUS)"
+    "MKL_NUM_THREADS|GPUMARKET_(RENTAL_ID|RUN_ID|WORKSPACE|DATA_DIR|GPU_COUNT|SIMULATED_GPUS)"
 )
 
 # Run with `sh -c` by `docker exec` as the container's user; GPUMARKET_SSH_AUTHORIZED_KEYS and

@@ -24,6 +24,9 @@ _SCRUBBED = (
     "MASTER_PORT",
     "HARNESS_PEAK_TFLOPS",
     "HARNESS_CHECKPOINT_DIR",
+    "GPUMARKET_WORKSPACE",
+    "GPUMARKET_DATA_DIR",
+    "GPUMARKET_SIMULATED_GPUS",
 )
 
 
@@ -45,10 +48,13 @@ class HarnessProcess:
     def __init__(self, args: list[str], tmp_path: Path, env: dict[str, str] | None = None) -> None:
         self.stderr_path = tmp_path / f"stderr-{time.monotonic_ns()}.log"
         self._stderr = self.stderr_path.open("w")
+        env = dict(env or harness_env())
+        # The run's output (final model, logs) goes to the test's directory, not the checkout.
+        env.setdefault("GPUMARKET_WORKSPACE", str(tmp_path / "workspace"))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "harness", *args],
             cwd=REPO_ROOT,
-            env=env or harness_env(),
+            env=env,
             stdout=subprocess.PIPE,
             stderr=self._stderr,
             text=True,

@@ -442,3 +442,34 @@ def test_staged_datasets_are_read_only_and_resume_files_land_in_the_workspace(
     # then it read its dataset but could not write it, and resumed in a workspace it owns
     assert lines == ["corpus text", "dataset read-only", "three", "checkpoint dir writable"]
     assert (Path(spec.volume_dir) / "checkpoints" / "step_000000004.pt").read_text() == "four"
+
+
+def test_every_runtime_names_its_workspace_and_data_dir_and_runs_in_the_workspace(
+    driver, driver_kind, make_spec, volume_root
+):
+    # given a run without datasets that reports where its files are
+    spec = make_spec(
+        """
+        import os
+        workspace, data = os.environ["GPUMARKET_WORKSPACE"], os.environ["GPUMARKET_DATA_DIR"]
+        print(f"workspace={workspace}")
+        print(f"data={data}")
+        print(f"cwd_is_workspace={os.getcwd() == workspace}")
+        print(f"datasets={sorted(os.listdir(data)) if os.path.isdir(data) else None}")
+        """
+    )
+    # when it runs
+    driver.start(spec)
+    wait_exited(driver, spec.run_id)
+    lines, _ = driver.output_since(spec.run_id, None)
+    # then both variables are set on either runtime: the container's mount points, or the host
+    # directories of a host process (an empty read-only data dir when nothing is staged)
+    if driver_kind == "docker":
+        assert lines == ["workspace=/workspace", "data=/data", "cwd_is_workspace=True",
+                         "datasets=None"]  # fmt: skip
+    else:
+        empty = volume_root / ".no-datasets"
+        assert lines == [f"workspace={spec.volume_dir}", f"data={empty}",
+                         "cwd_is_workspace=True", "datasets=[]"]  # fmt: skip
+        assert not os.access(empty, os.W_OK) or os.geteuid() == 0
+        assert oct(empty.stat().st_mode & 0o777) == "0o555"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.runtime.base import PermanentRuntimeError
+from nodeagent.runtime.base import ContainerSpec, PermanentRuntimeError
 from nodeagent.runtime.process import LocalProcessDriver, ProcessDriverConfig
 from tests.nodeagent.runtime.conftest import REPO, collect_output, wait_exited
 
@@ -228,3 +228,62 @@ def test_a_run_with_ssh_is_refused_saying_why(tmp_path, make_spec):
     with pytest.raises(PermanentRuntimeError, match="cannot give SSH access"):
         driver.start(spec)
     assert driver.state(spec.run_id).status == "missing"
+
+
+@pytest.mark.harness
+def test_the_default_harness_run_reads_its_dataset_and_writes_its_output_to_the_workspace(
+    tmp_path, volume_root
+):
+    # given a staged text dataset (sealed read-only as staging leaves it) and the harness
+    # started as the server starts it, with no path but the runtime's variables
+    stage = volume_root / f"stage-{os.urandom(4).hex()}"
+    corpus = stage / "data" / "corpus"
+    corpus.mkdir(parents=True)
+    (corpus / "train.txt").write_text("the quick brown fox jumps over the lazy dog. " * 60)
+    for path in (corpus, stage / "data", stage):
+        path.chmod(0o555)
+    config = {
+        "model": {"name": "gpt", "layers": 1, "width": 16, "heads": 2},
+        "data": {"name": "text", "path": "corpus", "seq_len": 16, "batch_size": 4},
+        "train": {"steps": 3, "device": "cpu", "log_every": 1},
+    }
+    driver = LocalProcessDriver(
+        ProcessDriverConfig(state_dir=str(tmp_path / "state"), extra_env={"PYTHONPATH": str(REPO)})
+    )
+    spec = ContainerSpec(
+        rental_id="r-harness", run_id=f"h-{os.urandom(4).hex()}", node_id="n", image="",
+        command=("python", "-m", "harness", "--config-env", "HARNESS_CONFIG_JSON"),
+        env={"HARNESS_CONFIG_JSON": json.dumps(config)}, gpu_indices=(0,), gpu_uuids=(),
+        cpu_limit=1, memory_limit_mb=2048, ports=(),
+        volume_dir=str(volume_root / f"vol-{os.urandom(4).hex()}"),
+        data_dir=str(stage / "data"),
+    )  # fmt: skip
+    try:
+        # when it runs to completion
+        driver.start(spec)
+        state = wait_exited(driver, spec.run_id, timeout_s=180)
+        lines, _ = driver.output_since(spec.run_id, None)
+        logs = driver.logs_tail(spec.run_id, 30)
+    finally:
+        driver.remove(spec.run_id)
+        for path in (stage, stage / "data", corpus):
+            path.chmod(0o755)
+    # then it trained on the dataset and left checkpoint, final model and logs in its workspace
+    assert state.exit_code == 0, logs
+    events = [json.loads(x) for x in lines]
+    start = next(e for e in events if e["event"] == "start")
+    assert start["config"]["data"]["path"] == "corpus"
+    workspace = Path(spec.volume_dir)
+    summary = events[-1]
+    assert summary["event"] == "summary" and summary["exit_reason"] == "completed"
+    assert summary["checkpoint"] == str(workspace / "checkpoints" / "step_000000003.pt")
+    assert summary["final_model"] == str(workspace / "final" / "model.pt")
+    assert sorted(str(p.relative_to(workspace)) for p in workspace.rglob("*") if p.is_file()) == [
+        "checkpoints/step_000000003.pt",
+        "final/config.json",
+        "final/model.pt",
+        "logs/harness.log",
+        "logs/metrics.jsonl",
+    ]
+    logged = (workspace / "logs" / "metrics.jsonl").read_text().splitlines()
+    assert logged == lines
