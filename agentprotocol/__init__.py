@@ -20,6 +20,7 @@ import enum
 import functools
 import types
 import typing
+import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Self
 
@@ -492,6 +493,16 @@ class ArtifactCommitAnswer(Message):
     refused: Mapping[str, str] = dataclasses.field(default_factory=dict)  # path -> why
 
 
+# A simulated GPU's UUID, uuid5 of "hostname/index" in this namespace: stable across an agent's
+# restarts and distinct across hosts. Both ends know it: the simulated agent reports it, and the
+# dev stack's demo seed names the GPUs its hosts will report.
+_SIMULATED_UUID_NAMESPACE = uuid.UUID("6f1d2c3e-9a4b-5c7d-8e9f-0a1b2c3d4e5f")
+
+
+def simulated_gpu_uuid(hostname: str, index: int) -> str:
+    return f"GPU-{uuid.uuid5(_SIMULATED_UUID_NAMESPACE, f'{hostname}/{index}')}"
+
+
 __all__ = [
     "ARTIFACT_COMMIT_PATH",
     "ARTIFACT_UPLOADS_PATH",
@@ -521,4 +532,5 @@ __all__ = [
     "PublishedPort",
     "StagedFile",
     "UsageReport",
+    "simulated_gpu_uuid",
 ]

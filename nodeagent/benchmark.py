@@ -9,6 +9,10 @@ lives only in the image runs it there instead through `--benchmark-command`, e.g
 A failed run (non-zero exit, timeout, no usable JSON) is logged and not sent: the server refuses
 a result without a positive `matmul_tflops`, and a refused heartbeat would hold up usage reports.
 It is retried when the server asks again after a cool-down.
+
+A node of simulated GPUs has no card to measure: its runner is given `simulated` (the simulated
+telemetry's figure for its card, marked `simulated: true`) and runs no command; the server
+believes such a result only from a node that joined as simulated.
 """
 
 from __future__ import annotations
@@ -66,7 +70,10 @@ class BenchmarkRunner:
         timeout_s: float = 900.0,
         retry_after_s: float = 1800.0,
         clock: Callable[[], float] = time.monotonic,
+        simulated: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
+        """`simulated`: on a node of simulated GPUs, what gives its result instead of the
+        command (nodeagent.telemetry.simulated.simulated_benchmark)."""
         command = list(command)
         if command and command[0] in ("python", "python3"):
             command[0] = sys.executable  # the agent's interpreter, which has the harness
@@ -75,6 +82,7 @@ class BenchmarkRunner:
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
         self._clock = clock
+        self._simulated = simulated
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._result: dict[str, Any] | None = None
@@ -89,7 +97,8 @@ class BenchmarkRunner:
                 return False
             self._thread = threading.Thread(target=self._run, name="benchmark", daemon=True)
             self._thread.start()
-        logger.info("benchmark started", extra={"command": " ".join(self.command)})
+        what = "the simulated card's figure" if self._simulated else " ".join(self.command)
+        logger.info("benchmark started", extra={"command": what})
         return True
 
     def result(self) -> dict[str, Any] | None:
@@ -110,23 +119,34 @@ class BenchmarkRunner:
 
     def _run(self) -> None:
         try:
-            proc = subprocess.run(
-                self.command,
-                capture_output=True,
-                text=True,
-                timeout=self.timeout_s,
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                check=False,
-            )
-            if proc.returncode != 0:
-                raise ValueError(f"exit code {proc.returncode}: {proc.stderr[-2000:]}")
-            result = parse_result(proc.stdout)
+            result = self._simulated_result() if self._simulated else self._measured_result()
         except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
             logger.error("benchmark failed", extra={"error": str(exc)})
             with self._lock:
                 self._not_before = self._clock() + self.retry_after_s
             return
-        logger.info("benchmark finished", extra={"matmul_tflops": result["matmul_tflops"]})
+        logger.info(
+            "benchmark finished",
+            extra={"matmul_tflops": result["matmul_tflops"], "simulated": bool(self._simulated)},
+        )
         with self._lock:
             self._result = result
+
+    def _simulated_result(self) -> dict[str, Any]:
+        assert self._simulated is not None
+        # Through the same check as a measured result: the server gets one shape either way.
+        return parse_result(json.dumps(self._simulated()))
+
+    def _measured_result(self) -> dict[str, Any]:
+        proc = subprocess.run(
+            self.command,
+            capture_output=True,
+            text=True,
+            timeout=self.timeout_s,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise ValueError(f"exit code {proc.returncode}: {proc.stderr[-2000:]}")
+        return parse_result(proc.stdout)

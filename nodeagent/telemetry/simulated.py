@@ -4,48 +4,50 @@ The one-command dev stack and the tests run on such nodes. GPUs are a catalog mo
 the name, which the server matches exactly), UUIDs are derived from hostname and index (stable
 across agent restarts, distinct across hosts), and readings are smooth functions of time, so a
 dashboard shows plausible curves: busy GPUs near full load, idle ones cool and quiet. The join
-payload carries `simulated: true`, so the node is flagged as such wherever it is shown.
+payload carries `simulated: true`, so the node is flagged as such wherever it is shown. Its
+benchmark is simulated too (`simulated_benchmark`): a plausible figure for the card, marked so.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import random
 import re
 import time
-import uuid
 from collections.abc import Callable, Collection
+from typing import Any
 
-from agentprotocol import GpuInfo, GpuSample
+from agentprotocol import GpuInfo, GpuSample, simulated_gpu_uuid
 from nodeagent.telemetry.base import (
     GpuInventory,
     PermanentTelemetryError,
 )
 
-# Namespace of the simulated GPU UUIDs (uuid5 of "hostname/index" in it).
-_UUID_NAMESPACE = uuid.UUID("6f1d2c3e-9a4b-5c7d-8e9f-0a1b2c3d4e5f")
-
-# slug -> (memory GB, board power W, NVLink: "switch" all GPUs, "bridge" pairs, "" none);
-# figures as in the server's catalog. Slugs missing here still work: memory is read from the
-# slug's "<n>gb" suffix and the rest defaulted.
-_MODELS: dict[str, tuple[int, int, str]] = {
-    "v100-sxm2-16gb": (16, 300, "switch"),
-    "v100-sxm2-32gb": (32, 300, "switch"),
-    "v100-pcie-16gb": (16, 250, ""),
-    "v100-pcie-32gb": (32, 250, ""),
-    "a100-sxm4-40gb": (40, 400, "switch"),
-    "a100-sxm4-80gb": (80, 400, "switch"),
-    "a100-pcie-40gb": (40, 250, "bridge"),
-    "a100-pcie-80gb": (80, 300, "bridge"),
-    "h100-sxm5-80gb": (80, 700, "switch"),
-    "h100-pcie-80gb": (80, 350, "bridge"),
-    "h200-sxm-141gb": (141, 700, "switch"),
-    "l40s-48gb": (48, 350, ""),
-    "a10-24gb": (24, 150, ""),
-    "t4-16gb": (16, 70, ""),
-    "rtx3090-24gb": (24, 350, "bridge"),
-    "rtx3080ti-12gb": (12, 350, ""),
-    "rtx4090-24gb": (24, 450, ""),
-    "rtx-a6000-48gb": (48, 300, "bridge"),
+# slug -> (memory GB, board power W, NVLink: "switch" all GPUs, "bridge" pairs, "" none,
+# dense BF16/FP16 tensor TFLOPS (GeForce cards: the FP32-accumulate figure, what training uses),
+# BF16 support); figures as in the server's catalog (vendors' datasheets). Slugs missing here
+# still work: memory is read from the slug's "<n>gb" suffix and the rest defaulted, and they
+# have no benchmark.
+_MODELS: dict[str, tuple[int, int, str, float, bool]] = {
+    "v100-sxm2-16gb": (16, 300, "switch", 125.0, False),
+    "v100-sxm2-32gb": (32, 300, "switch", 125.0, False),
+    "v100-pcie-16gb": (16, 250, "", 112.0, False),
+    "v100-pcie-32gb": (32, 250, "", 112.0, False),
+    "a100-sxm4-40gb": (40, 400, "switch", 312.0, True),
+    "a100-sxm4-80gb": (80, 400, "switch", 312.0, True),
+    "a100-pcie-40gb": (40, 250, "bridge", 312.0, True),
+    "a100-pcie-80gb": (80, 300, "bridge", 312.0, True),
+    "h100-sxm5-80gb": (80, 700, "switch", 989.0, True),
+    "h100-pcie-80gb": (80, 350, "bridge", 756.0, True),
+    "h200-sxm-141gb": (141, 700, "switch", 989.0, True),
+    "l40s-48gb": (48, 350, "", 362.0, True),
+    "a10-24gb": (24, 150, "", 125.0, True),
+    "t4-16gb": (16, 70, "", 65.0, False),
+    "rtx3090-24gb": (24, 350, "bridge", 71.0, True),
+    "rtx3080ti-12gb": (12, 350, "", 68.0, True),
+    "rtx4090-24gb": (24, 450, "", 165.2, True),
+    "rtx-a6000-48gb": (48, 300, "bridge", 154.8, True),
 }
 _DEFAULT_POWER_W = 300
 _SLUG_RE = re.compile(r"^[a-z0-9][a-z0-9-]*$")
@@ -65,10 +67,6 @@ def parse_simulate_gpus(value: str) -> tuple[str, int]:
     return slug, int(count)
 
 
-def simulated_gpu_uuid(hostname: str, index: int) -> str:
-    return f"GPU-{uuid.uuid5(_UUID_NAMESPACE, f'{hostname}/{index}')}"
-
-
 class SimulatedSource:
     """TelemetrySource of `count` fake GPUs of one catalog model."""
 
@@ -83,7 +81,7 @@ class SimulatedSource:
         clock: Callable[[], float] = time.time,
     ) -> None:
         if model_slug in _MODELS:
-            memory_gb, power_w, link = _MODELS[model_slug]
+            memory_gb, power_w, link, _, _ = _MODELS[model_slug]
         else:
             match = _MEMORY_RE.search(model_slug)
             if match is None:
@@ -93,6 +91,7 @@ class SimulatedSource:
                 )
             memory_gb, power_w, link = int(match.group(1)), _DEFAULT_POWER_W, ""
         self.model_slug = model_slug
+        self.hostname = hostname
         self.memory_mb = memory_gb * 1024
         self.max_power_w = float(power_w)
         self._clock = clock
@@ -143,8 +142,58 @@ class SimulatedSource:
             )
         return samples
 
+    def benchmark(self) -> dict[str, Any]:
+        """The node benchmark of these GPUs (see `simulated_benchmark`)."""
+        return simulated_benchmark(hostname=self.hostname, model_slug=self.model_slug)
+
     def close(self) -> None:
         """Nothing to release."""
+
+
+# A simulated node's benchmark: this share of its card's dense tensor peak, fixed per host in
+# the band that real cards reach on the harness's matmul, with a little noise per run.
+BENCHMARK_SHARE_LOW, BENCHMARK_SHARE_HIGH = 0.62, 0.78
+BENCHMARK_NOISE = 0.01
+
+
+def simulated_benchmark(
+    *, hostname: str, model_slug: str, rng: random.Random | None = None
+) -> dict[str, Any]:
+    """A benchmark result for a simulated node, in the shape of the harness's benchmark event
+    and marked `simulated: true`.
+
+    There is no GPU to measure, and a real matmul on the host's CPU is 1,000 times below any
+    card's figure, which the server rightly refuses as implausible. The result is instead the
+    card's datasheet peak times a share drawn once per host in 62-78 % (so the dev stack's nodes
+    differ, and one node stays put), plus 1 % noise. The server believes a result marked
+    simulated from nodes that joined as simulated only (provisioning's benchmark_record)."""
+    if model_slug not in _MODELS:
+        raise ValueError(f"no simulated benchmark for {model_slug!r}: its peak is not known")
+    peak, bf16 = _MODELS[model_slug][3], _MODELS[model_slug][4]
+    digest = hashlib.sha256(f"{hostname}/{model_slug}".encode()).digest()
+    share = BENCHMARK_SHARE_LOW + (BENCHMARK_SHARE_HIGH - BENCHMARK_SHARE_LOW) * (
+        int.from_bytes(digest[:8], "big") / 2**64
+    )
+    noise = (rng or random.Random()).uniform(-BENCHMARK_NOISE, BENCHMARK_NOISE)
+    return {
+        "event": "benchmark",
+        "simulated": True,
+        "device": "simulated",
+        "device_name": f"{model_slug} (simulated)",
+        "precision": "bf16" if bf16 else "fp16",
+        "quick": True,
+        "matmul_tflops": round(peak * share * (1 + noise), 2),
+        "mem_bandwidth_gbs": None,
+        "h2d_gbs": None,
+        "train_samples_per_s": None,
+        "peak_tflops": peak,
+        "peak_tflops_source": "datasheet",
+        "notes": {
+            "simulated": "no GPU was measured: a simulated node reports a fixed share (62-78 %, "
+            "per host) of its card's dense tensor peak"
+        },
+        "time": round(time.time(), 3),
+    }
 
 
 def _topology_group(link: str, index: int) -> str:

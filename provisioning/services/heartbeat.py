@@ -303,11 +303,16 @@ def metrics_store(*, node: Node, lines: list[tuple[str, str, str]]) -> int:
 
 def benchmark_record(*, node: Node, result: Mapping[str, Any]) -> NodeBenchmark:
     """Record a validated benchmark (provisioning.api.serializers.BenchmarkSerializer). A rate
-    outside the plausible band for the node's card is kept, flagged, and not listed."""
+    outside the plausible band for the node's card is kept, flagged, and not listed.
+
+    A result marked simulated (nodeagent.telemetry.simulated: a figure for the card, not a
+    measurement) is believed only from a node that joined as simulated, which is flagged as
+    such wherever it is shown; from a real node it is refused whatever its figure."""
     tflops = float(result["matmul_tflops"])
+    claims_simulated = result.get("raw", {}).get("simulated") is True
     plausible = measured_tflops_plausible(
         model=GpuModel.objects.get(pk=node.gpu_model_id), tflops=tflops
-    )
+    ) and (node.simulated or not claims_simulated)
     with transaction.atomic():
         bench = NodeBenchmark.objects.create(
             node=node,
@@ -325,7 +330,12 @@ def benchmark_record(*, node: Node, result: Mapping[str, Any]) -> NodeBenchmark:
             update["measured_tflops"] = tflops
         else:
             log.warning(
-                "implausible benchmark node=%s: %s TFLOPS on %s", node.pk, tflops, node.gpu_model_id
+                "implausible benchmark node=%s: %s TFLOPS on %s (simulated: result %s, node %s)",
+                node.pk,
+                tflops,
+                node.gpu_model_id,
+                claims_simulated,
+                node.simulated,
             )
         Node.objects.filter(pk=node.pk).update(**update)
     return bench
