@@ -255,6 +255,8 @@ def cmd_up(port: int) -> int:
         # logs, not sent; webhooks may go to a receiver on this machine.
         EMAIL_BACKEND=env.get("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend"),
         NOTIFICATIONS_WEBHOOK_ALLOW_LOOPBACK=env.get("NOTIFICATIONS_WEBHOOK_ALLOW_LOOPBACK", "1"),
+        # A new account here can try the product at once (production's default is 0).
+        SIGNUP_CREDIT_USD=env.get("SIGNUP_CREDIT_USD", "25"),
         **(services.s3_env or {}),
     )
     supervisor = Supervisor(env=env, cwd=ROOT)
@@ -293,20 +295,25 @@ def cmd_up(port: int) -> int:
 
 
 def stack_commands(*, port: int, beat_schedule: Path) -> list[tuple[str, list[str]]]:
-    """The stack's processes: web, a worker, beat and one local agent with simulated GPUs."""
+    """The stack's processes: web, a worker, beat and the demo hosts' agents."""
     # The production layout (config/gunicorn.py), at most 4 processes on a bigger machine.
     workers = os.environ.get("WEB_WORKERS") or str(min(4, 2 * len(os.sched_getaffinity(0))))
     gunicorn = [
         str(BIN / "gunicorn"), "config.wsgi", "-c", "python:config.gunicorn",
         "--workers", workers, "--bind", f"127.0.0.1:{port}", "--access-logfile", "-",
     ]  # fmt: skip
-    worker = [str(BIN / "celery"), "-A", "config", "worker", "-l", "info", "-c", "2"]
-    beat = [str(BIN / "celery"), "-A", "config", "beat", "-l", "info", "-s", str(beat_schedule)]
-    agent = [
-        sys.executable, "-m", "nodeagent", "--dev-local",
-        "--server", f"http://127.0.0.1:{port}",
+    # The dev stack runs as whoever starts it, root on many a sandbox: Celery's warning against
+    # a root worker is for production hosts, and only alarms a newcomer here.
+    worker = [
+        sys.executable, "-W", "ignore:You're running the worker with superuser privileges",
+        "-m", "celery", "-A", "config", "worker", "-l", "info", "-c", "2",
     ]  # fmt: skip
-    return [("web", gunicorn), ("worker", worker), ("beat", beat), ("agent", agent)]
+    beat = [str(BIN / "celery"), "-A", "config", "beat", "-l", "info", "-s", str(beat_schedule)]
+    # The demo hosts' agents (provisioning.demo): one process, simulated GPUs, local processes.
+    agents = [
+        sys.executable, "manage.py", "demo_fleet", "--server", f"http://127.0.0.1:{port}",
+    ]  # fmt: skip
+    return [("web", gunicorn), ("worker", worker), ("beat", beat), ("agents", agents)]
 
 
 def main() -> None:

@@ -38,10 +38,12 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
 import re
+import secrets
 import signal
 import threading
 import time
@@ -92,6 +94,7 @@ from nodeagent.runtime.base import (
 from nodeagent.spool import RunLedger, RunRecord, UsageSpool, write_atomic
 from nodeagent.staging import ContentCache, StagedRun, stage_dir_remove, stage_run
 from nodeagent.telemetry import SampleWatchdog, TelemetryError, TelemetrySource, create_source
+from nodeagent.telemetry.simulated import parse_simulate_gpus, simulated_benchmark
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +108,10 @@ EXIT_ERROR = 1
 EXIT_REJECTED = 3  # the server refused us: join token refused, node token revoked
 
 TOKEN_FILE = "node_token.json"
+# This host's own secret, sent with every join attempt: a join whose answer was lost (the
+# server committed, the request timed out here) is repeated with the same token and key, and
+# the server hands back the same node with a fresh node token.
+HOST_KEY_FILE = "host_key"
 SPOOL_DIR = "spool"
 CACHE_DIR = "cache"  # staged files by content (nodeagent.staging)
 STAGE_DIR = ".staging"  # under the volume root: what each run reads (rental ids never start so)
@@ -141,6 +148,21 @@ _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 class Credentials:
     node_id: int
     node_token: str
+
+
+def host_key(state_dir: str) -> str:
+    """This host's join secret, made once and kept in the state directory."""
+    path = os.path.join(state_dir, HOST_KEY_FILE)
+    try:
+        with open(path) as f:
+            key = f.read().strip()
+        if re.fullmatch(r"[A-Za-z0-9_-]{32,128}", key):
+            return key
+    except FileNotFoundError:
+        pass
+    key = secrets.token_urlsafe(32)
+    write_atomic(path, key + "\n")
+    return key
 
 
 def load_credentials(state_dir: str) -> Credentials | None:
@@ -295,10 +317,21 @@ class Agent:
         spool_dir = os.path.join(config.state_dir, SPOOL_DIR)
         self.spool = UsageSpool(spool_dir)
         self.ledger = RunLedger(spool_dir)
+        # Simulated GPUs have no card to measure: the simulated card's figure stands in.
+        simulated = (
+            functools.partial(
+                simulated_benchmark,
+                hostname=config.hostname,
+                model_slug=parse_simulate_gpus(config.simulate_gpus)[0],
+            )
+            if config.telemetry == "simulated" and config.simulate_gpus
+            else None
+        )
         self._benchmark = BenchmarkRunner(
             config.benchmark_command,
             env=benchmark_env(gpu_mode=config.gpu_mode),
             timeout_s=config.benchmark_timeout_s,
+            simulated=simulated,
         )
         self._ops = _Operations()
         self._live: dict[str, _Live] = {}
@@ -324,11 +357,17 @@ class Agent:
 
     # -- the program ---------------------------------------------------------------------------
 
+    def stop(self) -> None:
+        """Ask `run()` to return (from any thread): what SIGTERM does to a lone agent."""
+        self._stopping.set()
+        self._wake.set()
+
     def run(self) -> int:
         """Join if needed, then loop (or one round with --once); returns the exit status."""
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(signum, lambda *_: (self._stopping.set(), self._wake.set()))
+                signal.signal(signum, lambda *_: self.stop())
+        structlog.contextvars.bind_contextvars(host=self.config.hostname)
         try:
             self._telemetry = create_source(
                 self.config.telemetry,
@@ -468,6 +507,10 @@ class Agent:
             },
             "gpus": [gpu.to_payload() for gpu in inventory.gpus],
             "simulated": self._telemetry.simulated,
+            "host_key": host_key(self.config.state_dir),
+            "runtime": self.config.runtime,
+            # An sshd in the rental needs a container and a published port.
+            "ssh": self.config.runtime == "docker" and self.config.publish is not None,
         }
 
     def _create_driver(self, node_id: int) -> RuntimeDriver:

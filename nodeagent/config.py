@@ -1,9 +1,9 @@
 """The agent's configuration: command-line flags, else GPUMARKET_* environment, else defaults.
 
-`--dev-local` is the profile the one-command dev stack uses: server URL, join token, simulated
-GPUs and hostname come from `.var/dev/agent.env` (KEY=VALUE lines, relative to the working
-directory), and the defaults become runtime=process, gpu-mode none, telemetry simulated, with
-state, volumes and process records under `.var/dev/`. Flags given on the command line still win.
+A host without NVIDIA GPUs (a developer's machine) runs the agent with simulated GPUs on the
+local-process runtime: `--runtime process --gpu-mode none --telemetry simulated --simulate-gpus
+SLUG:COUNT`, with state, volumes and run records in folders it may write. The one-command dev
+stack runs its demo hosts that way (`nodeagent.fleet`).
 """
 
 from __future__ import annotations
@@ -17,16 +17,7 @@ from dataclasses import dataclass
 
 from nodeagent.benchmark import DEFAULT_COMMAND
 from nodeagent.publish import PublishConfig
-
-DEV_ENV_FILE = os.path.join(".var", "dev", "agent.env")
-DEV_PRESETS = {
-    "runtime": "process",
-    "gpu_mode": "none",
-    "telemetry": "simulated",
-    "state_dir": os.path.join(".var", "dev", "agent"),
-    "volume_root": os.path.join(".var", "dev", "volumes"),
-    "process_dir": os.path.join(".var", "dev", "runs"),
-}
+from nodeagent.telemetry.simulated import parse_simulate_gpus
 
 # dest -> (environment variable, default)
 _OPTIONS: dict[str, tuple[str, str | None]] = {
@@ -151,26 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(the hostname)",
     )
     add("--once", action="store_true", help="one heartbeat and reconcile, then exit")
-    add("--dev-local", action="store_true", help=f"the dev stack's profile (reads {DEV_ENV_FILE})")
     return parser
-
-
-def read_env_file(path: str) -> dict[str, str]:
-    """KEY=VALUE lines; blank lines and # comments are skipped, surrounding quotes removed."""
-    values = {}
-    with open(path) as f:
-        for number, raw in enumerate(f, 1):
-            line = raw.strip()
-            if not line or line.startswith("#"):
-                continue
-            key, sep, value = line.partition("=")
-            if not sep:
-                raise ConfigError(f"{path}:{number}: expected KEY=VALUE")
-            value = value.strip()
-            if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
-                value = value[1:-1]
-            values[key.strip()] = value
-    return values
 
 
 def load_config(
@@ -179,20 +151,11 @@ def load_config(
     """Parse flags and environment into a checked AgentConfig (ConfigError if unusable)."""
     args = build_parser().parse_args(argv)
     env = dict(os.environ if environ is None else environ)
-    presets: dict[str, str] = {}
-    if args.dev_local:
-        try:
-            env.update(read_env_file(DEV_ENV_FILE))
-        except FileNotFoundError:
-            raise ConfigError(f"--dev-local needs {os.path.abspath(DEV_ENV_FILE)}") from None
-        presets = DEV_PRESETS
 
     def get(dest: str) -> str | None:
         flag = getattr(args, dest)
         if flag is not None:
             return flag
-        if dest in presets:
-            return presets[dest]
         variable, default = _OPTIONS[dest]
         return env.get(variable) or default
 
@@ -222,6 +185,11 @@ def load_config(
     simulate_gpus = get("simulate_gpus")
     if telemetry == "simulated" and not simulate_gpus:
         raise ConfigError("simulated telemetry needs --simulate-gpus SLUG:COUNT")
+    if simulate_gpus:
+        try:
+            parse_simulate_gpus(simulate_gpus)
+        except ValueError as exc:
+            raise ConfigError(f"--simulate-gpus: {exc}") from None
     try:
         interval = float(get("interval") or 0)
         request_timeout = float(get("request_timeout") or 0)

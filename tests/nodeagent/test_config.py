@@ -1,4 +1,4 @@
-"""Configuration: flags, then GPUMARKET_* environment, then defaults; the --dev-local profile."""
+"""Configuration: flags, then GPUMARKET_* environment, then defaults."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from nodeagent.config import ConfigError, load_config, read_env_file
+from nodeagent.config import ConfigError, load_config
 
 SIMULATED = ["--telemetry", "simulated", "--gpu-mode", "none", "--simulate-gpus", "t4-16gb:1"]
 
@@ -66,35 +66,6 @@ def test_environment_fills_in_and_flags_win():
     assert config.once is True
 
 
-def test_dev_local_profile(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / ".var" / "dev").mkdir(parents=True)
-    (tmp_path / ".var" / "dev" / "agent.env").write_text(
-        "# written by the dev stack\n"
-        "GPUMARKET_SERVER_URL=http://127.0.0.1:8000\n"
-        "GPUMARKET_JOIN_TOKEN='gpj_dev'\n"
-        "\n"
-        'GPUMARKET_SIMULATE_GPUS="h100-sxm5-80gb:8"\n'
-        "GPUMARKET_HOSTNAME=dev-node\n"
-    )
-    config = load_config(["--dev-local", "--interval", "1"], environ={})
-    assert config.server_url == "http://127.0.0.1:8000"
-    assert config.join_token == "gpj_dev"
-    assert config.simulate_gpus == "h100-sxm5-80gb:8"
-    assert config.hostname == "dev-node"
-    assert (config.runtime, config.gpu_mode, config.telemetry) == ("process", "none", "simulated")
-    assert config.state_dir == str(tmp_path / ".var" / "dev" / "agent")
-    assert config.volume_root == str(tmp_path / ".var" / "dev" / "volumes")
-    assert config.process_dir == str(tmp_path / ".var" / "dev" / "runs")
-    assert config.interval_s == 1.0  # a flag still wins over the profile
-
-
-def test_dev_local_without_its_file_says_where_it_looked(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match=r"\.var/dev/agent\.env"):
-        load_config(["--dev-local"], environ={})
-
-
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -124,10 +95,3 @@ def test_benchmark_command_is_split_like_a_shell(tmp_path):
     )
     config = load_config(["--server", "http://s", "--benchmark-command", command], environ={})
     assert config.benchmark_command == tuple(shlex.split(command))
-
-
-def test_env_file_lines_must_be_assignments(tmp_path):
-    path = tmp_path / "agent.env"
-    path.write_text("GPUMARKET_SERVER_URL\n")
-    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
-        read_env_file(str(path))
