@@ -400,6 +400,11 @@ STORAGE = {
 LOGGING = logging_config(
     log_format=env.str("LOG_FORMAT", default="console"), level=env.str("LOG_LEVEL", default="INFO")
 )
+# A worker's task lines carry the task's name, id and runtime, never its arguments or result.
+LOGGING.setdefault("filters", {})["celery_task"] = {"()": "config.celery.TaskLogFilter"}
+LOGGING["loggers"].update(
+    {name: {"filters": ["celery_task"]} for name in ("celery.worker.strategy", "celery.app.trace")}
+)
 # Celery logs through the LOGGING above instead of replacing the root logger's handlers.
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 METRICS_TOKEN = env.str("METRICS_TOKEN", default="")
