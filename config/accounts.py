@@ -23,7 +23,7 @@ from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect
 from django.urls import reverse
 
-from billing.services import customer_onboard
+from billing.services import account_adjust, customer_onboard
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,17 @@ class AccountAdapter(DefaultAccountAdapter):
             return super().save_user(request, user, form, commit=False)
         with transaction.atomic():
             user = super().save_user(request, user, form, commit=True)
-            customer_onboard(user=user)
+            account = customer_onboard(user=user)
+            credit = settings.SIGNUP_CREDIT_USD
+            if credit > 0:
+                # Keyed by the user: a repeated save cannot credit twice.
+                account_adjust(
+                    account_id=account.pk,
+                    amount_micros=int(credit * 1_000_000),
+                    reason="sign-up credit",
+                    actor=None,
+                    key=f"signup-credit-{user.pk}",
+                )
         return user
 
     def send_mail(self, template_prefix: str, email: str, context: dict) -> None:

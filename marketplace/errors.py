@@ -9,10 +9,14 @@ class DomainError(Exception):
     status = 400
     code = "invalid"
 
-    def __init__(self, message: str, *, field: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, field: str | None = None, links: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.field = field
+        # Where the caller can go next (e.g. the top-up page of a 402), as paths.
+        self.links = links or {}
 
 
 class ValidationFailed(DomainError):

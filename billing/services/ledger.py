@@ -119,6 +119,11 @@ def micros_from_usd(amount: Decimal) -> int:
     return int(micros)
 
 
+# Where a refused booking can add funds: the web page and its API (billing/urls.py, api/urls.py).
+_TOPUP_PAGE = "/billing/topup/"
+_TOPUP_API = "/api/v1/billing/topups/"
+
+
 def hold_micros(*, price_per_gpu_hour: Decimal, gpus: int, duration_s: int) -> int:
     """The whole booked time of `gpus` GPUs at the rate, rounded up to a whole micro (the same
     formula as the locked-price hold in selectors.team_held_micros)."""
@@ -171,7 +176,9 @@ def funds_hold_create(
             f"this rental holds {_usd(amount)} ({rental.gpus_per_node * rental.node_count}"
             f" GPU(s) x {Decimal(rental.duration_s) / 3600:.2f} h at"
             f" ${price_per_gpu_hour}/GPU-hour{' up to its cap' if cap else ''}) and the"
-            f" available balance is {_usd(available)}: top up first"
+            f" available balance is {_usd(available)}: add funds on {_TOPUP_PAGE} (by card, or"
+            " ask ops for a credit), or book less",
+            links={"topup": _TOPUP_PAGE, "topup_api": _TOPUP_API},
         )
     return hold
 

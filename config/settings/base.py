@@ -9,6 +9,7 @@ services when they are not set.
 
 import os
 from datetime import timedelta
+from decimal import Decimal
 from pathlib import Path
 
 import environ
@@ -339,6 +340,14 @@ BILLING_PLATFORM_FEE_BPS = env.int("BILLING_PLATFORM_FEE_BPS", default=2000)
 BILLING_POSTING_INTERVAL_S = env.int("BILLING_POSTING_INTERVAL_S", default=3600)
 BILLING_LOW_BALANCE_HOURS = env.int("BILLING_LOW_BALANCE_HOURS", default=1)
 BILLING_FUNDS_CHECK = env.bool("BILLING_FUNDS_CHECK", default=True)
+# Credit every new sign-up gets, in dollars, so a new account can try the product before it
+# pays (the dev stack sets it; 0, none, unless the operator chooses otherwise).
+try:
+    SIGNUP_CREDIT_USD = Decimal(env.str("SIGNUP_CREDIT_USD", default="0"))
+except ArithmeticError:
+    SIGNUP_CREDIT_USD = Decimal(-1)
+if not 0 <= SIGNUP_CREDIT_USD <= 10_000:
+    raise ImproperlyConfigured("SIGNUP_CREDIT_USD must be an amount in dollars, 0 to 10000")
 BILLING_CLOCK_SKEW_S = env.int("BILLING_CLOCK_SKEW_S", default=120)
 BILLING_TELEMETRY_RETENTION_DAYS = env.int("BILLING_TELEMETRY_RETENTION_DAYS", default=7)
 BILLING_CURRENCY = env.str("BILLING_CURRENCY", default="usd")

@@ -23,6 +23,8 @@ def exception_handler(exc, context):
         body: dict = {"detail": exc.message, "code": exc.code}
         if exc.field:
             body = {exc.field: [exc.message], "detail": exc.message, "code": exc.code}
+        if exc.links:
+            body["links"] = exc.links
         response = Response(body, status=exc.status)
         if getattr(exc, "retry_after_s", None):
             response["Retry-After"] = str(exc.retry_after_s)

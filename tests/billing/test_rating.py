@@ -289,6 +289,10 @@ def test_a_rental_without_funds_is_refused_with_402_and_nothing_is_stored(
     r = auth_api.post("/api/v1/rentals/", body, format="json")
     assert r.status_code == 402
     assert r.json()["code"] == "payment_required"
+    # The refusal says where to add funds, and the pages it names exist.
+    assert r.json()["links"] == {"topup": "/billing/topup/", "topup_api": "/api/v1/billing/topups/"}
+    assert "/billing/topup/" in r.json()["detail"]
+    assert auth_api.get(r.json()["links"]["topup_api"]).status_code == 200
     assert not Rental.objects.exists()
     # 2 GPUs x 2 h at a $1.50 cap hold $6.00: neither $1.00 nor $3.00 covers it; $6.00 does.
     fund(user, "1.00")

@@ -5,6 +5,7 @@ admin only with TOTP; django-axes keeps locking out allauth's sign-in form."""
 from __future__ import annotations
 
 import time
+from decimal import Decimal
 
 import pytest
 from allauth.account import app_settings as allauth_settings
@@ -15,7 +16,7 @@ from django.core import signing
 from django.test import Client
 from django.urls import reverse
 
-from billing.models import Account, AccountKind
+from billing.models import Account, AccountKind, LedgerEntry
 from config.accounts import EmailNotSent, email_send
 from marketplace.models import User
 from tests.conftest import totp_code
@@ -356,3 +357,15 @@ def test_the_lockout_counts_sign_ins_by_address_as_well(settings):
         last = _sign_in(Client(), "KIM@example.com", "wrong")
     assert last.status_code == 429
     assert _sign_in(Client(), "kim@example.com", "pw-not-secret").status_code == 429
+
+
+@pytest.mark.parametrize(("credit", "balance_micros"), [("0", 0), ("12.50", 12_500_000)])
+def test_a_new_account_gets_the_operators_sign_up_credit_once(
+    client, smtp_server, settings, credit, balance_micros
+):
+    settings.SIGNUP_CREDIT_USD = Decimal(credit)
+    user = _verified_customer(client, smtp_server)
+    account = Account.objects.get(kind=AccountKind.CUSTOMER, team__personal_of=user)
+    assert account.balance_micros == balance_micros
+    entries = LedgerEntry.objects.filter(account=account)
+    assert [e.amount_micros for e in entries] == ([balance_micros] if balance_micros else [])
