@@ -13,8 +13,8 @@
     gpumarket rent --ssh ... ; gpumarket ssh-command ID     (ssh -p PORT harness@HOST)
     gpumarket notify show | set --webhook-url URL --email-off rental.started | deliveries
 
-Every command takes `--json`: it prints the server's answer as JSON instead of a table (one JSON
-object per line for `logs`), for scripts.
+Every command takes `--json`, anywhere on the line: it prints the server's answer as JSON
+instead of a table (one JSON object per line for `logs`), for scripts.
 
 The server and token come from flags or GPUMARKET_SERVER_URL / GPUMARKET_TOKEN.
 """
@@ -164,11 +164,16 @@ def _duration(hours: float) -> str:
 
 def _plan_row(plan: dict) -> dict:
     """One of the advisor's plans as a table row: the memory a GPU needs in all (the JSON
-    output keeps its parts), the time, MFU as a percentage."""
+    output keeps its parts), the estimated time, what booking it books and holds (to the
+    micro-dollar: the hold of a short plan is cents), MFU as a percentage."""
+    from decimal import Decimal
+
     return {
         **plan,
         "gb_per_gpu": f"{plan['per_gpu_gb']['total']:.1f}",
         "time": _duration(plan["hours"]),
+        "booked": _duration(plan["booked_hours"]),
+        "held": f"${Decimal(plan['hold_usd']).normalize():f}",
         "mfu": f"{plan['mfu']:.0%}",
         "flags": ",".join(plan["flags"]),
     }
@@ -255,7 +260,7 @@ def run(args: argparse.Namespace, api: Api) -> str:
     if args.command == "advise":
         answer = api.call("POST", "/api/v1/advisor/", json=_advisor_body(args))
         rows = [_plan_row(p) for p in answer["plans"]]
-        columns = ["id", "gpus", "gb_per_gpu", "time", "mfu", "cost", "flags"]
+        columns = ["id", "gpus", "gb_per_gpu", "time", "mfu", "cost", "booked", "held", "flags"]
         table = _table(rows, columns) if rows else "no plan"
         return "\n".join([table, *answer["reasons"]])
     if args.command == "book":
@@ -521,6 +526,31 @@ class _Parser(argparse.ArgumentParser):
 
     _width: int | None = None
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Listed in every command's help; parse_known_args takes it wherever it is.
+        self.add_argument(
+            "--json",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="print the server's answer as JSON, for scripts",
+        )
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        """`--json` anywhere before `--`: before or after the subcommand, between its
+        positional arguments. argparse alone cannot take a flag between two positionals when
+        the second is optional (`artifacts pull ID --json DEST` would refuse DEST), so the flag,
+        which takes no value, is taken out of the line first; after `--` it is the rental's."""
+        args = list(sys.argv[1:] if args is None else args)
+        end = args.index("--") if "--" in args else len(args)
+        asked = "--json" in args[:end]
+        if asked:
+            args = [a for a in args[:end] if a != "--json"] + args[end:]
+        namespace, rest = super().parse_known_args(args, namespace)
+        if asked:
+            namespace.json = True
+        return namespace, rest
+
     def _get_formatter(self) -> argparse.HelpFormatter:
         if _Parser._width is None:
             _Parser._width = _terminal_columns() - 2  # the margin HelpFormatter leaves
@@ -533,9 +563,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--server", default=os.environ.get("GPUMARKET_SERVER_URL", "http://127.0.0.1:8000")
     )
     parser.add_argument("--token", default=os.environ.get("GPUMARKET_TOKEN"))
-    parser.add_argument(
-        "--json", action="store_true", help="print the server's answer as JSON, for scripts"
-    )
+    parser.set_defaults(json=False)
     # Each subparsers names its prog: argparse would build a help formatter (and import shutil,
     # with bz2 and lzma) to work it out, on every call.
     sub = parser.add_subparsers(dest="command", required=True, prog="gpumarket")

@@ -30,6 +30,7 @@ from marketplace.api.guards import client_ip
 from marketplace.api.pagination import PaginatedListView
 from marketplace.api.throttles import RateThrottle
 from marketplace.errors import NotFound
+from marketplace.lifecycle import TERMINAL
 from marketplace.models import Node, Provider, Rental
 from marketplace.services import token_hash
 from marketplace.services.storage import FileSpec, UploadedFile
@@ -50,7 +51,7 @@ from provisioning.api.serializers import (
     RunMetricQuerySerializer,
     RunMetricSerializer,
 )
-from provisioning.models import RunLogLine, RunMetric
+from provisioning.models import ContainerRun, RunLogLine, RunMetric
 
 M = TypeVar("M", bound=Message)
 
@@ -330,15 +331,26 @@ class RentalMetricsView(PaginatedListView):
 
 class RentalLogsView(PaginatedListView):
     """The output of one of the team's rentals' containers, oldest first: `?after=ID` gives the
-    lines after the last one you have (follow), `?tail=N` the last N."""
+    lines after the last one you have (follow), `?tail=N` the last N.
+
+    A run that ended before the agent forwarded a line (it failed to start, or exited at
+    once), or whose lines have expired, has no live log; its output is then the log tail its
+    agent reported when the run ended (the one `show` prints), numbered from 1."""
 
     @extend_schema(parameters=[RunLogQuerySerializer], responses=RunLogLineSerializer(many=True))
     def get(self, request: Request, rental_id) -> Response:
-        if not Rental.objects.filter(pk=rental_id, team=request_team(request)).exists():
+        rental = (
+            Rental.objects.filter(pk=rental_id, team=request_team(request))
+            .only("status", "log_tail", "ended_at")
+            .first()
+        )
+        if rental is None:
             raise NotFound("no such rental")
         query = RunLogQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)
         lines = RunLogLine.objects.filter(rental_id=rental_id)
+        if rental.status in TERMINAL and not lines.exists():
+            return self.paginated(_ended_tail(rental, **query.validated_data), RunLogLineSerializer)
         if (after := query.validated_data.get("after")) is not None:
             lines = lines.filter(id__gt=after)
         if tail := query.validated_data.get("tail"):
@@ -347,3 +359,22 @@ class RentalLogsView(PaginatedListView):
                 lines = lines.filter(id__gte=last[0])
         fields = ("id", "run_id", "line_no", "line", "received_at")
         return self.paginated(lines.order_by("id").values(*fields), RunLogLineSerializer)
+
+
+def _ended_tail(rental: Rental, *, after: int | None = None, tail: int | None = None) -> list:
+    """An ended rental's output from the log tails of its runs (the rental's own when no run
+    kept one), as live-log rows: ids from 1 in order, so `after` and `tail` read as they do."""
+    runs = ContainerRun.objects.filter(rental=rental).exclude(log_tail="")
+    tails = [
+        (run.run_id, run.log_tail, run.last_report_at or rental.ended_at)
+        for run in runs.order_by("created_at", "pk").only("run_id", "log_tail", "last_report_at")
+    ] or [("", rental.log_tail, rental.ended_at)]
+    rows = [
+        {"run_id": run_id, "line_no": line_no, "line": line, "received_at": at}
+        for run_id, text, at in tails
+        for line_no, line in enumerate(text.splitlines())
+    ]
+    for number, row in enumerate(rows, start=1):
+        row["id"] = number
+    rows = rows[after:] if after is not None else rows
+    return rows[-tail:] if tail else rows

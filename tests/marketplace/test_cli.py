@@ -40,6 +40,9 @@ def test_offers_advise_rent_show_and_cancel(cli, make_node):
     header, first = out.splitlines()[:2]
     assert header.split()[:5] == ["ID", "GPUS", "GB_PER_GPU", "TIME", "MFU"]
     assert "{" not in out and re.search(r"\d+(\.\d)? (s|min|h|d) +\d+%", first), first
+    # Beside the estimate, what booking it books and holds, never rounded to nothing
+    assert header.split()[5:8] == ["COST", "BOOKED", "HELD"]
+    assert re.search(r" \d+\.\d\d +\d+(\.\d)? (min|h|d) +\$\d+(\.\d+)? ", first), first
     code, out, _ = cli(
         "rent", "--gpus", "2", "--hours", "2", "--image", "img", "--name", "sweep 3", "--", "train"
     )
@@ -173,6 +176,44 @@ def test_logs_prints_a_rentals_output_and_follows_it_to_the_end(cli, agent, rent
     assert code == 0 and out.splitlines() == [*(f"epoch {n}" for n in range(6)), "saved"]
 
 
+def test_logs_of_a_run_that_failed_before_forwarding_a_line_show_its_output(cli, agent, rent):  # noqa: F811
+    from marketplace.models import RentalStatus
+
+    # Given a run that exits with an error before its agent forwarded any live line: its
+    # output reaches the server only as the log tail of the exited container
+    rental, run = _running(agent, rent)
+    failed = {
+        **run, "status": "exited", "exit_code": 1, "finished_at": time.time(),
+        "log_tail": "loading data\nTraceback (most recent call last):\nValueError: boom\n",
+    }  # fmt: skip
+    _beat(agent, containers=[failed])
+    rental.refresh_from_db()
+    assert rental.status == RentalStatus.FAILED
+
+    # When its logs are asked for, then they are that output, as `show` has its last lines
+    lines = ["loading data", "Traceback (most recent call last):", "ValueError: boom"]
+    code, out, _ = cli("logs", str(rental.pk))
+    assert (code, out.splitlines()) == (0, lines)
+    code, out, _ = cli("show", str(rental.pk))
+    assert out.splitlines()[-3:] == [f"  {line}" for line in lines]
+    code, out, _ = cli("logs", str(rental.pk), "--tail", "1")
+    assert out.splitlines() == ["ValueError: boom"]
+    code, out, _ = cli("logs", str(rental.pk), "--json")
+    rows = [json.loads(text) for text in out.splitlines()]
+    assert [(r["id"], r["run_id"], r["line_no"], r["line"]) for r in rows] == [
+        (n + 1, run["run_id"], n, line) for n, line in enumerate(lines)
+    ]
+    # Following an ended rental prints the same and returns
+    code, out, _ = cli("logs", "-f", "--interval", "0.1", str(rental.pk))
+    assert (code, out.splitlines()) == (0, lines)
+
+
+def test_logs_of_a_rental_still_running_without_lines_are_empty(cli, agent, rent):  # noqa: F811
+    rental, _ = _running(agent, rent)
+    code, out, _ = cli("logs", str(rental.pk))
+    assert (code, out) == (0, "")
+
+
 def test_every_command_prints_the_servers_answer_as_json(cli, make_node, agent, rent):  # noqa: F811
     make_node(card="h100-sxm5-80gb", price="2.50", hostname="fra-1")
     code, out, _ = cli("--json", "offers", "--gpu-family", "h100")
@@ -183,14 +224,14 @@ def test_every_command_prints_the_servers_answer_as_json(cli, make_node, agent, 
     )
     created = json.loads(out)
     assert created["status"] == "pending" and created["command"] == ["train"]
-    code, out, _ = cli("--json", "rentals")
+    code, out, _ = cli("rentals", "--json")
     assert created["id"] in {r["id"] for r in json.loads(out)["results"]}
     code, out, _ = cli("--json", "balance")
     assert "balance_micros" in json.loads(out)
     rental, run = _running(agent, rent)
     ids = {k: run[k] for k in ("rental_id", "run_id")}
     _beat(agent, logs=[{**ids, "line_no": 0, "line": "hello"}])
-    code, out, _ = cli("--json", "logs", str(rental.pk))
+    code, out, _ = cli("logs", str(rental.pk), "--json")
     [line] = [json.loads(text) for text in out.splitlines()]
     assert (line["line"], line["line_no"], line["run_id"]) == ("hello", 0, run["run_id"])
     # Errors stay on stderr with a non-zero exit, --json or not.
