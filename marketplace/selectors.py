@@ -460,6 +460,7 @@ _ENGINE_NODE_FIELDS = (
     "min_bid_per_gpu_hour",
     "reliability",
     "nvlink",
+    "ssh_capable",
     "gpu_model__slug",
     "gpu_model__family",
     "gpu_model__memory_gb",
@@ -481,6 +482,7 @@ class NodeFilter:
     min_gpus: int = 0
     max_min_bid: Decimal | None = None  # nodes whose minimum bid is at most this
     max_price: Decimal | None = None  # nodes whose price is at most this
+    ssh: bool = False  # only nodes whose agent can give a rental SSH (Node.ssh_capable)
 
 
 @cache
@@ -493,7 +495,8 @@ def _cheapest_nodes_sql() -> str:
     # Only the models' table and column names go into the text; every value is a parameter.
     return (
         "SELECT n.id, n.region, n.pool, n.price_per_gpu_hour, n.min_bid_per_gpu_hour,"  # noqa: S608
-        f" n.reliability, n.nvlink, m.slug, m.family, m.memory_gb, m.tensor_tflops, {arrays}"
+        " n.reliability, n.nvlink, n.ssh_capable, m.slug, m.family, m.memory_gb, m.tensor_tflops,"
+        f" {arrays}"
         f" FROM {node} n JOIN {model} m ON m.id = n.gpu_model_id"
         " WHERE n.pool = %(pool)s"
         " AND (%(region)s = '' OR n.region = %(region)s OR n.region LIKE %(zones)s)"
@@ -503,6 +506,7 @@ def _cheapest_nodes_sql() -> str:
         " AND n.gpu_count >= %(gpus)s"
         " AND (%(bid)s::numeric IS NULL OR n.min_bid_per_gpu_hour <= %(bid)s::numeric)"
         " AND (%(price)s::numeric IS NULL OR n.price_per_gpu_hour <= %(price)s::numeric)"
+        " AND (NOT %(ssh)s OR n.ssh_capable)"
         " ORDER BY n.price_per_gpu_hour, n.id LIMIT %(limit)s"
     )
 
@@ -526,6 +530,7 @@ def engine_nodes_cheapest(nodes: NodeFilter, *, limit: int) -> list[engine.Node]
         "gpus": nodes.min_gpus,
         "bid": nodes.max_min_bid,
         "price": nodes.max_price,
+        "ssh": nodes.ssh,
         "limit": limit,
     }
     with connection.cursor() as cursor:
@@ -565,6 +570,7 @@ def _engine_node(r: dict, gpus: list[engine.Gpu]) -> engine.Node:
         reliability=float(r["reliability"]),
         gpus=tuple(gpus),
         pool=r["pool"],
+        ssh_capable=r["ssh_capable"],
     )
 
 

@@ -71,6 +71,7 @@ def engine_request(row: dict) -> engine.Request:
         max_price=row["max_price_per_gpu_hour"],
         interruptible=row["kind"] == RentalKind.INTERRUPTIBLE,
         bid=row["bid_per_gpu_hour"],
+        ssh=row["ssh"],
     )
 
 
@@ -88,7 +89,7 @@ SELECT id, extract(epoch FROM created_at)::float8 AS created_at, gpus_per_node, 
        duration_s, extract(epoch FROM start_at)::float8 AS start_at,
        extract(epoch FROM start_deadline)::float8 AS start_deadline, priority, gpu_models,
        gpu_families, min_memory_gb, min_tensor_tflops, same_group, region, pool,
-       max_price_per_gpu_hour, kind, bid_per_gpu_hour
+       max_price_per_gpu_hour, kind, bid_per_gpu_hour, ssh
 FROM marketplace_rental
 WHERE pool = %(pool)s AND status = %(pending)s
 ORDER BY created_at
@@ -98,7 +99,7 @@ ORDER BY created_at
 _INVENTORY_DIGEST_SQL = """
 SELECT count(*), md5(string_agg(concat_ws(
            ':', n.id, n.region, n.price_per_gpu_hour, n.min_bid_per_gpu_hour, n.reliability,
-           n.nvlink, m.slug, m.family, m.memory_gb, m.tensor_tflops, g.gpus),
+           n.nvlink, n.ssh_capable, m.slug, m.family, m.memory_gb, m.tensor_tflops, g.gpus),
        ',' ORDER BY n.id))
 FROM marketplace_node n
 JOIN marketplace_gpumodel m ON m.id = n.gpu_model_id
@@ -353,6 +354,7 @@ WHERE n.pool = %(pool)s AND n.status = %(online)s
   AND (cardinality(%(families)s::text[]) = 0 OR m.family = ANY(%(families)s::text[]))
   AND m.memory_gb >= %(memory)s AND m.tensor_tflops >= %(tflops)s
   AND (%(max_price)s::numeric IS NULL OR n.price_per_gpu_hour <= %(max_price)s::numeric)
+  AND (NOT %(ssh)s OR n.ssh_capable)
   AND n.gpu_count - coalesce(b.held, 0) >= %(k)s
 ORDER BY n.gpu_count - coalesce(b.held, 0), n.price_per_gpu_hour, n.id
 LIMIT %(limit)s
@@ -402,11 +404,12 @@ def _fast_round(
                 req.min_tensor_tflops,
                 req.max_price,
                 req.gpus_per_node,
+                req.ssh,
             )
             shapes[shape] = shapes.get(shape, 0) + 1
         node_ids: set[int] = set()
         for shape, count in shapes.items():
-            start, end, region, models, families, memory, tflops, max_price, k = shape
+            start, end, region, models, families, memory, tflops, max_price, k, ssh = shape
             cursor.execute(
                 _CANDIDATES_SQL,
                 {
@@ -421,6 +424,7 @@ def _fast_round(
                     "tflops": tflops,
                     "max_price": max_price,
                     "k": k,
+                    "ssh": ssh,
                     "limit": FAST_PATH_NODES + count,
                 },
             )

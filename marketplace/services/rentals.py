@@ -119,19 +119,28 @@ def _engine_request(req: RentalRequest, start: datetime, deadline: datetime) -> 
         max_price=req.max_price_per_gpu_hour,
         interruptible=req.kind == RentalKind.INTERRUPTIBLE,
         bid=req.bid_per_gpu_hour,
+        ssh=req.ssh,
     )
 
 
-def _never_fits(
-    req: RentalRequest, start: datetime, deadline: datetime
-) -> tuple[str | None, Decimal | None]:
-    """Why the request could never be placed, judged by the engine's own feasibility rules,
-    and, when it can be, the cheapest price per GPU-hour it could be placed at.
+@dataclass(frozen=True, slots=True)
+class _Fit:
+    """The create-time check's answer: why the request can never be placed and the field to
+    name (None when it can be), or the cheapest price per GPU-hour it could be placed at."""
+
+    reason: str | None
+    field: str = "non_field"
+    cheapest: Decimal | None = None
+
+
+def _never_fits(req: RentalRequest, start: datetime, deadline: datetime) -> _Fit:
+    """Whether the request could ever be placed, judged by the engine's own feasibility rules.
 
     The cheapest few nodes that meet every static constraint usually prove it fits (a cheap
     check on every create). Otherwise the candidate set widens one constraint at a time
-    (price, size, hardware, location), cheapest first, so the reason names the first
-    constraint no node meets.
+    (SSH, price, size, hardware, location), cheapest first, so the reason names the first
+    constraint no node meets; the engine judges SSH last, so a refusal for SSH means that
+    nodes meeting everything else are listed and none of them can give SSH: `ssh` is named.
     """
     located = NodeFilter(pool=req.pool, region=req.region or "")
     hardware = replace(
@@ -148,8 +157,15 @@ def _never_fits(
         priced = replace(sized, max_price=req.max_price_per_gpu_hour)
     else:
         priced = sized
+    capable = replace(priced, ssh=req.ssh)
     request = _engine_request(req, start, deadline)
-    tiers = [(priced, 4 * req.node_count), (priced, 256), (sized, 256), (hardware, 256)]
+    tiers = [
+        (capable, 4 * req.node_count),
+        (capable, 256),
+        (priced, 256),
+        (sized, 256),
+        (hardware, 256),
+    ]
     nodes: list[engine.Node] = []
     for i, (candidates, limit) in enumerate(tiers):
         nodes = engine_nodes_cheapest(candidates, limit=limit)
@@ -157,10 +173,19 @@ def _never_fits(
             continue
         reason = feasibility.never_fits(request, nodes)
         if reason is None:
-            return None, nodes[0].price_per_gpu_hour
+            return _Fit(None, cheapest=nodes[0].price_per_gpu_hour)
         if i > 0:
-            return reason, None
-    return feasibility.never_fits(request, engine_nodes_cheapest(located, limit=256)), None
+            return _refusal(request, nodes, reason)
+    nodes = engine_nodes_cheapest(located, limit=256)
+    return _refusal(request, nodes, feasibility.never_fits(request, nodes))
+
+
+def _refusal(request: engine.Request, nodes: list[engine.Node], reason: str | None) -> _Fit:
+    """A refusal names `ssh` when the same nodes would take the request without SSH."""
+    without_ssh = replace(request, ssh=False)
+    if reason is not None and request.ssh and feasibility.never_fits(without_ssh, nodes) is None:
+        return _Fit(reason, field="ssh")
+    return _Fit(reason)
 
 
 class FundsHolder(Protocol):
@@ -253,9 +278,9 @@ def rental_create(
         if request.resume_from is not None
         else None
     )
-    reason, cheapest = _never_fits(request, start, deadline)
-    if reason is not None:
-        raise ValidationFailed(f"this request can never be placed: {reason}", field="non_field")
+    fit = _never_fits(request, start, deadline)
+    if fit.reason is not None:
+        raise ValidationFailed(f"this request can never be placed: {fit.reason}", field=fit.field)
     with transaction.atomic():
         datasets = _datasets_ready(team=team, names=request.datasets)
         rental = rental_submit(
@@ -294,7 +319,7 @@ def rental_create(
             # The whole booked time is held, at the most the rental can be charged per
             # GPU-hour: the bid, else the price cap, else (no cap) the cheapest node that could
             # take it now. Refused, the rental is rolled back with the hold.
-            price = request.bid_per_gpu_hour or request.max_price_per_gpu_hour or cheapest
+            price = request.bid_per_gpu_hour or request.max_price_per_gpu_hour or fit.cheapest
             _funds_hold(
                 rental=rental,
                 price_per_gpu_hour=price or Decimal(0),

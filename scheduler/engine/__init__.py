@@ -7,17 +7,18 @@ GPU-hour):
   topology group on the node (GPUs sharing an NVLink island or PCIe switch), "" when it has none,
   in which case it is a group of its own.
 - `Node`: a GPU server with its on-demand `price_per_gpu_hour`, the `min_bid` interruptible
-  rentals must reach, `reliability` in [0, 1], its `gpus` and scheduler `pool`.
+  rentals must reach, `reliability` in [0, 1], its `gpus`, scheduler `pool` and whether its agent
+  can give a rental SSH (`ssh_capable`).
 - `Busy`: an allocation already bound, one per GPU, [start, end); only those ending after `now`
   matter. `interruptible` ones may be preempted; `price` is their locked price or bid.
 - `Request`: a pending rental. A GPU matches when it satisfies every constraint given
   (`gpu_models`, `gpu_families`, `min_memory_gb`, `min_tensor_tflops`); a node matches when it
   is in the request's `pool` and `region` (None: any; "eu" also covers "eu-west") and its
   price suits: on-demand needs `price_per_gpu_hour <= max_price`, interruptible needs
-  `min_bid <= bid <= max_price`. The request needs `gpus_per_node` matching GPUs on each of
-  `node_count` distinct nodes (a gang: all or none), all in one topology group per node when
-  `same_group`, for [start, start + duration) where start is `max(now, request.start)`, no
-  later than `start_deadline`.
+  `min_bid <= bid <= max_price`; a request with `ssh` needs an `ssh_capable` node. The request
+  needs `gpus_per_node` matching GPUs on each of `node_count` distinct nodes (a gang: all or
+  none), all in one topology group per node when `same_group`, for [start, start + duration)
+  where start is `max(now, request.start)`, no later than `start_deadline`.
 - `Snapshot(now, nodes, busy, pending)` and `Policy` (weights, aging, first fit, preemption,
   planning horizon, reservation depth, future-window candidates).
 

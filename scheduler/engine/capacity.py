@@ -5,12 +5,12 @@ made earlier in this plan, and backfill holds), so every check is a time-range c
 can never be given out twice for overlapping times.
 
 To avoid scanning every node per request, nodes are grouped into classes of identical hardware
-and location (pool, region, GPU kinds, size, largest topology group), so a request's hardware
-and location constraints select whole classes (a `Match`). Prices are set per node, so they are
-kept out of the class: within a class, nodes of one price and minimum bid form a tier, and a
-request's price constraint admits tiers (cheapest first, by bisection on a `Ladder`). A class some
-of whose tiers are priced out is still visited, and its nodes are checked one by one against the
-admitted tiers.
+and location (pool, region, SSH capability, GPU kinds, size, largest topology group), so a
+request's hardware, location and SSH constraints select whole classes (a `Match`). Prices are
+set per node, so they are kept out of the class: within a class, nodes of one price and minimum
+bid form a tier, and a request's price constraint admits tiers (cheapest first, by bisection on
+a `Ladder`). A class some of whose tiers are priced out is still visited, and its nodes are
+checked one by one against the admitted tiers.
 
 Within a class each node sits in a bucket by the number of its GPUs idle now, sorted by its
 static score (price, reliability), and each GPU count keeps the set of classes with a non-empty
@@ -29,7 +29,7 @@ from math import inf
 from operator import attrgetter
 from typing import NamedTuple, TypeAlias
 
-from scheduler.engine.feasibility import gpu_matches, location_ok
+from scheduler.engine.feasibility import gpu_matches, location_ok, runtime_ok
 from scheduler.engine.intervals import Interval, Tag, interval_start
 from scheduler.engine.topology import group_ids, max_group
 from scheduler.engine.types import Busy, Gpu, Node, Policy, RentalId, Request, Snapshot
@@ -100,7 +100,7 @@ class Victim:
 
 
 class NodeClass:
-    """Nodes of identical hardware and location; the unit of matching a request."""
+    """Nodes of identical hardware, location and SSH capability; the unit of matching a request."""
 
     __slots__ = (
         "buckets",
@@ -378,7 +378,7 @@ class CapacityIndex:
         # Request constraints repeat, so what they admit is cached at three levels: GPU kinds,
         # classes by location, and classes by both (each match keeps its views by price cap).
         self.kinds_cache: dict[tuple, frozenset[int]] = {}
-        self.located: dict[tuple[str | None, str], list[NodeClass]] = {}
+        self.located: dict[tuple[str | None, str, bool], list[NodeClass]] = {}
         self.matches: dict[tuple, Match] = {}
         self.max_level = 0
         # Per GPU count, the ids of the classes with a non-empty (reclaimable) bucket of it.
@@ -417,7 +417,14 @@ class CapacityIndex:
             if static is None:
                 static = statics[static_key] = self._static_score(node)
             ns = NodeState(node, gpus, shape, static)
-            class_key = (node.pool, node.region, shape.kinds, len(gpus), shape.max_group)
+            class_key = (
+                node.pool,
+                node.region,
+                node.ssh_capable,
+                shape.kinds,
+                len(gpus),
+                shape.max_group,
+            )
             tier_key = (*class_key, node.price_per_gpu_hour, node.min_bid)
             tier = self.tiers.get(tier_key)
             if tier is None:
@@ -606,17 +613,21 @@ class CapacityIndex:
     def match(self, req: Request) -> Match:
         """The classes the request's hardware and location constraints admit (cached)."""
         kinds_key = (req.gpu_models, req.gpu_families, req.min_memory_gb, req.min_tensor_tflops)
-        key = (*kinds_key, req.region, req.pool, req.gpus_per_node, req.same_group)
+        key = (*kinds_key, req.region, req.pool, req.ssh, req.gpus_per_node, req.same_group)
         match = self.matches.get(key)
         if match is None:
             kinds = self.kinds_cache.get(kinds_key)
             if kinds is None:
                 kinds = frozenset(i for i, g in enumerate(self.kind_gpus) if gpu_matches(req, g))
                 self.kinds_cache[kinds_key] = kinds
-            located = self.located.get((req.region, req.pool))
+            located = self.located.get((req.region, req.pool, req.ssh))
             if located is None:
-                located = [cls for cls in self.class_list if location_ok(req, cls.example)]
-                self.located[req.region, req.pool] = located
+                located = [
+                    cls
+                    for cls in self.class_list
+                    if location_ok(req, cls.example) and runtime_ok(req, cls.example)
+                ]
+                self.located[req.region, req.pool, req.ssh] = located
             k = req.gpus_per_node
             classes = [
                 (cls, cls.kinds <= kinds)

@@ -44,6 +44,12 @@ def price_ok(request: Request, node: Node) -> bool:
     return request.max_price is None or node.price_per_gpu_hour <= request.max_price
 
 
+def runtime_ok(request: Request, node: Node) -> bool:
+    """Whether the node's agent can give the rental what it asks of the runtime: an sshd whose
+    port it publishes, for a rental with SSH."""
+    return node.ssh_capable or not request.ssh
+
+
 def node_capacity(request: Request, node: Node) -> int:
     """How many matching GPUs one placement can take on this node when it is empty.
 
@@ -115,4 +121,10 @@ def never_fits(request: Request, nodes: Iterable[Node]) -> str | None:
         return f"price: cheapest matching node is ${cheapest:.2f} > max ${request.max_price:.2f}"
     if len(priced) < m:
         return f"only {len(priced)} matching nodes, the request needs {m}"
+    # Last, so that a refusal naming SSH means that SSH alone stands in the way.
+    capable = [node for node in priced if runtime_ok(request, node)]
+    if not capable:
+        return "ssh: no matching node can run an sshd with a published port"
+    if len(capable) < m:
+        return f"ssh: only {len(capable)} matching nodes can run an sshd, the request needs {m}"
     return None

@@ -39,7 +39,10 @@ class Gpu:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Node:
-    """A schedulable GPU server with its prices; `gpus` lists every GPU the engine may use."""
+    """A schedulable GPU server with its prices; `gpus` lists every GPU the engine may use.
+
+    `ssh_capable`: its agent can run an sshd in a rental and publish its port (a container
+    runtime with published ports); a rental that asks for SSH is never placed where it is not."""
 
     node_id: int
     region: str
@@ -48,6 +51,7 @@ class Node:
     reliability: float
     gpus: tuple[Gpu, ...]
     pool: str = "default"
+    ssh_capable: bool = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,6 +89,7 @@ class Request:
     max_price: Decimal | None = None
     interruptible: bool = False
     bid: Decimal | None = None
+    ssh: bool = False  # an sshd in the container: only an ssh_capable node can host it
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -29,6 +29,8 @@ def _orm(f: NodeFilter, limit: int) -> list[int]:
         nodes = nodes.filter(min_bid_per_gpu_hour__lte=f.max_min_bid)
     if f.max_price is not None:
         nodes = nodes.filter(price_per_gpu_hour__lte=f.max_price)
+    if f.ssh:
+        nodes = nodes.filter(ssh_capable=True)
     return list(nodes.order_by("price_per_gpu_hour", "id").values_list("id", flat=True)[:limit])
 
 
@@ -41,7 +43,10 @@ def inventory(make_node):
         make_node(card="a100-sxm4-80gb", gpus=2, price="1.40", region="eu_x"),
         make_node(card="rtx4090-24gb", gpus=1, price="0.40", region="euxw-1"),
         make_node(card="v100-sxm2-32gb", gpus=8, price="0.90", region="eu-north", pool="batch"),
+        make_node(card="h100-sxm5-80gb", gpus=8, price="1.90", region="eu-west"),
     ]
+    # The cheapest eu H100 node's agent runs rentals as local processes: no SSH.
+    Node.objects.filter(pk=made[-1].pk).update(runtime="process", ssh_capable=False)
     return made
 
 
@@ -66,6 +71,8 @@ def inventory(make_node):
         NodeFilter(pool="default", max_min_bid=Decimal("0.90")),
         NodeFilter(pool="default", region="eu", gpu_families=("h100",), min_gpus=4,
                    max_price=Decimal("2.20")),
+        NodeFilter(pool="default", ssh=True),
+        NodeFilter(pool="default", region="eu", gpu_families=("h100",), ssh=True),
     ],
 )  # fmt: skip
 def test_the_statement_picks_what_the_orm_picks_cheapest_first(inventory, nodes):
@@ -87,3 +94,10 @@ def test_each_node_comes_with_its_gpus_and_listing(inventory):
     assert {(g.model, g.family, g.memory_gb) for g in found.gpus} == {
         ("a100-sxm4-80gb", "a100", 80)
     }
+
+
+def test_each_node_says_whether_it_can_give_ssh(inventory):
+    found = engine_nodes_cheapest(NodeFilter(pool="default", gpu_families=("h100",)), limit=5)
+    assert [(n.node_id, n.ssh_capable) for n in found] == [
+        (inventory[-1].pk, False), (inventory[1].pk, True), (inventory[0].pk, True)
+    ]  # fmt: skip

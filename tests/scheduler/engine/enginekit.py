@@ -36,6 +36,7 @@ def make_node(
     reliability: float = 0.99,
     region: str = "eu-west",
     pool: str = "default",
+    ssh_capable: bool = True,
 ) -> Node:
     """A node whose GPUs all share group "nvl" unless `groups` gives one label per GPU."""
     labels = groups if groups is not None else ["nvl"] * gpus
@@ -46,6 +47,7 @@ def make_node(
         min_bid=Decimal(min_bid),
         reliability=reliability,
         pool=pool,
+        ssh_capable=ssh_capable,
         gpus=tuple(
             Gpu(
                 gpu_id=gpu_id(node_id, i),
@@ -221,6 +223,8 @@ def _placement_violations(req, p, nodes, gpus, now, policy) -> list[str]:
             errors.append(f"{req.rental_id}: {len(gpu_ids)} GPUs on node {node_id}")
         if not location_ok(req, node):
             errors.append(f"{req.rental_id}: node {node_id} in the wrong pool or region")
+        if req.ssh and not node.ssh_capable:
+            errors.append(f"{req.rental_id}: SSH asked for on node {node_id}, which has none")
         for g in gpu_ids:
             owner, gpu = gpus[g]
             if owner.node_id != node_id:

@@ -56,6 +56,7 @@ def nodes_strategy(draw) -> tuple[Node, ...]:
                 price_per_gpu_hour=price,
                 min_bid=price / 2,
                 reliability=draw(st.sampled_from([0.9, 0.99])),
+                ssh_capable=draw(st.sampled_from([True, True, False])),
                 gpus=tuple(
                     Gpu(
                         gpu_id=node_id * 100 + i,
@@ -141,6 +142,7 @@ def request_strategy(draw, rental_id: int) -> Request:
         bid=draw(st.sampled_from(PRICES)) * draw(st.sampled_from([Decimal("0.5"), 1]))
         if interruptible
         else None,
+        ssh=draw(st.sampled_from([False, False, True])),
     )
 
 
@@ -190,6 +192,7 @@ def fits(snap: Snapshot, req: Request, held) -> bool:
         for n in snap.nodes
         if location_ok(req, n)
         and price_ok(req, n)
+        and (n.ssh_capable or not req.ssh)
         and node_can_host(n, req, held, t0, t0 + req.duration)
     ]
     return len(hosts) >= req.node_count
