@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from datetime import timedelta
 from decimal import Decimal
@@ -34,7 +33,6 @@ PRIOR_PREEMPTIONS_PER_NODE_HOUR = 0.02
 PRIOR_NODE_HOURS = 10.0
 PREEMPTION_WINDOW = timedelta(days=30)
 OFFERS_PER_CARD = 200
-MAX_BOOKED_S = 30 * 86400
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -132,7 +130,9 @@ def advise(query: Query, *, only_card: str | None = None) -> Answer:
         if why:
             reasons.append(why)
     if not plans and not reasons:
-        reasons.append("no GPUs are free in this region now")
+        # Name only what was asked: a region when there is one.
+        where = f" in region {query.region}" if query.region else ""
+        reasons.append(f"no offer matches: no GPUs are free{where} now")
     kept, why = choose(plans, deadline_hours=query.deadline_hours, budget=query.budget)
     return Answer(plans=kept, reasons=reasons + why)
 
@@ -153,6 +153,8 @@ def plan_estimate(plan: Plan) -> dict:
         "tokens_per_s": found.tokens_per_s,
         "per_gpu_gb": found.memory.gb(),
         "hours": plan.hours,
+        "booked_s": plan.booked_s,
+        "hold_micros": plan.hold_micros,
     }
 
 
@@ -181,8 +183,8 @@ def plan_book(
         "image": settings.GPUMARKET["HARNESS_IMAGE"],
         "harness_config": {"model": {"name": "gpt"}, "data": {"name": "text"}},
     }
-    # Booked time: the estimate plus a fifth, whole minutes, within the 30-day limit.
-    duration = min(MAX_BOOKED_S, max(600, math.ceil(chosen.hours * 3600 * 1.2 / 60) * 60))
+    # What the plan said it books and holds (pricing.booked_seconds, pricing.hold_micros).
+    duration = chosen.booked_s
     placement = chosen.placement
     price = chosen.price_per_gpu_hour
     with transaction.atomic():

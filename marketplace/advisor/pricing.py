@@ -28,6 +28,27 @@ RESTART_S = 600.0
 # The largest cost a plan states: 14 digits with cents (what the API and the ledger can carry).
 MAX_COST = Decimal("999999999999.99")
 CENT = Decimal("0.01")
+# What booking a plan books (plans.plan_book): the estimate plus a fifth, in whole minutes, at
+# least ten minutes and at most the 30 days a rental may last.
+BOOKING_MARGIN = 1.2
+MIN_BOOKED_S = 600
+MAX_BOOKED_S = 30 * 86400
+MICROS_PER_USD = 1_000_000
+
+
+def booked_seconds(hours: float) -> int:
+    """The duration booking a plan of this estimate books, in seconds."""
+    wanted = math.ceil(hours * 3600 * BOOKING_MARGIN / 60) * 60
+    return min(MAX_BOOKED_S, max(MIN_BOOKED_S, wanted))
+
+
+def hold_micros(*, price_per_gpu_hour: Decimal, gpus: int, duration_s: int) -> int:
+    """What the booking holds against the balance until it ends: the whole booked time at the
+    plan's price, rounded up to a micro-dollar. Billing's own formula
+    (billing.services.ledger.hold_micros, which the marketplace cannot import), step for step;
+    tests/marketplace/test_advisor.py books a plan and compares the two exactly."""
+    micros = price_per_gpu_hour * MICROS_PER_USD * gpus * duration_s / 3600
+    return int(micros.to_integral_value(ROUND_CEILING))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,6 +94,9 @@ class Plan:
     price_per_gpu_hour: Decimal
     cost: Decimal
     interruptible: bool
+    # What booking it books and holds: the estimate rounded up to what a booking takes.
+    booked_s: int
+    hold_micros: int
     checkpoint_interval_s: float | None = None
     preemption_overhead: float = 0.0
     flags: list[str] = field(default_factory=list)
@@ -88,6 +112,14 @@ class Plan:
     @property
     def gpu_hours(self) -> float:
         return self.hours * self.placement.gpus
+
+    @property
+    def booked_hours(self) -> float:
+        return self.booked_s / 3600
+
+    @property
+    def hold_usd(self) -> Decimal:
+        return Decimal(self.hold_micros) / MICROS_PER_USD
 
 
 def placements(offers: list[Offer], *, interruptible: bool) -> list[Placement]:
@@ -143,17 +175,32 @@ def price_plan(run: Run, found: Estimate, placement: Placement, *, interruptible
         )
     raw = Decimal(repr(hours)) * placement.gpus * price
     cost = raw.quantize(CENT, ROUND_CEILING) if raw <= MAX_COST else None
+    booked = booked_seconds(hours)
+    held = hold_micros(price_per_gpu_hour=price, gpus=placement.gpus, duration_s=booked)
+    notes.append(
+        f"books {_span(booked)} (the estimate plus a fifth, in whole minutes, at least "
+        f"{MIN_BOOKED_S // 60} min) and holds ${Decimal(held) / MICROS_PER_USD:.2f} of the "
+        "balance until it ends; only the GPU-seconds it runs are charged"
+    )
     return Plan(
         estimate=found,
         placement=placement,
         hours=hours,
         price_per_gpu_hour=price,
         cost=cost,
+        booked_s=booked,
+        hold_micros=held,
         interruptible=interruptible,
         checkpoint_interval_s=interval,
         preemption_overhead=overhead,
         notes=notes,
     )
+
+
+def _span(seconds: int) -> str:
+    if seconds < 3600:
+        return f"{seconds // 60} min"
+    return f"{seconds / 3600:.2f} h"
 
 
 def card_plans(

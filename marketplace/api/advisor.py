@@ -239,7 +239,17 @@ class PlanSerializer(serializers.Serializer):
     gpu_hours = serializers.FloatField()
     mfu = serializers.FloatField(source="estimate.mfu")
     price_per_gpu_hour = serializers.DecimalField(max_digits=10, decimal_places=4)
-    cost = serializers.DecimalField(max_digits=14, decimal_places=2)
+    cost = serializers.DecimalField(
+        max_digits=14, decimal_places=2, help_text="the estimated hours at the price"
+    )
+    booked_s = serializers.IntegerField(
+        help_text="what booking it books: the estimate plus a fifth, whole minutes, >= 10 min"
+    )
+    booked_hours = serializers.FloatField()
+    hold_micros = serializers.IntegerField(
+        help_text="what booking it holds of the balance until it ends: booked time x price"
+    )
+    hold_usd = serializers.DecimalField(max_digits=20, decimal_places=6)
     interruptible = serializers.BooleanField()
     checkpoint_interval_s = serializers.FloatField(allow_null=True)
     flags = serializers.ListField(child=serializers.CharField())

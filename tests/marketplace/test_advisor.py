@@ -227,3 +227,49 @@ def test_bad_advisor_input_is_400_naming_the_field(auth_api, eight_nodes, path, 
 def test_the_advisor_reports_its_accuracy_before_any_run(api):
     r = api.get("/api/v1/advisor/accuracy/")
     assert r.json() == {"runs": 0, "median": None, "p90": None}
+
+
+@pytest.mark.parametrize(
+    ("body", "card", "price"),
+    [
+        # A short run: its estimate is minutes, the booking the 10 minutes a booking takes at least
+        ({"model": "gpt2-124m", "tokens_b": 0.01}, "rtx4090-24gb", "0.40"),
+        # A long gang: the estimate plus a fifth, in whole minutes
+        (NEEDS_17, "a100-sxm4-40gb", "1.00"),
+    ],
+)
+def test_a_booked_plan_holds_exactly_what_the_plan_said_for_as_long(
+    auth_api, user, make_node, settings, body, card, price
+):
+    from billing.models import FundsHold
+    from billing.services.ledger import account_adjust, account_for_team
+    from tests.factories import personal_team
+
+    # Given offers of one card and an account that can pay
+    settings.BILLING_FUNDS_CHECK = True
+    for _ in range(3):
+        make_node(card=card, price=price)
+    account_adjust(
+        account_id=account_for_team(team=personal_team(user)).pk,
+        amount_micros=10**12,
+        reason="test credit",
+        actor=None,
+    )
+    plans = auth_api.post("/api/v1/advisor/", body, format="json").json()["plans"]
+    plan = next(p for p in plans if p["card"] == card)
+    assert plan["booked_s"] >= 600 and plan["booked_hours"] == plan["booked_s"] / 3600
+    assert Decimal(plan["hold_usd"]) * 10**6 == plan["hold_micros"]
+    assert any(f"holds ${Decimal(plan['hold_usd']):.2f}" in note for note in plan["notes"])
+
+    # When it is booked
+    r = auth_api.post("/api/v1/advisor/book/", {**body, "plan": plan["id"]}, format="json")
+    assert r.status_code == 201, r.content
+
+    # Then the rental books the duration and holds the amount the plan reported, exactly
+    rental = Rental.objects.get(pk=r.json()["id"])
+    hold = FundsHold.objects.get(rental=rental)
+    assert rental.duration_s == plan["booked_s"]
+    assert hold.amount_micros == plan["hold_micros"]
+    assert hold.price_per_gpu_hour == Decimal(plan["price_per_gpu_hour"])
+    assert rental.advisor_estimate["booked_s"] == plan["booked_s"]
+    assert rental.advisor_estimate["hold_micros"] == plan["hold_micros"]
