@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from decimal import ROUND_HALF_UP, Decimal
+from decimal import Decimal
 
 from django import template
 
@@ -13,10 +13,13 @@ register = template.Library()
 
 @register.filter
 def usd(micros: int | None) -> str:
-    """Micro-dollars as dollars and cents (display only; the ledger keeps every micro)."""
-    value = Decimal(micros or 0) / conf.MICROS_PER_USD
-    cents = value.quantize(Decimal("0.01"), rounding=ROUND_HALF_UP)
-    return f"-${-cents:,.2f}" if cents < 0 else f"${cents:,.2f}"
+    """Micro-dollars shown exactly: cents always, more digits only where the amount has them
+    ($0.0042, -$0.012345). Rounding to cents would show rows of $0.00 under a total of $0.01
+    and a charge of 4 micros as "$-0.00"; exact amounts add up on the page as in the ledger.
+    The pages' JavaScript `usd` (web/base.html) formats the same way."""
+    whole, fraction = divmod(abs(int(micros or 0)), conf.MICROS_PER_USD)
+    digits = f"{fraction:06d}".rstrip("0").ljust(2, "0")
+    return f"{'-' if (micros or 0) < 0 else ''}${whole:,}.{digits}"
 
 
 @register.filter

@@ -20,6 +20,7 @@ from marketplace.advisor.presets import PRESETS
 from marketplace.api.serializers import OfferQuerySerializer
 from marketplace.errors import DomainError, Forbidden
 from marketplace.models import DatasetStatus, RentalStatus, TeamRole
+from marketplace.templatetags.web_format import SIMULATED_HOST_FLAGS
 from marketplace.tenancy import (
     refused,
     request_membership,
@@ -211,7 +212,11 @@ def provider(request: HttpRequest) -> HttpResponse:
     return render(
         request,
         "web/provider.html",
-        {"providers": providers, "server_url": request.build_absolute_uri("/").rstrip("/")},
+        {
+            "providers": providers,
+            "server_url": request.build_absolute_uri("/").rstrip("/"),
+            "simulated_host_flags": SIMULATED_HOST_FLAGS,
+        },
     )
 
 
