@@ -17,8 +17,9 @@ STORAGES = {
 LOGGING["root"]["level"] = os.environ.get("LOG_LEVEL", "WARNING")  # noqa: F405
 MIDDLEWARE = [m for m in MIDDLEWARE if not m.startswith("whitenoise.")]  # noqa: F405
 # Tests that are not about money need no balance; billing's own tests and the end-to-end tests
-# turn the check back on and top the customer up.
-BILLING_FUNDS_CHECK = False
+# turn the check back on and top the customer up (a stack started by a test, with
+# BILLING_FUNDS_CHECK=1 in its environment).
+BILLING_FUNDS_CHECK = os.environ.get("BILLING_FUNDS_CHECK") == "1"
 # Nor account limits: the tests of limits set them.
 BILLING_MAX_CONCURRENT_GPUS = 0
 BILLING_MAX_RENTALS_PER_MINUTE = 0

@@ -326,3 +326,30 @@ def start_stack(stack_env, make_join_token, tmp_path):
     yield start
     for stack in stacks:
         stack.stop()
+
+
+@pytest.fixture
+def start_demo_stack(stack_env, tmp_path):
+    """The stack exactly as `dev.py up` runs it: the demo inventory loaded (provisioning.demo)
+    and its hosts' agents in one process (`manage.py demo_fleet`), which reach the server
+    through `proxy(port)` when given one (an object with a `url`)."""
+    from provisioning.demo import load_demo
+    from tests.e2e.stack import Stack
+
+    stacks = []
+
+    def start(*, env: dict[str, str] | None = None, proxy=None, agent_args: tuple[str, ...] = ()):
+        var = tmp_path / "var"
+        load_demo(var_dir=var)
+        stack = Stack(env={**stack_env, **(env or {})}, tmp=tmp_path, join_token=None, agent=None)
+        server = proxy(stack.port).url if proxy else stack.url
+        stack.agents["agents"] = [
+            sys.executable, "manage.py", "demo_fleet", "--server", server, "--var-dir", str(var),
+            "--", "--interval", "1", *agent_args,
+        ]  # fmt: skip
+        stacks.append(stack)
+        return stack.start()
+
+    yield start
+    for stack in stacks:
+        stack.stop()

@@ -213,3 +213,101 @@ def agent_command(*, state: Path, runtime: str, gpus: int, hostname: str) -> lis
         "--state-dir", str(state / "state"), "--volume-root", str(state / "volumes"),
         "--process-dir", str(state / "runs"), "--interval", "1",
     ]  # fmt: skip
+
+
+class JoinAnswerLosingProxy:
+    """An HTTP/1.1 forwarder in front of the web server that loses each host's first join
+    answer: the server gets the join and answers it, the agent never hears (the connection is
+    held past the agent's timeout, then dropped), as a busy machine made it happen. Everything
+    else passes through. `lost` maps each hostname to the status the server gave it."""
+
+    JOIN = b"POST /api/agent/v1/join/ "
+
+    def __init__(self, target_port: int, *, hold_s: float) -> None:
+        import socket
+
+        self.target_port = target_port
+        self.hold_s = hold_s
+        self.lost: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(128)
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client) -> None:
+        import socket
+
+        try:
+            client_file = client.makefile("rb")
+            while True:
+                request = _read_message(client_file)
+                if request is None:
+                    return
+                # A connection to the server per request: the client's connection stays
+                # usable however long it idles, as it would with the server itself.
+                with socket.create_connection(("127.0.0.1", self.target_port), 10) as upstream:
+                    upstream.sendall(request)
+                    answer = _read_message(upstream.makefile("rb"), until_close=True)
+                if answer is None:
+                    return
+                host = self._first_join_of(request)
+                if host is not None:
+                    with self._lock:
+                        self.lost[host] = int(answer.split(b" ", 2)[1])
+                    time.sleep(self.hold_s)
+                    return
+                client.sendall(answer)
+        except OSError:
+            return
+        finally:
+            with contextlib.suppress(OSError):
+                client.close()
+
+    def _first_join_of(self, request: bytes) -> str | None:
+        import json
+
+        if not request.startswith(self.JOIN):
+            return None
+        try:
+            host = json.loads(request.split(b"\r\n\r\n", 1)[1])["hostname"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            return None
+        with self._lock:
+            return None if host in self.lost else host
+
+
+def _read_message(stream, *, until_close: bool = False) -> bytes | None:
+    """One HTTP/1.1 message (head and a Content-Length body) from a buffered socket file; a
+    response without a length is read to the end of the connection."""
+    head = b""
+    while not head.endswith(b"\r\n\r\n"):
+        line = stream.readline(65537)
+        if not line:
+            return None
+        head += line
+    length = None
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value.strip())
+    if length is not None:
+        return head + stream.read(length)
+    if until_close and not head.split(b" ", 2)[1].startswith((b"1", b"204", b"304")):
+        return head + stream.read()
+    return head

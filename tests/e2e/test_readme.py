@@ -1,6 +1,6 @@
 """The README's quickstart runs as written: each `gpumarket` line of the block after the
 `<!-- quickstart -->` marker, through the installed CLI, against the stack as `dev.py up` runs it
-(the local-process runtime, simulated GPUs, region `local`)."""
+(the demo hosts' agents, simulated GPUs on the local-process runtime): it rents a demo H100."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from marketplace.models import Rental, RentalStatus
+from marketplace.models import Node, Rental, RentalStatus
 from marketplace.services import api_token_create
 from tests.e2e.conftest import ROOT, wait_for
 from tests.factories import personal_team
@@ -29,13 +29,17 @@ def quickstart_lines() -> list[str]:
     return [line for line in match.group(1).splitlines() if line.strip()]
 
 
-def test_the_quickstart_block_runs_as_written(start_stack, user):
+def test_the_quickstart_block_runs_as_written(start_demo_stack, user):
     from billing.services.ledger import account_adjust, account_for_team
 
     account = account_for_team(team=personal_team(user))
     account_adjust(account_id=account.pk, amount_micros=20_000_000, reason="demo", actor=None)
-    stack = start_stack(runtime="process", gpus=2, region="local")
-    wait_for(lambda: stack.log_bytes("agent").count(b"joined"), 120, "the agent to join")
+    stack = start_demo_stack(env={"BILLING_FUNDS_CHECK": "1"})
+    wait_for(
+        lambda: Node.objects.filter(gpu_model__slug="h100-sxm5-80gb", status="online").count() == 2,
+        120,
+        "the demo H100 hosts to join",
+    )
     env = {
         **stack.env,
         "GPUMARKET_SERVER_URL": stack.url,
@@ -59,7 +63,10 @@ def test_the_quickstart_block_runs_as_written(start_stack, user):
             rid = rental_id
             wait_for(lambda r=rid: _status(r) == RentalStatus.RUNNING, 180, "the rental runs")
             wait_for(lambda r=rid: _has_steps(env, r), 180, "training steps")
-    assert "local" in outputs["offers"]
+    assert "fra-h100-01" in outputs["offers"] and "fra-h100-02" in outputs["offers"]
+    assert "h100-sxm5-80gb" in outputs["advise"]
+    placed = Node.objects.get(allocations__rental_id=rental_id)
+    assert placed.hostname.startswith("fra-h100-")
     assert rental_id in outputs["rentals"]
     assert "balance $" in outputs["balance"]
     wait_for(lambda: _status(rental_id) == RentalStatus.COMPLETED, 120, "the stop to complete")
