@@ -94,7 +94,11 @@ from nodeagent.runtime.base import (
 from nodeagent.spool import RunLedger, RunRecord, UsageSpool, write_atomic
 from nodeagent.staging import ContentCache, StagedRun, stage_dir_remove, stage_run
 from nodeagent.telemetry import SampleWatchdog, TelemetryError, TelemetrySource, create_source
-from nodeagent.telemetry.simulated import parse_simulate_gpus, simulated_benchmark
+from nodeagent.telemetry.simulated import (
+    parse_simulate_gpus,
+    simulated_benchmark,
+    simulated_host,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -499,9 +503,15 @@ class Agent:
             "join_token": self.config.join_token,
             "hostname": self.config.hostname,
             "host": {
-                "cpu_cores": hostinfo.cpu_cores(),
-                "ram_gb": hostinfo.ram_gb(),
-                "disk_gb": hostinfo.disk_gb(self.config.volume_root),
+                **(
+                    simulated_host(len(inventory.gpus))
+                    if self._telemetry.simulated
+                    else {
+                        "cpu_cores": hostinfo.cpu_cores(),
+                        "ram_gb": hostinfo.ram_gb(),
+                        "disk_gb": hostinfo.disk_gb(self.config.volume_root),
+                    }
+                ),
                 "driver_version": inventory.driver_version,
                 "cuda_version": inventory.cuda_version,
             },

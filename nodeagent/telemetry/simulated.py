@@ -57,6 +57,14 @@ SIMULATED_DRIVER_VERSION = "simulated"
 SIMULATED_CUDA_VERSION = "12.4"
 
 
+def simulated_host(gpus: int) -> dict[str, int]:
+    """The host a simulated GPU server declares at join: sized like a GPU server (16 cores,
+    128 GB of memory and 1 TB of disk per GPU), not like the machine that simulates it, whose
+    few cores would look absurd beside eight H100s. Nothing reads them to run a rental there:
+    the local-process runtime limits nothing."""
+    return {"cpu_cores": 16 * gpus, "ram_gb": 128 * gpus, "disk_gb": 1000 * gpus}
+
+
 def parse_simulate_gpus(value: str) -> tuple[str, int]:
     """ "h100-sxm5-80gb:8" -> ("h100-sxm5-80gb", 8)."""
     slug, sep, count = value.strip().rpartition(":")

@@ -195,7 +195,12 @@ def test_lifecycle_start_adopt_metrics_usage_stop_remove(server, agent, driver, 
     assert join["hostname"] == "test-host"
     assert join["simulated"] is True
     assert set(join["host"]) == {"cpu_cores", "ram_gb", "disk_gb", "driver_version", "cuda_version"}
-    assert join["host"]["cpu_cores"] >= 1 and join["host"]["ram_gb"] >= 1
+    # Two simulated A100s declare a host sized like a GPU server, not like this machine.
+    assert (join["host"]["cpu_cores"], join["host"]["ram_gb"], join["host"]["disk_gb"]) == (
+        32,
+        256,
+        2000,
+    )
     assert join["gpus"] == [
         {
             "index": i,
