@@ -1,4 +1,6 @@
-"""Start-up checks of the request rates: a bad value fails `manage.py check`, not every request."""
+"""Start-up checks: a bad request rate, or a hook another app must hand the marketplace (billing's
+funds hold, the notifications' event recorder), fails `manage.py check` and every process's
+start instead of failing open at the first request."""
 
 from django.conf import settings
 from django.core.checks import Error, register
@@ -25,4 +27,19 @@ def rates_are_valid(app_configs, **kwargs):
                 Error(f"{scope}: {exc}", hint=f"set {name} to N/s, N/min, N/hour or N/day",
                       id="marketplace.E001")
             )  # fmt: skip
+    return errors
+
+
+@register()
+def hooks_are_registered(app_configs, **kwargs):
+    """The apps above the marketplace hand it these when they are ready; without them a
+    rental would hold no funds, or a transition notify nobody."""
+    from marketplace.lifecycle import MISSING_EVENT_RECORDER, event_recorder_registered
+    from marketplace.services.rentals import MISSING_FUNDS_HOLD, funds_hold_registered
+
+    errors = []
+    if not funds_hold_registered():
+        errors.append(Error(MISSING_FUNDS_HOLD, id="marketplace.E002"))
+    if not event_recorder_registered():
+        errors.append(Error(MISSING_EVENT_RECORDER, id="marketplace.E003"))
     return errors

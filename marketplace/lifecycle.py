@@ -24,6 +24,7 @@ from decimal import Decimal
 
 from celery import current_app
 from django.core.cache import cache
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, transaction
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
@@ -90,12 +91,29 @@ log = logging.getLogger(__name__)
 # recorder in when its app is ready.
 EventRecorder = Callable[..., object]
 _event_recorder: EventRecorder | None = None
+MISSING_EVENT_RECORDER = "no rental event recorder is registered: is notifications installed?"
 
 
-def event_recorder_register(recorder: EventRecorder) -> None:
-    """Called as `recorder(rental=..., event=...)` after each transition, in its transaction."""
-    global _event_recorder
+def event_recorder_registered() -> bool:
+    return _event_recorder is not None
+
+
+def event_recorder_register(
+    recorder: EventRecorder, *, statuses: frozenset[str] | None = None
+) -> None:
+    """Called as `recorder(rental=..., event=...)` after each transition into one of
+    `statuses` (every status when None), in its transaction."""
+    global _event_recorder, _recorded_statuses
     _event_recorder = recorder
+    _recorded_statuses = statuses
+
+
+# The statuses the recorder wants to hear of; None: all of them.
+_recorded_statuses: frozenset[str] | None = None
+
+
+def _recorded(status: str) -> bool:
+    return _recorded_statuses is None or status in _recorded_statuses
 
 
 def _require_transaction() -> None:
@@ -131,7 +149,10 @@ def rental_transition(
     for name, value in fields.items():
         setattr(rental, name, value)
     rental.save(update_fields=["status", "status_reason", "updated_at", *fields])
-    if _event_recorder is not None:
+    if _event_recorder is None:
+        # Fail closed: a transition nobody is told of is a notification silently lost.
+        raise ImproperlyConfigured(MISSING_EVENT_RECORDER)
+    if _recorded(event.to_status):
         _event_recorder(rental=rental, event=event)
     return rental
 
@@ -272,6 +293,16 @@ def rentals_mark_placed(*, placements: Sequence[PlacedRental], at: datetime) -> 
                     (p.rental_id, _PLACED_FROM.value, S.SCHEDULED.value, A.SCHEDULER.value,
                      p.reason, at)
                 )  # fmt: skip
+    if _event_recorder is None:
+        raise ImproperlyConfigured(MISSING_EVENT_RECORDER)
+    if _recorded(S.SCHEDULED):
+        # The batch's events were copied in without their rows coming back: read them for the
+        # recorder, which the lifecycle promises after every transition, batched ones too.
+        events = RentalEvent.objects.filter(
+            rental_id__in=placed, to_status=S.SCHEDULED, created_at=at
+        ).select_related("rental")
+        for event in events:
+            _event_recorder(rental=event.rental, event=event)
     return placed
 
 

@@ -47,6 +47,8 @@ _KIND_BY_STATUS = {
     RentalStatus.PREEMPTED: K.RENTAL_PREEMPTED,
     RentalStatus.COMPLETED: K.RENTAL_COMPLETED,
 }
+# What the lifecycle calls rental_event_record for (the placement of a batch costs nothing).
+RECORDED_STATUSES = frozenset(_KIND_BY_STATUS)
 _RENTAL_VERB = {
     K.RENTAL_STARTED: "started",
     K.RENTAL_RESUMED: "resumed",

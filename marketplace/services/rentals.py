@@ -13,6 +13,7 @@ from decimal import Decimal
 from typing import Protocol
 
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
 from django.utils import timezone
 
@@ -198,6 +199,11 @@ class FundsHolder(Protocol):
 
 
 _funds_hold: FundsHolder | None = None
+MISSING_FUNDS_HOLD = "billing's funds hold is not registered: is the billing app installed?"
+
+
+def funds_hold_registered() -> bool:
+    return _funds_hold is not None
 
 
 def funds_hold_register(hold: FundsHolder) -> None:
@@ -315,14 +321,16 @@ def rental_create(
             [RentalDataset(rental=rental, dataset=dataset) for dataset in datasets]
         )
         rental.created_dataset_links = links  # for the create's answer, as its created_event
-        if _funds_hold is not None:
-            # The whole booked time is held, at the most the rental can be charged per
-            # GPU-hour: the bid, else the price cap, else (no cap) the cheapest node that could
-            # take it now. Refused, the rental is rolled back with the hold.
-            price = request.bid_per_gpu_hour or request.max_price_per_gpu_hour or fit.cheapest
-            _funds_hold(
-                rental=rental,
-                price_per_gpu_hour=price or Decimal(0),
-                max_charge=request.max_charge,
-            )
+        if _funds_hold is None:
+            # Fail closed: a rental no hold guards could run past the team's balance.
+            raise ImproperlyConfigured(MISSING_FUNDS_HOLD)
+        # The whole booked time is held, at the most the rental can be charged per GPU-hour:
+        # the bid, else the price cap, else (no cap) the cheapest node that could take it now.
+        # Refused, the rental is rolled back with the hold.
+        price = request.bid_per_gpu_hour or request.max_price_per_gpu_hour or fit.cheapest
+        _funds_hold(
+            rental=rental,
+            price_per_gpu_hour=price or Decimal(0),
+            max_charge=request.max_charge,
+        )
         return rental
