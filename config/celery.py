@@ -52,10 +52,12 @@ class TaskLogFilter(logging.Filter):
 @beat_init.connect
 def _refuse_tasks_celery_would_not_send(sender=None, **kwargs) -> None:
     """A worker or beat with a task that Celery refuses to send would run, but silently without
-    that periodic work: refuse to start instead."""
+    that periodic work: refuse to start instead. So does one without the hooks the apps hand
+    each other (marketplace.checks), which would fail every task that needs them."""
     from config.checks import celery_problems
+    from marketplace.checks import hooks_are_registered
 
-    problems = celery_problems(app)
+    problems = celery_problems(app) + [e.msg for e in hooks_are_registered(None)]
     if problems:
         raise SystemExit("refusing to start: " + "; ".join(problems))
 
