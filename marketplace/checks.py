@@ -10,6 +10,7 @@ from marketplace.ratelimit import parse_rate
 # Each rate's setting, as the error's hint names it.
 _RATE_SETTINGS = {
     "agent": "AGENT_THROTTLE_RATE",
+    "agent_unverified": "AGENT_UNVERIFIED_THROTTLE_RATE",
     "user": "API_USER_THROTTLE_RATE",
     "anon": "API_ANON_THROTTLE_RATE",
 }

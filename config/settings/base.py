@@ -246,6 +246,9 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_THROTTLE_RATES": {
         "agent": env.str("AGENT_THROTTLE_RATE", default="600/min"),
+        # Heartbeats per client address whose token a web process has not yet seen valid: each
+        # agent passes once per process every 5 minutes, a forger on every request.
+        "agent_unverified": env.str("AGENT_UNVERIFIED_THROTTLE_RATE", default="3000/min"),
         "anon": env.str("API_ANON_THROTTLE_RATE", default="60/min"),
         "user": env.str("API_USER_THROTTLE_RATE", default="600/min"),
     },

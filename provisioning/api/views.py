@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -119,6 +122,40 @@ class NodeThrottle(RateThrottle):
         return f"node-{token_hash(NodeAuthentication.bearer(request))[:32]}"
 
 
+class UnverifiedTokenThrottle(RateThrottle):
+    """Heartbeats whose token this process has not yet seen valid, per client address: a caller
+    with a new random token on each request gets a new per-token bucket, but not a new address.
+    A real agent passes here about once per web process per VERIFIED_TOKEN_TTL_S."""
+
+    scope = "agent_unverified"
+
+    def ident(self, request) -> str | None:
+        return client_ip(request)
+
+
+# Node tokens this process saw valid lately (hash -> until, monotonic), oldest first. Only a
+# shortcut past the check before the body: the heartbeat's own statement still checks the token
+# every time, so a token revoked meanwhile is refused all the same.
+VERIFIED_TOKEN_TTL_S = 300.0
+_VERIFIED_TOKENS_MAX = 50_000
+_verified_tokens: OrderedDict[str, float] = OrderedDict()
+_verified_lock = threading.Lock()
+
+
+def _token_verified_lately(digest: str) -> bool:
+    with _verified_lock:
+        until = _verified_tokens.get(digest)
+        return until is not None and until > time.monotonic()
+
+
+def _token_verified(digest: str) -> None:
+    with _verified_lock:
+        _verified_tokens[digest] = time.monotonic() + VERIFIED_TOKEN_TTL_S
+        _verified_tokens.move_to_end(digest)
+        while len(_verified_tokens) > _VERIFIED_TOKENS_MAX:
+            _verified_tokens.popitem(last=False)
+
+
 class JoinThrottle(RateThrottle):
     """Join attempts per client address, at the agents' rate: join tokens cannot be guessed
     at speed."""
@@ -178,10 +215,14 @@ class JoinView(APIView):
 class HeartbeatView(APIView):
     """Actual state in, desired state out.
 
-    The token is checked with the heartbeat, not before it: a heartbeat with nothing to report
-    but telemetry, the common case, is authenticated, marked seen and answered in one statement.
-    So the token's form is checked first (401), then the node's rate (429), then the body (400,
-    or 401 when the token is not valid), then the token (401)."""
+    The token is checked with the heartbeat: a heartbeat with nothing to report but telemetry,
+    the common case, is authenticated, marked seen and answered in one statement. A token this
+    process has not seen valid in the last VERIFIED_TOKEN_TTL_S is first counted against its
+    client address and checked on its own, before the body is read: a forged token costs one
+    indexed lookup, never the body's validation, and a new one per request resets no bucket.
+    So the token's form is checked first (401), then the token's rate (429), then for an
+    unseen token its address's rate (429) and the token (401), then the body (400, or 401 when
+    the token was revoked meanwhile), then the token again (401)."""
 
     authentication_classes = [NodeAuthentication]
     permission_classes = [IsNode]
@@ -198,6 +239,16 @@ class HeartbeatView(APIView):
 
     @extend_schema(request=HeartbeatSerializer, responses={200: HeartbeatAnswerSerializer})
     def post(self, request: Request) -> Response:
+        digest = token_hash(self.raw_token)
+        if not _token_verified_lately(digest):
+            # Authenticate before work: a token this process has not seen valid is counted
+            # against its address and checked before its body is read.
+            throttle = UnverifiedTokenThrottle()
+            if not throttle.allow_request(request, self):
+                self.throttled(request, throttle.wait())
+            if services.node_authenticate(self.raw_token) is None:
+                raise exceptions.AuthenticationFailed("invalid or revoked node token")
+            _token_verified(digest)
         try:
             _check_size(request)
             body = HeartbeatSerializer.for_data(request.data)

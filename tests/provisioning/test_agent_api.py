@@ -121,9 +121,15 @@ def test_an_idle_heartbeat_is_one_statement_with_its_token_check(agent):
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
-    Node.objects.filter(pk=agent.node.pk).update(last_seen_at=None)
     sample = {"gpu_index": 0, "ts": 1.0, "util_pct": 5.0, "mem_used_mb": 1, "power_w": 1.0,
               "temp_c": 30.0}  # fmt: skip
+    # The first heartbeat of a token this process has not seen checks the token on its own
+    # before reading the body (authenticate before work)...
+    with CaptureQueriesContext(connection) as queries:
+        assert _beat(agent, telemetry=[sample]).status_code == 200
+    assert len(queries) == 2 and "provisioning_nodecredential" in queries[0]["sql"]
+    # ...and the ones after it are one statement.
+    Node.objects.filter(pk=agent.node.pk).update(last_seen_at=None)
     with CaptureQueriesContext(connection) as queries:
         r = _beat(agent, telemetry=[sample])
     assert r.status_code == 200, r.content
@@ -456,15 +462,15 @@ def agent_rate(settings):
     # Node ids start again in every test database, and every test's agent joins from loopback:
     # counts of earlier tests and runs are not theirs.
     client = redis_clients().background()
-    for counters in ("agent", "join"):
+    for counters in ("agent", "agent_unverified", "join"):
         for key in client.scan_iter(f"gpumarket:rate:{counters}:*"):
             client.delete(key)
 
-    def set_rate(rate: str) -> None:
+    def set_rate(rate: str, scope: str = "agent") -> None:
         settings.REST_FRAMEWORK = {
             **settings.REST_FRAMEWORK,
             "DEFAULT_THROTTLE_RATES": {**settings.REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"],
-                                       "agent": rate},
+                                       scope: rate},
         }  # fmt: skip
 
     return set_rate
@@ -571,3 +577,32 @@ def test_a_heartbeat_is_idle_only_with_nothing_but_telemetry_and_drop_counts():
     for f in fields(HeartbeatReports):
         if f.name not in ("telemetry", "dropped"):
             assert not HeartbeatReports(**{f.name: [object()]}).idle(), f.name
+
+
+def test_a_random_token_costs_one_lookup_and_counts_against_its_address(agent, agent_rate):
+    """Authenticate before work: a heartbeat with a token nobody was given is refused after
+    one token lookup, before its body is read or the heartbeat's statement runs; a new token
+    per request gets a new per-token bucket but the same per-address one."""
+    import secrets
+
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    agent_rate("5/hour", "agent_unverified")
+    assert _beat(agent).status_code == 200  # a real node, first seen: 1 of its address's 5
+    forged = APIClient()
+    bad_body = {"telemetry": "not a list", "containers": [{"rental_id": "x"}] * 1000}
+    for _ in range(4):
+        forged.credentials(HTTP_AUTHORIZATION=f"Bearer gpn_{secrets.token_urlsafe(32)}")
+        with CaptureQueriesContext(connection) as queries:
+            r = forged.post("/api/agent/v1/heartbeat/", bad_body, format="json")
+        assert r.status_code == 401 and r.json() == {"detail": "invalid or revoked node token"}
+        assert len(queries) == 1 and "LIMIT 1" in queries[0]["sql"]  # the token lookup alone
+    # The address's bucket is spent, whatever token comes next
+    forged.credentials(HTTP_AUTHORIZATION=f"Bearer gpn_{secrets.token_urlsafe(32)}")
+    with CaptureQueriesContext(connection) as queries:
+        r = forged.post("/api/agent/v1/heartbeat/", bad_body, format="json")
+    assert r.status_code == 429 and int(r["Retry-After"]) > 0
+    assert len(queries) == 0
+    # A node whose token this process saw valid keeps heartbeating from the same address
+    assert _beat(agent).status_code == 200
