@@ -116,9 +116,7 @@ def cpu_matmul_tflops(dtype: torch.dtype, tries: int = 3) -> float:
     is the best of a few tries: on a shared machine one try can run slow, and a low peak gives
     an MFU above 100 % (one try of 512 x 512 under load gave 149 %)."""
     work = _Workload(1024, 0, 0.15, {}, 0, 0, 0, 0)
-    return max(
-        _matmul_tflops(work, torch.device("cpu"), dtype, lambda: None) for _ in range(tries)
-    )
+    return max(_matmul_tflops(work, torch.device("cpu"), dtype, lambda: None) for _ in range(tries))
 
 
 def _copy_gbs(work: _Workload, dev: torch.device, sync: Callable[[], None]) -> float:
