@@ -230,7 +230,7 @@ def offer_list_sql(*, filters: OfferFilters, limit: int, offset: int) -> tuple[s
         params.append(f.nvlink)
     if f.region:
         where.append("(n.region = %s OR n.region LIKE %s)")
-        params.extend([f.region, f"{f.region}-%"])
+        params.extend([f.region, f"{_like_escaped(f.region)}-%"])
     if f.max_price is not None:
         where.append("n.price_per_gpu_hour <= %s")
         params.append(f.max_price)

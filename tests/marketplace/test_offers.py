@@ -76,6 +76,9 @@ def _ids(api, fleet, **params):
         ({"ordering": "price_per_tflop"}, ["n4", "n3", "n6", "n2", "n1"]),
         ({"region": "eu"}, ["n3", "n1", "n2"]),
         ({"region": "eu-central"}, ["n3", "n2"]),
+        # A region names itself and its zones; "_" is no wildcard ("e_" is not "eu")
+        ({"region": "e_"}, []),
+        ({"region": "eu_central"}, []),
         ({"nvlink": "true", "max_price": "2.00"}, ["n4", "n1"]),
         ({"nvlink": "false"}, ["n3", "n6"]),
         ({"min_free_gpus": 4}, ["n4", "n3", "n1", "n2"]),
