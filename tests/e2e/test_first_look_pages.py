@@ -405,3 +405,31 @@ def test_the_advisor_prints_estimates_in_the_shared_money_format(
     _shot(browser, tmp_path, "advisor")
     assert re.fullmatch(r"\$[0-9,]+\.[0-9]{2}", cost)
     assert browser.execute_script("return document.documentElement.scrollWidth") <= 1400
+
+
+def test_the_advisor_shows_what_a_booking_holds_beside_the_estimate(
+    browser, live_server, make_node, tmp_path
+):
+    # The case behind it: "$0.04 and 0.0-0.1 h" on the page, and the booking held $0.13 for
+    # 0.17 h. A short run's time reads as seconds or minutes, and the booked time and the held
+    # amount stand beside the estimate, with why they differ.
+    make_node(card="rtx4090-24gb", gpus=2, price="0.60")
+    browser.get(f"{live_server.url}/advisor/")
+    Select(browser.find_element(By.ID, "a-model")).select_by_value("gpt2-124m")
+    tokens = browser.find_element(By.ID, "a-tokens_b")
+    tokens.clear()
+    tokens.send_keys("0.0001")
+    browser.find_element(By.ID, "a-submit").click()
+    row = _wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, "#options tbody tr"))
+    _shot(browser, tmp_path, "advisor-hold")
+    cells = {c: row.find_element(By.CSS_SELECTOR, f"td.{c}").text for c in ("hours", "booked")}
+    assert re.fullmatch(r"[0-9]+ (s|min)", cells["hours"]), cells
+    assert cells["booked"] == "10 min"  # the shortest booking
+    held = row.find_element(By.CSS_SELECTOR, "td.held").text
+    gpus = int(row.find_elements(By.CSS_SELECTOR, "td")[1].text)
+    # 10 minutes of the plan's GPUs at $0.60 per GPU-hour: $0.10 a GPU, exactly
+    assert held == f"${gpus / 10:.2f}"
+    assert (
+        "only the GPU-seconds the run uses are charged"
+        in browser.find_element(By.ID, "hold-note").text
+    )
