@@ -253,10 +253,18 @@ def _s3_credentials(data_dir: Path) -> dict[str, str]:
     return json.loads(path.read_text())
 
 
-def start_seaweedfs(data_dir: Path, *, bucket: str) -> tuple[dict[str, str], subprocess.Popen]:
+def start_seaweedfs(
+    data_dir: Path, *, bucket: str, durable: bool = True
+) -> tuple[dict[str, str], subprocess.Popen]:
     """Start SeaweedFS (master, volume, filer and S3 gateway in one process) on free loopback
     ports with its data in data_dir, wait until a signed request works, and create `bucket`.
-    Returns the S3_* environment that points the server at it, and the process."""
+    Returns the S3_* environment that points the server at it, and the process.
+
+    Not durable (the test command's store), what earlier runs stored is removed first: each run
+    makes a bucket of its own, each bucket takes volumes of its own, and after about ten runs on
+    one checkout no volume slot was left and every upload answered 500."""
+    if not durable:
+        shutil.rmtree(data_dir / "data", ignore_errors=True)
     data_dir.mkdir(parents=True, exist_ok=True)
     creds = _s3_credentials(data_dir)
     identities = data_dir / "identities.json"
@@ -406,7 +414,9 @@ def ensure_services(
     s3_env, s3_proc = None, None
     if object_storage and not os.environ.get("S3_ENDPOINT_URL"):
         try:
-            s3_env, s3_proc = start_seaweedfs(data_dir / "seaweedfs", bucket=bucket)
+            s3_env, s3_proc = start_seaweedfs(
+                data_dir / "seaweedfs", bucket=bucket, durable=durable
+            )
         except BaseException:
             EmbeddedServices(database_url, redis_url, pg, redis_proc).stop()
             raise

@@ -64,3 +64,22 @@ def test_a_started_server_runs_on_while_its_starter_lives(tmp_path):
         assert proc.poll() is None
     finally:
         stop_process(proc)
+
+
+def test_a_throwaway_store_starts_empty_and_a_durable_one_keeps_its_data(tmp_path):
+    """The test command's store (not durable) starts empty each run: every run's bucket took
+    volumes of their own, and after about ten runs on one checkout every upload answered 500."""
+    from config.embedded import s3_client, start_seaweedfs
+
+    def run(bucket: str, *, durable: bool) -> list[str]:
+        env, proc = start_seaweedfs(tmp_path / "s3", bucket=bucket, durable=durable)
+        try:
+            client = s3_client(env)
+            client.put_object(Bucket=bucket, Key="k", Body=b"x")
+            return sorted(b["Name"] for b in client.list_buckets()["Buckets"])
+        finally:
+            stop_process(proc, timeout=2)
+
+    assert run("first", durable=True) == ["first"]
+    assert run("second", durable=True) == ["first", "second"]  # kept across starts
+    assert run("third", durable=False) == ["third"]  # what earlier runs stored is gone
