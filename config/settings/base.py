@@ -19,7 +19,20 @@ from config.observability.logs import logging_config
 
 BASE_DIR = Path(__file__).resolve().parent.parent.parent
 
-env = environ.Env()
+
+class _LiteralEnv(environ.Env):
+    """django-environ reads a value that starts with "$" as the name of another variable, and
+    an unset one as the default: a secret such as `$k9...` (one random key in fifty) silently
+    became "". Values here are always literal."""
+
+    def get_value(self, var, cast=None, default=environ.Env.NOTSET, parse_default=False):
+        raw = self.ENVIRON.get(f"{self.prefix}{var}")
+        if isinstance(raw, str) and raw.startswith("$"):
+            return self.parse_value(raw, cast)
+        return super().get_value(var, cast=cast, default=default, parse_default=parse_default)
+
+
+env = _LiteralEnv()
 
 DEBUG = env.bool("DEBUG", default=False)
 SECRET_KEY = env.str("SECRET_KEY", default="")
