@@ -5,7 +5,7 @@
     python3 dev.py test   # every check (ruff, Django checks, migrations) and the whole test suite
 
 Both create `.venv/` and install the project into it when pyproject.toml changed, then hand over
-to `config.stack` inside that virtualenv. DATABASE_URL / REDIS_URL, when set, are used instead of
+to `devstack.stack` inside that virtualenv. DATABASE_URL / REDIS_URL, when set, are used instead of
 the embedded PostgreSQL and Redis.
 """
 
@@ -71,7 +71,7 @@ def main() -> None:
     ensure_venv()
     os.chdir(ROOT)
     # Hand over to the venv interpreter.
-    os.execv(str(PYTHON), [str(PYTHON), "-m", "config.stack", *sys.argv[1:]])  # noqa: S606
+    os.execv(str(PYTHON), [str(PYTHON), "-m", "devstack.stack", *sys.argv[1:]])  # noqa: S606
 
 
 if __name__ == "__main__":

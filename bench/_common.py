@@ -57,7 +57,7 @@ def bench_database(name: str):
     """Create database `name` afresh on the server, migrate it, and point Django at it. On a
     shared server (DATABASE_URL set) the name is prefixed with DATABASE_URL's own database, so
     that benches run from two checkouts never drop each other's database."""
-    from config.embedded import ensure_services
+    from devstack.embedded import ensure_services
 
     given = os.environ.get("DATABASE_URL")
     if given and urlsplit(given).path.strip("/"):
@@ -199,7 +199,7 @@ def gunicorn(
     config/gunicorn.py unless `workers` or `threads` are given); yields its URL."""
     import requests
 
-    from config.embedded import free_port
+    from devstack.embedded import free_port
 
     port = free_port()
     env = dict(os.environ, DEBUG="0", ALLOWED_HOSTS="127.0.0.1", SECURE_COOKIES="0")

@@ -12,7 +12,7 @@
    the start of its process by the local-process runtime, until it runs.
 
 Object storage: S3_ENDPOINT_URL (with S3_ACCESS_KEY_ID, S3_SECRET_ACCESS_KEY) when set, else an
-embedded SeaweedFS started here by the same code as `dev.py up` (config.embedded).
+embedded SeaweedFS started here by the same code as `dev.py up` (devstack.embedded).
 
     python bench/artifacts.py [--size-mib 1024] [--dataset-mib 256]
 """
@@ -41,7 +41,7 @@ MiB = 1 << 20
 
 def object_store(tmp: Path):
     """(S3 environment, process to stop or None)."""
-    from config.embedded import bucket_ensure, start_seaweedfs
+    from devstack.embedded import bucket_ensure, start_seaweedfs
 
     bucket = f"bench-{uuid.uuid4().hex[:8]}"
     if os.environ.get("S3_ENDPOINT_URL"):
@@ -58,7 +58,7 @@ def object_store(tmp: Path):
 
 
 def s3_client(env: dict):
-    from config.embedded import s3_client as client
+    from devstack.embedded import s3_client as client
 
     return client(env)
 
@@ -265,7 +265,7 @@ def main() -> None:
         cached_s, uncached_s = bench_start(env, tmp, args.dataset_mib * MiB)
     finally:
         if proc is not None:
-            from config.embedded import stop_process
+            from devstack.embedded import stop_process
 
             stop_process(proc)
         shutil.rmtree(tmp, ignore_errors=True)

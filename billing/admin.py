@@ -37,7 +37,7 @@ from billing.models import (
     TopUpStatus,
 )
 from billing.templatetags.billing_money import usd
-from marketplace.errors import DomainError
+from core.errors import DomainError
 
 
 def _require_perm(request: HttpRequest, codename: str) -> None:

@@ -19,7 +19,7 @@ import stripe
 from django.conf import settings
 
 from billing import conf
-from marketplace.metrics import STRIPE_ERRORS
+from core.metrics import STRIPE_ERRORS
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from provisioning.api.urls import agent_urlpatterns, provider_urlpatterns, renta
 # Staff sign in through allauth (password, then TOTP), never through the admin's own form.
 admin.site.login = secure_admin_login(admin.site.login)
 
-handler404 = "marketplace.api.exceptions.not_found"
+handler404 = "core.api.exceptions.not_found"
 
 urlpatterns = [
     # First: the agents' requests are the most frequent, and Django tries the routes in order.

@@ -9,8 +9,8 @@ from django.contrib import admin, messages
 from django.contrib.auth.admin import UserAdmin
 from django.db.models import Prefetch
 
+from core.errors import DomainError
 from marketplace import services
-from marketplace.errors import DomainError
 from marketplace.models import (
     Allocation,
     ApiToken,

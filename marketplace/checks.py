@@ -5,7 +5,7 @@ start instead of failing open at the first request."""
 from django.conf import settings
 from django.core.checks import Error, register
 
-from marketplace.ratelimit import parse_rate
+from core.ratelimit import parse_rate
 
 # Each rate's setting, as the error's hint names it.
 _RATE_SETTINGS = {

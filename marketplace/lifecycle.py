@@ -29,9 +29,9 @@ from django.db import connection, transaction
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
-from marketplace.errors import Conflict, NotFound
+from core.errors import Conflict, NotFound
+from core.rows import model_insert
 from marketplace.models import Allocation, Rental, RentalEvent, RentalStatus, Team, User
-from marketplace.rows import model_insert
 
 S = RentalStatus
 A = RentalEvent.Actor
@@ -179,7 +179,7 @@ def rental_submit(*, customer: User, team: Team, **fields) -> Rental:
     """Store a validated request as a PENDING rental of the team, created by `customer`, with
     its first event; a scheduler cycle for its pool is queued after commit."""
     _require_transaction()
-    # Every create writes these two rows: through statements prepared once (marketplace.rows).
+    # Every create writes these two rows: through statements prepared once (core.rows).
     rental = model_insert(
         Rental(
             customer=customer,

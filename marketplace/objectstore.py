@@ -24,8 +24,8 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 from django.conf import settings
 
-from marketplace.errors import DomainError
-from marketplace.metrics import STORAGE_ERRORS
+from core.errors import DomainError
+from core.metrics import STORAGE_ERRORS
 
 # S3 forbids more parts than this; the part size grows for bigger files so it is never exceeded.
 MAX_PARTS = 10_000

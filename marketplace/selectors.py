@@ -20,11 +20,12 @@ from django.db.models import (
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
+from core.errors import NotFound
+from core.rows import model_from_row
 from marketplace.advisor.compute import Card as AdvisorCard
 from marketplace.advisor.compute import Topology
 from marketplace.advisor.layouts import Run, fewest_fitting
 from marketplace.advisor.presets import ModelShape, with_run
-from marketplace.errors import NotFound
 from marketplace.lifecycle import ACTIVE
 from marketplace.models import (
     AdvisorPrior,
@@ -46,7 +47,6 @@ from marketplace.models import (
     Team,
     User,
 )
-from marketplace.rows import model_from_row
 from scheduler.engine import types as engine
 
 # The most GPUs one node is listed with (the `fits=` filter looks no further).

@@ -16,8 +16,8 @@ from functools import wraps
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 
+from core.errors import Forbidden, NotFound
 from marketplace import selectors, services
-from marketplace.errors import Forbidden, NotFound
 from marketplace.models import Membership, Team, User
 
 TEAM_SESSION_KEY = "gpumarket_team_id"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.db.models import QuerySet
 
-from marketplace.errors import NotFound
+from core.errors import NotFound
 from marketplace.models import Team
 from notifications.models import Delivery, NotificationSettings
 

@@ -24,7 +24,7 @@ from django.core.mail import EmailMessage
 from django.db import transaction
 from django.utils import timezone
 
-from marketplace.errors import ValidationFailed
+from core.errors import ValidationFailed
 from marketplace.models import Rental, RentalEvent, RentalStatus, Team
 from notifications import audience, webhooks
 from notifications.models import (

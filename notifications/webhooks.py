@@ -19,7 +19,7 @@ import requests
 from django.conf import settings
 from django.utils.crypto import salted_hmac
 
-from marketplace.errors import ValidationFailed
+from core.errors import ValidationFailed
 
 EVENT_HEADER = "X-Gpumarket-Event-Id"
 TIMESTAMP_HEADER = "X-Gpumarket-Timestamp"

@@ -13,8 +13,8 @@ from django.views.decorators.http import require_http_methods, require_POST
 
 from billing import selectors as billing_selectors
 from billing import services as billing_services
+from core.errors import DomainError
 from marketplace import selectors
-from marketplace.errors import DomainError
 from marketplace.models import Provider
 from provisioning.api.serializers import JoinTokenCreateSerializer
 from provisioning.services import join_token_create

@@ -18,9 +18,9 @@ from django.core.cache import cache
 from django.db import IntegrityError, OperationalError, connection, transaction
 from django.utils import timezone
 
+from core.locks import advisory_lock
+from core.metrics import scheduler_cycle_observe
 from marketplace import lifecycle
-from marketplace.locks import advisory_lock
-from marketplace.metrics import scheduler_cycle_observe
 from marketplace.models import Node, NodeStatus, Rental, RentalKind, RentalStatus
 from marketplace.selectors import engine_nodes
 from scheduler.engine import planner

@@ -186,8 +186,8 @@ S3_VARIABLES = ("S3_ENDPOINT_URL", "S3_ACCESS_KEY_ID", "S3_SECRET_ACCESS_KEY", "
 def object_store_env(tmp_path_factory):
     """A real S3 store with a fresh bucket for this session: the one S3_ENDPOINT_URL names (the
     test command starts SeaweedFS), else an embedded SeaweedFS started here by the same code as
-    `dev.py up` (config.embedded), its variables exported for processes the tests start."""
-    from config.embedded import bucket_ensure, start_seaweedfs, stop_process
+    `dev.py up` (devstack.embedded), its variables exported for processes the tests start."""
+    from devstack.embedded import bucket_ensure, start_seaweedfs, stop_process
 
     bucket = f"test-{uuid.uuid4().hex[:12]}"
     if os.environ.get("S3_ENDPOINT_URL"):
@@ -214,7 +214,7 @@ def object_store_env(tmp_path_factory):
 @pytest.fixture
 def object_store(object_store_env, settings):
     """Point the server at the session's store; a boto3 client of it for assertions."""
-    from config.embedded import s3_client
+    from devstack.embedded import s3_client
 
     for name, value in object_store_env.items():
         setattr(settings, name, value)

@@ -13,7 +13,16 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-APPS = ("config", "marketplace", "scheduler", "provisioning", "billing", "notifications")
+APPS = (
+    "config",
+    "core",
+    "devstack",
+    "marketplace",
+    "scheduler",
+    "provisioning",
+    "billing",
+    "notifications",
+)
 # A Redis pipeline's execute() is not SQL: only a cursor's or a connection's counts.
 RAW_SQL = re.compile(r"\bcursor\(|\.raw\(|\bRawSQL\b|\b(?:cursor|connection)\.execute\(")
 
@@ -28,8 +37,8 @@ ALLOWED = {
     "config/observability/health.py": "readiness probes (SELECT 1 under a statement timeout)",
     "config/observability/metrics.py": "the schedule-latency histogram over recent events",
     "marketplace/lifecycle.py": "the batch placement's UPDATE and COPY of events",
-    "marketplace/locks.py": "advisory locks",
-    "marketplace/rows.py": "statements built once per model for the hot rows",
+    "core/locks.py": "advisory locks",
+    "core/rows.py": "statements built once per model for the hot rows",
     "marketplace/selectors.py": "offers and the create-time node query, built once",
     "provisioning/services/heartbeat.py": "the one-statement idle heartbeat",
     "provisioning/services/join.py": "the node token's lookup",

@@ -21,7 +21,7 @@ from billing.models import (
     UsageMeter,
     UsageSegment,
 )
-from marketplace.api.fields import BoundedDateTimeField
+from core.api.fields import BoundedDateTimeField
 
 MAX_TELEMETRY_RANGE = timedelta(days=7)
 

@@ -29,8 +29,8 @@ from billing.api.serializers import (
     TopUpCreateSerializer,
     TopUpSerializer,
 )
-from marketplace.api.pagination import PaginatedListView
-from marketplace.errors import NotFound
+from core.api.pagination import PaginatedListView
+from core.errors import NotFound
 from marketplace.tenancy import request_team
 
 

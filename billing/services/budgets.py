@@ -42,8 +42,8 @@ from agentprotocol import DEFAULT_STOP_GRACE_S
 from billing import conf, selectors
 from billing.errors import BudgetExceeded, LimitExceeded, RateLimited
 from billing.models import Account, BalanceNotice, NoticeKind
+from core.errors import NotFound, ValidationFailed
 from marketplace import lifecycle
-from marketplace.errors import NotFound, ValidationFailed
 from marketplace.models import MONEY_ROLES, Membership, Rental, User
 from notifications.services import budget_reached_notify
 

@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from billing import conf
 from billing.models import Account, AccountKind, EntryKind, Invoice, InvoiceLine, LedgerEntry
-from marketplace.errors import ValidationFailed
+from core.errors import ValidationFailed
 
 _LINES_SQL = """
 SELECT e.rental_id, -sum(e.amount_micros)::bigint, coalesce(sum(e.gpu_seconds), 0)::bigint,

@@ -14,9 +14,9 @@ from django.utils import timezone
 from billing import conf, selectors
 from billing.models import Account, AccountKind, EntryKind, FundsHold, LedgerEntry
 from billing.services import budgets
-from marketplace.errors import PaymentRequired, ValidationFailed
+from core.errors import PaymentRequired, ValidationFailed
+from core.rows import insert_values, mark_saved, model_from_row, model_insert, pipelined
 from marketplace.models import Provider, Rental, Team, User
-from marketplace.rows import insert_values, mark_saved, model_from_row, model_insert, pipelined
 
 
 def account_for_team(*, team: Team) -> Account:

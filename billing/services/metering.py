@@ -26,7 +26,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from billing import conf
-from marketplace.errors import ValidationFailed
+from core.errors import ValidationFailed
 
 MAX_GPUS_PER_RUN = 64
 # Above this many samples one COPY beats one INSERT of arrays.

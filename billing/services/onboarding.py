@@ -13,7 +13,7 @@ from billing.errors import PaymentsUnavailable
 from billing.models import Account
 from billing.services.ledger import account_for_provider, account_for_team
 from billing.stripe_adapter import StripePermanentError, StripeRetryableError
-from marketplace.errors import NotFound, ValidationFailed
+from core.errors import NotFound, ValidationFailed
 from marketplace.models import Provider, User
 from marketplace.services import provider_create, team_personal_ensure
 

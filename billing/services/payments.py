@@ -34,7 +34,7 @@ from billing.models import (
 )
 from billing.services.ledger import account_for_team, ledger_post
 from billing.stripe_adapter import PaymentIntentInfo, StripePermanentError, StripeRetryableError
-from marketplace.errors import Conflict, Forbidden, NotFound, PaymentRequired, ValidationFailed
+from core.errors import Conflict, Forbidden, NotFound, PaymentRequired, ValidationFailed
 from marketplace.models import Membership, Team, TeamRole, User
 
 log = logging.getLogger(__name__)

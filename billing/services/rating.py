@@ -39,8 +39,8 @@ from billing import conf
 from billing.models import Account, AccountKind, BalanceNotice, NoticeKind
 from billing.services.budgets import budgets_enforce
 from billing.services.ledger import account_platform
+from core.locks import advisory_lock
 from marketplace import lifecycle
-from marketplace.locks import advisory_lock
 from marketplace.models import Rental
 from notifications.services import balance_low_notify
 

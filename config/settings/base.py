@@ -75,7 +75,7 @@ MIDDLEWARE = [
     "config.observability.metrics.RequestMetricsMiddleware",
     "django.middleware.security.SecurityMiddleware",
     # Before anything reads the request: odd input refused, the client's address decided.
-    "marketplace.api.guards.RequestGuardMiddleware",
+    "core.api.guards.RequestGuardMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -96,7 +96,7 @@ AGENT_MIDDLEWARE = [
     "config.observability.logs.RequestIdMiddleware",
     "config.observability.metrics.RequestMetricsMiddleware",
     "django.middleware.security.SecurityMiddleware",
-    "marketplace.api.guards.RequestGuardMiddleware",
+    "core.api.guards.RequestGuardMiddleware",
     "django.middleware.common.CommonMiddleware",
 ]
 
@@ -166,7 +166,7 @@ AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_RESET_ON_SUCCESS = True
 # allauth's sign-in form calls its field "login" (a username or an email address).
 AXES_USERNAME_CALLABLE = "config.accounts.axes_username"
-AXES_CLIENT_IP_CALLABLE = "marketplace.api.guards.client_ip"
+AXES_CLIENT_IP_CALLABLE = "core.api.guards.client_ip"
 AXES_COOLOFF_MESSAGE = (
     "Too many failed sign-ins for this account from your address: try again later."
 )
@@ -246,16 +246,16 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
-    "DEFAULT_PAGINATION_CLASS": "marketplace.api.pagination.Pagination",
+    "DEFAULT_PAGINATION_CLASS": "core.api.pagination.Pagination",
     "PAGE_SIZE": 50,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "EXCEPTION_HANDLER": "marketplace.api.exceptions.exception_handler",
+    "EXCEPTION_HANDLER": "core.api.exceptions.exception_handler",
     # JSON only, through the guard (size, depth, NUL); a form body is a 415.
-    "DEFAULT_PARSER_CLASSES": ["marketplace.api.guards.GuardedJSONParser"],
+    "DEFAULT_PARSER_CLASSES": ["core.api.guards.GuardedJSONParser"],
     "TEST_REQUEST_DEFAULT_FORMAT": "json",
     "DEFAULT_THROTTLE_CLASSES": [
-        "marketplace.api.throttles.CustomerAnonThrottle",
-        "marketplace.api.throttles.CustomerUserThrottle",
+        "core.api.throttles.CustomerAnonThrottle",
+        "core.api.throttles.CustomerUserThrottle",
     ],
     "DEFAULT_THROTTLE_RATES": {
         "agent": env.str("AGENT_THROTTLE_RATE", default="600/min"),

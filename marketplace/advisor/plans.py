@@ -12,9 +12,9 @@ from django.db.models import DurationField, ExpressionWrapper, F, Sum
 from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
+from core.errors import Conflict
 from marketplace.advisor.layouts import Run, estimate
 from marketplace.advisor.pricing import Offer, Plan, card_plans, choose, placements, price_plan
-from marketplace.errors import Conflict
 from marketplace.models import (
     Node,
     Rental,

@@ -9,13 +9,13 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from core.errors import ValidationFailed
 from marketplace import selectors
 from marketplace.advisor import calibration, plans
 from marketplace.advisor.layouts import Run, default_topology, estimate
 from marketplace.advisor.memory import Checkpointing, Layout, Optimizer, Precision, per_gpu
 from marketplace.advisor.presets import PRESETS, ModelShape, decoder_shape, with_run
 from marketplace.api.serializers import RentalDetailSerializer, RuntimeSerializer, refuse_unknown
-from marketplace.errors import ValidationFailed
 from marketplace.models import GpuModel
 from marketplace.tenancy import request_team
 

@@ -9,10 +9,10 @@ from decimal import Decimal
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from core.api.fields import INT32_MAX, BoundedDateTimeField
+from core.api.pagination import MAX_OFFSET
+from core.api.reuse import ReusedPerThread
 from marketplace.advisor.presets import PRESETS, decoder_shape
-from marketplace.api.fields import INT32_MAX, BoundedDateTimeField
-from marketplace.api.pagination import MAX_OFFSET
-from marketplace.api.reuse import ReusedPerThread
 from marketplace.models import ApiToken, GpuModel, RentalStatus, TeamRole
 from marketplace.selectors import OFFER_ORDERINGS
 
@@ -228,7 +228,7 @@ class RuntimeSerializer(serializers.Serializer):
         return value
 
 
-# The create view validates with this thread's instance (`for_data`, marketplace.api.reuse).
+# The create view validates with this thread's instance (`for_data`, core.api.reuse).
 class RentalCreateSerializer(ReusedPerThread, serializers.Serializer):
     """A rental request: GPU constraints, placement, timing, pricing and the runtime."""
 
@@ -370,7 +370,7 @@ class RentalAccessSerializer(serializers.Serializer):
     command = serializers.CharField(help_text="for SSH: the command that logs in; else empty")
 
 
-# Views render with this thread's instance (`for_instance`, marketplace.api.reuse).
+# Views render with this thread's instance (`for_instance`, core.api.reuse).
 class RentalDetailSerializer(ReusedPerThread, RentalSerializer):
     events = RentalEventSerializer(many=True)
     allocations = AllocationSerializer(many=True)

@@ -19,10 +19,10 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from core.api.pagination import PaginatedListView
+from core.errors import NotFound
 from marketplace import objectstore, selectors
-from marketplace.api.pagination import PaginatedListView
 from marketplace.api.serializers import refuse_unknown
-from marketplace.errors import NotFound
 from marketplace.services import storage
 from marketplace.tenancy import request_team
 

@@ -8,8 +8,9 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from core.api.pagination import PaginatedListView
+from core.errors import NotFound
 from marketplace import selectors, services
-from marketplace.api.pagination import PaginatedListView
 from marketplace.api.serializers import (
     ApiTokenCreatedSerializer,
     ApiTokenCreateSerializer,
@@ -38,7 +39,6 @@ from marketplace.api.serializers import (
     TeamCreateSerializer,
     TeamSerializer,
 )
-from marketplace.errors import NotFound
 from marketplace.lifecycle import rental_cancel, rental_stop
 from marketplace.models import ApiToken
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create

@@ -13,7 +13,7 @@ from allauth.account.models import EmailAddress
 from django.db import transaction
 from django.utils import timezone
 
-from marketplace.errors import NotFound, ValidationFailed
+from core.errors import NotFound, ValidationFailed
 from marketplace.models import ApiToken, Team, User
 
 TOKEN_PREFIX = "gpm"

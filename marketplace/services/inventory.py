@@ -7,7 +7,7 @@ from decimal import Decimal
 
 from django.db import IntegrityError, transaction
 
-from marketplace.errors import Conflict, NotFound, ValidationFailed
+from core.errors import Conflict, NotFound, ValidationFailed
 from marketplace.models import Gpu, GpuModel, Node, NodeEvent, NodeStatus, Provider, User
 
 # Which ops actions may move a node from which status. OFFLINE <-> ONLINE is the agent's to say.

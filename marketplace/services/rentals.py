@@ -17,8 +17,8 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
 from django.utils import timezone
 
+from core.errors import NotFound, ValidationFailed
 from marketplace import selectors
-from marketplace.errors import NotFound, ValidationFailed
 from marketplace.lifecycle import rental_submit
 from marketplace.models import (
     Dataset,

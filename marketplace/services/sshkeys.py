@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from django.db import IntegrityError, transaction
 
+from core.errors import NotFound, ValidationFailed
 from marketplace import selectors
-from marketplace.errors import NotFound, ValidationFailed
 from marketplace.models import SshKey, Team, User
 
 MAX_KEY_CHARS = 16 * 1024

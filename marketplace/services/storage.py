@@ -29,9 +29,9 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from core.errors import Conflict, DomainError, ValidationFailed
+from core.locks import advisory_lock
 from marketplace import lifecycle, objectstore
-from marketplace.errors import Conflict, DomainError, ValidationFailed
-from marketplace.locks import advisory_lock
 from marketplace.models import (
     Artifact,
     Dataset,

@@ -18,7 +18,7 @@ from django.core.mail import send_mail
 from django.db import transaction
 from django.utils import timezone
 
-from marketplace.errors import Conflict, Forbidden, NotFound, ValidationFailed
+from core.errors import Conflict, Forbidden, NotFound, ValidationFailed
 from marketplace.models import ApiToken, Invitation, Membership, Team, TeamRole, User
 from marketplace.services.accounts import token_hash, token_mint
 

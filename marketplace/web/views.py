@@ -14,11 +14,11 @@ from django.shortcuts import redirect, render
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
+from core.errors import DomainError, Forbidden
 from marketplace import lifecycle, selectors, services
 from marketplace.advisor.calibration import accuracy
 from marketplace.advisor.presets import PRESETS
 from marketplace.api.serializers import OfferQuerySerializer
-from marketplace.errors import DomainError, Forbidden
 from marketplace.models import DatasetStatus, RentalStatus, TeamRole
 from marketplace.templatetags.web_format import SIMULATED_HOST_FLAGS
 from marketplace.tenancy import (

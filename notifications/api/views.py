@@ -7,7 +7,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from marketplace.api.pagination import PaginatedListView
+from core.api.pagination import PaginatedListView
 from marketplace.tenancy import request_team
 from notifications import selectors, services
 from notifications.api.serializers import (

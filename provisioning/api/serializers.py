@@ -19,7 +19,7 @@ from rest_framework import serializers
 
 from agentprotocol import ContainerStatus
 from agentprotocol.untrusted import text_sanitize
-from marketplace.api.reuse import ReusedPerThread
+from core.api.reuse import ReusedPerThread
 
 MAX_GPUS = 64
 INT32_MAX = (1 << 31) - 1
@@ -283,7 +283,7 @@ class BenchmarkSerializer(serializers.Serializer):
         return {**super().to_internal_value(data), "raw": json_sanitize(data)}
 
 
-# Validated by this thread's instance (`for_data`, marketplace.api.reuse): its field tree is
+# Validated by this thread's instance (`for_data`, core.api.reuse): its field tree is
 # about fifty fields.
 class HeartbeatSerializer(ReusedPerThread, serializers.Serializer):
     """A heartbeat."""

@@ -29,10 +29,10 @@ from agentprotocol import (
     UsageReport,
 )
 from agentprotocol.untrusted import json_loads_bounded
-from marketplace.api.guards import client_ip
-from marketplace.api.pagination import PaginatedListView
-from marketplace.api.throttles import RateThrottle
-from marketplace.errors import NotFound
+from core.api.guards import client_ip
+from core.api.pagination import PaginatedListView
+from core.api.throttles import RateThrottle
+from core.errors import NotFound
 from marketplace.lifecycle import TERMINAL
 from marketplace.models import Node, Provider, Rental
 from marketplace.services import token_hash

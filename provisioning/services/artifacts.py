@@ -10,7 +10,7 @@ from django.conf import settings
 from django.db.models import Q
 from django.utils import timezone
 
-from marketplace.errors import NotFound
+from core.errors import NotFound
 from marketplace.models import Allocation, Node, Rental
 from marketplace.services import storage
 from provisioning.models import ContainerRun

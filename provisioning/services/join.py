@@ -16,7 +16,8 @@ from django.utils import timezone
 from agentprotocol import (
     GpuInfo,
 )
-from marketplace.errors import Conflict, ValidationFailed
+from core.errors import Conflict, ValidationFailed
+from core.rows import model_from_row
 from marketplace.models import (
     Gpu,
     GpuModel,
@@ -25,7 +26,6 @@ from marketplace.models import (
     Provider,
     User,
 )
-from marketplace.rows import model_from_row
 from marketplace.services import GpuSpec, node_register, token_hash
 from marketplace.services.accounts import token_mint
 from provisioning.models import JoinToken, NodeCredential
@@ -276,7 +276,7 @@ def node_credential_revoke(*, node_id: int, actor: User | None) -> int:
 
 # The token lookup of every heartbeat, in SQL built once from the node's columns: building it
 # through the ORM cost more server time than running it, and a raw queryset's column mapping
-# did too (marketplace.rows makes the instance).
+# did too (core.rows makes the instance).
 _NODE_FIELDS = Node._meta.concrete_fields
 _NODE_BY_TOKEN_SQL = f"""
 SELECT {", ".join(f"n.{f.column}" for f in _NODE_FIELDS)} FROM marketplace_node n

@@ -16,9 +16,9 @@ from django.db import IntegrityError
 from django.db.backends.postgresql.psycopg_any import DateTimeTZRange
 
 from billing.services import telemetry_ingest
-from marketplace.errors import ValidationFailed
+from core.errors import ValidationFailed
+from core.redis_clients import redis_clients
 from marketplace.models import Allocation
-from marketplace.redis_clients import redis_clients
 
 log = logging.getLogger(__name__)
 

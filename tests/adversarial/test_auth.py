@@ -13,7 +13,7 @@ from django.test import Client, RequestFactory
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from marketplace.api.guards import client_ip
+from core.api.guards import client_ip
 from marketplace.models import ApiToken
 from marketplace.services import api_token_create
 from tests.factories import personal_team
@@ -128,7 +128,7 @@ def test_a_spoofed_forwarded_for_does_not_escape_the_lockout(settings, user):
 
 
 def _rates(settings, **rates):
-    from marketplace.redis_clients import redis_clients
+    from core.redis_clients import redis_clients
 
     # Account ids start again in every test database: counts of an earlier run are not theirs.
     client = redis_clients().background()
@@ -175,7 +175,7 @@ def test_the_api_answers_while_the_throttles_redis_is_unreachable(settings, auth
     # Given a Redis address that refuses connections
     import socket
 
-    from marketplace.redis_clients import RedisClients, redis_clients, redis_clients_replaced
+    from core.redis_clients import RedisClients, redis_clients, redis_clients_replaced
 
     closed = socket.socket()
     closed.bind(("127.0.0.1", 0))

@@ -294,7 +294,7 @@ def test_a_database_error_that_escapes_validation_is_a_400_not_a_500(rf, user):
     from django.db import DataError
     from rest_framework.views import APIView
 
-    from marketplace.api.exceptions import exception_handler
+    from core.api.exceptions import exception_handler
 
     response = exception_handler(DataError("value too long"), {"view": APIView()})
     assert response.status_code == 400 and response.data["code"] == "invalid"

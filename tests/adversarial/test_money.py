@@ -10,7 +10,7 @@ from django.db import connection
 
 from billing.models import FundsHold
 from billing.services import account_adjust, account_for_team
-from marketplace.errors import PaymentRequired
+from core.errors import PaymentRequired
 from marketplace.models import Rental
 from marketplace.services import invitation_accept, invitation_create, team_create
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create

@@ -44,7 +44,7 @@ def localstripe_base():
     if base:
         yield base
         return
-    from config.embedded import free_port
+    from devstack.embedded import free_port
 
     port = free_port()
     binary = Path(sys.executable).parent / "localstripe"

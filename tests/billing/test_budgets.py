@@ -291,7 +291,7 @@ def test_bad_budget_input_is_a_400_naming_the_field_and_changes_nothing(
 
 
 def test_only_the_accounts_customer_may_change_its_budgets(user):
-    from marketplace.errors import NotFound
+    from core.errors import NotFound
 
     other = UserFactory()
     account = account_for_team(team=personal_team(user))

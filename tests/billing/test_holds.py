@@ -11,7 +11,7 @@ from django.db import transaction
 from billing.models import FundsHold, LedgerEntry, Refund
 from billing.selectors import account_summary
 from billing.services import billing_pass_run, refund_create
-from marketplace.errors import Conflict, PaymentRequired
+from core.errors import Conflict, PaymentRequired
 from marketplace.lifecycle import rental_cancel, rental_transition
 from marketplace.models import Rental, RentalEvent, RentalStatus
 from tests.billing.conftest import usd

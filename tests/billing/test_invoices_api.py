@@ -11,7 +11,7 @@ from rest_framework.test import APIClient
 
 from billing.models import Invoice, InvoiceLine
 from billing.services import billing_pass_run, invoice_issue, invoices_issue_due
-from marketplace.errors import ValidationFailed
+from core.errors import ValidationFailed
 from marketplace.models import GpuModel
 from marketplace.services import api_token_create
 from tests.factories import UserFactory, personal_team

@@ -16,7 +16,7 @@ from billing.services import (
     usage_report_apply,
     usage_reports_apply,
 )
-from marketplace.errors import ValidationFailed
+from core.errors import ValidationFailed
 from marketplace.services import GpuSpec, node_register
 from tests.factories import ProviderFactory
 

@@ -33,7 +33,7 @@ from billing.services import (
     refund_create,
     topup_create,
 )
-from marketplace.errors import Conflict, PaymentRequired
+from core.errors import Conflict, PaymentRequired
 from tests.billing.conftest import WEBHOOK_SECRET, signed, stripe_events, usd
 from tests.factories import UserFactory, personal_team
 

@@ -10,7 +10,7 @@ from django.utils import timezone
 from billing.models import TelemetryMinute, TelemetrySample
 from billing.services import telemetry_ingest, telemetry_prune
 from billing.services.metering import COPY_THRESHOLD
-from marketplace.errors import ValidationFailed
+from core.errors import ValidationFailed
 from tests.factories import UserFactory
 
 pytestmark = pytest.mark.django_db

@@ -63,7 +63,7 @@ def test_the_agent_middleware_is_the_sites_in_the_same_order():
     positions = [settings.MIDDLEWARE.index(m) for m in settings.AGENT_MIDDLEWARE]
     assert positions == sorted(positions)
     assert settings.AGENT_MIDDLEWARE[:2] == settings.MIDDLEWARE[:2]
-    assert "marketplace.api.guards.RequestGuardMiddleware" in settings.AGENT_MIDDLEWARE
+    assert "core.api.guards.RequestGuardMiddleware" in settings.AGENT_MIDDLEWARE
 
 
 def test_a_heartbeat_through_the_agent_handler_skips_the_browsers_middleware(node_token):

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import requests
 
-from config.embedded import free_port, start_redis
-from config.supervisor import Supervisor
+from devstack.embedded import free_port, start_redis
+from devstack.supervisor import Supervisor
 from tests.e2e.conftest import ROOT, wait_for
 
 BIN = Path(sys.executable).parent
@@ -135,7 +135,7 @@ class Stack:
         import psutil
         from django.db import connection
 
-        from marketplace.locks import advisory_key
+        from core.locks import advisory_key
 
         key = advisory_key(lock) & (2**64 - 1)
         with connection.cursor() as cursor:

@@ -2,7 +2,7 @@
 killed worker or agent comes back under the supervisor, a Redis restart loses no pending rental.
 
 Each test runs the stack as `dev.py up` does (gunicorn, worker, beat, agent under
-config.supervisor.Supervisor) on the test database and a Redis of its own.
+devstack.supervisor.Supervisor) on the test database and a Redis of its own.
 """
 
 from __future__ import annotations

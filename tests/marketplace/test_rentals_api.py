@@ -191,7 +191,7 @@ def test_the_booked_time_must_be_covered_at_the_cheapest_node_that_fits(
 
 
 def test_each_create_and_answer_holds_only_its_own_body_and_rental(auth_api, node):
-    """The create view's serializers are kept per thread (marketplace.api.reuse): a bad body, a
+    """The create view's serializers are kept per thread (core.api.reuse): a bad body, a
     good one and another good one in a row on one thread each get their own answer."""
     url = "/api/v1/rentals/"
     bad = auth_api.post(url, {**BODY, "gpus_per_node": 0}, format="json")

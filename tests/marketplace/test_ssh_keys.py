@@ -12,7 +12,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from rest_framework.test import APIClient
 
-from marketplace.errors import ValidationFailed
+from core.errors import ValidationFailed
 from marketplace.models import Rental, SshKey
 from marketplace.services import api_token_create
 from marketplace.services.sshkeys import ssh_key_add, ssh_key_parse

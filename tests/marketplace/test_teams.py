@@ -141,7 +141,7 @@ def test_first_requests_at_once_make_one_personal_team():
 
 
 def test_a_taken_email_creates_nothing(user):
-    from marketplace.errors import ValidationFailed
+    from core.errors import ValidationFailed
 
     before = (Membership.objects.count(), user.__class__.objects.count())
     with pytest.raises(ValidationFailed) as exc:

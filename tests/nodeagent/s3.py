@@ -37,7 +37,7 @@ BUCKET = "agent-tests"
 
 class SeaweedS3:
     """One SeaweedFS (master, volume, filer, S3 gateway in one process) in `data_dir`, started
-    by the same code as the embedded store of `dev.py up` (config.embedded)."""
+    by the same code as the embedded store of `dev.py up` (devstack.embedded)."""
 
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
@@ -45,7 +45,7 @@ class SeaweedS3:
         self.endpoint = ""
 
     def start(self) -> SeaweedS3:
-        from config.embedded import s3_client, start_seaweedfs
+        from devstack.embedded import s3_client, start_seaweedfs
 
         env, self.proc = start_seaweedfs(self.data_dir, bucket=BUCKET)
         self.endpoint = env["S3_ENDPOINT_URL"]
@@ -54,7 +54,7 @@ class SeaweedS3:
 
     def stop(self) -> None:
         if self.proc is not None:
-            from config.embedded import stop_process
+            from devstack.embedded import stop_process
 
             stop_process(self.proc)
 

@@ -348,7 +348,7 @@ def test_a_running_rental_is_asked_to_stop_when_its_booked_time_ends(agent, rent
 
 def test_heartbeat_telemetry_is_buffered_then_stored_in_bulk(agent):
     from billing.models import TelemetryMinute, TelemetrySample
-    from marketplace.redis_clients import redis_clients
+    from core.redis_clients import redis_clients
     from provisioning.services import TELEMETRY_BUFFER_KEY, telemetry_flush
 
     redis_clients().background().delete(TELEMETRY_BUFFER_KEY)
@@ -370,7 +370,7 @@ def test_heartbeat_telemetry_is_buffered_then_stored_in_bulk(agent):
 
 
 def _buffered() -> list[dict]:
-    from marketplace.redis_clients import redis_clients
+    from core.redis_clients import redis_clients
     from provisioning.services import TELEMETRY_BUFFER_KEY
 
     raw = redis_clients().background().lrange(TELEMETRY_BUFFER_KEY, 0, -1)
@@ -386,7 +386,7 @@ def test_a_heartbeats_samples_reach_the_redis_buffer_from_the_process_outbox(age
     """The heartbeat makes no round trip for its samples: the outbox's thread pushes them."""
     import time
 
-    from marketplace.redis_clients import redis_clients
+    from core.redis_clients import redis_clients
     from provisioning.services import TELEMETRY_BUFFER_KEY
 
     redis_clients().background().delete(TELEMETRY_BUFFER_KEY)
@@ -405,7 +405,7 @@ def test_samples_wait_in_the_outbox_while_redis_is_down_and_go_in_order_when_it_
 ):
     import socket
 
-    from marketplace.redis_clients import RedisClients, redis_clients, redis_clients_replaced
+    from core.redis_clients import RedisClients, redis_clients, redis_clients_replaced
     from provisioning.services import TELEMETRY_BUFFER_KEY, telemetry_outbox_push
     from provisioning.services import telemetry as telemetry_module
 
@@ -429,7 +429,7 @@ def test_samples_wait_in_the_outbox_while_redis_is_down_and_go_in_order_when_it_
 def test_a_forked_process_pushes_only_its_own_samples(agent):
     import os
 
-    from marketplace.redis_clients import redis_clients
+    from core.redis_clients import redis_clients
     from provisioning.services import (
         TELEMETRY_BUFFER_KEY,
         telemetry_buffer,
@@ -457,7 +457,7 @@ def test_a_forked_process_pushes_only_its_own_samples(agent):
 
 @pytest.fixture
 def agent_rate(settings):
-    from marketplace.redis_clients import redis_clients
+    from core.redis_clients import redis_clients
 
     # Node ids start again in every test database, and every test's agent joins from loopback:
     # counts of earlier tests and runs are not theirs.
@@ -522,7 +522,7 @@ def hung_redis():
     """A Redis address that accepts connections and never answers."""
     import socket
 
-    from marketplace.redis_clients import RedisClients, redis_clients_replaced
+    from core.redis_clients import RedisClients, redis_clients_replaced
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -535,7 +535,7 @@ def hung_redis():
 def test_heartbeats_go_on_when_redis_hangs_and_redis_is_then_left_alone(
     agent, agent_rate, hung_redis
 ):
-    from marketplace.redis_clients import redis_clients
+    from core.redis_clients import redis_clients
 
     agent_rate("1/hour")
     telemetry = [{"gpu_index": 0, "ts": 1.0, "util_pct": 5.0, "mem_used_mb": 1,
@@ -552,7 +552,7 @@ def test_heartbeats_go_on_when_redis_hangs_and_redis_is_then_left_alone(
 
 @pytest.mark.parametrize("rate", ["600", "600/fortnight", "x/min", "/min"])
 def test_a_bad_rate_setting_is_refused(rate):
-    from marketplace.ratelimit import parse_rate
+    from core.ratelimit import parse_rate
 
     with pytest.raises(ValueError, match="bad rate"):
         parse_rate(rate)

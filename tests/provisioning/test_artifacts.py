@@ -25,8 +25,8 @@ from agentprotocol import (
     CommittedFile,
     HeartbeatAnswer,
 )
+from core.errors import ValidationFailed
 from marketplace import objectstore
-from marketplace.errors import ValidationFailed
 from marketplace.lifecycle import rental_cancel, rental_stop
 from marketplace.models import Artifact, Node, Rental, RentalStatus
 from marketplace.services import api_token_create, storage, team_create

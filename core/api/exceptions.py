@@ -13,7 +13,7 @@ from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 from rest_framework.views import set_rollback
 
-from marketplace.errors import DomainError
+from core.errors import DomainError
 
 log = logging.getLogger(__name__)
 

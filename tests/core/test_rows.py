@@ -1,4 +1,4 @@
-"""Rows written and read without the ORM's compiler (marketplace.rows): the same rows as the ORM's,
+"""Rows written and read without the ORM's compiler (core.rows): the same rows as the ORM's,
 and statements sent together that still run in order, each on a snapshot of its own."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from billing.models import Account, AccountKind, FundsHold
+from core.rows import model_insert, pipelined
 from marketplace.models import Rental, RentalEvent
-from marketplace.rows import model_insert, pipelined
 from tests.factories import personal_team
 
 START = timezone.now()

@@ -5,7 +5,7 @@ import subprocess
 import sys
 import textwrap
 
-from config import stack
+from devstack import stack
 
 
 def test_a_second_stack_is_refused_naming_the_first_and_starts_nothing(
@@ -16,7 +16,7 @@ def test_a_second_stack_is_refused_naming_the_first_and_starts_nothing(
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys, time
             from pathlib import Path
-            from config import stack
+            from devstack import stack
             held = stack._stack_lock(Path({str(tmp_path / "dev" / "stack.lock")!r}))
             assert held is not None  # kept: closing the file would release the lock
             print("held", flush=True)
