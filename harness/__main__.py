@@ -5,7 +5,8 @@ directory): checkpoints/, final/ (model.pt and config.json, when the run complet
 (metrics.jsonl, the JSON lines also printed on stdout, and harness.log, rank 0's log).
 
 Exit status: 0 when training completed or stopped cleanly on SIGTERM/SIGINT (a checkpoint was
-written), 2 for an invalid config or command line, anything else for a failure.
+written), 2 for an invalid config or command line (a layout that does not fit the number of
+processes started included), anything else for a failure.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from harness.config import (
     apply_overrides,
     load_config,
     load_config_dict,
+    resolve_layout,
 )
 from harness.paths import HUMAN_LOG, LOG_SUBDIR, METRICS_LOG, output_dir
 
@@ -160,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         nproc = _visible_gpus() if config.train.device != "cpu" else 1
     try:
         if nproc > 1:
+            # A layout that cannot fit is refused before any rank starts.
+            resolve_layout(config.layout, nproc, nproc)
             worker_args = (
                 ["--config-env", args.config_env] if args.config_env else ["--config", args.config]
             )

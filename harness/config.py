@@ -1,7 +1,8 @@
 """The harness config schema: hand-written dataclasses and a strict, path-aware validator.
 
-A config is a mapping with four optional sections, ``model``, ``data``, ``train`` and
-``checkpoint``. ``model`` and ``data`` are variants chosen by their ``name`` key; each variant
+A config is a mapping with five optional sections, ``model``, ``data``, ``train``,
+``checkpoint`` and ``layout``. ``model`` and ``data`` are variants chosen by their ``name`` key;
+each variant
 accepts only its own keys, so a typo (``model.layer``) or a key of another variant
 (``model.layers`` on ``mnist_cnn``) is an error rather than a silently ignored setting.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import types
 import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -25,6 +27,7 @@ from typing import Any, Literal
 import yaml
 
 from harness.paths import default_checkpoint_dir
+from harness.presets import PRESETS, TransformerShape, default_ffn_hidden
 
 CONFIG_ERROR_EXIT_CODE = 2
 
@@ -32,6 +35,11 @@ Precision = Literal["fp32", "fp16", "bf16", "auto"]
 Device = Literal["auto", "cpu", "cuda"]
 LrSchedule = Literal["constant", "cosine"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune"]
+Positions = Literal["rope", "learned"]
+Shard = Literal["none", "zero2", "zero3"]
+Recompute = Literal["none", "selective", "full"]
+PipelineSchedule = Literal["1f1b", "gpipe"]
+TokenDtype = Literal["uint16", "uint32"]
 
 
 class ConfigError(Exception):
@@ -86,12 +94,43 @@ class GptConfig:
     dropout: float = field(default=0.0, metadata=_bounds(ge=0.0, le=0.9))
 
 
-ModelConfig = MnistCnnConfig | ResNetConfig | GptConfig
+@dataclass(frozen=True)
+class TransformerConfig:
+    """A Llama-like decoder (harness.transformer) by preset name, by shape, or a preset with
+    some of its shape changed. Loading resolves every shape key, so the effective config names
+    the whole shape; ``shape()`` returns it."""
+
+    name: Literal["transformer"] = "transformer"
+    # A name of harness.presets.PRESETS; null: the shape keys below (layers, hidden, heads).
+    preset: str | None = None
+    layers: int | None = field(default=None, metadata=_bounds(ge=1))
+    hidden: int | None = field(default=None, metadata=_bounds(ge=1))
+    heads: int | None = field(default=None, metadata=_bounds(ge=1))
+    kv_heads: int | None = field(default=None, metadata=_bounds(ge=1))
+    ffn_hidden: int | None = field(default=None, metadata=_bounds(ge=1))
+    vocab_size: int | None = field(default=None, metadata=_bounds(ge=2))
+    seq_len: int | None = field(default=None, metadata=_bounds(ge=2))
+    positions: Positions | None = None
+    tie_embeddings: bool | None = None
+    dropout: float = field(default=0.0, metadata=_bounds(ge=0.0, le=0.9))
+
+    def shape(self) -> TransformerShape:
+        """The shape; only valid on a loaded config (every shape key resolved)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(TransformerShape)}
+        missing = [name for name, value in values.items() if value is None]
+        if missing:
+            raise ValueError(f"unresolved transformer shape keys: {', '.join(missing)}")
+        return TransformerShape(**values)
+
+
+ModelConfig = MnistCnnConfig | ResNetConfig | GptConfig | TransformerConfig
 MODEL_VARIANTS: dict[str, type] = {
     "mnist_cnn": MnistCnnConfig,
     "resnet": ResNetConfig,
     "gpt": GptConfig,
+    "transformer": TransformerConfig,
 }
+LANGUAGE_MODELS = frozenset({"gpt", "transformer"})
 IMAGE_MODELS = frozenset({"mnist_cnn", "resnet"})
 
 
@@ -137,12 +176,31 @@ class TextDataConfig:
     path: str = ""
 
 
-DataConfig = DigitsDataConfig | SyntheticDataConfig | TextDataConfig
+@dataclass(frozen=True)
+class TokensDataConfig:
+    """Pre-tokenized data: flat arrays of token ids (``dtype``, native byte order, no header),
+    read through a memory map, in contiguous windows of ``seq_len + 1`` tokens."""
+
+    name: Literal["tokens"] = "tokens"
+    batch_size: int = field(default=8, metadata=_bounds(ge=1))
+    eval_batch_size: int = field(default=32, metadata=_bounds(ge=1))
+    seq_len: int = field(default=128, metadata=_bounds(ge=2))
+    # A token file, or a directory whose *.bin files are read in name order; relative: under
+    # GPUMARKET_DATA_DIR. "": the bundled texts as byte tokens (for trying the harness).
+    path: str = ""
+    dtype: TokenDtype = "uint16"
+    # The share of each file's windows (its last ones) kept for eval.
+    eval_fraction: float = field(default=0.1, metadata=_bounds(ge=0.0, le=0.5))
+
+
+DataConfig = DigitsDataConfig | SyntheticDataConfig | TextDataConfig | TokensDataConfig
 DATA_VARIANTS: dict[str, type] = {
     "digits": DigitsDataConfig,
     "synthetic": SyntheticDataConfig,
     "text": TextDataConfig,
+    "tokens": TokensDataConfig,
 }
+TOKEN_DATASETS = frozenset({"synthetic", "text", "tokens"})
 
 
 # --- train and checkpoint -------------------------------------------------------------------
@@ -186,6 +244,33 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class LayoutConfig:
+    """How the job's processes split the work: data parallel (``dp``, sharded by ``shard``),
+    tensor parallel (``tp``, inside a node) and pipeline parallel (``pp``) over a
+    ``pp x dp x tp`` device mesh, activation recomputation, and the batch geometry. Loading
+    fills ``micro_batch`` and ``grad_accum`` from ``data.batch_size`` and ``train.grad_accum``
+    (or sets those from them); ``dp`` left out is the world size / (tp x pp) at start."""
+
+    dp: int | None = field(default=None, metadata=_bounds(ge=1))
+    tp: int = field(default=1, metadata=_bounds(ge=1))
+    pp: int = field(default=1, metadata=_bounds(ge=1))
+    shard: Shard = "none"
+    recompute: Recompute = "none"
+    micro_batch: int | None = field(default=None, metadata=_bounds(ge=1))
+    grad_accum: int | None = field(default=None, metadata=_bounds(ge=1))
+    pp_schedule: PipelineSchedule = "1f1b"
+    # Pipeline micro-batches each micro-batch is cut into; null: pp.
+    pp_microbatches: int | None = field(default=None, metadata=_bounds(ge=1))
+    # Layers per pipeline stage, first to last; null: layers / pp each.
+    pp_split: list[int] | None = field(default=None, metadata=_bounds(ge=1))
+
+    @property
+    def parallel(self) -> bool:
+        """Whether anything beyond plain data parallelism (DDP) is asked for."""
+        return self.tp > 1 or self.pp > 1 or self.shard != "none" or self.recompute != "none"
+
+
+@dataclass(frozen=True)
 class HarnessConfig:
     """A complete, validated harness config."""
 
@@ -193,6 +278,7 @@ class HarnessConfig:
     data: DataConfig = field(default_factory=DigitsDataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -242,6 +328,9 @@ def _in_bounds(value: float, meta: Mapping[str, Any]) -> bool:
 
 def _convert(value: Any, tp: Any, meta: Mapping[str, Any], path: str, problems: list) -> Any:
     origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        (inner,) = (arg for arg in typing.get_args(tp) if arg is not type(None))
+        return None if value is None else _convert(value, inner, meta, path, problems)
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices or isinstance(value, bool):
@@ -340,30 +429,191 @@ def _build_variant(
 
 def _check_combination(config: HarnessConfig, problems: list) -> None:
     model, data = config.model, config.data
-    if model.name in IMAGE_MODELS and data.name == "text":
+    if model.name in IMAGE_MODELS and data.name in TOKEN_DATASETS - {"synthetic"}:
         problems.append(
-            ("data.name", f"'text' is a token dataset; model {model.name!r} needs images")
+            ("data.name", f"{data.name!r} is a token dataset; model {model.name!r} needs images")
         )
-    if model.name == "gpt" and data.name == "digits":
+    if model.name in LANGUAGE_MODELS and data.name == "digits":
         problems.append(
-            ("data.name", "'digits' is an image dataset; model 'gpt' needs 'text' or 'synthetic'")
+            (
+                "data.name",
+                f"'digits' is an image dataset; model {model.name!r} needs 'text', 'tokens' or "
+                "'synthetic'",
+            )
         )
+    if model.name == "gpt" and data.name == "tokens":
+        problems.append(("data.name", "'tokens' needs model 'transformer'"))
     if isinstance(model, GptConfig) and model.width % model.heads:
         problems.append(
             ("model.width", f"must be divisible by model.heads ({model.width} % {model.heads})")
         )
+    if isinstance(model, TransformerConfig):
+        _check_transformer(model, data, problems)
     if config.train.warmup_steps >= config.train.steps > 1:
         problems.append(("train.warmup_steps", "must be smaller than train.steps"))
+    _check_layout(config, problems)
+
+
+def _check_transformer(model: TransformerConfig, data: Any, problems: list) -> None:
+    shape = model.shape()
+    for key, message in shape.problems():
+        problems.append((f"model.{key}", message))
+    seq_len = getattr(data, "seq_len", None)
+    if seq_len is not None and seq_len > shape.seq_len:
+        problems.append(
+            ("data.seq_len", f"must be at most model.seq_len ({seq_len} > {shape.seq_len})")
+        )
+    vocab = 256 if data.name == "text" else getattr(data, "vocab_size", None)
+    if data.name == "tokens" and not data.path:
+        vocab = 256
+    if vocab is not None and vocab > shape.vocab_size:
+        problems.append(
+            (
+                "model.vocab_size",
+                f"must cover the data's vocabulary ({shape.vocab_size} < {vocab} of {data.name!r})",
+            )
+        )
+
+
+def _check_layout(config: HarnessConfig, problems: list) -> None:
+    layout, model, train = config.layout, config.model, config.train
+    if layout.parallel and not isinstance(model, TransformerConfig):
+        field_name = next(
+            key
+            for key, plain in (("tp", 1), ("pp", 1), ("shard", "none"), ("recompute", "none"))
+            if getattr(layout, key) != plain
+        )
+        problems.append(
+            (f"layout.{field_name}", "needs model 'transformer' (other models run DDP only)")
+        )
+        return
+    if not isinstance(model, TransformerConfig):
+        return
+    shape = model.shape()
+    if layout.tp > 1:
+        for key, value in (
+            ("heads", shape.heads),
+            ("kv_heads", shape.kv_heads),
+            ("ffn_hidden", shape.ffn_hidden),
+        ):
+            if value % layout.tp:
+                problems.append(
+                    ("layout.tp", f"must divide model.{key} ({value} % {layout.tp} != 0)")
+                )
+    if layout.pp > 1:
+        if shape.tie_embeddings:
+            problems.append(
+                (
+                    "layout.pp",
+                    "pipeline stages cannot share the tied input/output embedding; set "
+                    "model.tie_embeddings to false",
+                )
+            )
+        if layout.pp > shape.layers:
+            problems.append(
+                ("layout.pp", f"must be at most model.layers ({layout.pp} > {shape.layers})")
+            )
+        elif layout.pp_split is None and shape.layers % layout.pp:
+            problems.append(
+                (
+                    "layout.pp",
+                    f"must divide model.layers ({shape.layers} % {layout.pp} != 0), or give "
+                    "layout.pp_split",
+                )
+            )
+    if layout.pp_split is not None and (
+        len(layout.pp_split) != layout.pp or sum(layout.pp_split) != shape.layers
+    ):
+        problems.append(
+            (
+                "layout.pp_split",
+                f"must list layout.pp ({layout.pp}) stage sizes summing to model.layers "
+                f"({shape.layers}) (got {layout.pp_split})",
+            )
+        )
+    microbatches = layout.pp_microbatches or layout.pp
+    if layout.pp > 1 and config.data.batch_size % microbatches:
+        problems.append(
+            (
+                "layout.pp_microbatches",
+                f"must divide the micro-batch ({config.data.batch_size} % {microbatches} != 0)",
+            )
+        )
+    if layout.pp == 1 and layout.pp_microbatches not in (None, 1):
+        problems.append(("layout.pp_microbatches", "needs layout.pp > 1"))
+    distributed_layout = layout.tp > 1 or layout.pp > 1 or layout.shard != "none"
+    if distributed_layout and train.precision == "fp16":
+        problems.append(
+            (
+                "train.precision",
+                "fp16 (loss scaling) runs with plain data parallelism only; use bf16 with "
+                "layout tp, pp or shard",
+            )
+        )
+    if layout.pp > 1 and train.eval_every:
+        problems.append(("train.eval_every", "evaluation does not run with layout.pp > 1 yet"))
+    if distributed_layout and train.compile:
+        problems.append(("train.compile", "runs with plain data parallelism only"))
+
+
+def _unify(
+    raw_other: Mapping[str, Any],
+    key: str,
+    other_key: str,
+    layout_value: int | None,
+    other_value: int,
+    problems: list,
+) -> int:
+    """One value for a setting both the layout and another section can name."""
+    if layout_value is None:
+        return other_value
+    if other_key.split(".")[1] in raw_other and other_value != layout_value:
+        problems.append(
+            (f"layout.{key}", f"contradicts {other_key} ({layout_value} != {other_value})")
+        )
+    return layout_value
+
+
+def _resolve_transformer(model: TransformerConfig, data: Any, problems: list) -> Any:
+    """The model config with every shape key filled: from the preset, else from defaults."""
+    if model.preset is not None:
+        if model.preset not in PRESETS:
+            known = ", ".join(repr(name) for name in PRESETS)
+            problems.append(("model.preset", f"must be one of {known} (got {model.preset!r})"))
+            return _INVALID
+        base = PRESETS[model.preset].to_dict()
+    else:
+        missing = [key for key in ("layers", "hidden", "heads") if getattr(model, key) is None]
+        for key in missing:
+            problems.append((f"model.{key}", "is required without model.preset"))
+        if missing:
+            return _INVALID
+        hidden, heads = model.hidden, model.heads
+        base = {
+            "kv_heads": heads,
+            "ffn_hidden": default_ffn_hidden(hidden, 16 if hidden < 256 else 64),
+            "vocab_size": 256,
+            "seq_len": getattr(data, "seq_len", 1024),
+            "positions": "rope",
+            "tie_embeddings": False,
+        }
+    given = {key: getattr(model, key) for key in base if getattr(model, key, None) is not None}
+    if model.preset is not None and "kv_heads" not in given and "heads" in given:
+        given["kv_heads"] = given["heads"]
+    return dataclasses.replace(model, **{**base, **given})
 
 
 def load_config_dict(raw: Any) -> HarnessConfig:
-    """Validate a parsed config mapping; raise ConfigError listing every problem found."""
+    """Validate a parsed config mapping; raise ConfigError listing every problem found.
+
+    The result is the effective config: a transformer's shape fully resolved, and the batch
+    geometry the same in ``layout`` and in ``data``/``train``."""
     problems: list[tuple[str, str]] = []
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
         raise ConfigError([("", f"the top level must be a mapping (got {_describe(raw)})")])
-    sections = {"model", "data", "train", "checkpoint"}
+    sections = {"model", "data", "train", "checkpoint", "layout"}
     for key in raw:
         if key not in sections:
             problems.append((str(key), f"unknown key (allowed: {', '.join(sorted(sections))})"))
@@ -371,13 +621,107 @@ def load_config_dict(raw: Any) -> HarnessConfig:
     data = _build_variant(DATA_VARIANTS, "digits", raw.get("data"), "data", problems)
     train = _build_section(TrainConfig, raw.get("train"), "train", problems)
     checkpoint = _build_section(CheckpointConfig, raw.get("checkpoint"), "checkpoint", problems)
+    layout = _build_section(LayoutConfig, raw.get("layout"), "layout", problems)
     if problems:
         raise ConfigError(problems)
-    config = HarnessConfig(model=model, data=data, train=train, checkpoint=checkpoint)
+    if isinstance(model, TransformerConfig):
+        model = _resolve_transformer(model, data, problems)
+    raw_layout = raw.get("layout") or {}
+    micro_batch = _unify(
+        raw.get("data") or {},
+        "micro_batch",
+        "data.batch_size",
+        layout.micro_batch,
+        data.batch_size,
+        problems,
+    )
+    grad_accum = _unify(
+        raw.get("train") or {},
+        "grad_accum",
+        "train.grad_accum",
+        layout.grad_accum,
+        train.grad_accum,
+        problems,
+    )
+    if problems:
+        raise ConfigError(problems)
+    recompute = layout.recompute
+    if isinstance(model, TransformerConfig) and train.activation_checkpointing:
+        if "recompute" in raw_layout and recompute != "full":
+            problems.append(
+                ("layout.recompute", f"contradicts train.activation_checkpointing ({recompute!r})")
+            )
+        recompute = "full"
+    config = HarnessConfig(
+        model=model,
+        data=dataclasses.replace(data, batch_size=micro_batch),
+        train=dataclasses.replace(train, grad_accum=grad_accum),
+        checkpoint=checkpoint,
+        layout=dataclasses.replace(
+            layout,
+            micro_batch=micro_batch,
+            grad_accum=grad_accum,
+            recompute=recompute,
+            pp_microbatches=layout.pp_microbatches or layout.pp,
+        ),
+    )
     _check_combination(config, problems)
     if problems:
         raise ConfigError(problems)
     return config
+
+
+@dataclass(frozen=True)
+class ResolvedLayout:
+    """The layout of one job: every degree known."""
+
+    dp: int
+    tp: int
+    pp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+def resolve_layout(
+    layout: LayoutConfig, world_size: int, local_world_size: int | None = None
+) -> ResolvedLayout:
+    """The degrees for ``world_size`` processes (``local_world_size`` of them per node);
+    ConfigError naming the field when the layout does not fit the job that was started."""
+    problems: list[tuple[str, str]] = []
+    model_parallel = layout.tp * layout.pp
+    if layout.dp is None:
+        if world_size % model_parallel:
+            problems.append(
+                (
+                    "layout.tp" if layout.tp > 1 else "layout.pp",
+                    f"tp x pp = {model_parallel} does not divide the {world_size} processes "
+                    "started",
+                )
+            )
+        dp = max(world_size // model_parallel, 1)
+    else:
+        dp = layout.dp
+        if dp * model_parallel != world_size:
+            problems.append(
+                (
+                    "layout.dp",
+                    f"dp x tp x pp = {dp} x {layout.tp} x {layout.pp} = {dp * model_parallel} "
+                    f"does not match the {world_size} processes started",
+                )
+            )
+    if local_world_size and layout.tp > 1 and local_world_size % layout.tp:
+        problems.append(
+            (
+                "layout.tp",
+                f"tensor parallelism stays inside a node: must divide the {local_world_size} "
+                "processes per node",
+            )
+        )
+    if problems:
+        raise ConfigError(problems)
+    return ResolvedLayout(dp=dp, tp=layout.tp, pp=layout.pp)
 
 
 def read_config_file(path: str | os.PathLike[str]) -> Any:

@@ -7,9 +7,14 @@
   falls and a broken training loop shows).
 * ``text``: the public-domain texts in ``harness/data/`` (or the rental's own text at
   ``data.path``, a dataset mounted under /data), byte-level tokens, last 10 % for eval.
+* ``tokens``: pre-tokenized flat arrays (uint16 or uint32) read through a memory map, in
+  non-overlapping windows of ``seq_len + 1`` tokens (consecutive windows share one boundary
+  token); the last ``eval_fraction`` of each file's windows are the eval split. Which windows a
+  step reads is ``ShardedBatches``' permutation: a function of the seed, the step and the
+  data-parallel rank. Without ``data.path`` it reads the bundled texts as byte tokens.
 
-Datasets live on the training device as whole tensors: they are small, and indexing a device
-tensor avoids a host-to-device copy and a worker pool per step.
+Datasets other than ``tokens`` live on the training device as whole tensors: they are small,
+and indexing a device tensor avoids a host-to-device copy and a worker pool per step.
 """
 
 from __future__ import annotations
@@ -24,12 +29,14 @@ import torch
 from torch import Tensor
 
 from harness.config import (
+    LANGUAGE_MODELS,
     ConfigError,
     DataConfig,
     DigitsDataConfig,
     ModelConfig,
     SyntheticDataConfig,
     TextDataConfig,
+    TokensDataConfig,
 )
 from harness.paths import data_dir
 
@@ -77,6 +84,98 @@ class TokenWindows:
         offsets = torch.arange(self.seq_len + 1, device=self.tokens.device)
         windows = self.tokens[indices[:, None] + offsets]
         return windows[:, :-1], windows[:, 1:]
+
+
+class TokenFileWindows:
+    """Windows of ``seq_len + 1`` tokens at multiples of ``seq_len`` in token arrays (memory
+    maps), ``ranges[i]`` = (first, end) window numbers of array ``i`` that belong to this split.
+    A batch is read on the host and copied to ``device``."""
+
+    def __init__(
+        self,
+        arrays: list[np.ndarray],
+        ranges: list[tuple[int, int]],
+        *,
+        seq_len: int,
+        vocab_size: int,
+        device: torch.device,
+    ) -> None:
+        self.arrays = arrays
+        self.first = np.array([first for first, _ in ranges], dtype=np.int64)
+        self.ends = np.cumsum([end - first for first, end in ranges], dtype=np.int64)
+        self.seq_len = seq_len
+        self.vocab_size = vocab_size
+        self.device = device
+
+    def __len__(self) -> int:
+        return int(self.ends[-1]) if len(self.ends) else 0
+
+    def batch(self, indices: Tensor) -> tuple[Tensor, Tensor]:
+        wanted = indices.cpu().numpy()
+        files = np.searchsorted(self.ends, wanted, side="right")
+        windows = np.empty((len(wanted), self.seq_len + 1), dtype=np.int64)
+        for row, (index, file) in enumerate(zip(wanted, files, strict=True)):
+            before = self.ends[file - 1] if file else 0
+            start = (self.first[file] + index - before) * self.seq_len
+            windows[row] = self.arrays[file][start : start + self.seq_len + 1]
+        if windows.size and windows.max() >= self.vocab_size:
+            raise ValueError(
+                f"token id {int(windows.max())} is outside the model's vocabulary "
+                f"({self.vocab_size}): model.vocab_size must cover the token files"
+            )
+        tokens = torch.from_numpy(windows).to(self.device, non_blocking=True)
+        return tokens[:, :-1], tokens[:, 1:]
+
+
+def _token_arrays(config: TokensDataConfig) -> list[np.ndarray]:
+    """The token arrays of ``data.path`` (memory maps), or the bundled texts' bytes."""
+    if not config.path:
+        text = np.frombuffer(load_text_corpus().encode("utf-8"), dtype=np.uint8)
+        return [text.astype(np.dtype(config.dtype))]
+    target = data_dir() / config.path
+    if target.is_dir():
+        files = sorted(p for p in target.rglob("*.bin") if p.is_file())
+        if not files:
+            raise ConfigError([("data.path", f"{target} holds no .bin token file")])
+    elif target.is_file():
+        files = [target]
+    else:
+        raise ConfigError([("data.path", f"{target} does not exist")])
+    arrays = []
+    for path in files:
+        if path.stat().st_size == 0:
+            continue
+        try:
+            arrays.append(np.memmap(path, dtype=np.dtype(config.dtype), mode="r"))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                [("data.path", f"{path} is not a flat {config.dtype} array: {exc}")]
+            ) from None
+    return arrays
+
+
+def _tokens(
+    config: TokensDataConfig, vocab_size: int, device: torch.device
+) -> tuple[TokenFileWindows, TokenFileWindows, DatasetInfo]:
+    arrays = _token_arrays(config)
+    train_ranges, eval_ranges = [], []
+    for array in arrays:
+        windows = max((len(array) - 1) // config.seq_len, 0)
+        held_out = int(windows * config.eval_fraction)
+        train_ranges.append((0, windows - held_out))
+        eval_ranges.append((windows - held_out, windows))
+    train = TokenFileWindows(
+        arrays, train_ranges, seq_len=config.seq_len, vocab_size=vocab_size, device=device
+    )
+    evaluation = TokenFileWindows(
+        arrays, eval_ranges, seq_len=config.seq_len, vocab_size=vocab_size, device=device
+    )
+    if len(train) == 0:
+        raise ConfigError(
+            [("data.path", f"holds no training window of {config.seq_len + 1} tokens")]
+        )
+    info = DatasetInfo("lm", 0, 0, 0, vocab_size, config.seq_len)
+    return train, evaluation, info
 
 
 @dataclass(frozen=True)
@@ -207,8 +306,10 @@ def build_datasets(
         return _digits(device)
     if isinstance(data, TextDataConfig):
         return _text(data, device)
+    if isinstance(data, TokensDataConfig):
+        return _tokens(data, getattr(model, "vocab_size", None) or 256, device)
     if isinstance(data, SyntheticDataConfig):
-        if model.name == "gpt":
+        if model.name in LANGUAGE_MODELS:
             return _synthetic_tokens(data, seed, device)
         return _synthetic_images(data, seed, device)
     raise TypeError(f"unknown data config {data!r}")
@@ -299,7 +400,16 @@ class ShardedBatches:
 
 def eval_batches(
     dataset_len: int, *, batch_size: int, world_size: int, rank: int, device: torch.device
-) -> Iterator[Tensor]:
-    """This rank's share of the eval set (every ``world_size``-th sample), in batches."""
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """This rank's share of the eval set (every ``world_size``-th sample), in batches, as
+    (indices, weights). Every rank gets the same number of batches of the same sizes: a sharded
+    model's forward is collective, so a rank with one sample fewer pads its last batch with
+    sample 0 at weight 0."""
     shard = torch.arange(rank, dataset_len, world_size, device=device)
-    yield from shard.split(batch_size)
+    per_rank = -(-dataset_len // world_size)
+    weights = torch.ones(per_rank, device=device)
+    if shard.numel() < per_rank:
+        padding = per_rank - shard.numel()
+        shard = torch.cat([shard, torch.zeros(padding, dtype=shard.dtype, device=device)])
+        weights[-padding:] = 0
+    yield from zip(shard.split(batch_size), weights.split(batch_size), strict=True)

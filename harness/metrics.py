@@ -11,6 +11,10 @@ per GPU, set by the node agent from the catalog). Model FLOPs are:
   with N matmul parameters (Kaplan et al. 2020, "Scaling Laws for Neural Language Models"; it
   leaves out the attention score FLOPs, about 12 x layers x width x seq_len per token). By the
   definition of MFU, activation recomputation is not counted as useful work.
+* transformer: ``TransformerShape.train_flops_per_token`` (harness.presets), 6 x matmul
+  parameters plus the causal attention scores, 6 x layers x hidden x seq_len per token; computed
+  from the shape whatever the layout, so every layout of one model reports the same MFU for the
+  same throughput.
 * image models: counted once at start by ``torch.utils.flop_counter.FlopCounterMode`` on a
   forward and backward pass of a meta-device copy (no memory, no compute).
 

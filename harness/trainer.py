@@ -1,4 +1,8 @@
-"""The training loop: DDP, mixed precision, gradient accumulation, checkpoints, graceful stop.
+"""The training loop: every layout, mixed precision, gradient accumulation, checkpoints, stops.
+
+The built-in image models and the small GPT run plain DDP; the transformer runs any layout
+(``harness.parallel``: DDP, FSDP2, tensor and pipeline parallelism, recomputation) and writes
+sharded checkpoints (``harness.sharded_checkpoint``).
 
 One ``Trainer.run()`` trains ``train.steps`` optimizer steps, resuming from the newest checkpoint
 in ``checkpoint.dir`` if there is one. SIGTERM (or SIGINT) on any rank makes every rank finish the
@@ -14,6 +18,7 @@ gloo group.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import math
@@ -33,6 +38,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 
+from harness import sharded_checkpoint
 from harness.benchmark import cpu_matmul_tflops
 from harness.checkpoint import (
     load_checkpoint,
@@ -41,7 +47,14 @@ from harness.checkpoint import (
     save_final_model,
 )
 from harness.checkpoint import save_checkpoint as write_checkpoint_file
-from harness.config import ConfigError, HarnessConfig, TrainConfig
+from harness.config import (
+    ConfigError,
+    HarnessConfig,
+    ResolvedLayout,
+    TrainConfig,
+    TransformerConfig,
+    resolve_layout,
+)
 from harness.datasets import Dataset, DatasetInfo, ShardedBatches, build_datasets, eval_batches
 from harness.distributed import (
     DistContext,
@@ -61,6 +74,13 @@ from harness.metrics import (
     peak_tflops_from_env,
 )
 from harness.models import build_model
+from harness.parallel import (
+    ParallelModel,
+    build_parallel_model,
+    build_schedule,
+    clip_grad_norm,
+    lm_loss,
+)
 from harness.paths import FINAL_SUBDIR
 from harness.precision import PrecisionPlan, resolve_precision
 
@@ -88,16 +108,17 @@ def lr_factor_fn(train: TrainConfig) -> Callable[[int], float]:
 
 
 def build_optimizer(
-    model: nn.Module, train: TrainConfig, device: torch.device
+    model: nn.Module, train: TrainConfig, device: torch.device, *, fused: bool = True
 ) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices and embeddings only (not on biases or norm gains)."""
+    """AdamW with weight decay on matrices and embeddings only (not on biases or norm gains);
+    the fused kernel on CUDA unless ``fused`` is false."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [
         {"params": decay, "weight_decay": train.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=train.lr, fused=device.type == "cuda")
+    return torch.optim.AdamW(groups, lr=train.lr, fused=fused and device.type == "cuda")
 
 
 class Trainer:
@@ -133,11 +154,18 @@ class Trainer:
         if self.config.train.deterministic:
             # cuBLAS needs this before its first handle exists to give reproducible results.
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        # Refused before joining the process group: every rank fails alike, none waits.
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        layout = resolve_layout(
+            self.config.layout,
+            int(os.environ.get("WORLD_SIZE", "1")),
+            int(local) if local else None,
+        )
         ctx = init_distributed(self.config.train.device)
         completed = False
         try:
             with self._signal_handlers():
-                summary = _Run(self.config, ctx, self).execute()
+                summary = _Run(self.config, ctx, self, layout).execute()
             completed = True
             return summary
         finally:
@@ -179,8 +207,16 @@ class Trainer:
 class _Run:
     """The state of one training run in one process."""
 
-    def __init__(self, config: HarnessConfig, ctx: DistContext, trainer: Trainer) -> None:
-        self.config = config
+    def __init__(
+        self, config: HarnessConfig, ctx: DistContext, trainer: Trainer, layout: ResolvedLayout
+    ) -> None:
+        # The effective config names the resolved data-parallel degree.
+        self.config = dataclasses.replace(
+            config, layout=dataclasses.replace(config.layout, dp=layout.dp)
+        )
+        config = self.config
+        self.layout = layout
+        self.sharded = isinstance(config.model, TransformerConfig)
         self.ctx = ctx
         self.trainer = trainer
         self.train_cfg = config.train
@@ -204,6 +240,69 @@ class _Run:
         self.train_set, self.eval_set, self.info = build_datasets(
             self.config.data, self.config.model, seed=train.seed, device=ctx.device
         )
+        self.parallel: ParallelModel | None = None
+        self.schedule: Any = None
+        self.peak_tflops, self.peak_source = self._peak()
+        if isinstance(self.config.model, TransformerConfig):
+            self._build_transformer(self.config.model)
+        else:
+            self._build_model()
+        # Per-rank stream for dropout and anything else random in the step; tensor-parallel
+        # peers share one, since they must drop the same elements of their replicated
+        # activations.
+        torch.manual_seed(train.seed + ctx.rank // self.layout.tp)
+        self.optimizer = build_optimizer(
+            self.model, train, ctx.device, fused=self.parallel is None or not self.layout_parallel
+        )
+        self.scheduler = LambdaLR(self.optimizer, lr_factor_fn(train))
+        self.scaler = self.precision.grad_scaler()
+        # Ranks of one data-parallel group position (its tp and pp peers) read the same data.
+        self.batches = ShardedBatches(
+            len(self.train_set),
+            batch_size=self.config.data.batch_size,
+            world_size=self.layout.dp,
+            rank=self.data_rank,
+            grad_accum=train.grad_accum,
+            seed=train.seed,
+            device=ctx.device,
+        )
+        self.start_step = 0
+        self.elapsed_before = 0.0
+        self.last_loss: float | None = None
+        self.resumed_from: str | None = None
+        if self.sharded:
+            self._resume_sharded()
+        else:
+            self._resume()
+        if self.parallel is not None:
+            self.ddp = self.parallel.ddp
+            self.train_model: nn.Module = self.parallel.train_model
+        else:
+            self.ddp = (
+                DistributedDataParallel(
+                    self.model,
+                    device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+                )
+                if ctx.distributed
+                else None
+            )
+            self.train_model = self.ddp if self.ddp is not None else self.model
+        if train.compile:
+            # Imported here so that only compiling runs pay for loading the compiler.
+            from torch._inductor import list_mode_options
+
+            options = dict(list_mode_options(train.compile_mode))
+            if not getattr(self.model, "inductor_layout_optimization", True):
+                options["layout_optimization"] = False
+            self.train_model = torch.compile(self.train_model, options=options)
+
+    @property
+    def layout_parallel(self) -> bool:
+        """Whether the model's parameters are DTensors or split over pipeline stages."""
+        return self.layout.tp > 1 or self.layout.pp > 1 or self.config.layout.shard != "none"
+
+    def _build_model(self) -> None:
+        train = self.train_cfg
         # Same seed on every rank, so all start from identical weights (DDP also broadcasts them).
         torch.manual_seed(train.seed)
         self.model = build_model(
@@ -213,48 +312,41 @@ class _Run:
             image_size=self.info.image_size,
             vocab_size=self.info.vocab_size,
             seq_len=self.info.seq_len,
-        ).to(ctx.device)
+        ).to(self.ctx.device)
         self.model.activation_checkpointing = train.activation_checkpointing
-        self.peak_tflops, self.peak_source = self._peak()
+        self.params = sum(p.numel() for p in self.model.parameters())
         # FLOPs only serve MFU, and counting them costs a second of imports at start.
         self.flops_per_sample = (
             flops_per_sample(self.config.model, self.info, self.model) if self.peak_tflops else None
         )
-        # Per-rank stream for dropout and anything else random in the step.
-        torch.manual_seed(train.seed + ctx.rank)
-        self.optimizer = build_optimizer(self.model, train, ctx.device)
-        self.scheduler = LambdaLR(self.optimizer, lr_factor_fn(train))
-        self.scaler = self.precision.grad_scaler()
-        self.batches = ShardedBatches(
-            len(self.train_set),
-            batch_size=self.config.data.batch_size,
-            world_size=ctx.world_size,
-            rank=ctx.rank,
-            grad_accum=train.grad_accum,
-            seed=train.seed,
-            device=ctx.device,
-        )
-        self.start_step = 0
-        self.elapsed_before = 0.0
-        self.last_loss: float | None = None
-        self.resumed_from: str | None = None
-        self._resume()
-        self.ddp = (
-            DistributedDataParallel(
-                self.model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None
-            )
-            if ctx.distributed
-            else None
-        )
-        self.train_model: nn.Module = self.ddp if self.ddp is not None else self.model
-        if train.compile:
-            # Imported here so that only compiling runs pay for loading the compiler.
-            from torch._inductor import list_mode_options
+        self.data_rank = self.ctx.rank
+        self.stage_is_last = True
 
-            options = dict(list_mode_options(train.compile_mode))
-            if not getattr(self.model, "inductor_layout_optimization", True):
-                options["layout_optimization"] = False
-            self.train_model = torch.compile(self.train_model, options=options)
+    def _build_transformer(self, model_config: TransformerConfig) -> None:
+        shape = model_config.shape()
+        self.parallel = build_parallel_model(
+            shape=shape,
+            dropout=model_config.dropout,
+            config=self.config.layout,
+            layout=self.layout,
+            device=self.ctx.device,
+            seed=self.train_cfg.seed,
+        )
+        self.model = self.parallel.model
+        self.params = shape.param_count()
+        # Known from the shape, so it is always reported (it also sizes the advisor's plans).
+        self.flops_per_sample = shape.train_flops_per_token(self.info.seq_len) * self.info.seq_len
+        self.data_rank = self.parallel.dp_rank
+        self.stage_is_last = self.parallel.last_stage
+        if self.layout.pp > 1:
+            self.schedule = build_schedule(self.parallel, self.ctx.device, self._pipeline_loss)
+
+    def _pipeline_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        # The schedule sums the gradients of its micro-batches and micro-steps add theirs: the
+        # division makes the sum the mean over the optimizer step's samples.
+        return lm_loss(logits, targets) / (
+            self.config.layout.pp_microbatches * self.train_cfg.grad_accum
+        )
 
     def _peak(self) -> tuple[float | None, str | None]:
         """The per-rank peak MFU is measured against, and where it comes from.
@@ -287,6 +379,32 @@ class _Run:
             return
         if state is None:
             state = load_checkpoint(Path(chosen))
+        self._check_saved_model(state, chosen)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._restore_common(state, chosen)
+
+    def _resume_sharded(self) -> None:
+        if not self.ckpt_cfg.enabled:
+            return
+        chosen: str | None = None
+        if self.ctx.is_primary:
+            sharded_checkpoint.remove_stale_temporaries(self.ckpt_dir)
+            found = (
+                sharded_checkpoint.latest_readable(self.ckpt_dir) if self.ckpt_cfg.resume else None
+            )
+            chosen = str(found) if found is not None else None
+        # Rank 0 picks the step so that every rank resumes from the same one.
+        chosen = broadcast_from_primary(self.ctx, chosen)
+        if chosen is None:
+            return
+        path = Path(chosen)
+        state = sharded_checkpoint.load_extra(path)
+        self._check_saved_model(state, chosen)
+        sharded_checkpoint.load_sharded(path, self.model, self.optimizer)
+        self._restore_common(state, chosen)
+
+    def _check_saved_model(self, state: dict[str, Any], chosen: str) -> None:
         saved_model = state["config"]["model"]
         if saved_model != self.config.to_dict()["model"]:
             raise ConfigError(
@@ -298,8 +416,9 @@ class _Run:
                     )
                 ]
             )
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+
+    def _restore_common(self, state: dict[str, Any], chosen: str) -> None:
+        """What file and sharded checkpoints restore alike, beyond model and optimizer."""
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
@@ -331,6 +450,10 @@ class _Run:
         total: Tensor | None = None
         for micro in range(accum):
             inputs, targets = self.train_set.batch(self.batches.indices(step, micro))
+            if self.schedule is not None:
+                detached = self._pipeline_step(inputs, targets)
+                total = detached if total is None else total + detached
+                continue
             # Gradients are all-reduced on the last micro-step only.
             sync = self.ddp.no_sync() if self.ddp is not None and micro < accum - 1 else None
             with sync or contextlib.nullcontext():
@@ -346,12 +469,21 @@ class _Run:
                 scaled.backward()
             detached = loss.detach()
             total = detached if total is None else total + detached
+        if self.parallel is not None:
+            self.parallel.after_backward()
         if self.train_cfg.grad_clip > 0:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
-            self.grad_norm = nn.utils.clip_grad_norm_(
-                self.model.parameters(), self.train_cfg.grad_clip
-            )
+            if self.parallel is not None:
+                self.grad_norm = clip_grad_norm(
+                    list(self.model.parameters()),
+                    self.train_cfg.grad_clip,
+                    self.parallel.group("pp") if self.layout.pp > 1 else None,
+                )
+            else:
+                self.grad_norm = nn.utils.clip_grad_norm_(
+                    self.model.parameters(), self.train_cfg.grad_clip
+                )
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -361,6 +493,22 @@ class _Run:
         self.scheduler.step()
         assert total is not None
         return total / accum if accum > 1 else total
+
+    def _pipeline_step(self, inputs: Tensor, targets: Tensor) -> Tensor:
+        """One micro-step through the pipeline (forward and backward of all its micro-batches);
+        the micro-step's mean loss on the last stage, zero on the others."""
+        assert self.parallel is not None
+        losses: list[Tensor] = []
+        with self.precision.autocast():
+            if self.parallel.first_stage:
+                self.schedule.step(inputs)
+            elif self.parallel.last_stage:
+                self.schedule.step(target=targets, losses=losses)
+            else:
+                self.schedule.step()
+        if not losses:
+            return torch.zeros((), device=self.ctx.device)
+        return torch.stack(losses).detach().sum() * self.train_cfg.grad_accum
 
     def execute(self) -> dict[str, Any]:
         self._setup()
@@ -435,7 +583,7 @@ class _Run:
         if self.info.task == "lm":
             summary["tokens_per_s"] = samples_per_s * self.info.seq_len
         final_model = None
-        if stop_reason is None and self.trainer.output_dir is not None and ctx.is_primary:
+        if stop_reason is None and self.trainer.output_dir is not None:
             final_model = self._save_final(step, summary, last_eval)
         summary.update(
             peak_mem_bytes=peak_memory_bytes(ctx.device),
@@ -448,20 +596,40 @@ class _Run:
 
     def _save_final(
         self, step: int, summary: dict[str, Any], last_eval: dict[str, Any] | None
-    ) -> str:
+    ) -> str | None:
         """The completed run's model and what it is, in ``final/`` of the output directory (a
-        stopped run's weights are in its checkpoint: a stop is a pause, not the end)."""
+        stopped run's weights are in its checkpoint: a stop is a pause, not the end). Every
+        rank calls it (a sharded model is gathered collectively); rank 0 writes. Under pipeline
+        parallelism no rank holds the whole model: its weights are the last sharded
+        checkpoint's."""
         assert self.trainer.output_dir is not None
+        if self.parallel is not None:
+            if self.layout.pp > 1:
+                log.info("pipeline-parallel run: the final weights are in its last checkpoint")
+                return None
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
+
+            # Collective: gathers sharded parameters; with cpu_offload only rank 0 keeps them.
+            full = get_model_state_dict(
+                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+        if not self.ctx.is_primary:
+            return None
+        if self.parallel is None:
+            full = self.model.state_dict()
         directory = self.trainer.output_dir / FINAL_SUBDIR
         description = {
             "config": self.config.to_dict(),
             "step": step,
-            "params": sum(p.numel() for p in self.model.parameters()),
+            "params": self.params,
             "final_loss": summary["final_loss"],
             "eval": last_eval,
             "torch_version": torch.__version__,
         }
-        state = {name: tensor.detach().cpu() for name, tensor in self.model.state_dict().items()}
+        state = {name: tensor.detach().cpu() for name, tensor in full.items()}
         path = save_final_model(state, description, directory)
         log.info("final model written to %s", path)
         return str(path)
@@ -490,7 +658,7 @@ class _Run:
             "device": device.type,
             "device_name": name,
             "precision": self.precision.name,
-            "params": sum(p.numel() for p in self.model.parameters()),
+            "params": self.params,
             "global_batch_size": self.batches.global_batch,
             "steps": self.train_cfg.steps,
             "start_step": self.start_step,
@@ -502,6 +670,16 @@ class _Run:
                 self.trainer.peak_tflops if self.peak_source == "cpu-measured" else None
             ),
             "torch_version": torch.__version__,
+            "layout": {
+                "dp": self.layout.dp,
+                "tp": self.layout.tp,
+                "pp": self.layout.pp,
+                **{
+                    key: value
+                    for key, value in dataclasses.asdict(self.config.layout).items()
+                    if key not in ("dp", "tp", "pp")
+                },
+            },
             "config": self.config.to_dict(),
         }
 
@@ -528,10 +706,12 @@ class _Run:
         return event
 
     def _global_mean(self, value: Tensor) -> float:
+        """The mean over ranks of a loss; under pipeline parallelism only the last stage's
+        ranks hold it (the others contribute zero)."""
         if self.ctx.distributed:
             value = value.clone()
             dist.all_reduce(value)
-            value /= self.ctx.world_size
+            value /= self.ctx.world_size // self.layout.pp
         return float(value.item())
 
     @torch.no_grad()
@@ -539,23 +719,27 @@ class _Run:
         # The plain module: eval shapes differ from training ones and must not trigger compiles.
         self.model.eval()
         totals = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)
-        for indices in eval_batches(
+        for indices, valid in eval_batches(
             len(self.eval_set),
             batch_size=self.config.data.eval_batch_size,
-            world_size=self.ctx.world_size,
-            rank=self.ctx.rank,
+            world_size=self.layout.dp,
+            rank=self.data_rank,
             device=self.ctx.device,
         ):
             inputs, targets = self.eval_set.batch(indices)
             with self.precision.autocast():
                 logits = self.model(inputs)
             logits = logits.float().reshape(-1, logits.shape[-1])
+            weights = valid.repeat_interleave(targets[0].numel())
             targets = targets.reshape(-1)
-            totals[0] += F.cross_entropy(logits, targets, reduction="sum")
-            totals[1] += (logits.argmax(dim=1) == targets).sum()
-            totals[2] += targets.numel()
+            losses = F.cross_entropy(logits, targets, reduction="none")
+            totals[0] += (losses * weights).sum()
+            totals[1] += ((logits.argmax(dim=1) == targets) * weights).sum()
+            totals[2] += weights.sum()
         if self.ctx.distributed:
-            dist.all_reduce(totals)
+            # Tensor-parallel peers computed the same sums: count each data-parallel rank once.
+            group = self.parallel.group("dp") if self.parallel is not None else None
+            dist.all_reduce(totals, group=group)
         self.model.train()
         loss_sum, correct, count = totals.tolist()
         return {
@@ -572,13 +756,26 @@ class _Run:
             "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
         }
         rng_states = gather_to_primary(self.ctx, rng)
+        if self.sharded:
+            return self._save_sharded(step, elapsed_total, rng_states)
         if not self.ctx.is_primary:
             return None
         started = time.perf_counter()
         state = {
-            "step": step,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            **self._common_state(step, elapsed_total, rng_states),
+        }
+        path = write_checkpoint_file(state, self.ckpt_dir, step, self.ckpt_cfg.keep)
+        self._emit_checkpoint(step, path, path.stat().st_size, started)
+        return str(path)
+
+    def _common_state(
+        self, step: int, elapsed_total: float, rng_states: list[Any] | None
+    ) -> dict[str, Any]:
+        """What file and sharded checkpoints hold alike, beyond model and optimizer."""
+        return {
+            "step": step,
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "rng": rng_states,
@@ -588,15 +785,31 @@ class _Run:
             "world_size": self.ctx.world_size,
             "config": self.config.to_dict(),
         }
-        path = write_checkpoint_file(state, self.ckpt_dir, step, self.ckpt_cfg.keep)
+
+    def _save_sharded(self, step: int, elapsed_total: float, rng_states: list[Any] | None) -> str:
+        started = time.perf_counter()
+        extra = self._common_state(step, elapsed_total, rng_states) if self.ctx.is_primary else None
+        path = sharded_checkpoint.save_sharded(
+            directory=self.ckpt_dir,
+            step=step,
+            model=self.model,
+            optimizer=self.optimizer,
+            extra=extra,
+            keep=self.ckpt_cfg.keep,
+        )
+        if self.ctx.is_primary:
+            size = sharded_checkpoint.directory_bytes(path)
+            self._emit_checkpoint(step, path, size, started)
+        return str(path)
+
+    def _emit_checkpoint(self, step: int, path: Path, size: int, started: float) -> None:
         self.trainer.emit(
             self.ctx,
             {
                 "event": "checkpoint",
                 "step": step,
                 "path": str(path),
-                "bytes": path.stat().st_size,
+                "bytes": size,
                 "seconds": round(time.perf_counter() - started, 3),
             },
         )
-        return str(path)

@@ -92,11 +92,19 @@ def test_a_global_batch_larger_than_the_data_is_a_config_error():
 
 
 def test_eval_shards_cover_the_eval_set_once():
-    shards = [
-        torch.cat(list(eval_batches(103, batch_size=10, world_size=3, rank=r, device=CPU)))
-        for r in range(3)
+    per_rank = [
+        list(eval_batches(103, batch_size=10, world_size=3, rank=r, device=CPU)) for r in range(3)
     ]
-    assert sorted(torch.cat(shards).tolist()) == list(range(103))
+    counted = [
+        index
+        for batches in per_rank
+        for indices, weights in batches
+        for index, weight in zip(indices.tolist(), weights.tolist(), strict=True)
+        if weight == 1
+    ]
+    assert sorted(counted) == list(range(103))
+    # every rank runs the same batches (a sharded model's forward is collective)
+    assert {tuple(len(i) for i, _ in batches) for batches in per_rank} == {(10, 10, 10, 5)}
 
 
 def test_digits_split_is_fixed_and_disjoint():
@@ -170,3 +178,111 @@ def test_text_from_a_dataset_path_under_the_data_dir(tmp_path, monkeypatch):
     missing = load_config_dict({"model": {"name": "gpt"}, "data": {"name": "text", "path": "nope"}})
     with pytest.raises(ConfigError, match=r"data\.path"):
         build_datasets(missing.data, missing.model, seed=0, device=CPU)
+
+
+# --- pre-tokenized token files ---------------------------------------------------------------
+
+
+def tokens_config(path: str, **data):
+    return load_config_dict(
+        {
+            "model": {"name": "transformer", "preset": "tiny", "vocab_size": 4096},
+            "data": {"name": "tokens", "path": path, "seq_len": 16, **data},
+        }
+    )
+
+
+@pytest.fixture
+def token_dir(tmp_path, monkeypatch):
+    """Two uint16 token files under a dataset directory of GPUMARKET_DATA_DIR."""
+    import numpy as np
+
+    directory = tmp_path / "data" / "corpus"
+    directory.mkdir(parents=True)
+    (directory / "a.bin").write_bytes(np.arange(1000, dtype=np.uint16).tobytes())
+    (directory / "b.bin").write_bytes((np.arange(500, dtype=np.uint16) + 2000).tobytes())
+    monkeypatch.setenv("GPUMARKET_DATA_DIR", str(tmp_path / "data"))
+    return directory
+
+
+def test_token_files_are_read_in_contiguous_windows(token_dir):
+    # given two files of 1000 and 500 tokens, seq_len 16: 62 and 31 windows, 10 % held out
+    config = tokens_config("corpus")
+    train, evaluation, info = build_datasets(config.data, config.model, seed=0, device=CPU)
+    assert (len(train), len(evaluation)) == (56 + 28, 6 + 3)
+    assert info.vocab_size == 4096 and info.seq_len == 16
+    # when windows of both files are read
+    inputs, targets = train.batch(torch.tensor([0, 1, 56, 83]))
+    # then each is seq_len + 1 consecutive tokens of one file, targets shifted by one
+    assert inputs[:, 0].tolist() == [0, 16, 2000, 2000 + 27 * 16]
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+    assert torch.equal(targets[:, -1], inputs[:, 0] + 16)
+    held_out, _ = evaluation.batch(torch.tensor([0, 8]))
+    assert held_out[:, 0].tolist() == [56 * 16, 2000 + 30 * 16]
+
+
+def test_a_single_uint32_token_file(tmp_path, monkeypatch):
+    import numpy as np
+
+    (tmp_path / "big.tok").write_bytes(np.arange(70000, 70400, dtype=np.uint32).tobytes())
+    monkeypatch.setenv("GPUMARKET_DATA_DIR", str(tmp_path))
+    config = load_config_dict(
+        {
+            "model": {"name": "transformer", "preset": "tiny", "vocab_size": 80000},
+            "data": {"name": "tokens", "path": "big.tok", "dtype": "uint32", "seq_len": 16},
+        }
+    )
+    train, _, _ = build_datasets(config.data, config.model, seed=0, device=CPU)
+    assert train.batch(torch.tensor([1]))[0][0, 0].item() == 70016
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused(token_dir):
+    config = load_config_dict(
+        {
+            "model": {"name": "transformer", "preset": "tiny"},
+            "data": {"name": "tokens", "path": "corpus", "seq_len": 16},
+        }
+    )
+    train, _, _ = build_datasets(config.data, config.model, seed=0, device=CPU)
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        train.batch(torch.tensor([56]))
+
+
+@pytest.mark.parametrize(
+    ("setup", "expected"),
+    [
+        (lambda d: None, "does not exist"),
+        (lambda d: (d / "x.bin").write_bytes(b"abc"), "is not a flat uint16 array"),
+        (lambda d: (d / "x.txt").write_text("no tokens"), "holds no .bin token file"),
+    ],
+)
+def test_unusable_token_paths_are_config_errors(tmp_path, monkeypatch, setup, expected):
+    directory = tmp_path / "corpus"
+    if expected != "does not exist":
+        directory.mkdir()
+        setup(directory)
+    monkeypatch.setenv("GPUMARKET_DATA_DIR", str(tmp_path))
+    config = tokens_config("corpus")
+    with pytest.raises(ConfigError, match=expected):
+        build_datasets(config.data, config.model, seed=0, device=CPU)
+
+
+def test_without_a_path_tokens_are_the_bundled_texts_bytes():
+    config = load_config_dict(
+        {"model": {"name": "transformer", "preset": "tiny"}, "data": {"name": "tokens"}}
+    )
+    train, _, _ = build_datasets(config.data, config.model, seed=0, device=CPU)
+    inputs, _ = train.batch(torch.tensor([0]))
+    assert ByteTokenizer().decode(inputs[0].tolist()) == load_text_corpus()[:128]
+
+
+def test_the_transformer_trains_on_token_files(token_dir, run_trainer):
+    events = run_trainer(
+        {
+            "model": {"name": "transformer", "preset": "tiny", "vocab_size": 4096},
+            "data": {"name": "tokens", "path": "corpus", "seq_len": 16, "batch_size": 4},
+            "train": {"steps": 2, "log_every": 1, "eval_every": 2},
+        }
+    )
+    assert [e["event"] for e in events] == ["start", "step", "step", "eval", "summary"]
+    assert events[-2]["samples"] == 9
