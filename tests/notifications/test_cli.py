@@ -2,7 +2,7 @@
 
 import pytest
 
-from marketplace.cli import main
+from gpumarket_cli.main import main
 from marketplace.services import api_token_create
 from notifications.models import NotificationSettings
 from tests.factories import personal_team

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from marketplace.models import Rental, SshKey
-from tests.marketplace.test_cli import cli  # noqa: F401
+from tests.cli.test_cli import cli  # noqa: F401
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from marketplace.cli import main
+from gpumarket_cli.main import main
 from marketplace.models import Rental
 from marketplace.services import api_token_create
 from tests.factories import personal_team
@@ -245,23 +245,23 @@ def test_every_command_prints_the_servers_answer_as_json(cli, make_node, agent, 
      (30, "1.2 d"), (2400, "100 d")],
 )  # fmt: skip
 def test_a_plans_time_reads_as_a_duration(hours, text):
-    from marketplace.cli import _duration
+    from gpumarket_cli.output import duration
 
-    assert _duration(hours) == text
+    assert duration(hours) == text
 
 
 def test_a_tables_floats_have_four_significant_digits_and_an_empty_one_its_header():
-    from marketplace.cli import _table
+    from gpumarket_cli.output import table
 
     rows = [{"step": 10, "loss": 4.572563171386719, "mfu": 0.0008537377754423434, "note": None}]
-    header, row = _table(rows, ["step", "loss", "mfu", "note"]).splitlines()
+    header, row = table(rows, ["step", "loss", "mfu", "note"]).splitlines()
     assert header.split() == ["STEP", "LOSS", "MFU", "NOTE"]
     assert row.split() == ["10", "4.573", "0.0008537"]
-    assert _table([], ["step", "loss"]) == "STEP  LOSS"
+    assert table([], ["step", "loss"]) == "STEP  LOSS"
 
 
 def test_show_summarises_a_finished_rental():
-    from marketplace.cli import _rental_summary
+    from gpumarket_cli.rentals import rental_summary
 
     rental = {
         "id": "c1035768-842c-4909-8d69-194d4eafe81c", "name": "advisor: RTX 4090",
@@ -281,7 +281,7 @@ def test_show_summarises_a_finished_rental():
                     "reason": "created"}],
         "log_tail": "".join(f"line {i}\n" for i in range(20)),
     }  # fmt: skip
-    out = _rental_summary(rental)
+    out = rental_summary(rental)
     assert "status    completed: finished (exit code 0)" in out
     assert "gpus      2 per node x 1, on_demand at $0.5000/GPU-hour" in out
     assert "on        local-sim-01 GPU 0,1" in out

@@ -7,10 +7,12 @@ import hashlib
 import pytest
 import requests
 
-from marketplace import objectstore
-from marketplace.cli import main
-from marketplace.models import Dataset, DatasetStatus, Rental
-from marketplace.services import api_token_create, storage
+from gpumarket_cli.main import main
+from marketplace.models import Rental
+from marketplace.services import api_token_create
+from storage import objectstore
+from storage import services as storage
+from storage.models import Dataset, DatasetStatus
 from tests.factories import personal_team
 
 pytestmark = pytest.mark.django_db(transaction=True)
