@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from decimal import ROUND_CEILING, Decimal
+from decimal import Decimal
 
-from django.db import connection
 from django.db.models import F, Q, QuerySet, Sum
 from django.utils import timezone
 
-from billing import conf, stripe_adapter
+from billing import conf, queries, stripe_adapter
 from billing.models import (
     Account,
     AccountKind,
@@ -26,6 +25,7 @@ from billing.models import (
     UsageMeter,
     UsageSegment,
 )
+from core.money import cost_micros
 from marketplace import lifecycle
 from marketplace.models import Node, Provider, Rental, Team, User
 
@@ -46,48 +46,22 @@ def team_account(*, team_id: int) -> Account | None:
     return Account.objects.filter(kind=AccountKind.CUSTOMER, team_id=team_id).first()
 
 
-# What the team owes beyond the balance, as scalar subqueries on the team's id, so
-# that the funds check reads both in one round trip.
-_ACCRUED_SQL = """
-    SELECT coalesce(sum(m.charge_micros - m.posted_charge_micros), 0)
-    FROM billing_usagemeter m JOIN marketplace_rental r ON r.id = m.rental_id
-    WHERE r.team_id = %s AND m.charge_micros <> m.posted_charge_micros
-"""
-_HELD_SQL = """
-    SELECT coalesce(sum(greatest(
-        -- LEAST skips a NULL: an uncapped rental holds its booked time.
-        LEAST(CASE WHEN r.price_per_gpu_hour IS NULL THEN h.amount_micros
-                   ELSE ceil(r.price_per_gpu_hour * 1000000 * r.gpus_per_node * r.node_count
-                             * r.duration_s / 3600)
-              END, h.max_charge_micros)
-        - coalesce((SELECT sum(m.charge_micros) FROM billing_usagemeter m
-                    WHERE m.rental_id = r.id), 0),
-        0)), 0)
-    FROM marketplace_rental r JOIN billing_fundshold h ON h.rental_id = r.id
-    WHERE r.team_id = %s AND r.status = ANY(%s)
-"""
-
-
 def team_accrued_micros(*, team_id: int) -> int:
     """Usage rated but not yet posted to the ledger (it still counts against the balance)."""
-    with connection.cursor() as cursor:
-        cursor.execute(_ACCRUED_SQL, [team_id])
-        return int(cursor.fetchone()[0])
+    return (
+        UsageMeter.objects.filter(rental__team_id=team_id)
+        .exclude(charge_micros=F("posted_charge_micros"))
+        .aggregate(s=Sum(F("charge_micros") - F("posted_charge_micros")))["s"]
+        or 0
+    )
 
 
 def team_hourly_burn_micros(*, team_id: int) -> int:
     """What the team's provisioning and running rentals cost per hour."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            """
-            SELECT coalesce(sum(round(price_per_gpu_hour * 1000000)
-                                * gpus_per_node * node_count), 0)
-            FROM marketplace_rental
-            WHERE team_id = %s AND status = ANY(%s) AND price_per_gpu_hour IS NOT NULL
-            """,
-            [team_id, [str(s) for s in lifecycle.BURNING]],
-        )
-        return int(cursor.fetchone()[0])
+    rate = Rental.objects.filter(
+        team_id=team_id, status__in=lifecycle.BURNING, price_per_gpu_hour__isnull=False
+    ).aggregate(s=Sum(F("price_per_gpu_hour") * F("gpus_per_node") * F("node_count")))["s"]
+    return cost_micros(price_per_gpu_hour=rate, gpu_seconds=3600) if rate else 0
 
 
 def team_held_micros(*, team_id: int) -> int:
@@ -99,9 +73,7 @@ def team_held_micros(*, team_id: int) -> int:
     Computed from the rows each time rather than kept as a counter, so it cannot drift: a
     charge lowers the hold as it lowers the balance (or is accrued), and an end releases it.
     """
-    with connection.cursor() as cursor:
-        cursor.execute(_HELD_SQL, [team_id, _active()])
-        return int(cursor.fetchone()[0])
+    return queries.team_owed(team_id=team_id, active=_active())[1]
 
 
 def team_available_micros(*, team_id: int, balance_micros: int | None = None) -> int:
@@ -110,16 +82,14 @@ def team_available_micros(*, team_id: int, balance_micros: int | None = None) ->
     if balance_micros is None:
         account = team_account(team_id=team_id)
         balance_micros = account.balance_micros if account else 0
-    with connection.cursor() as cursor:
-        cursor.execute(*team_owed_statement(team_id=team_id))
-        accrued, held = cursor.fetchone()
-    return balance_micros - int(accrued) - int(held)
+    accrued, held = queries.team_owed(team_id=team_id, active=_active())
+    return balance_micros - accrued - held
 
 
 def team_owed_statement(*, team_id: int) -> tuple[str, list]:
     """The one statement behind team_available_micros: the team's accrued usage and its holds
     (one row: accrued, held), for a caller that sends it together with its lock."""
-    return f"SELECT ({_ACCRUED_SQL}), ({_HELD_SQL})", [team_id, team_id, _active()]
+    return queries.team_owed_statement(team_id=team_id, active=_active())
 
 
 def _active() -> list[str]:
@@ -307,29 +277,6 @@ def account_rentals_created_since(*, account: Account, since: datetime) -> list[
     )
 
 
-# The month's usage charges of budgeted customer accounts: usage posted to the ledger since
-# the month began, plus usage rated and not yet posted; and what their running rentals cost
-# per hour.
-_MONTH_SPENT_SQL = """
-SELECT a.id,
-       coalesce((SELECT -sum(e.amount_micros) FROM billing_ledgerentry e
-                 WHERE e.account_id = a.id AND e.kind = 'usage'
-                   AND e.created_at >= %(month_start)s), 0)
-       + coalesce((SELECT sum(m.charge_micros - m.posted_charge_micros)
-                   FROM billing_usagemeter m JOIN marketplace_rental r ON r.id = m.rental_id
-                   WHERE r.team_id = a.team_id
-                     AND m.charge_micros <> m.posted_charge_micros), 0) AS spent,
-       coalesce((SELECT sum(round(r.price_per_gpu_hour * 1000000) * r.gpus_per_node
-                            * r.node_count)
-                 FROM marketplace_rental r
-                 WHERE r.team_id = a.team_id AND r.status = ANY(%(burning)s)
-                   AND r.price_per_gpu_hour IS NOT NULL), 0) AS burn
-FROM billing_account a
-WHERE a.kind = 'customer' AND a.monthly_budget_micros IS NOT NULL
-  AND (%(account_id)s::bigint IS NULL OR a.id = %(account_id)s::bigint)
-"""
-
-
 @dataclass(frozen=True, slots=True)
 class MonthSpent:
     """A budgeted account's month so far, in micro-dollars."""
@@ -341,33 +288,26 @@ class MonthSpent:
 def accounts_month_spent(*, now: datetime, account_id: int | None = None) -> dict[int, MonthSpent]:
     """Account id -> this month's usage charges and hourly burn, for every account with a
     monthly budget (or only `account_id`): one statement for all of them."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            _MONTH_SPENT_SQL,
-            {
-                "month_start": month_start(now),
-                "account_id": account_id,
-                "burning": [str(s) for s in lifecycle.BURNING],
-            },
-        )
-        return {row[0]: MonthSpent(int(row[1]), int(row[2])) for row in cursor.fetchall()}
+    rows = queries.accounts_month_spent(
+        month_start=month_start(now), burning=_burning(), account_id=account_id
+    )
+    return {account: MonthSpent(spent, burn) for account, spent, burn in rows}
 
 
 def account_month_spent_micros(*, account: Account, now: datetime | None = None) -> int:
     if account.pk is None:
         return 0
-    now = now or timezone.now()
-    with connection.cursor() as cursor:
-        cursor.execute(
-            _MONTH_SPENT_SQL.replace("AND a.monthly_budget_micros IS NOT NULL", ""),
-            {
-                "month_start": month_start(now),
-                "account_id": account.pk,
-                "burning": [str(s) for s in lifecycle.BURNING],
-            },
-        )
-        row = cursor.fetchone()
-    return int(row[1]) if row else 0
+    rows = queries.accounts_month_spent(
+        month_start=month_start(now or timezone.now()),
+        burning=_burning(),
+        account_id=account.pk,
+        budgeted_only=False,
+    )
+    return rows[0][1] if rows else 0
+
+
+def _burning() -> list[str]:
+    return [str(s) for s in lifecycle.BURNING]
 
 
 @dataclass(frozen=True, slots=True)
@@ -421,8 +361,11 @@ def rental_cap(*, rental: Rental) -> tuple[int | None, int | None]:
 def cap_overrun_bound_micros(*, price_per_gpu_hour: Decimal, gpus: int) -> int:
     """How far past its cap a capped rental's charge can go: what it costs during one billing
     pass interval (see billing.services.rating for why), rounded up to a whole micro."""
-    micros = price_per_gpu_hour * conf.MICROS_PER_USD * gpus * conf.billing_pass_interval_s() / 3600
-    return int(micros.to_integral_value(ROUND_CEILING))
+    return cost_micros(
+        price_per_gpu_hour=price_per_gpu_hour,
+        gpu_seconds=gpus * conf.billing_pass_interval_s(),
+        round_up=True,
+    )
 
 
 @dataclass(frozen=True, slots=True)

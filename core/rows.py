@@ -115,3 +115,26 @@ def _converted(field, value):
     for converter in field.get_db_converters(connection):
         value = converter(value, field, connection)
     return value
+
+
+class _Names:
+    """One model's names for an SQL template: `{x}` is its table, `{x.field}` a field's column
+    (by field name or attname); a name the model lacks raises when the statement is built."""
+
+    __slots__ = ("_model_meta",)
+
+    def __init__(self, model: type[models.Model]):
+        self._model_meta = model._meta
+
+    def __format__(self, spec: str) -> str:
+        return connection.ops.quote_name(self._model_meta.db_table)
+
+    def __getattr__(self, name: str) -> str:
+        return connection.ops.quote_name(self._model_meta.get_field(name).column)
+
+
+def sql_named(template: str, **tables: type[models.Model]) -> str:
+    """`template` with each model's names filled in from its `_meta`: `{rental}` the quoted
+    table of tables["rental"], `{rental.team}` the column of its field (braces of the SQL
+    itself doubled). Build a statement once per process (functools.cache) and keep it."""
+    return template.format(**{key: _Names(model) for key, model in tables.items()})

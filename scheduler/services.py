@@ -23,6 +23,7 @@ from core.metrics import scheduler_cycle_observe
 from marketplace import lifecycle
 from marketplace.models import Node, NodeStatus, Rental, RentalKind, RentalStatus
 from marketplace.selectors import engine_nodes
+from scheduler import queries
 from scheduler.engine import planner
 from scheduler.engine import types as engine
 
@@ -75,48 +76,12 @@ def engine_request(row: dict) -> engine.Request:
     )
 
 
-# The snapshot's hot reads in SQL: times come back as epoch seconds (float8), which the engine
-# uses, instead of datetimes and ranges that cost more to parse than the rest of the snapshot.
-_BUSY_SQL = """
-SELECT a.gpu_id, a.rental_id,
-       extract(epoch FROM lower(a.during))::float8, extract(epoch FROM upper(a.during))::float8,
-       r.kind, r.price_per_gpu_hour, r.priority
-FROM marketplace_allocation a JOIN marketplace_rental r ON r.id = a.rental_id
-WHERE a.node_id = ANY(%(nodes)s) AND a.released_at IS NULL AND upper(a.during) > %(now)s
-"""
-_PENDING_SQL = """
-SELECT id, extract(epoch FROM created_at)::float8 AS created_at, gpus_per_node, node_count,
-       duration_s, extract(epoch FROM start_at)::float8 AS start_at,
-       extract(epoch FROM start_deadline)::float8 AS start_deadline, priority, gpu_models,
-       gpu_families, min_memory_gb, min_tensor_tflops, same_group, region, pool,
-       max_price_per_gpu_hour, kind, bid_per_gpu_hour, ssh
-FROM marketplace_rental
-WHERE pool = %(pool)s AND status = %(pending)s
-ORDER BY created_at
-"""
-# What the engine reads of a pool's online nodes and their GPUs, folded into one digest: while it
-# is unchanged, the nodes mapped last time are still exact and are not read again.
-_INVENTORY_DIGEST_SQL = """
-SELECT count(*), md5(string_agg(concat_ws(
-           ':', n.id, n.region, n.price_per_gpu_hour, n.min_bid_per_gpu_hour, n.reliability,
-           n.nvlink, n.ssh_capable, m.slug, m.family, m.memory_gb, m.tensor_tflops, g.gpus),
-       ',' ORDER BY n.id))
-FROM marketplace_node n
-JOIN marketplace_gpumodel m ON m.id = n.gpu_model_id
-CROSS JOIN LATERAL (
-    SELECT string_agg(concat_ws('/', id, index, topology_group), ',' ORDER BY index) AS gpus
-    FROM marketplace_gpu WHERE node_id = n.id
-) g
-WHERE n.pool = %(pool)s AND n.status = %(online)s
-"""
 # pool -> (digest, nodes); per process (each worker keeps its own).
 _inventory: dict[str, tuple[tuple, tuple[engine.Node, ...]]] = {}
 
 
 def _inventory_digest(pool: str) -> tuple:
-    with connection.cursor() as cursor:
-        cursor.execute(_INVENTORY_DIGEST_SQL, {"pool": pool, "online": NodeStatus.ONLINE})
-        return tuple(cursor.fetchone())
+    return queries.inventory_digest(pool=pool, online=NodeStatus.ONLINE)
 
 
 def _pool_nodes(pool: str) -> tuple[engine.Node, ...]:
@@ -130,8 +95,7 @@ def _pool_nodes(pool: str) -> tuple[engine.Node, ...]:
         return _read_pool_nodes(pool)
     # The digest kept must describe exactly the rows kept: read both in one snapshot.
     with transaction.atomic():
-        with connection.cursor() as cursor:
-            cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        queries.snapshot_isolation_set()
         digest = _inventory_digest(pool)
         nodes = _read_pool_nodes(pool)
     _inventory[pool] = (digest, nodes)
@@ -148,29 +112,28 @@ def snapshot_take(*, pool: str, now: datetime) -> engine.Snapshot:
     """Free capacity of the pool's online nodes, what holds it, and the pending queue."""
     nodes = _pool_nodes(pool)
     busy = _busy(nodes, now)
-    with connection.cursor() as cursor:
-        cursor.execute(_PENDING_SQL, {"pool": pool, "pending": RentalStatus.PENDING})
-        columns = [c.name for c in cursor.description]
-        pending = [engine_request(dict(zip(columns, row, strict=True))) for row in cursor]
+    pending = [
+        engine_request(row)
+        for row in queries.rentals_pending(pool=pool, pending=RentalStatus.PENDING)
+    ]
     return engine.Snapshot(now=_ts(now), nodes=nodes, busy=busy, pending=tuple(pending))
 
 
 def _busy(nodes: tuple[engine.Node, ...], now: datetime) -> tuple[engine.Busy, ...]:
     """What holds the nodes' GPUs from `now` on."""
-    with connection.cursor() as cursor:
-        cursor.execute(_BUSY_SQL, {"nodes": [n.node_id for n in nodes], "now": now})
-        return tuple(
-            engine.Busy(
-                gpu_id=gpu_id,
-                rental_id=rental_id,
-                start=start,
-                end=end,
-                interruptible=kind == RentalKind.INTERRUPTIBLE,
-                price=price or 0,
-                priority=priority,
-            )
-            for gpu_id, rental_id, start, end, kind, price, priority in cursor.fetchall()
+    rows = queries.allocations_busy(node_ids=[n.node_id for n in nodes], now=now)
+    return tuple(
+        engine.Busy(
+            gpu_id=gpu_id,
+            rental_id=rental_id,
+            start=start,
+            end=end,
+            interruptible=kind == RentalKind.INTERRUPTIBLE,
+            price=price or 0,
+            priority=priority,
         )
+        for gpu_id, rental_id, start, end, kind, price, priority in rows
+    )
 
 
 @dataclass
@@ -218,20 +181,19 @@ def _bind_chunk(placements: list[engine.Placement], now: datetime) -> list[engin
     bound = [p for p in placements if str(p.rental_id) in bound_ids]
     if not bound:
         return []
-    # COPY: the bind is the hot write of the scheduler, and the exclusion constraint checks
-    # every row COPY writes exactly as it would an INSERT.
-    with connection.cursor() as cursor:
-        raw = cursor.cursor
-        with raw.copy(
-            "COPY marketplace_allocation (rental_id, gpu_id, node_id, during, created_at)"
-            " FROM STDIN"
-        ) as copy:
-            for p in bound:
-                during = f"[{_dt(p.start).isoformat()},{_dt(p.end).isoformat()})"
-                for node_id, gpu_ids in p.nodes:
-                    for gpu_id in gpu_ids:
-                        copy.write_row((str(p.rental_id), gpu_id, node_id, during, bound_at))
+    queries.allocations_copy(
+        rows=(
+            (str(p.rental_id), gpu_id, node_id, _range_literal(p), bound_at)
+            for p in bound
+            for node_id, gpu_ids in p.nodes
+            for gpu_id in gpu_ids
+        )
+    )
     return bound
+
+
+def _range_literal(p: engine.Placement) -> str:
+    return f"[{_dt(p.start).isoformat()},{_dt(p.end).isoformat()})"
 
 
 def allocation_bind(
@@ -302,17 +264,10 @@ def _apply_waiting(waiting: tuple[engine.Waiting, ...]) -> None:
         return
     for i in range(0, len(waiting), BIND_CHUNK):
         chunk = waiting[i : i + BIND_CHUNK]
-        values = ", ".join(["(%s::uuid, %s)"] * len(chunk))
-        params = [x for w in chunk for x in (str(w.rental_id), w.reason[:500])]
-        with connection.cursor() as cursor:
-            cursor.execute(
-                f"""
-                UPDATE marketplace_rental r SET status_reason = v.reason
-                FROM (VALUES {values}) AS v(id, reason)
-                WHERE r.id = v.id AND r.status = %s AND r.status_reason IS DISTINCT FROM v.reason
-                """,  # noqa: S608 - only placeholders are interpolated
-                [*params, RentalStatus.PENDING],
-            )
+        queries.waiting_reasons_set(
+            reasons=[(str(w.rental_id), w.reason[:500]) for w in chunk],
+            status=RentalStatus.PENDING,
+        )
 
 
 def plan_apply(*, plan: engine.Plan, now: datetime, result: CycleResult) -> None:
@@ -335,31 +290,6 @@ FAST_PATH_NODES = 24
 # to a fresh task so that other pools' cycles on the same worker get their turn.
 CYCLE_BUDGET_S = 60.0
 
-# Candidate nodes for one simple request: online nodes of the pool that match its hardware and
-# have enough GPUs free over its window, fullest first (best fit), then cheapest. The engine
-# still checks everything on what this returns; the SQL only chooses what it reads.
-_CANDIDATES_SQL = """
-SELECT n.id
-FROM marketplace_node n
-JOIN marketplace_gpumodel m ON m.id = n.gpu_model_id
-LEFT JOIN (
-    SELECT node_id, count(DISTINCT gpu_id) AS held
-    FROM marketplace_allocation
-    WHERE released_at IS NULL AND during && tstzrange(%(start)s, %(end)s)
-    GROUP BY node_id
-) b ON b.node_id = n.id
-WHERE n.pool = %(pool)s AND n.status = %(online)s
-  AND (%(region)s = '' OR n.region = %(region)s)
-  AND (cardinality(%(models)s::text[]) = 0 OR m.slug = ANY(%(models)s::text[]))
-  AND (cardinality(%(families)s::text[]) = 0 OR m.family = ANY(%(families)s::text[]))
-  AND m.memory_gb >= %(memory)s AND m.tensor_tflops >= %(tflops)s
-  AND (%(max_price)s::numeric IS NULL OR n.price_per_gpu_hour <= %(max_price)s::numeric)
-  AND (NOT %(ssh)s OR n.ssh_capable)
-  AND n.gpu_count - coalesce(b.held, 0) >= %(k)s
-ORDER BY n.gpu_count - coalesce(b.held, 0), n.price_per_gpu_hour, n.id
-LIMIT %(limit)s
-"""
-
 
 def _fast_path_fits(req: engine.Request, now: float, policy: engine.Policy) -> bool:
     """One node, on demand, to start within the horizon and before its deadline."""
@@ -379,56 +309,54 @@ def _fast_round(
     or the candidates do not take every request: a full round decides instead, with the
     reasons and reservations only the whole pool gives."""
     at = _ts(now)
-    with connection.cursor() as cursor:
-        cursor.execute(
-            _PENDING_SQL + " LIMIT %(limit)s",
-            {"pool": pool, "pending": RentalStatus.PENDING, "limit": FAST_PATH_MAX + 1},
+    pending = [
+        engine_request(row)
+        for row in queries.rentals_pending(
+            pool=pool, pending=RentalStatus.PENDING, limit=FAST_PATH_MAX + 1
         )
-        columns = [c.name for c in cursor.description]
-        pending = [engine_request(dict(zip(columns, row, strict=True))) for row in cursor]
-        if not pending:
-            return 0
-        if len(pending) > FAST_PATH_MAX or not all(_fast_path_fits(r, at, policy) for r in pending):
-            return None
-        # Requests alike share one candidate query (a stream of identical asks reads once).
-        shapes: dict[tuple, int] = {}
-        for req in pending:
-            start = max(at, req.start)
-            shape = (
-                start,
-                start + req.duration,
-                req.region or "",
-                tuple(sorted(req.gpu_models or ())),
-                tuple(sorted(req.gpu_families or ())),
-                req.min_memory_gb,
-                req.min_tensor_tflops,
-                req.max_price,
-                req.gpus_per_node,
-                req.ssh,
-            )
-            shapes[shape] = shapes.get(shape, 0) + 1
-        node_ids: set[int] = set()
-        for shape, count in shapes.items():
-            start, end, region, models, families, memory, tflops, max_price, k, ssh = shape
-            cursor.execute(
-                _CANDIDATES_SQL,
-                {
-                    "pool": pool,
-                    "online": NodeStatus.ONLINE,
-                    "start": _dt(start),
-                    "end": _dt(end),
-                    "region": region,
-                    "models": list(models),
-                    "families": list(families),
-                    "memory": memory,
-                    "tflops": tflops,
-                    "max_price": max_price,
-                    "k": k,
-                    "ssh": ssh,
-                    "limit": FAST_PATH_NODES + count,
-                },
-            )
-            node_ids.update(row[0] for row in cursor)
+    ]
+    if not pending:
+        return 0
+    if len(pending) > FAST_PATH_MAX or not all(_fast_path_fits(r, at, policy) for r in pending):
+        return None
+    # Requests alike share one candidate query (a stream of identical asks reads once).
+    shapes: dict[tuple, int] = {}
+    for req in pending:
+        start = max(at, req.start)
+        shape = (
+            start,
+            start + req.duration,
+            req.region or "",
+            tuple(sorted(req.gpu_models or ())),
+            tuple(sorted(req.gpu_families or ())),
+            req.min_memory_gb,
+            req.min_tensor_tflops,
+            req.max_price,
+            req.gpus_per_node,
+            req.ssh,
+        )
+        shapes[shape] = shapes.get(shape, 0) + 1
+    node_ids: set[int] = set()
+    for shape, count in shapes.items():
+        start, end, region, models, families, memory, tflops, max_price, k, ssh = shape
+        found = queries.candidate_nodes(
+            params={
+                "pool": pool,
+                "online": NodeStatus.ONLINE,
+                "start": _dt(start),
+                "end": _dt(end),
+                "region": region,
+                "models": list(models),
+                "families": list(families),
+                "memory": memory,
+                "tflops": tflops,
+                "max_price": max_price,
+                "k": k,
+                "ssh": ssh,
+                "limit": FAST_PATH_NODES + count,
+            },
+        )
+        node_ids.update(found)
     if not node_ids:
         return None
     nodes = tuple(engine_nodes(Node.objects.filter(pk__in=node_ids).order_by("id")))

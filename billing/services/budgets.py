@@ -35,11 +35,11 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal, InvalidOperation
 
-from django.db import connection, transaction
+from django.db import transaction
 from django.utils import timezone
 
 from agentprotocol import DEFAULT_STOP_GRACE_S
-from billing import conf, selectors
+from billing import conf, queries, selectors
 from billing.errors import BudgetExceeded, LimitExceeded, RateLimited
 from billing.models import Account, BalanceNotice, NoticeKind
 from core.errors import NotFound, ValidationFailed
@@ -229,40 +229,6 @@ class BudgetPassResult:
     rentals_stopped: int = 0
 
 
-# Running capped rentals with their charge, hourly rate and how far their usage is confirmed:
-# for each node the latest confirmation, for the rental the least of those (its start while a
-# node has not reported yet).
-_CAPPED_SQL = """
-WITH capped AS (
-    SELECT r.id, r.team_id, r.started_at, r.node_count, h.max_charge_micros AS cap,
-           round(r.price_per_gpu_hour * 1000000 * r.gpus_per_node * r.node_count)::bigint
-               AS per_hour
-    FROM marketplace_rental r JOIN billing_fundshold h ON h.rental_id = r.id
-    WHERE r.status = ANY(%(burning)s) AND h.max_charge_micros IS NOT NULL
-      AND r.price_per_gpu_hour IS NOT NULL
-),
-charged AS (
-    SELECT m.rental_id, sum(m.charge_micros)::bigint AS micros
-    FROM billing_usagemeter m JOIN capped c ON c.id = m.rental_id GROUP BY m.rental_id
-),
-per_node AS (
-    SELECT s.rental_id, s.node_id, max(s.confirmed_until) AS last
-    FROM billing_usagesegment s JOIN capped c ON c.id = s.rental_id
-    GROUP BY s.rental_id, s.node_id
-),
-confirmed AS (
-    SELECT p.rental_id, count(*) AS nodes, min(p.last) AS until
-    FROM per_node p GROUP BY p.rental_id
-)
-SELECT c.id, c.team_id, c.cap, coalesce(ch.micros, 0), c.per_hour,
-       CASE WHEN coalesce(cf.nodes, 0) >= c.node_count THEN cf.until ELSE c.started_at END
-FROM capped c
-LEFT JOIN charged ch ON ch.rental_id = c.id
-LEFT JOIN confirmed cf ON cf.rental_id = c.id
-ORDER BY c.id
-"""
-
-
 def _ahead_s(lag_s: float = 0.0) -> float:
     """What a rental may still accrue, in seconds, if the pass leaves it running: the usage not
     yet confirmed, the time to the next pass, and the stop grace after that pass's stop."""
@@ -270,9 +236,7 @@ def _ahead_s(lag_s: float = 0.0) -> float:
 
 
 def _rental_caps_enforce(*, now: datetime, result: BudgetPassResult) -> None:
-    with connection.cursor() as cursor:
-        cursor.execute(_CAPPED_SQL, {"burning": [str(s) for s in lifecycle.BURNING]})
-        rows = cursor.fetchall()
+    rows = queries.capped_rentals(burning=[str(s) for s in lifecycle.BURNING])
     for rental_id, team_id, cap, charged, per_hour, confirmed in rows:
         lag = (now - confirmed).total_seconds() if confirmed is not None else 0.0
         projected = charged + math.ceil(per_hour * _ahead_s(lag) / 3600)

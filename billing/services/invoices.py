@@ -10,29 +10,59 @@ from __future__ import annotations
 
 from datetime import UTC, date, datetime, timedelta
 
-from django.db import connection, transaction
-from django.db.models import Q, Sum
+from django.contrib.postgres.aggregates import StringAgg
+from django.db import transaction
+from django.db.models import F, OuterRef, Q, QuerySet, Subquery, Sum
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from billing import conf
-from billing.models import Account, AccountKind, EntryKind, Invoice, InvoiceLine, LedgerEntry
+from billing.models import (
+    Account,
+    AccountKind,
+    EntryKind,
+    Invoice,
+    InvoiceLine,
+    LedgerEntry,
+    UsageMeter,
+)
 from core.errors import ValidationFailed
 
-_LINES_SQL = """
-SELECT e.rental_id, -sum(e.amount_micros)::bigint, coalesce(sum(e.gpu_seconds), 0)::bigint,
-       r.name, r.gpus_per_node * r.node_count, r.price_per_gpu_hour,
-       (SELECT string_agg(DISTINCT g.name, ', ' ORDER BY g.name)
-        FROM billing_usagemeter m
-        JOIN marketplace_node n ON n.id = m.node_id
-        JOIN marketplace_gpumodel g ON g.id = n.gpu_model_id
-        WHERE m.rental_id = e.rental_id)
-FROM billing_ledgerentry e
-JOIN marketplace_rental r ON r.id = e.rental_id
-WHERE e.account_id = %s AND e.kind = 'usage' AND e.created_at >= %s AND e.created_at < %s
-GROUP BY e.rental_id, r.name, r.gpus_per_node, r.node_count, r.price_per_gpu_hour,
-         r.created_at
-ORDER BY r.created_at, e.rental_id
-"""
+
+def invoice_lines(*, account_id: int, begin: datetime, end: datetime) -> QuerySet:
+    """The account's usage posted in [begin, end) per rental, oldest rental first: the amount,
+    GPU-seconds, the rental's name, GPUs and rate, and the GPU models it ran on."""
+    gpu_models = (
+        UsageMeter.objects.filter(rental_id=OuterRef("rental_id"))
+        .values("rental_id")
+        .annotate(
+            names=StringAgg(
+                "node__gpu_model__name", ", ", distinct=True, order_by="node__gpu_model__name"
+            )
+        )
+        .values("names")
+    )
+    return (
+        LedgerEntry.objects.filter(
+            account_id=account_id,
+            kind=EntryKind.USAGE,
+            created_at__gte=begin,
+            created_at__lt=end,
+        )
+        .values(
+            "rental_id",
+            "rental__name",
+            "rental__price_per_gpu_hour",
+            "rental__created_at",
+            gpus=F("rental__gpus_per_node") * F("rental__node_count"),
+        )
+        .annotate(
+            amount=-Sum("amount_micros"),
+            seconds=Coalesce(Sum("gpu_seconds"), 0),
+            gpu_models=Subquery(gpu_models),
+        )
+        .order_by("rental__created_at", "rental_id")
+    )
 
 
 def month_start(day: date) -> date:
@@ -79,21 +109,18 @@ def invoice_issue(*, account_id: int, period_start: date) -> Invoice:
             closing_balance_micros=opening - usage + payments,
             issued_at=timezone.now(),
         )
-        with connection.cursor() as cursor:
-            cursor.execute(_LINES_SQL, [account.pk, begin, end])
-            rows = cursor.fetchall()
         InvoiceLine.objects.bulk_create(
             InvoiceLine(
                 invoice=invoice,
-                rental_id=rental_id,
-                description=name or f"rental {str(rental_id)[:8]}",
-                gpu_model=models or "",
-                gpus=gpus,
-                gpu_seconds=seconds,
-                rate_per_gpu_hour=rate,
-                amount_micros=amount,
+                rental_id=line["rental_id"],
+                description=line["rental__name"] or f"rental {str(line['rental_id'])[:8]}",
+                gpu_model=line["gpu_models"] or "",
+                gpus=line["gpus"],
+                gpu_seconds=line["seconds"],
+                rate_per_gpu_hour=line["rental__price_per_gpu_hour"],
+                amount_micros=line["amount"],
             )
-            for rental_id, amount, seconds, name, gpus, rate, models in rows
+            for line in invoice_lines(account_id=account.pk, begin=begin, end=end)
         )
     return invoice
 

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from decimal import ROUND_CEILING, Decimal
-from functools import cache
+from decimal import Decimal
 
 from django.db import connection, transaction
+from django.db.models import BigIntegerField, F, Value
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
-from billing import conf, selectors
+from billing import conf, queries, selectors
 from billing.models import Account, AccountKind, EntryKind, FundsHold, LedgerEntry
 from billing.services import budgets
 from core.errors import PaymentRequired, ValidationFailed
-from core.rows import insert_values, mark_saved, model_from_row, model_insert, pipelined
+from core.money import cost_micros
+from core.rows import insert_values, mark_saved, model_insert, pipelined
 from marketplace.models import Provider, Rental, Team, User
 
 
@@ -51,35 +52,24 @@ def ledger_post(
     """
     if amount_micros == 0:
         raise ValidationFailed("a posting moves a non-zero amount", field="amount")
-    with connection.cursor() as cursor:
-        cursor.execute(
-            """
-            INSERT INTO billing_ledgerentry
-                (account_id, kind, amount_micros, key, memo, actor_id, created_at)
-            VALUES (%s, %s, %s, %s, %s, %s, %s)
-            ON CONFLICT (key) WHERE key IS NOT NULL DO NOTHING
-            RETURNING id
-            """,
-            [
-                account_id,
-                kind,
-                amount_micros,
-                key,
-                memo[:500],
-                actor.pk if actor else None,
-                now or timezone.now(),
-            ],
-        )
-        row = cursor.fetchone()
-        if row is None:
-            return None
-        # One statement: concurrent postings to the account serialise on its row lock, so the
-        # cached balance stays exactly the sum of its entries.
-        cursor.execute(
-            "UPDATE billing_account SET balance_micros = balance_micros + %s WHERE id = %s",
-            [amount_micros, account_id],
-        )
-    return LedgerEntry.objects.get(pk=row[0])
+    entry = queries.ledger_entry_insert(
+        account_id=account_id,
+        kind=kind,
+        amount_micros=amount_micros,
+        key=key,
+        memo=memo[:500],
+        actor_id=actor.pk if actor else None,
+        now=now or timezone.now(),
+    )
+    if entry is None:
+        return None
+    # One statement: concurrent postings to the account serialise on its row lock, so the
+    # cached balance stays exactly the sum of its entries. The amount is typed bigint: with
+    # server-side binding a bare int is sent as an integer and wraps past $2,147.
+    Account.objects.filter(pk=account_id).update(
+        balance_micros=F("balance_micros") + Value(amount_micros, output_field=BigIntegerField())
+    )
+    return entry
 
 
 def account_adjust(
@@ -125,10 +115,11 @@ _TOPUP_API = "/api/v1/billing/topups/"
 
 
 def hold_micros(*, price_per_gpu_hour: Decimal, gpus: int, duration_s: int) -> int:
-    """The whole booked time of `gpus` GPUs at the rate, rounded up to a whole micro (the same
-    formula as the locked-price hold in selectors.team_held_micros)."""
-    micros = price_per_gpu_hour * conf.MICROS_PER_USD * gpus * duration_s / 3600
-    return int(micros.to_integral_value(ROUND_CEILING))
+    """The whole booked time of `gpus` GPUs at the rate, rounded up to a whole micro (the
+    locked-price hold in selectors.team_held_micros is the same formula, core.money's)."""
+    return cost_micros(
+        price_per_gpu_hour=price_per_gpu_hour, gpu_seconds=gpus * duration_s, round_up=True
+    )
 
 
 def funds_hold_create(
@@ -193,13 +184,13 @@ def _team_account_locked_holding(*, hold: FundsHold, team_id: int) -> tuple[Acco
     COMMIT or ROLLBACK), not four: concurrent creates of one team take turns on this lock, so
     its hold time bounds the team's create rate.
     """
-    fields, insert_sql = _hold_insert_statement()
+    fields, insert_sql = queries.hold_insert_statement()
     values = insert_values(hold, fields)
     if values is None:
         raise TypeError("a hold is written from plain values")
     locked, owed, _ = pipelined(
         [
-            (_TEAM_ACCOUNT_LOCKED_SQL, [team_id]),
+            queries.team_account_locked_statement(team_id=team_id),
             selectors.team_owed_statement(team_id=team_id),
             (insert_sql, [*values, team_id]),
         ]
@@ -207,7 +198,7 @@ def _team_account_locked_holding(*, hold: FundsHold, team_id: int) -> tuple[Acco
     if not locked:  # no account yet (the insert found none to hold against): make it, again
         Account.objects.get_or_create(kind=AccountKind.CUSTOMER, team_id=team_id)
         return _team_account_locked_holding(hold=hold, team_id=team_id)
-    account = model_from_row(Account, _ACCOUNT_FIELDS, locked[0])
+    account = queries.team_account_from_row(locked[0])
     hold.account = account
     mark_saved(hold)
     accrued, held = owed[0]
@@ -217,33 +208,11 @@ def _team_account_locked_holding(*, hold: FundsHold, team_id: int) -> tuple[Acco
 def _team_account_locked(*, team_id: int) -> Account:
     """The team's account row, locked: one query when it exists (every team that can pay has
     one), created first otherwise. Every member's creates take turns on this one row."""
-    account = next(iter(Account.objects.raw(_TEAM_ACCOUNT_LOCKED_SQL, [team_id])), None)
+    account = queries.team_account_locked(team_id=team_id)
     if account is None:
         Account.objects.get_or_create(kind=AccountKind.CUSTOMER, team_id=team_id)
-        account = next(iter(Account.objects.raw(_TEAM_ACCOUNT_LOCKED_SQL, [team_id])))
+        account = queries.team_account_locked(team_id=team_id)
     return account
-
-
-# In SQL: compiling the locking lookup through the ORM cost more than running it, on every create.
-_ACCOUNT_FIELDS = Account._meta.concrete_fields
-_TEAM_ACCOUNT_LOCKED_SQL = (
-    f"SELECT {', '.join(f.column for f in _ACCOUNT_FIELDS)} FROM {Account._meta.db_table}"  # noqa: S608
-    f" WHERE kind = '{AccountKind.CUSTOMER.value}' AND team_id = %s FOR UPDATE"
-)
-
-
-@cache
-def _hold_insert_statement() -> tuple[tuple, str]:
-    """The hold's INSERT with its account found by the team: it is sent before the account's
-    row (and so its id) has been read."""
-    meta = FundsHold._meta
-    fields = tuple(f for f in meta.local_concrete_fields if f.name != "account")
-    columns = ", ".join([*(f.column for f in fields), meta.get_field("account").column])
-    return fields, (
-        f"INSERT INTO {meta.db_table} ({columns})"  # noqa: S608 - the models' own names
-        f" SELECT {', '.join(['%s'] * len(fields))}, a.id FROM {Account._meta.db_table} a"
-        f" WHERE a.kind = '{AccountKind.CUSTOMER.value}' AND a.team_id = %s"
-    )
 
 
 def _usd(micros: int) -> str:

@@ -22,10 +22,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
-from django.db import connection, transaction
+from django.db import transaction
 from django.utils import timezone
 
-from billing import conf
+from billing import conf, queries
+from billing.models import TelemetrySample
 from core.errors import ValidationFailed
 
 MAX_GPUS_PER_RUN = 64
@@ -110,109 +111,6 @@ def _check(report: UsageReport, now: datetime) -> tuple[str, str] | UsageReport:
     return replace(report, started_at=min(started, now), confirmed_at=now)
 
 
-_APPLY_SQL = """
-WITH r AS (
-    SELECT *
-    FROM unnest(%(idx)s::int[], %(rental)s::uuid[], %(run)s::text[], %(seq)s::bigint[],
-                %(gpus)s::int[], %(started)s::timestamptz[], %(confirmed)s::timestamptz[],
-                %(final)s::bool[])
-         AS r(idx, rental_id, run_id, seq, gpu_count, started_at, confirmed_at, final)
-),
-held AS (
-    -- What the server authorised on this node: the rental's allocations here. A release cuts
-    -- `during` at the release, so upper(during) is where the node's time ends.
-    SELECT a.rental_id, max(upper(a.during)) AS held_until,
-           bool_and(a.released_at IS NOT NULL) AS released
-    FROM marketplace_allocation a
-    WHERE a.node_id = %(node)s AND a.rental_id IN (SELECT rental_id FROM r)
-    GROUP BY a.rental_id
-),
-clipped AS (
-    SELECT r.*, h.rental_id IS NOT NULL AS allocated, h.released, h.held_until,
-           LEAST(r.confirmed_at, h.held_until) AS until,
-           old.id AS old_id, old.confirmed_until AS old_until, coalesce(old.final, false)
-               AS old_final,
-           -- A final report ends the run: nothing confirmed after the first one counts.
-           min(LEAST(r.confirmed_at, h.held_until)) FILTER (WHERE r.final)
-               OVER (PARTITION BY r.rental_id, r.run_id) AS final_at
-    FROM r
-    LEFT JOIN held h ON h.rental_id = r.rental_id
-    LEFT JOIN billing_usagesegment old
-           ON old.rental_id = r.rental_id AND old.node_id = %(node)s AND old.run_id = r.run_id
-),
-judged AS (
-    SELECT c.*,
-           CASE
-               WHEN NOT c.allocated THEN 'not_allocated'
-               WHEN (c.old_final AND c.until > c.old_until) OR c.until > c.final_at
-                   THEN 'after_final'
-               -- Confirmed past the allocation and adding no second inside it.
-               WHEN c.confirmed_at > c.held_until
-                    AND (c.until < c.started_at OR c.until <= c.old_until)
-                   THEN CASE WHEN c.released THEN 'allocation_released'
-                             ELSE 'outside_allocation' END
-           END AS refused
-    FROM clipped c
-),
-folded AS (
-    -- One row per run: a spooled batch may carry several reports of the same run. Only the
-    -- reports that move the stored segment count: a replayed spool repeats reports that were
-    -- applied before their answer was lost, and those must not be counted twice.
-    SELECT j.rental_id, j.run_id,
-           min(j.seq) AS first_seq,
-           (array_agg(j.seq ORDER BY j.until DESC, j.seq DESC))[1] AS last_seq,
-           count(DISTINCT j.seq) AS reports,
-           (array_agg(j.gpu_count ORDER BY j.seq))[1] AS gpu_count,
-           (array_agg(j.started_at ORDER BY j.seq))[1] AS started_at,
-           max(j.until) AS confirmed_until,
-           bool_or(j.final) AS final
-    FROM judged j
-    WHERE j.refused IS NULL
-      AND (j.old_id IS NULL OR j.until > j.old_until OR (j.final AND NOT j.old_final))
-    GROUP BY j.rental_id, j.run_id
-),
-seg AS (
-    INSERT INTO billing_usagesegment AS s
-        (rental_id, node_id, run_id, gpu_count, started_at, confirmed_until, final,
-         first_seq, last_seq, reports, created_at, updated_at)
-    SELECT rental_id, %(node)s, run_id, gpu_count, started_at, confirmed_until, final,
-           first_seq, last_seq, reports, %(now)s, %(now)s
-    FROM folded
-    ON CONFLICT (rental_id, node_id, run_id) DO UPDATE SET
-        confirmed_until = GREATEST(s.confirmed_until, EXCLUDED.confirmed_until),
-        last_seq = CASE WHEN EXCLUDED.confirmed_until > s.confirmed_until
-                        THEN EXCLUDED.last_seq ELSE s.last_seq END,
-        first_seq = LEAST(s.first_seq, EXCLUDED.first_seq),
-        final = s.final OR EXCLUDED.final,
-        reports = s.reports + EXCLUDED.reports,
-        updated_at = EXCLUDED.updated_at
-    -- A report that moves nothing (a duplicate, a replay, an older confirmation) is a no-op,
-    -- and a final segment never moves again (a concurrent batch may have finalised it).
-    WHERE NOT s.final
-      AND (EXCLUDED.confirmed_until > s.confirmed_until OR EXCLUDED.final)
-    RETURNING s.rental_id, s.reports
-),
-meters AS (
-    -- The price is locked on the meter at its first report: a rental re-queued and re-booked
-    -- elsewhere at another price leaves what ran here at the price it ran at.
-    INSERT INTO billing_usagemeter AS m
-        (rental_id, node_id, fee_bps, price_per_gpu_hour, usage_version, rated_version,
-         gpu_seconds, charge_micros, posting_seq, posted_gpu_seconds, posted_charge_micros,
-         posted_earning_micros, created_at)
-    SELECT u.rental_id, %(node)s, %(fee_bps)s, rental.price_per_gpu_hour, 1, 0, 0, 0, 0, 0,
-           0, 0, %(now)s
-    FROM (SELECT DISTINCT rental_id FROM seg) u
-    JOIN marketplace_rental rental ON rental.id = u.rental_id
-    ON CONFLICT (rental_id, node_id) DO UPDATE SET usage_version = m.usage_version + 1
-    RETURNING m.id
-)
-SELECT coalesce(array_agg(idx ORDER BY idx) FILTER (WHERE refused IS NOT NULL), '{}'),
-       coalesce(array_agg(refused ORDER BY idx) FILTER (WHERE refused IS NOT NULL), '{}'),
-       (SELECT count(*) FROM meters)
-FROM judged
-"""
-
-
 def usage_reports_apply(
     *, node_id: int, reports: Sequence[UsageReport], now: datetime | None = None
 ) -> UsageBatchResult:
@@ -246,9 +144,7 @@ def usage_reports_apply(
         "final": [bool(r.final) for _, r in good],
     }
     # One statement, atomic by itself: no transaction round trips around it.
-    with connection.cursor() as cursor:
-        cursor.execute(_APPLY_SQL, params)
-        refused_idx, reasons, _ = cursor.fetchone()
+    refused_idx, reasons, _ = queries.usage_reports_apply(params=params)
     for i, reason in zip(refused_idx, reasons, strict=True):
         result.refuse(i, reason, *_REFUSED_WHY[reason])
     result.applied = len(good) - len(refused_idx)
@@ -391,50 +287,6 @@ def _rows_and_minutes(node_id: int, samples: list[dict]) -> tuple[list[tuple], d
     return rows, minutes
 
 
-_SAMPLE_COLUMNS = "node_id, gpu_index, ts, util_pct, mem_used_mb, power_w, temp_c, rental_id"
-_SAMPLE_TYPES = ["int8", "int2", "timestamptz", "float8", "int4", "float8", "float8", "uuid"]
-
-# A small batch (one heartbeat) is one statement: the raw rows and the rollup in one round trip.
-_INSERT_SAMPLES_CTE = f"""
-WITH raw AS (
-    INSERT INTO billing_telemetrysample ({_SAMPLE_COLUMNS})
-    SELECT %(node)s, * FROM unnest(%(s_gpu)s::int2[], %(s_ts)s::timestamptz[],
-                                   %(s_util)s::float8[], %(s_mem)s::int4[],
-                                   %(s_power)s::float8[], %(s_temp)s::float8[],
-                                   %(s_rental)s::uuid[])
-)
-"""  # noqa: S608 - a constant column list, no user text
-
-_ROLLUP_SQL = """
-INSERT INTO billing_telemetryminute AS t
-    (node_id, gpu_index, minute, rental_id, samples, util_sum, util_max, mem_max_mb,
-     power_sum, temp_max)
-SELECT %(node)s, v.gpu_index, v.minute,
-       coalesce(v.rental_id, (
-           -- Samples without a rental id belong to the rental that held the GPU in that
-           -- minute (the latest, if the GPU changed hands within it).
-           SELECT a.rental_id FROM marketplace_allocation a
-           JOIN marketplace_gpu g ON g.id = a.gpu_id
-           WHERE g.node_id = %(node)s AND g.index = v.gpu_index
-             AND a.during && tstzrange(v.minute, v.minute + interval '1 minute')
-           ORDER BY a.id DESC LIMIT 1)),
-       v.samples, v.util_sum, v.util_max, v.mem_max, v.power_sum, v.temp_max
-FROM unnest(%(gpu)s::int2[], %(minute)s::timestamptz[], %(rental)s::uuid[], %(n)s::int[],
-            %(util_sum)s::float8[], %(util_max)s::float8[], %(mem_max)s::int4[],
-            %(power_sum)s::float8[], %(temp_max)s::float8[])
-     AS v(gpu_index, minute, rental_id, samples, util_sum, util_max, mem_max, power_sum,
-          temp_max)
-ON CONFLICT (node_id, gpu_index, minute) DO UPDATE SET
-    rental_id = coalesce(t.rental_id, EXCLUDED.rental_id),
-    samples = t.samples + EXCLUDED.samples,
-    util_sum = t.util_sum + EXCLUDED.util_sum,
-    util_max = GREATEST(t.util_max, EXCLUDED.util_max),
-    mem_max_mb = GREATEST(t.mem_max_mb, EXCLUDED.mem_max_mb),
-    power_sum = t.power_sum + EXCLUDED.power_sum,
-    temp_max = GREATEST(t.temp_max, EXCLUDED.temp_max)
-"""
-
-
 def telemetry_ingest(*, node_id: int, samples: list[dict]) -> int:
     """Store a node's GPU samples (COPY when the batch is large) and fold them into the
     per-minute rollups in the same transaction; returns the number stored. One malformed
@@ -460,17 +312,10 @@ def telemetry_ingest(*, node_id: int, samples: list[dict]) -> int:
         columns = list(zip(*rows, strict=True))
         names = ("s_gpu", "s_ts", "s_util", "s_mem", "s_power", "s_temp", "s_rental")
         rollup.update(zip(names, (list(c) for c in columns[1:]), strict=True))
-        with connection.cursor() as cursor:
-            cursor.execute(_INSERT_SAMPLES_CTE + _ROLLUP_SQL, rollup)
+        queries.telemetry_samples_insert_and_roll_up(params=rollup)
         return len(rows)
-    with transaction.atomic(), connection.cursor() as cursor:
-        with cursor.cursor.copy(
-            f"COPY billing_telemetrysample ({_SAMPLE_COLUMNS}) FROM STDIN (FORMAT BINARY)"
-        ) as copy:
-            copy.set_types(_SAMPLE_TYPES)
-            for row in rows:
-                copy.write_row(row)
-        cursor.execute(_ROLLUP_SQL, rollup)
+    with transaction.atomic():
+        queries.telemetry_samples_copy_and_roll_up(rows=rows, params=rollup)
     return len(rows)
 
 
@@ -482,15 +327,9 @@ def telemetry_prune(
     cutoff = (now or timezone.now()) - timedelta(days=days or conf.telemetry_retention_days())
     deleted = 0
     while True:
-        with transaction.atomic(), connection.cursor() as cursor:
-            cursor.execute(
-                """
-                DELETE FROM billing_telemetrysample WHERE id IN (
-                    SELECT id FROM billing_telemetrysample WHERE ts < %s LIMIT %s)
-                """,
-                [cutoff, batch],
-            )
-            count = cursor.rowcount
+        with transaction.atomic():
+            oldest = TelemetrySample.objects.filter(ts__lt=cutoff).values("pk")[:batch]
+            count, _ = TelemetrySample.objects.filter(pk__in=oldest).delete()
         deleted += count
         if count < batch:
             return deleted

@@ -13,7 +13,6 @@ import time
 from datetime import timedelta
 
 from django.conf import settings
-from django.db import connection
 from django.db.models import Count, Exists, F, Min, OuterRef, Q
 from django.db.models.functions import Coalesce
 from django.http import Http404, HttpRequest, HttpResponse
@@ -30,13 +29,13 @@ from prometheus_client.core import GaugeHistogramMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from billing.models import UsageMeter
+from marketplace import queries
 from marketplace.models import (
     Allocation,
     Gpu,
     Node,
     NodeStatus,
     Rental,
-    RentalEvent,
     RentalStatus,
 )
 
@@ -157,26 +156,12 @@ class MarketplaceCollector(Collector):
             "Create to first SCHEDULED of the rentals scheduled in the last 15 minutes",
             labels=[],
         )
-        bucket_sql = ", ".join(
-            f"count(*) FILTER (WHERE lat <= {float(b)})" for b in SCHEDULE_LATENCY_BUCKETS
+        cumulative, total, total_sum = queries.schedule_latencies(
+            buckets=SCHEDULE_LATENCY_BUCKETS,
+            last_events=SCHEDULE_LATENCY_MAX_EVENTS,
+            status=RentalStatus.SCHEDULED,
+            since=now - SCHEDULE_LATENCY_WINDOW,
         )
-        events = RentalEvent._meta.db_table
-        rentals = Rental._meta.db_table
-        sql = f"""
-            WITH first AS (
-                SELECT extract(epoch FROM min(e.created_at) - r.created_at) AS lat
-                FROM {events} e JOIN {rentals} r ON r.id = e.rental_id
-                WHERE e.id > (SELECT coalesce(max(id), 0) FROM {events}) - %s
-                  AND e.to_status = %s AND e.created_at >= %s
-                GROUP BY r.id, r.created_at
-            )
-            SELECT {bucket_sql}, count(*), coalesce(sum(lat), 0) FROM first
-        """  # noqa: S608 - table names and float bounds come from code, values are parameters
-        with connection.cursor() as cursor:
-            since = now - SCHEDULE_LATENCY_WINDOW
-            cursor.execute(sql, [SCHEDULE_LATENCY_MAX_EVENTS, RentalStatus.SCHEDULED, since])
-            row = cursor.fetchone()
-        *cumulative, total, total_sum = row
         buckets = [
             (str(float(b)), n) for b, n in zip(SCHEDULE_LATENCY_BUCKETS, cumulative, strict=True)
         ]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from decimal import Decimal
 
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -17,7 +17,6 @@ from agentprotocol import (
     GpuInfo,
 )
 from core.errors import Conflict, ValidationFailed
-from core.rows import model_from_row
 from marketplace.models import (
     Gpu,
     GpuModel,
@@ -28,6 +27,7 @@ from marketplace.models import (
 )
 from marketplace.services import GpuSpec, node_register, token_hash
 from marketplace.services.accounts import token_mint
+from provisioning import queries
 from provisioning.models import JoinToken, NodeCredential
 
 log = logging.getLogger(__name__)
@@ -274,21 +274,6 @@ def node_credential_revoke(*, node_id: int, actor: User | None) -> int:
     )
 
 
-# The token lookup of every heartbeat, in SQL built once from the node's columns: building it
-# through the ORM cost more server time than running it, and a raw queryset's column mapping
-# did too (core.rows makes the instance).
-_NODE_FIELDS = Node._meta.concrete_fields
-_NODE_BY_TOKEN_SQL = f"""
-SELECT {", ".join(f"n.{f.column}" for f in _NODE_FIELDS)} FROM marketplace_node n
-JOIN provisioning_nodecredential c ON c.node_id = n.id
-WHERE c.key_hash = %s AND c.revoked_at IS NULL
-LIMIT 1
-"""  # noqa: S608 - the model's own column names
-
-
 def node_authenticate(raw_token: str) -> Node | None:
     """The node of a valid, unrevoked node token; None otherwise."""
-    with connection.cursor() as cursor:
-        cursor.execute(_NODE_BY_TOKEN_SQL, [token_hash(raw_token)])
-        row = cursor.fetchone()
-    return None if row is None else model_from_row(Node, _NODE_FIELDS, row)
+    return queries.node_by_token(key_hash=token_hash(raw_token))

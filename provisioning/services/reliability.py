@@ -22,34 +22,63 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import transaction
+from django.db.models import Count, Exists, OuterRef, Q, Value
+from django.db.models.functions import Concat
 from django.utils import timezone
 
-from marketplace.models import Node, NodeEvent, NodeStatus
+from marketplace.models import (
+    Allocation,
+    Node,
+    NodeEvent,
+    NodeStatus,
+    RentalEvent,
+    RentalStatus,
+)
 
 WINDOW = timedelta(days=30)
 PRIOR_HOURS = 72.0
 _UP = frozenset({NodeStatus.ONLINE, NodeStatus.DRAINING})
 _LISTED = frozenset(NodeStatus) - {NodeStatus.MAINTENANCE}
 
-_FAILURES_SQL = """
-SELECT a.node_id, count(DISTINCT a.rental_id),
-       count(DISTINCT a.rental_id) FILTER (WHERE EXISTS (
-           SELECT 1 FROM marketplace_rentalevent e
-           WHERE e.rental_id = a.rental_id AND e.created_at >= %(since)s
-             AND (starts_with(e.reason, 'node ' || n.hostname || ' went silent')
-                  OR starts_with(e.reason, 'cannot start on ' || n.hostname || ':')
-                  -- This reason names no host: the node is the one whose GPUs it freed then.
-                  OR (e.reason = 'container disappeared from the node'
-                      AND a.released_at BETWEEN e.created_at - interval '1 minute'
-                                            AND e.created_at + interval '1 minute'))))
-FROM marketplace_allocation a
-JOIN marketplace_node n ON n.id = a.node_id
-WHERE upper(a.during) > %(since)s AND lower(a.during) <= %(now)s
-  AND EXISTS (SELECT 1 FROM marketplace_rentalevent p
-              WHERE p.rental_id = a.rental_id AND p.to_status = 'provisioning')
-GROUP BY a.node_id
-"""
+
+def _runs_by_node(*, since: datetime, now: datetime):
+    """Per node: the rentals it held in [since, now] once handed over (provisioning), and of
+    those the ones that ended by its fault since `since` (it went silent, could not start the
+    container, or the container disappeared from it)."""
+    minute = timedelta(minutes=1)
+    by_the_node = RentalEvent.objects.filter(
+        rental_id=OuterRef("rental_id"), created_at__gte=since
+    ).filter(
+        Q(
+            reason__startswith=Concat(
+                Value("node "), OuterRef("node__hostname"), Value(" went silent")
+            )
+        )
+        | Q(
+            reason__startswith=Concat(
+                Value("cannot start on "), OuterRef("node__hostname"), Value(":")
+            )
+        )
+        # This reason names no host: the node is the one whose GPUs it freed then.
+        | Q(
+            reason="container disappeared from the node",
+            created_at__gte=OuterRef("released_at") - minute,
+            created_at__lte=OuterRef("released_at") + minute,
+        )
+    )
+    handed_over = RentalEvent.objects.filter(
+        rental_id=OuterRef("rental_id"), to_status=RentalStatus.PROVISIONING
+    )
+    return (
+        Allocation.objects.filter(during__endswith__gt=since, during__startswith__lte=now)
+        .filter(Exists(handed_over))
+        .values("node_id")
+        .annotate(
+            ran=Count("rental_id", distinct=True),
+            failed=Count("rental_id", distinct=True, filter=Q(Exists(by_the_node))),
+        )
+    )
 
 
 def _uptime(
@@ -102,9 +131,9 @@ def nodes_reliability_update(*, now: datetime | None = None) -> int:
         "node_id", "created_at", "id"
     ):
         events.setdefault(event.node_id, []).append(event)
-    with connection.cursor() as cursor:
-        cursor.execute(_FAILURES_SQL, {"since": since, "now": now})
-        runs = {node_id: (ran, failed) for node_id, ran, failed in cursor.fetchall()}
+    runs = {
+        row["node_id"]: (row["ran"], row["failed"]) for row in _runs_by_node(since=since, now=now)
+    }
     changed = []
     for node in nodes:
         up, listed = _uptime(node, events.get(node.pk, []), since, now, silence)

@@ -1,0 +1,313 @@
+"""The marketplace's hand-written SQL, each statement here and nowhere else in the app.
+
+Each is written by hand because a `bench/` script shows the ORM's version costing more (the
+comment above each names the figure). Names come from the models' `_meta`
+(core.rows.sql_named), each statement built once per process (per filter combination for the
+offers); tests/marketplace/test_queries.py asks each one's question again through the ORM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from functools import cache
+from typing import TYPE_CHECKING
+
+from django.db import connection
+
+from core.rows import model_from_row, sql_named
+from marketplace.models import (
+    Allocation,
+    ApiToken,
+    Gpu,
+    GpuModel,
+    Membership,
+    Node,
+    NodeStatus,
+    Provider,
+    Rental,
+    RentalEvent,
+    Team,
+    User,
+)
+
+if TYPE_CHECKING:
+    from marketplace.selectors import OfferFilters
+
+_TABLES = {
+    "allocation": Allocation,
+    "node": Node,
+    "gpu_model": GpuModel,
+    "gpu": Gpu,
+    "provider": Provider,
+    "rental": Rental,
+    "event": RentalEvent,
+}
+
+
+def _all(sql: str, params) -> list[tuple]:
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return cursor.fetchall()
+
+
+# --- Offers -----------------------------------------------------------------------------------
+# The hot read of the marketplace. Written in SQL because it joins nodes to an aggregate of the
+# allocations that hold GPUs right now, which the ORM can only express as a per-row subquery
+# (ten times slower at 10,000 nodes; bench/offers.py measures the list).
+
+# ordering name -> ORDER BY (whitelisted: never interpolate user text into SQL).
+OFFER_ORDERINGS = {
+    "price": "n.{node.price_per_gpu_hour}, n.{node.id}",
+    "-price": "n.{node.price_per_gpu_hour} DESC, n.{node.id}",
+    "memory": "m.{gpu_model.memory_gb}, n.{node.price_per_gpu_hour}, n.{node.id}",
+    "-memory": "m.{gpu_model.memory_gb} DESC, n.{node.price_per_gpu_hour}, n.{node.id}",
+    "price_per_tflop": "price_per_tflop_hour, n.{node.id}",
+    "-price_per_tflop": "price_per_tflop_hour DESC, n.{node.id}",
+    "tflops": "m.{gpu_model.tensor_tflops}, n.{node.price_per_gpu_hour}, n.{node.id}",
+    "-tflops": "m.{gpu_model.tensor_tflops} DESC, n.{node.price_per_gpu_hour}, n.{node.id}",
+    "reliability": "n.{node.reliability}, n.{node.price_per_gpu_hour}, n.{node.id}",
+    "-reliability": "n.{node.reliability} DESC, n.{node.price_per_gpu_hour}, n.{node.id}",
+    "free_gpus": "free_gpus, n.{node.price_per_gpu_hour}, n.{node.id}",
+    "-free_gpus": "free_gpus DESC, n.{node.price_per_gpu_hour}, n.{node.id}",
+}
+
+_OFFERS = """
+SELECT n.{node.id} AS node_id, n.{node.hostname}, p.{provider.name} AS provider,
+       n.{node.region}, n.{node.nvlink}, n.{node.simulated}, n.{node.reliability},
+       n.{node.price_per_gpu_hour}, n.{node.min_bid_per_gpu_hour}, n.{node.cpu_cores},
+       n.{node.ram_gb}, n.{node.disk_gb}, n.{node.cuda_version}, n.{node.gpu_count},
+       m.{gpu_model.slug} AS gpu_model, m.{gpu_model.name} AS gpu_name,
+       m.{gpu_model.memory_gb}, m.{gpu_model.tensor_tflops},
+       n.{node.gpu_count} - COALESCE(busy.held, 0) AS free_gpus,
+       round(n.{node.price_per_gpu_hour} / m.{gpu_model.tensor_tflops}, 6)
+           AS price_per_tflop_hour,
+       measured.tflops AS measured_tflops,
+       round(n.{node.price_per_gpu_hour} / measured.tflops::numeric, 6)
+           AS price_per_measured_tflop_hour
+FROM {node} n
+JOIN {gpu_model} m ON m.{gpu_model.id} = n.{node.gpu_model}
+-- A measured rate outside the plausible band is not shown nor divided by (1e-20 TFLOPS would
+-- price a TFLOP beyond any number the API can write).
+CROSS JOIN LATERAL (
+    SELECT CASE WHEN n.{node.measured_tflops}
+        BETWEEN m.{gpu_model.tensor_tflops} * {min_share}
+        AND GREATEST(m.{gpu_model.tensor_tflops},
+                     COALESCE(m.{gpu_model.tensor_tflops_fp16_acc}, 0)) * {max_share}
+        THEN n.{node.measured_tflops} END AS tflops
+) measured
+JOIN {provider} p ON p.{provider.id} = n.{node.provider}
+LEFT JOIN (
+    SELECT x.{allocation.node} AS node_id, count(*) AS held FROM {allocation} x
+    WHERE x.{allocation.released_at} IS NULL AND x.{allocation.during} @> now()
+    GROUP BY x.{allocation.node}
+) busy ON busy.node_id = n.{node.id}
+WHERE n.{node.status} = '{online}' AND n.{node.gpu_count} - COALESCE(busy.held, 0) >= %s{where}
+ORDER BY {order}
+LIMIT %s OFFSET %s
+"""
+
+# filter -> its condition (each value a parameter).
+_OFFER_CONDITIONS = {
+    "gpu_models": "m.{gpu_model.slug} = ANY(%s)",
+    "gpu_families": "m.{gpu_model.family} = ANY(%s)",
+    "min_memory_gb": "m.{gpu_model.memory_gb} >= %s",
+    "min_tensor_tflops": "m.{gpu_model.tensor_tflops} >= %s",
+    "nvlink": "n.{node.nvlink} = %s",
+    "region": "(n.{node.region} = %s OR n.{node.region} LIKE %s)",
+    "max_price": "n.{node.price_per_gpu_hour} <= %s",
+    "min_reliability": "n.{node.reliability} >= %s",
+    "fits": (
+        "EXISTS (SELECT 1 FROM unnest(%s::text[], %s::int[], %s::int[]) AS f(slug, pcie, nvl)"
+        " WHERE f.slug = m.{gpu_model.slug} AND n.{node.gpu_count} - COALESCE(busy.held, 0)"
+        " >= CASE WHEN n.{node.nvlink} THEN f.nvl ELSE f.pcie END)"
+    ),
+}
+
+
+@cache
+def _offers_sql(conditions: tuple[str, ...], ordering: str, shares: tuple[float, float]) -> str:
+    template = _OFFERS.replace(
+        "{where}", "".join(f" AND {_OFFER_CONDITIONS[name]}" for name in conditions)
+    )
+    template = template.replace("{order}", OFFER_ORDERINGS[ordering])
+    template = template.replace("{min_share}", repr(shares[0]))
+    template = template.replace("{max_share}", repr(shares[1]))
+    template = template.replace("{online}", NodeStatus.ONLINE.value)
+    return sql_named(template, **_TABLES)
+
+
+def like_escaped(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
+def offers_statement(
+    *, filters: OfferFilters, limit: int, offset: int, shares: tuple[float, float]
+) -> tuple[str, list]:
+    """The offers statement and its parameters: nodes with free GPUs now, filtered and sorted,
+    measured TFLOPS shown within `shares` (least, most) of the card's rating."""
+    f = filters
+    conditions: list[str] = []
+    params: list = [f.min_free_gpus or 1]
+    for name, values in (
+        ("gpu_models", [list(f.gpu_models)] if f.gpu_models else None),
+        ("gpu_families", [list(f.gpu_families)] if f.gpu_families else None),
+        ("min_memory_gb", None if f.min_memory_gb is None else [f.min_memory_gb]),
+        ("min_tensor_tflops", None if f.min_tensor_tflops is None else [f.min_tensor_tflops]),
+        ("nvlink", None if f.nvlink is None else [f.nvlink]),
+        ("region", [f.region, f"{like_escaped(f.region)}-%"] if f.region else None),
+        ("max_price", None if f.max_price is None else [f.max_price]),
+        ("min_reliability", None if f.min_reliability is None else [f.min_reliability]),
+        ("fits", None if f.fits is None else [[row[i] for row in f.fits] for i in range(3)]),
+    ):
+        if values is not None:
+            conditions.append(name)
+            params.extend(values)
+    params.extend([limit, offset])
+    return _offers_sql(tuple(conditions), f.ordering, shares), params
+
+
+def offers(
+    *, filters: OfferFilters, limit: int, offset: int, shares: tuple[float, float]
+) -> list[dict]:
+    """offers_statement, run: one dict per node, keyed by the statement's column names."""
+    sql, params = offers_statement(filters=filters, limit=limit, offset=offset, shares=shares)
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        columns = [c.name for c in cursor.description]
+        return [dict(zip(columns, row, strict=True)) for row in cursor.fetchall()]
+
+
+# --- The create path --------------------------------------------------------------------------
+# Every request with a token reads it, its user and team and the user's membership of that
+# team; Django compiling that join cost more CPU than anything else in a create (a create's
+# server CPU, bench/scheduler.py --parts api, docs/benchmarks.md), so the statement is built
+# once and the rows are made into models as the ORM does.
+_TOKEN_JOIN = ((ApiToken, "t"), (User, "u"), (Team, "tm"), (Membership, "m"))
+
+
+@cache
+def _token_sql() -> str:
+    quote = connection.ops.quote_name
+    columns = ", ".join(
+        f"{alias}.{quote(field.column)}"
+        for model, alias in _TOKEN_JOIN
+        for field in model._meta.concrete_fields
+    )
+    return sql_named(
+        f"SELECT {columns} FROM {{token}} t"  # noqa: S608 - the models' own names
+        " JOIN {user} u ON u.{user.id} = t.{token.user}"
+        " JOIN {team} tm ON tm.{team.id} = t.{token.team}"
+        " LEFT JOIN {membership} m"
+        " ON m.{membership.team} = t.{token.team} AND m.{membership.user} = t.{token.user}"
+        " WHERE t.{token.key_hash} = %s",
+        token=ApiToken,
+        user=User,
+        team=Team,
+        membership=Membership,
+    )
+
+
+def api_token_with_membership(
+    *, key_hash: str
+) -> tuple[ApiToken, User, Team, Membership | None] | None:
+    """The token with that hash, its user, its team and the user's membership of the team
+    (None when they are no longer in it), in one statement; None for no such token."""
+    rows = _all(_token_sql(), [key_hash])
+    if not rows:
+        return None
+    row = rows[0]
+    loaded = []
+    for model, _ in _TOKEN_JOIN:
+        fields = model._meta.concrete_fields
+        values, row = row[: len(fields)], row[len(fields) :]
+        loaded.append(model_from_row(model, fields, values) if values[0] is not None else None)
+    token, user, team, membership = loaded
+    return token, user, team, membership
+
+
+# The refusal check of every create: the cheapest listed nodes that could take a request, with
+# their GPUs, in one statement (compiling it through the ORM cost more than running it; the
+# same create-CPU figure).
+NODE_COLUMNS = (
+    "id",
+    "region",
+    "pool",
+    "price_per_gpu_hour",
+    "min_bid_per_gpu_hour",
+    "reliability",
+    "nvlink",
+    "ssh_capable",
+)
+MODEL_COLUMNS = ("slug", "family", "memory_gb", "tensor_tflops")
+
+
+@cache
+def _cheapest_nodes_sql() -> str:
+    quote = connection.ops.quote_name
+    node = ", ".join(f"n.{quote(Node._meta.get_field(f).column)}" for f in NODE_COLUMNS)
+    model = ", ".join(f"m.{quote(GpuModel._meta.get_field(f).column)}" for f in MODEL_COLUMNS)
+    arrays = ", ".join(
+        f"ARRAY(SELECT g.{{gpu.{name}}} FROM {{gpu}} g"  # noqa: S608 - the models' own names
+        " WHERE g.{gpu.node} = n.{node.id} ORDER BY g.{gpu.index})"
+        for name in ("id", "index", "topology_group")
+    )
+    return sql_named(
+        f"SELECT {node}, {model}, {arrays}"  # noqa: S608 - the models' own names
+        " FROM {node} n JOIN {gpu_model} m ON m.{gpu_model.id} = n.{node.gpu_model}"
+        " WHERE n.{node.pool} = %(pool)s"
+        " AND (%(region)s = '' OR n.{node.region} = %(region)s"
+        "      OR n.{node.region} LIKE %(zones)s)"
+        " AND (cardinality(%(models)s::text[]) = 0 OR m.{gpu_model.slug} = ANY(%(models)s::text[]))"
+        " AND (cardinality(%(families)s::text[]) = 0"
+        "      OR m.{gpu_model.family} = ANY(%(families)s::text[]))"
+        " AND m.{gpu_model.memory_gb} >= %(memory)s AND m.{gpu_model.tensor_tflops} >= %(tflops)s"
+        " AND n.{node.gpu_count} >= %(gpus)s"
+        " AND (%(bid)s::numeric IS NULL OR n.{node.min_bid_per_gpu_hour} <= %(bid)s::numeric)"
+        " AND (%(price)s::numeric IS NULL OR n.{node.price_per_gpu_hour} <= %(price)s::numeric)"
+        " AND (NOT %(ssh)s OR n.{node.ssh_capable})"
+        " ORDER BY n.{node.price_per_gpu_hour}, n.{node.id} LIMIT %(limit)s",
+        **_TABLES,
+    )
+
+
+def nodes_cheapest(*, params: dict) -> list[tuple]:
+    """The `limit` cheapest nodes of the pool that meet `params` (region or its zones, models,
+    families, memory, tflops, GPUs, bid, price, ssh), whatever their state: the NODE_COLUMNS,
+    the MODEL_COLUMNS of their card, then their GPUs' ids, indexes and groups as arrays."""
+    return _all(_cheapest_nodes_sql(), params)
+
+
+# --- Metrics ----------------------------------------------------------------------------------
+# The schedule-latency histogram of /metrics: the buckets counted in one statement over the
+# recent events only, on every scrape.
+
+
+_SCHEDULE_LATENCY = """
+WITH first AS (
+    SELECT extract(epoch FROM min(e.{event.created_at}) - r.{rental.created_at}) AS lat
+    FROM {event} e JOIN {rental} r ON r.{rental.id} = e.{event.rental}
+    WHERE e.{event.id} > (SELECT coalesce(max(x.{event.id}), 0) FROM {event} x) - %s
+      AND e.{event.to_status} = %s AND e.{event.created_at} >= %s
+    GROUP BY r.{rental.id}, r.{rental.created_at}
+)
+SELECT {counts}, count(*), coalesce(sum(lat), 0) FROM first
+"""
+
+
+@cache
+def _schedule_latency_sql(buckets: tuple[float, ...]) -> str:
+    counts = ", ".join(f"count(*) FILTER (WHERE lat <= {float(b)})" for b in buckets)
+    return sql_named(_SCHEDULE_LATENCY.replace("{counts}", counts), **_TABLES)
+
+
+def schedule_latencies(
+    *, buckets: Sequence[float], last_events: int, status: str, since: datetime
+) -> tuple[list[int], int, float]:
+    """Create to first move into `status` (since `since`, among the `last_events` latest
+    events) of each rental: (how many took at most each bucket's seconds, how many, their
+    sum in seconds)."""
+    ((*cumulative, total, total_sum),) = _all(
+        _schedule_latency_sql(tuple(buckets)), [last_events, status, since]
+    )
+    return list(cumulative), total, float(total_sum)

@@ -1,0 +1,165 @@
+"""Each hand-written statement of marketplace/queries.py against the same question asked through
+the ORM, on rows made by the real services."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.utils import timezone
+
+from marketplace import queries
+from marketplace.models import (
+    Allocation,
+    ApiToken,
+    Gpu,
+    Membership,
+    Node,
+    NodeStatus,
+    Rental,
+    RentalEvent,
+    RentalStatus,
+)
+from marketplace.selectors import MEASURED_TFLOPS_MAX_SHARE, MEASURED_TFLOPS_MIN_SHARE, OfferFilters
+from marketplace.services import token_hash
+from marketplace.services.accounts import api_token_create
+from scheduler.services import scheduler_cycle_run
+from tests.factories import personal_team
+
+pytestmark = pytest.mark.django_db
+
+SHARES = (MEASURED_TFLOPS_MIN_SHARE, MEASURED_TFLOPS_MAX_SHARE)
+
+
+def _fields(obj) -> dict:
+    return {f.attname: getattr(obj, f.attname) for f in obj._meta.concrete_fields}
+
+
+def _orm_free(node: Node) -> int:
+    now = timezone.now()
+    held = Allocation.objects.filter(node=node, released_at__isnull=True, during__contains=now)
+    return node.gpu_count - held.count()
+
+
+@pytest.fixture
+def market(make_node, rent):
+    """Five nodes of two regions and prices, one offline, with some GPUs rented."""
+    nodes = [
+        make_node(gpus=8, price="1.00"),
+        make_node(gpus=4, price="0.90", region="us-east"),
+        make_node(gpus=8, price="0.80", region="us-east"),
+        make_node(gpus=2, price="0.50"),
+        make_node(gpus=8, price="0.70", status=NodeStatus.OFFLINE),
+    ]
+    rent(2)
+    rent(8)
+    scheduler_cycle_run()
+    return nodes
+
+
+@pytest.mark.parametrize(
+    ("filters", "orm"),
+    [
+        (OfferFilters(), {}),
+        (OfferFilters(region="us-east", ordering="-free_gpus"), {"region": "us-east"}),
+        (OfferFilters(min_free_gpus=3, max_price=Decimal("0.95")), {"price__lte": "0.95"}),
+    ],
+    ids=["all", "region-by-free", "free-and-price"],
+)
+# Committed rows: the statement reads "now" as its transaction's start, as each request does.
+@pytest.mark.django_db(transaction=True)
+def test_offers_are_the_online_nodes_with_free_gpus_the_orm_counts(market, filters, orm):
+    rows = queries.offers(filters=filters, limit=50, offset=0, shares=SHARES)
+    orm = {k.replace("price__", "price_per_gpu_hour__"): v for k, v in orm.items()}
+    nodes = Node.objects.filter(status=NodeStatus.ONLINE, **orm)
+    wanted = filters.min_free_gpus or 1
+    free = {n.pk: _orm_free(n) for n in nodes if _orm_free(n) >= wanted}
+    by_price = sorted(free, key=lambda pk: (Node.objects.get(pk=pk).price_per_gpu_hour, pk))
+    if filters.ordering == "-free_gpus":
+        expected = sorted(
+            free, key=lambda pk: (-free[pk], Node.objects.get(pk=pk).price_per_gpu_hour, pk)
+        )
+    else:
+        expected = by_price
+    assert [r["node_id"] for r in rows] == expected
+    assert {r["node_id"]: r["free_gpus"] for r in rows} == free
+    for row in rows:
+        node = Node.objects.select_related("gpu_model", "provider").get(pk=row["node_id"])
+        assert (row["hostname"], row["provider"], row["gpu_model"], row["price_per_gpu_hour"]) == (
+            node.hostname,
+            node.provider.name,
+            node.gpu_model.slug,
+            node.price_per_gpu_hour,
+        )
+
+
+def test_api_token_with_membership_reads_the_rows_the_orm_reads(user):
+    team = personal_team(user)
+    token, raw = api_token_create(user=user, team=team, name="ci")
+    found, found_user, found_team, membership = queries.api_token_with_membership(
+        key_hash=token_hash(raw)
+    )
+    assert _fields(found) == _fields(ApiToken.objects.get(pk=token.pk))
+    assert (_fields(found_user), _fields(found_team)) == (_fields(user), _fields(team))
+    assert _fields(membership) == _fields(Membership.objects.get(user=user, team=team))
+    Membership.objects.filter(user=user, team=team).delete()
+    assert queries.api_token_with_membership(key_hash=token_hash(raw))[3] is None
+    assert queries.api_token_with_membership(key_hash="0" * 64) is None
+
+
+def test_nodes_cheapest_are_the_orm_s_matching_nodes_cheapest_first(market):
+    params = {
+        "pool": "default",
+        "region": "us",
+        "zones": "us-%",
+        "models": [],
+        "families": [],
+        "memory": 0,
+        "tflops": 0,
+        "gpus": 4,
+        "bid": None,
+        "price": Decimal("0.95"),
+        "ssh": False,
+        "limit": 10,
+    }
+    rows = queries.nodes_cheapest(params=params)
+    expected = Node.objects.filter(
+        pool="default", region__startswith="us-", gpu_count__gte=4, price_per_gpu_hour__lte="0.95"
+    ).order_by("price_per_gpu_hour", "id")
+    assert [row[0] for row in rows] == [n.pk for n in expected]
+    for row, node in zip(rows, expected, strict=True):
+        gpus = Gpu.objects.filter(node=node).order_by("index")
+        assert row[: len(queries.NODE_COLUMNS)] == tuple(
+            getattr(node, name) for name in queries.NODE_COLUMNS
+        )
+        assert row[-3:] == (
+            [g.pk for g in gpus],
+            [g.index for g in gpus],
+            [g.topology_group for g in gpus],
+        )
+
+
+def test_schedule_latencies_are_the_orm_s_create_to_first_scheduled(make_node, rent):
+    make_node(gpus=8)
+    rentals = [rent(1), rent(2), rent(1)]
+    scheduler_cycle_run()
+    since = timezone.now() - timedelta(minutes=15)
+    buckets = (0.05, 1.0, 60.0)
+    latencies = []
+    for rental in Rental.objects.filter(pk__in=[r.pk for r in rentals]):
+        first = (
+            RentalEvent.objects.filter(rental=rental, to_status=RentalStatus.SCHEDULED)
+            .order_by("created_at")
+            .first()
+        )
+        latencies.append((first.created_at - rental.created_at).total_seconds())
+    cumulative, total, total_sum = queries.schedule_latencies(
+        buckets=buckets, last_events=1000, status=RentalStatus.SCHEDULED, since=since
+    )
+    assert cumulative == [sum(lat <= b for lat in latencies) for b in buckets]
+    assert total == 3
+    assert total_sum == pytest.approx(sum(latencies), abs=1e-6)
+    assert queries.schedule_latencies(
+        buckets=buckets, last_events=1000, status=RentalStatus.RUNNING, since=since
+    ) == ([0, 0, 0], 0, 0.0)
