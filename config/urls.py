@@ -10,6 +10,7 @@ from config.observability.health import healthz, readyz
 from config.observability.metrics import metrics_view
 from provisioning import web as provisioning_web
 from provisioning.api.urls import agent_urlpatterns, provider_urlpatterns, rental_urlpatterns
+from storage.api.urls import rental_urlpatterns as storage_rental_urlpatterns
 
 # Staff sign in through allauth (password, then TOTP), never through the admin's own form.
 admin.site.login = secure_admin_login(admin.site.login)
@@ -29,12 +30,15 @@ urlpatterns = [
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("api/v1/", include("marketplace.api.urls")),
+    path("api/v1/advisor/", include("advisor.api.urls")),
     path("api/v1/billing/", include("billing.api.urls")),
     path("billing/", include("billing.urls")),
     path("api/v1/notifications/", include("notifications.api.urls")),
     path("notifications/", include("notifications.urls")),
     path("api/v1/providers/", include(provider_urlpatterns)),
     path("api/v1/rentals/", include(rental_urlpatterns)),
+    path("api/v1/rentals/", include(storage_rental_urlpatterns)),
+    path("api/v1/datasets/", include("storage.api.urls")),
     path("healthz", healthz, name="healthz"),
     path("readyz", readyz, name="readyz"),
     path("metrics", metrics_view, name="metrics"),
@@ -49,5 +53,7 @@ urlpatterns = [
         provisioning_web.onboard_payouts,
         name="provider-onboard-payouts",
     ),
+    path("advisor/", include("advisor.urls")),
+    path("datasets/", include("storage.urls")),
     path("", include("marketplace.web.urls")),
 ]

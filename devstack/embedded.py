@@ -348,7 +348,7 @@ def s3_client(
 ):
     """A boto3 client for the store that `env` (the S3_* variables) names, path-style, with
     timeouts and retries: for the embedded services, the benches and the tests (the server's own
-    adapter is marketplace.objectstore)."""
+    adapter is storage.objectstore)."""
     import boto3
     from botocore.config import Config
 

@@ -1,6 +1,6 @@
 """Start-up checks: a bad request rate, or a hook another app must hand the marketplace (billing's
-funds hold, the notifications' event recorder), fails `manage.py check` and every process's
-start instead of failing open at the first request."""
+funds hold, the notifications' event recorder, storage's datasets attach), fails `manage.py check`
+and every process's start instead of failing open at the first request."""
 
 from django.conf import settings
 from django.core.checks import Error, register
@@ -34,13 +34,20 @@ def rates_are_valid(app_configs, **kwargs):
 @register()
 def hooks_are_registered(app_configs, **kwargs):
     """The apps above the marketplace hand it these when they are ready; without them a
-    rental would hold no funds, or a transition notify nobody."""
+    rental would hold no funds, a transition notify nobody, or a rental not read its datasets."""
     from marketplace.lifecycle import MISSING_EVENT_RECORDER, event_recorder_registered
-    from marketplace.services.rentals import MISSING_FUNDS_HOLD, funds_hold_registered
+    from marketplace.services.rentals import (
+        MISSING_DATASETS_ATTACH,
+        MISSING_FUNDS_HOLD,
+        datasets_attach_registered,
+        funds_hold_registered,
+    )
 
     errors = []
     if not funds_hold_registered():
         errors.append(Error(MISSING_FUNDS_HOLD, id="marketplace.E002"))
     if not event_recorder_registered():
         errors.append(Error(MISSING_EVENT_RECORDER, id="marketplace.E003"))
+    if not datasets_attach_registered():
+        errors.append(Error(MISSING_DATASETS_ATTACH, id="marketplace.E004"))
     return errors

@@ -2,38 +2,29 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from decimal import Decimal
-from functools import cache
 
-from django.db import connection
 from django.db.models import (
     Count,
     OuterRef,
     Prefetch,
     QuerySet,
     Subquery,
-    Sum,
 )
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
+from advisor.engine.compute import Card, Topology
+from advisor.engine.layouts import Run, fewest_fitting
+from advisor.engine.presets import ModelShape, with_run
 from core.errors import NotFound
-from core.rows import model_from_row
-from marketplace.advisor.compute import Card as AdvisorCard
-from marketplace.advisor.compute import Topology
-from marketplace.advisor.layouts import Run, fewest_fitting
-from marketplace.advisor.presets import ModelShape, with_run
+from marketplace import queries
 from marketplace.lifecycle import ACTIVE
 from marketplace.models import (
-    AdvisorPrior,
     Allocation,
     ApiToken,
-    Artifact,
-    Dataset,
-    DatasetFile,
     Gpu,
     GpuModel,
     Invitation,
@@ -41,7 +32,6 @@ from marketplace.models import (
     Node,
     Provider,
     Rental,
-    RentalDataset,
     RentalEvent,
     SshKey,
     Team,
@@ -52,21 +42,8 @@ from scheduler.engine import types as engine
 # The most GPUs one node is listed with (the `fits=` filter looks no further).
 MAX_GPUS_PER_NODE = 16
 
-# ordering name -> SQL ORDER BY (whitelisted: never interpolate user text into SQL).
-OFFER_ORDERINGS = {
-    "price": "n.price_per_gpu_hour, n.id",
-    "-price": "n.price_per_gpu_hour DESC, n.id",
-    "memory": "m.memory_gb, n.price_per_gpu_hour, n.id",
-    "-memory": "m.memory_gb DESC, n.price_per_gpu_hour, n.id",
-    "price_per_tflop": "price_per_tflop_hour, n.id",
-    "-price_per_tflop": "price_per_tflop_hour DESC, n.id",
-    "tflops": "m.tensor_tflops, n.price_per_gpu_hour, n.id",
-    "-tflops": "m.tensor_tflops DESC, n.price_per_gpu_hour, n.id",
-    "reliability": "n.reliability, n.price_per_gpu_hour, n.id",
-    "-reliability": "n.reliability DESC, n.price_per_gpu_hour, n.id",
-    "free_gpus": "free_gpus, n.price_per_gpu_hour, n.id",
-    "-free_gpus": "free_gpus DESC, n.price_per_gpu_hour, n.id",
-}
+# The offers list's orderings, by name (the SQL of each is in marketplace.queries).
+OFFER_ORDERINGS = queries.OFFER_ORDERINGS
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +78,7 @@ def offer_filters(data: dict) -> OfferFilters:
         max_price=data.get("max_price"),
         min_reliability=data.get("min_reliability"),
         ordering=data["ordering"],
-        fits=advisor_fits(data["fits"]) if data.get("fits") else None,
+        fits=offer_fits(data["fits"]) if data.get("fits") else None,
     )
 
 
@@ -112,6 +89,7 @@ def offer_filters(data: dict) -> OfferFilters:
 # kept for the record but neither shown nor priced: the agent's number is the provider's claim.
 MEASURED_TFLOPS_MIN_SHARE = 0.01
 MEASURED_TFLOPS_MAX_SHARE = 1.5
+_SHARES = (MEASURED_TFLOPS_MIN_SHARE, MEASURED_TFLOPS_MAX_SHARE)
 
 
 def measured_tflops_plausible(*, model: GpuModel, tflops: float) -> bool:
@@ -121,23 +99,10 @@ def measured_tflops_plausible(*, model: GpuModel, tflops: float) -> bool:
     return low <= tflops <= float(peak) * MEASURED_TFLOPS_MAX_SHARE
 
 
-def advisor_cards() -> list[AdvisorCard]:
-    """The catalog as the advisor needs it, each card with its calibrated MFU prior if any."""
-    priors = dict(AdvisorPrior.objects.values_list("card_id", "mfu"))
-    return [advisor_card(m, priors.get(m.pk)) for m in GpuModel.objects.all()]
-
-
-def advisor_card_get(slug: str) -> AdvisorCard | None:
-    """One catalog card as the advisor needs it (two indexed reads, not the whole catalog)."""
-    model = GpuModel.objects.filter(slug=slug).first()
-    if model is None:
-        return None
-    prior = AdvisorPrior.objects.filter(card=model).values_list("mfu", flat=True).first()
-    return advisor_card(model, prior)
-
-
-def advisor_card(model: GpuModel, prior: float | None = None) -> AdvisorCard:
-    return AdvisorCard(
+def catalog_card(model: GpuModel, prior: float | None = None) -> Card:
+    """A catalog row as the advisor's arithmetic takes it; `prior`: the card's calibrated MFU
+    (the advisor's selectors pass it, the offers' `fits=` needs none)."""
+    return Card(
         slug=model.slug,
         name=model.name,
         memory_gb=model.memory_gb,
@@ -151,13 +116,14 @@ def advisor_card(model: GpuModel, prior: float | None = None) -> AdvisorCard:
     )
 
 
-def advisor_fits(shape: ModelShape) -> tuple[tuple[str, int, int], ...]:
+def offer_fits(shape: ModelShape) -> tuple[tuple[str, int, int], ...]:
     """Per card, the GPUs one node must have free for the model to fit with some layout
-    (micro-batch 1, any ZeRO stage and recomputation), without and with NVLink."""
+    (micro-batch 1, any ZeRO stage and recomputation), without and with NVLink. Whether a model
+    fits is memory alone, so the advisor's calibrated priors (speed) are not read."""
     run = Run(shape=with_run(shape, micro_batch=1), tokens=1.0)
     never = 1 << 30
     result = []
-    for card in advisor_cards():
+    for card in (catalog_card(m) for m in GpuModel.objects.all()):
         needs = []
         for nvlink in (False, True):
             topologies = [
@@ -174,84 +140,9 @@ def gpu_model_list() -> QuerySet[GpuModel]:
     return GpuModel.objects.all()
 
 
-# The hot read of the marketplace. Written in SQL because it joins nodes to an aggregate of the
-# allocations that hold GPUs right now, which the ORM can only express as a per-row subquery
-# (ten times slower at 10,000 nodes).
-_OFFERS_SQL = """
-SELECT n.id AS node_id, n.hostname, p.name AS provider, n.region, n.nvlink, n.simulated,
-       n.reliability, n.price_per_gpu_hour, n.min_bid_per_gpu_hour, n.cpu_cores, n.ram_gb,
-       n.disk_gb, n.cuda_version, n.gpu_count, m.slug AS gpu_model, m.name AS gpu_name,
-       m.memory_gb, m.tensor_tflops,
-       n.gpu_count - COALESCE(busy.held, 0) AS free_gpus,
-       round(n.price_per_gpu_hour / m.tensor_tflops, 6) AS price_per_tflop_hour,
-       measured.tflops AS measured_tflops,
-       round(n.price_per_gpu_hour / measured.tflops::numeric, 6) AS price_per_measured_tflop_hour
-FROM marketplace_node n
-JOIN marketplace_gpumodel m ON m.id = n.gpu_model_id
--- A measured rate outside the plausible band is not shown nor divided by (1e-20 TFLOPS would
--- price a TFLOP beyond any number the API can write).
-CROSS JOIN LATERAL (
-    SELECT CASE WHEN n.measured_tflops
-        BETWEEN m.tensor_tflops * {min_share}
-        AND GREATEST(m.tensor_tflops, COALESCE(m.tensor_tflops_fp16_acc, 0)) * {max_share}
-        THEN n.measured_tflops END AS tflops
-) measured
-JOIN marketplace_provider p ON p.id = n.provider_id
-LEFT JOIN (
-    SELECT node_id, count(*) AS held FROM marketplace_allocation
-    WHERE released_at IS NULL AND during @> now()
-    GROUP BY node_id
-) busy ON busy.node_id = n.id
-WHERE n.status = 'online' AND n.gpu_count - COALESCE(busy.held, 0) >= %s {where}
-ORDER BY {order}
-LIMIT %s OFFSET %s
-"""
-
-
 def offer_list_sql(*, filters: OfferFilters, limit: int, offset: int) -> tuple[str, list]:
     """The offers statement and its parameters (the benchmark runs it raw as its baseline)."""
-    f = filters
-    where: list[str] = []
-    params: list = [f.min_free_gpus or 1]
-    if f.gpu_models:
-        where.append("m.slug = ANY(%s)")
-        params.append(list(f.gpu_models))
-    if f.gpu_families:
-        where.append("m.family = ANY(%s)")
-        params.append(list(f.gpu_families))
-    if f.min_memory_gb is not None:
-        where.append("m.memory_gb >= %s")
-        params.append(f.min_memory_gb)
-    if f.min_tensor_tflops is not None:
-        where.append("m.tensor_tflops >= %s")
-        params.append(f.min_tensor_tflops)
-    if f.nvlink is not None:
-        where.append("n.nvlink = %s")
-        params.append(f.nvlink)
-    if f.region:
-        where.append("(n.region = %s OR n.region LIKE %s)")
-        params.extend([f.region, f"{_like_escaped(f.region)}-%"])
-    if f.max_price is not None:
-        where.append("n.price_per_gpu_hour <= %s")
-        params.append(f.max_price)
-    if f.min_reliability is not None:
-        where.append("n.reliability >= %s")
-        params.append(f.min_reliability)
-    if f.fits is not None:
-        where.append(
-            "EXISTS (SELECT 1 FROM unnest(%s::text[], %s::int[], %s::int[]) AS f(slug, pcie, nvl)"
-            " WHERE f.slug = m.slug AND n.gpu_count - COALESCE(busy.held, 0)"
-            " >= CASE WHEN n.nvlink THEN f.nvl ELSE f.pcie END)"
-        )
-        params.extend([[row[i] for row in f.fits] for i in range(3)])
-    sql = _OFFERS_SQL.format(
-        where="".join(f" AND {clause}" for clause in where),
-        order=OFFER_ORDERINGS[f.ordering],
-        min_share=MEASURED_TFLOPS_MIN_SHARE,
-        max_share=MEASURED_TFLOPS_MAX_SHARE,
-    )
-    params.extend([limit, offset])
-    return sql, params
+    return queries.offers_statement(filters=filters, limit=limit, offset=offset, shares=_SHARES)
 
 
 def offer_list(*, filters: OfferFilters, limit: int, offset: int) -> list[dict]:
@@ -260,11 +151,7 @@ def offer_list(*, filters: OfferFilters, limit: int, offset: int) -> list[dict]:
     Returns at most `limit` rows starting at `offset`; callers ask for one more row than they
     show to know whether a next page exists (no count: it would double the cost).
     """
-    sql, params = offer_list_sql(filters=filters, limit=limit, offset=offset)
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
-        columns = [c.name for c in cursor.description]
-        return [dict(zip(columns, row, strict=True)) for row in cursor.fetchall()]
+    return queries.offers(filters=filters, limit=limit, offset=offset, shares=_SHARES)
 
 
 def membership_get(*, user: User, team_id) -> Membership | None:
@@ -314,42 +201,12 @@ def invitation_by_key(*, raw: str) -> Invitation | None:
     return Invitation.objects.select_related("team").filter(key_hash=token_hash(raw)).first()
 
 
-# Every request with a token reads it, its user and team and the user's membership of that team.
-# Django compiling that join cost more CPU than anything else in a create, so the statement is
-# built once from the models' own columns and the rows are made into models as the ORM does.
-_TOKEN_JOIN = ((ApiToken, "t"), (User, "u"), (Team, "tm"), (Membership, "m"))
-
-
-@cache
-def _token_sql() -> str:
-    columns = ", ".join(
-        f'{alias}."{field.column}"'
-        for model, alias in _TOKEN_JOIN
-        for field in model._meta.concrete_fields
-    )
-    return (
-        f"SELECT {columns} FROM {ApiToken._meta.db_table} t"  # noqa: S608 - the models' names
-        f" JOIN {User._meta.db_table} u ON u.id = t.user_id"
-        f" JOIN {Team._meta.db_table} tm ON tm.id = t.team_id"
-        f" LEFT JOIN {Membership._meta.db_table} m"
-        f" ON m.team_id = t.team_id AND m.user_id = t.user_id"
-        " WHERE t.key_hash = %s"
-    )
-
-
 def api_token_authenticating(*, key_hash: str) -> ApiToken | None:
     """The token with that hash, its user and team, and as `membership` its user's membership
     of its team (None when they are no longer in it): one statement."""
-    with connection.cursor() as cursor:
-        cursor.execute(_token_sql(), [key_hash])
-        row = cursor.fetchone()
-    if row is None:
+    loaded = queries.api_token_with_membership(key_hash=key_hash)
+    if loaded is None:
         return None
-    loaded = []
-    for model, _ in _TOKEN_JOIN:
-        fields = model._meta.concrete_fields
-        values, row = row[: len(fields)], row[len(fields) :]
-        loaded.append(model_from_row(model, fields, values) if values[0] is not None else None)
     token, user, team, membership = loaded
     token.user, token.team = user, team
     if membership is not None:
@@ -380,7 +237,12 @@ def _rental_detail_prefetches() -> tuple[Prefetch, ...]:
                 "node_id", "gpu__index"
             ),
         ),
-        Prefetch("dataset_links", queryset=RentalDataset.objects.select_related("dataset")),
+        # The storage app's links, reached through the relation it declares: the marketplace
+        # sits below that app and never imports it.
+        Prefetch(
+            "dataset_links",
+            queryset=Rental.dataset_links.rel.related_model.objects.select_related("dataset"),
+        ),
     )
 
 
@@ -485,36 +347,6 @@ class NodeFilter:
     ssh: bool = False  # only nodes whose agent can give a rental SSH (Node.ssh_capable)
 
 
-@cache
-def _cheapest_nodes_sql() -> str:
-    node, model, gpu = Node._meta.db_table, GpuModel._meta.db_table, Gpu._meta.db_table
-    arrays = ", ".join(
-        f"ARRAY(SELECT g.{column} FROM {gpu} g WHERE g.node_id = n.id ORDER BY g.index)"  # noqa: S608
-        for column in ("id", "index", "topology_group")
-    )
-    # Only the models' table and column names go into the text; every value is a parameter.
-    return (
-        "SELECT n.id, n.region, n.pool, n.price_per_gpu_hour, n.min_bid_per_gpu_hour,"  # noqa: S608
-        " n.reliability, n.nvlink, n.ssh_capable, m.slug, m.family, m.memory_gb, m.tensor_tflops,"
-        f" {arrays}"
-        f" FROM {node} n JOIN {model} m ON m.id = n.gpu_model_id"
-        " WHERE n.pool = %(pool)s"
-        " AND (%(region)s = '' OR n.region = %(region)s OR n.region LIKE %(zones)s)"
-        " AND (cardinality(%(models)s::text[]) = 0 OR m.slug = ANY(%(models)s::text[]))"
-        " AND (cardinality(%(families)s::text[]) = 0 OR m.family = ANY(%(families)s::text[]))"
-        " AND m.memory_gb >= %(memory)s AND m.tensor_tflops >= %(tflops)s"
-        " AND n.gpu_count >= %(gpus)s"
-        " AND (%(bid)s::numeric IS NULL OR n.min_bid_per_gpu_hour <= %(bid)s::numeric)"
-        " AND (%(price)s::numeric IS NULL OR n.price_per_gpu_hour <= %(price)s::numeric)"
-        " AND (NOT %(ssh)s OR n.ssh_capable)"
-        " ORDER BY n.price_per_gpu_hour, n.id LIMIT %(limit)s"
-    )
-
-
-def _like_escaped(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-
-
 def engine_nodes_cheapest(nodes: NodeFilter, *, limit: int) -> list[engine.Node]:
     """The `limit` cheapest listed nodes that meet `nodes` (whatever their state), with their
     GPUs, as the engine's values: one statement, written once. On every create (the refusal
@@ -522,7 +354,7 @@ def engine_nodes_cheapest(nodes: NodeFilter, *, limit: int) -> list[engine.Node]
     params = {
         "pool": nodes.pool,
         "region": nodes.region,
-        "zones": f"{_like_escaped(nodes.region)}-%",
+        "zones": f"{queries.like_escaped(nodes.region)}-%",
         "models": list(nodes.gpu_models),
         "families": list(nodes.gpu_families),
         "memory": nodes.min_memory_gb,
@@ -533,11 +365,8 @@ def engine_nodes_cheapest(nodes: NodeFilter, *, limit: int) -> list[engine.Node]
         "ssh": nodes.ssh,
         "limit": limit,
     }
-    with connection.cursor() as cursor:
-        cursor.execute(_cheapest_nodes_sql(), params)
-        rows = cursor.fetchall()
     result = []
-    for *fields, gpu_ids, indexes, groups in rows:
+    for *fields, gpu_ids, indexes, groups in queries.nodes_cheapest(params=params):
         r = dict(zip(_ENGINE_NODE_FIELDS, fields, strict=True))
         gpus = [
             _engine_gpu(r, gpu_id, index, group)
@@ -587,105 +416,12 @@ def engine_nodes(nodes: QuerySet[Node] | Iterable[Node]) -> list[engine.Node]:
     return [_engine_node(r, by_node[r["id"]]) for r in rows]
 
 
-# -- object storage: datasets and artifacts ------------------------------------------------------
-# Who owns a dataset is decided here and nowhere else: the team (its `owner` is the member who
-# uploaded it).
-
-# The harness names each checkpoint `step_<step>.pt` (harness/checkpoint.py) in its checkpoint
-# directory inside the output directory (/workspace/checkpoints in its image).
-CHECKPOINT_NAME = re.compile(r"(?:^|/)step_(\d+)\.pt$")
-CHECKPOINT_NAME_SQL = r"(^|/)step_[0-9]+\.pt$"
-
-
-def datasets_owned(team: Team) -> QuerySet[Dataset]:
-    """The team's datasets, whichever member uploaded them."""
-    return Dataset.objects.filter(team=team)
-
-
-def dataset_owned(*, team: Team, dataset_id) -> Dataset:
-    """One of the team's datasets; another team's (or none) is NotFound."""
-    dataset = datasets_owned(team).filter(pk=dataset_id).first()
-    if dataset is None:
-        raise NotFound("no such dataset")
-    return dataset
-
-
-def datasets_owned_by_name(*, team: Team, names: Iterable[str]) -> dict[str, Dataset]:
-    return {d.name: d for d in datasets_owned(team).filter(name__in=list(names))}
-
-
-def dataset_bytes_used(team: Team) -> int:
-    """The bytes counted against the team's dataset quota (declared sizes, uploads included)."""
-    return datasets_owned(team).aggregate(total=Coalesce(Sum("total_bytes"), 0))["total"]
-
-
 def rental_owned(*, team: Team, rental_id) -> Rental:
     """One of the team's rentals (NotFound for another team's)."""
     rental = Rental.objects.filter(pk=rental_id, team=team).first()
     if rental is None:
         raise NotFound("no such rental")
     return rental
-
-
-def rental_artifacts(*, team: Team, rental_id) -> QuerySet[Artifact]:
-    """The synced output files of one of the team's rentals (NotFound for another team's)."""
-    rental = rental_owned(team=team, rental_id=rental_id)
-    return Artifact.objects.filter(rental=rental).order_by("path")
-
-
-def latest_checkpoint(artifacts: Iterable[Artifact]) -> Artifact | None:
-    """The checkpoint with the highest step among these artifacts, the last synced on a tie."""
-    best: tuple[int, float, Artifact] | None = None
-    for artifact in artifacts:
-        match = CHECKPOINT_NAME.search(artifact.path)
-        if match is None:
-            continue
-        rank = (int(match.group(1)), artifact.synced_at.timestamp(), artifact)
-        if best is None or rank[:2] > best[:2]:
-            best = rank
-    return best[2] if best else None
-
-
-def rentals_resume_checkpoints(rentals: Iterable[Rental]) -> dict:
-    """rental id -> the checkpoint artifact it starts from: its own latest synced checkpoint
-    (a requeued rental), else the latest one of the rental it was created to resume from."""
-    rentals = list(rentals)
-    sources = {r.pk for r in rentals} | {r.resume_from_id for r in rentals if r.resume_from_id}
-    by_rental: dict = {}
-    # Only checkpoint files are read: a rental's logs and other output can be many rows, and
-    # this runs on every heartbeat of a busy node.
-    checkpoints = Artifact.objects.filter(
-        rental_id__in=sources, path__regex=CHECKPOINT_NAME_SQL
-    ).only("rental_id", "path", "size_bytes", "sha256", "synced_at")
-    for artifact in checkpoints:
-        by_rental.setdefault(artifact.rental_id, []).append(artifact)
-    found = {}
-    for rental in rentals:
-        checkpoint = latest_checkpoint(by_rental.get(rental.pk, ()))
-        if checkpoint is None and rental.resume_from_id:
-            checkpoint = latest_checkpoint(by_rental.get(rental.resume_from_id, ()))
-        if checkpoint is not None:
-            found[rental.pk] = checkpoint
-    return found
-
-
-def rentals_dataset_files(rental_ids: Iterable) -> dict:
-    """rental id -> [(dataset, [its stored files])] of the datasets each rental reads."""
-    links = (
-        RentalDataset.objects.filter(rental_id__in=list(rental_ids))
-        .select_related("dataset")
-        .prefetch_related(
-            Prefetch(
-                "dataset__files",
-                queryset=DatasetFile.objects.filter(stored_at__isnull=False).order_by("path"),
-            )
-        )
-        .order_by("dataset__name")
-    )
-    found: dict = {}
-    for link in links:
-        found.setdefault(link.rental_id, []).append((link.dataset, list(link.dataset.files.all())))
-    return found
 
 
 # -- SSH access ----------------------------------------------------------------------------------

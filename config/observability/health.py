@@ -17,7 +17,7 @@ from django.db import connection
 from django.http import HttpRequest, JsonResponse
 from kombu import Connection
 
-from marketplace import objectstore
+from storage import objectstore
 
 CHECK_TIMEOUT_S = 2.0
 

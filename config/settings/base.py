@@ -63,6 +63,8 @@ INSTALLED_APPS = [
     "provisioning",
     "billing",
     "notifications",
+    "advisor",
+    "storage",
     # After the project's apps, whose templates (the site's layout) override allauth's.
     "allauth",
     "allauth.account",
@@ -327,8 +329,8 @@ PERIODIC_TASKS: dict[str, tuple[str, timedelta]] = {
     "billing-telemetry-prune": ("billing.telemetry_prune", timedelta(hours=1)),
     "billing-invoices-issue": ("billing.invoices_issue", timedelta(hours=1)),
     "billing-payments-retry": ("billing.payments_retry", timedelta(minutes=5)),
-    "storage-artifacts-expire": ("marketplace.artifacts_expire", timedelta(hours=1)),
-    "storage-uploads-abandon": ("marketplace.dataset_uploads_abandon", timedelta(hours=1)),
+    "storage-artifacts-expire": ("storage.artifacts_expire", timedelta(hours=1)),
+    "storage-uploads-abandon": ("storage.dataset_uploads_abandon", timedelta(hours=1)),
     "notifications-sweep": ("notifications.sweep", timedelta(seconds=15)),
 }
 _beat_cap = env.float("BEAT_MAX_INTERVAL_S", default=0.0)

@@ -9,10 +9,10 @@ from decimal import Decimal
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from advisor.engine.presets import PRESETS, decoder_shape
 from core.api.fields import INT32_MAX, BoundedDateTimeField
 from core.api.pagination import MAX_OFFSET
 from core.api.reuse import ReusedPerThread
-from marketplace.advisor.presets import PRESETS, decoder_shape
 from marketplace.models import ApiToken, GpuModel, RentalStatus, TeamRole
 from marketplace.selectors import OFFER_ORDERINGS
 

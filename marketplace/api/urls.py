@@ -1,7 +1,7 @@
 from django.urls import path
 from rest_framework.routers import SimpleRouter
 
-from marketplace.api import advisor, storage, views
+from marketplace.api import views
 
 router = SimpleRouter()
 router.register("gpu-models", views.GpuModelViewSet, basename="gpu-model")
@@ -27,39 +27,12 @@ urlpatterns = [
         name="team-invitation-revoke",
     ),
     path("invitations/accept/", views.InvitationAcceptView.as_view(), name="invitation-accept"),
-    path("advisor/", advisor.AdvisorView.as_view(), name="advisor"),
-    path("advisor/memory/", advisor.AdvisorMemoryView.as_view(), name="advisor-memory"),
-    path("advisor/estimate/", advisor.AdvisorEstimateView.as_view(), name="advisor-estimate"),
-    path("advisor/accuracy/", advisor.AdvisorAccuracyView.as_view(), name="advisor-accuracy"),
-    path("advisor/book/", advisor.AdvisorBookView.as_view(), name="advisor-book"),
     path("rentals/", views.RentalListCreateView.as_view(), name="rental-list"),
     path("rentals/<uuid:rental_id>/", views.RentalDetailView.as_view(), name="rental-detail"),
     path(
         "rentals/<uuid:rental_id>/cancel/", views.RentalCancelView.as_view(), name="rental-cancel"
     ),
     path("rentals/<uuid:rental_id>/stop/", views.RentalStopView.as_view(), name="rental-stop"),
-    path(
-        "rentals/<uuid:rental_id>/artifacts/",
-        storage.RentalArtifactListView.as_view(),
-        name="rental-artifacts",
-    ),
-    path(
-        "rentals/<uuid:rental_id>/artifacts/download/",
-        storage.RentalArtifactDownloadView.as_view(),
-        name="rental-artifact-download",
-    ),
-    path("datasets/", storage.DatasetListCreateView.as_view(), name="dataset-list"),
-    path("datasets/<uuid:dataset_id>/", storage.DatasetDetailView.as_view(), name="dataset-detail"),
-    path(
-        "datasets/<uuid:dataset_id>/uploads/",
-        storage.DatasetUploadUrlsView.as_view(),
-        name="dataset-uploads",
-    ),
-    path(
-        "datasets/<uuid:dataset_id>/complete/",
-        storage.DatasetCompleteView.as_view(),
-        name="dataset-complete",
-    ),
     path("providers/", views.ProviderListView.as_view(), name="provider-list"),
     path(
         "providers/<int:provider_id>/nodes/",

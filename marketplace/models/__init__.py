@@ -1,7 +1,6 @@
 """Marketplace models, one module per concern."""
 
 from marketplace.models.accounts import ApiToken, Provider, User
-from marketplace.models.advisor import AdvisorCheck, AdvisorPrior
 from marketplace.models.catalog import GpuModel, GpuTier
 from marketplace.models.inventory import Gpu, Node, NodeEvent, NodeStatus
 from marketplace.models.rentals import (
@@ -12,26 +11,12 @@ from marketplace.models.rentals import (
     RentalStatus,
 )
 from marketplace.models.sshkeys import SshKey
-from marketplace.models.storage import (
-    Artifact,
-    Dataset,
-    DatasetFile,
-    DatasetStatus,
-    RentalDataset,
-    artifact_key,
-)
 from marketplace.models.teams import MONEY_ROLES, Invitation, Membership, Team, TeamRole
 
 __all__ = [
     "MONEY_ROLES",
-    "AdvisorCheck",
-    "AdvisorPrior",
     "Allocation",
     "ApiToken",
-    "Artifact",
-    "Dataset",
-    "DatasetFile",
-    "DatasetStatus",
     "Gpu",
     "GpuModel",
     "GpuTier",
@@ -42,7 +27,6 @@ __all__ = [
     "NodeStatus",
     "Provider",
     "Rental",
-    "RentalDataset",
     "RentalEvent",
     "RentalKind",
     "RentalStatus",
@@ -50,5 +34,4 @@ __all__ = [
     "Team",
     "TeamRole",
     "User",
-    "artifact_key",
 ]

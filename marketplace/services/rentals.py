@@ -7,6 +7,7 @@ the lifecycle's (marketplace.lifecycle).
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -21,19 +22,15 @@ from core.errors import NotFound, ValidationFailed
 from marketplace import selectors
 from marketplace.lifecycle import rental_submit
 from marketplace.models import (
-    Dataset,
-    DatasetStatus,
     GpuModel,
     Membership,
     Rental,
-    RentalDataset,
     RentalKind,
     Team,
     User,
 )
 from marketplace.selectors import (
     NodeFilter,
-    datasets_owned,
     engine_nodes_cheapest,
     rental_owned,
 )
@@ -213,29 +210,28 @@ def funds_hold_register(hold: FundsHolder) -> None:
     _funds_hold = hold
 
 
-MAX_DATASETS = 16
+class DatasetsAttacher(Protocol):
+    """Links the named datasets (the rental's team's, ready) to a rental being stored, in its
+    transaction, or refuses them (raises); returns the links."""
+
+    def __call__(self, *, rental: Rental, names: Sequence[str]) -> list: ...
 
 
-def _datasets_ready(*, team: Team, names: tuple[str, ...]) -> list[Dataset]:
-    """The named datasets, each the team's and READY, locked until the rental is stored (a
-    delete waits, then sees the rental that reads them)."""
-    if not names:
-        return []
-    if len(names) > MAX_DATASETS:
-        raise ValidationFailed(f"at most {MAX_DATASETS} datasets", field="datasets")
-    if len(set(names)) != len(names):
-        raise ValidationFailed("a dataset is named twice", field="datasets")
-    found = {
-        d.name: d
-        for d in datasets_owned(team).filter(name__in=names).select_for_update().order_by("pk")
-    }
-    for name in names:
-        dataset = found.get(name)
-        if dataset is None:
-            raise ValidationFailed(f"your team has no dataset named {name!r}", field="datasets")
-        if dataset.status != DatasetStatus.READY:
-            raise ValidationFailed(f"dataset {name!r} is {dataset.status}", field="datasets")
-    return [found[name] for name in names]
+_datasets_attach: DatasetsAttacher | None = None
+MISSING_DATASETS_ATTACH = (
+    "storage's datasets attach is not registered: is the storage app installed?"
+)
+
+
+def datasets_attach_registered() -> bool:
+    return _datasets_attach is not None
+
+
+def datasets_attach_register(attach: DatasetsAttacher) -> None:
+    """Storage, which depends on the marketplace and not the reverse, hands rental_create the
+    service that links a rental to the datasets it reads when its app is ready."""
+    global _datasets_attach
+    _datasets_attach = attach
 
 
 def rental_create(
@@ -288,7 +284,6 @@ def rental_create(
     if fit.reason is not None:
         raise ValidationFailed(f"this request can never be placed: {fit.reason}", field=fit.field)
     with transaction.atomic():
-        datasets = _datasets_ready(team=team, names=request.datasets)
         rental = rental_submit(
             customer=customer,
             team=team,
@@ -317,9 +312,12 @@ def rental_create(
             ssh=request.ssh,
             resume_from=resume_from,
         )
-        links = RentalDataset.objects.bulk_create(
-            [RentalDataset(rental=rental, dataset=dataset) for dataset in datasets]
-        )
+        links = []
+        if request.datasets:
+            if _datasets_attach is None:
+                # Fail closed: a rental would start without the data it was asked to read.
+                raise ImproperlyConfigured(MISSING_DATASETS_ATTACH)
+            links = _datasets_attach(rental=rental, names=request.datasets)
         rental.created_dataset_links = links  # for the create's answer, as its created_event
         if _funds_hold is None:
             # Fail closed: a rental no hold guards could run past the team's balance.

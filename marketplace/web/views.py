@@ -16,10 +16,8 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 
 from core.errors import DomainError, Forbidden
 from marketplace import lifecycle, selectors, services
-from marketplace.advisor.calibration import accuracy
-from marketplace.advisor.presets import PRESETS
 from marketplace.api.serializers import OfferQuerySerializer
-from marketplace.models import DatasetStatus, RentalStatus, TeamRole
+from marketplace.models import RentalStatus, TeamRole
 from marketplace.templatetags.web_format import SIMULATED_HOST_FLAGS
 from marketplace.tenancy import (
     refused,
@@ -76,13 +74,6 @@ def offers(request: HttpRequest) -> HttpResponse:
 
 
 @require_GET
-def advisor(request: HttpRequest) -> HttpResponse:
-    """Which card to rent for a training run, and what it costs; each answer books in one step."""
-    presets = sorted(PRESETS, key=lambda name: PRESETS[name].params)
-    return render(request, "web/advisor.html", {"presets": presets, "accuracy": accuracy()})
-
-
-@require_GET
 @login_required
 @team_page
 def rentals(request: HttpRequest) -> HttpResponse:
@@ -123,9 +114,8 @@ def rental_new(request: HttpRequest) -> HttpResponse:
                 "max_price": request.GET.get("max_price", ""),
                 "resume_from": request.GET.get("resume_from", ""),
             },
-            "datasets": selectors.datasets_owned(request_team(request))
-            .filter(status=DatasetStatus.READY)
-            .order_by("name"),
+            # The storage app's rows, through the relation it declares (it sits above).
+            "datasets": request_team(request).datasets.ready().order_by("name"),
         },
     )
 
@@ -151,28 +141,8 @@ def rental_detail(request: HttpRequest, rental_id) -> HttpResponse:
                 ("power", "Power"),
                 ("temp", "Temperature"),
             ],
-            "artifacts": selectors.rental_artifacts(team=rental.team, rental_id=rental.pk),
+            "artifacts": rental.artifacts.order_by("path"),
             "retention_days": settings.STORAGE["ARTIFACT_RETENTION_DAYS"],
-        },
-    )
-
-
-@require_GET
-@login_required
-@team_page
-def datasets(request: HttpRequest) -> HttpResponse:
-    """Your team's datasets; the page uploads files straight to object storage through
-    presigned URLs (in parts for big files), with a progress bar."""
-    team = request_team(request)
-    return render(
-        request,
-        "web/datasets.html",
-        {
-            "datasets": selectors.datasets_owned(team)
-            .select_related("owner")
-            .order_by("-created_at"),
-            "used": selectors.dataset_bytes_used(team),
-            "quota": settings.STORAGE["DATASET_QUOTA_BYTES"],
         },
     )
 

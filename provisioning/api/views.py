@@ -36,7 +36,6 @@ from core.errors import NotFound
 from marketplace.lifecycle import TERMINAL
 from marketplace.models import Node, Provider, Rental
 from marketplace.services import token_hash
-from marketplace.services.storage import FileSpec, UploadedFile
 from marketplace.tenancy import request_team
 from provisioning import services
 from provisioning.api.serializers import (
@@ -55,6 +54,7 @@ from provisioning.api.serializers import (
     RunMetricSerializer,
 )
 from provisioning.models import ContainerRun, RunLogLine, RunMetric
+from storage.services import FileSpec, UploadedFile
 
 M = TypeVar("M", bound=Message)
 

@@ -1,5 +1,5 @@
 """The agent's side of artifact sync: which node may write a rental's output, then the
-marketplace's storage services presign and record it."""
+storage services presign and record it."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from django.utils import timezone
 
 from core.errors import NotFound
 from marketplace.models import Allocation, Node, Rental
-from marketplace.services import storage
 from provisioning.models import ContainerRun
+from storage import services as storage
 
 
 def _syncing_rental(*, node: Node, rental_id, run_id: str) -> Rental:

@@ -7,7 +7,7 @@ from datetime import timedelta
 
 from django.utils import timezone
 
-from marketplace.advisor.calibration import advisor_check_record
+from advisor.calibration import advisor_check_record
 from marketplace.models import Rental
 from provisioning.models import RunMetric
 

@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from django.conf import settings
-from django.db import DatabaseError, IntegrityError, connection, transaction
+from django.db import DatabaseError, IntegrityError, transaction
 from django.utils import timezone
 
 from agentprotocol import (
@@ -31,7 +31,7 @@ from agentprotocol import (
 from agentprotocol.untrusted import metric_line_parse
 from billing.services.metering import UsageReport as MeteredUsage
 from billing.services.metering import usage_reports_apply
-from marketplace import lifecycle, objectstore
+from marketplace import lifecycle
 from marketplace.models import (
     GpuModel,
     Node,
@@ -39,17 +39,15 @@ from marketplace.models import (
     NodeStatus,
     Rental,
 )
-from marketplace.selectors import (
-    measured_tflops_plausible,
-    rental_ssh_keys,
-    rentals_dataset_files,
-    rentals_resume_checkpoints,
-)
+from marketplace.selectors import measured_tflops_plausible, rental_ssh_keys
 from marketplace.services import token_hash
+from provisioning import queries
 from provisioning.models import ContainerRun, NodeBenchmark, RunMetric
 from provisioning.services.join import node_authenticate
 from provisioning.services.logs import run_logs_store
 from provisioning.services.telemetry import telemetry_buffer
+from storage import objectstore
+from storage.selectors import rentals_dataset_files, rentals_resume_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -66,39 +64,6 @@ def _dt(epoch: float | None) -> datetime | None:
     return None if epoch is None else datetime.fromtimestamp(epoch, tz=UTC)
 
 
-# The reads of every heartbeat, in SQL: building them through the ORM cost more server time
-# than running them (they were a third of a heartbeat).
-_SEEN_SQL = "UPDATE marketplace_node SET last_seen_at = %s WHERE id = %s"
-# The GPUs a node holds now, for rentals whose container should run; {node} names the node.
-_HELD_FROM_WHERE = """
-FROM marketplace_allocation a
-JOIN marketplace_gpu g ON g.id = a.gpu_id
-JOIN marketplace_rental r ON r.id = a.rental_id
-WHERE a.node_id = {node} AND a.released_at IS NULL AND a.during @> %s::timestamptz
-  AND r.status = ANY(%s)
-"""
-_HELD_SQL = f"""
-SELECT a.rental_id, g.index, g.uuid {_HELD_FROM_WHERE.format(node="%s")}
-ORDER BY a.rental_id, g.index
-"""
-# An idle heartbeat in one statement, from the token alone: the token names the node (no row:
-# it is unknown or revoked), the node is marked seen unless it is coming back from OFFLINE (the
-# full path brings it back under its row lock: `seen` is NULL), and `holds` says whether it
-# holds GPUs for a container that should run (the full path hands it over).
-_IDLE_BY_TOKEN_SQL = f"""
-WITH node AS (
-  SELECT c.node_id AS id FROM provisioning_nodecredential c
-  WHERE c.key_hash = %s AND c.revoked_at IS NULL
-  LIMIT 1
-), seen AS (
-  UPDATE marketplace_node n SET last_seen_at = %s FROM node
-  WHERE n.id = node.id AND n.status <> %s
-  RETURNING n.id, n.benchmark_requested
-)
-SELECT node.id, seen.id IS NOT NULL, seen.benchmark_requested,
-       EXISTS (SELECT 1 {_HELD_FROM_WHERE.format(node="node.id")}) AS holds
-FROM node LEFT JOIN seen ON true
-"""  # noqa: S608 - no value is formatted in, only the statement's own text
 _CONTAINER_WANTED = [str(s) for s in lifecycle.CONTAINER_WANTED]
 
 
@@ -123,9 +88,7 @@ def _ports(rental: Rental) -> tuple[int, ...]:
 
 def desired_state(*, node: Node, now: datetime) -> list[DesiredRun]:
     """The containers that should run on the node now, from its active allocations."""
-    with connection.cursor() as cursor:
-        cursor.execute(_HELD_SQL, [node.pk, now, _CONTAINER_WANTED])
-        held = cursor.fetchall()
+    held = queries.gpus_held(node_id=node.pk, now=now, statuses=_CONTAINER_WANTED)
     return _desired_from(node=node, held=held)
 
 
@@ -373,12 +336,12 @@ def node_heartbeat_by_token(
     that holds GPUs, or is coming back from OFFLINE, is read whole and takes the full path."""
     if reports.idle():
         now = timezone.now()
-        with connection.cursor() as cursor:
-            cursor.execute(
-                _IDLE_BY_TOKEN_SQL,
-                [token_hash(raw_token), now, NodeStatus.OFFLINE.value, now, _CONTAINER_WANTED],
-            )
-            row = cursor.fetchone()
+        row = queries.idle_heartbeat(
+            key_hash=token_hash(raw_token),
+            now=now,
+            offline=NodeStatus.OFFLINE.value,
+            statuses=_CONTAINER_WANTED,
+        )
         if row is None:
             return None
         node_id, seen, run_benchmark, holds = row
@@ -454,8 +417,7 @@ def _answer(
 def _node_seen(*, node: Node, now: datetime) -> None:
     if node.status != NodeStatus.OFFLINE:
         # The common case is one UPDATE: 200 agents a second must stay cheap.
-        with connection.cursor() as cursor:
-            cursor.execute(_SEEN_SQL, [now, node.pk])
+        Node.objects.filter(pk=node.pk).update(last_seen_at=now)
         return
     locked = Node.objects.select_for_update().get(pk=node.pk)
     update: dict = {"last_seen_at": now}

@@ -25,9 +25,10 @@ import pytest
 import requests
 from django.test import override_settings
 
-from marketplace.models import Artifact, Node, NodeStatus, Rental, RentalStatus
+from marketplace.models import Node, NodeStatus, Rental, RentalStatus
 from provisioning.models import RunMetric
 from provisioning.services import join_token_create, nodes_mark_silent
+from storage.models import Artifact
 from tests.e2e.conftest import (
     HARNESS_IMAGE,
     ROOT,

@@ -10,9 +10,9 @@ import pytest
 import requests
 from selenium.webdriver.common.by import By
 
-from marketplace import objectstore
-from marketplace.models import Dataset, DatasetStatus
-from marketplace.services import storage
+from storage import objectstore
+from storage import services as storage
+from storage.models import Dataset, DatasetStatus
 from tests.e2e.test_web_ui import _log_in, _wait
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.django_db(transaction=True)]

@@ -1,7 +1,7 @@
 """The hooks the apps above the marketplace hand it when they are ready fail closed: without
 billing's funds hold no rental is created and the checks refuse to start; without the event
-recorder no transition happens; and the batch placement calls the recorder like every other
-transition."""
+recorder no transition happens; without storage's datasets attach no rental naming a dataset is
+created; and the batch placement calls the recorder like every other transition."""
 
 from __future__ import annotations
 
@@ -34,6 +34,21 @@ def test_without_billings_funds_hold_the_checks_refuse_to_start_and_nothing_is_r
         call_command("check")
     with pytest.raises(ImproperlyConfigured):
         rent(1)
+    assert not Rental.objects.exists() and not RentalEvent.objects.exists()
+
+
+def test_without_storages_datasets_attach_the_checks_refuse_and_no_rental_reads_a_dataset(
+    monkeypatch, make_node, rent
+):
+    # Given a node, and no datasets attach handed to the marketplace
+    make_node(gpus=2)
+    monkeypatch.setattr(rentals, "_datasets_attach", None)
+    assert [e.id for e in hooks_are_registered(None)] == ["marketplace.E004"]
+    with pytest.raises(SystemCheckError, match="datasets attach is not registered"):
+        call_command("check")
+    # When a rental names a dataset, then it is refused and nothing was written
+    with pytest.raises(ImproperlyConfigured):
+        rent(1, datasets=("corpus",))
     assert not Rental.objects.exists() and not RentalEvent.objects.exists()
 
 

@@ -18,7 +18,6 @@ from billing.models import Invoice
 from billing.services import account_adjust, account_for_team, invoice_issue
 from marketplace.models import (
     ApiToken,
-    Dataset,
     Invitation,
     Membership,
     Rental,
@@ -38,6 +37,7 @@ from marketplace.services.sshkeys import ssh_key_add
 from marketplace.services.teams import invitation_path
 from notifications.models import Delivery
 from notifications.services import notification_record
+from storage.models import Dataset
 from tests.factories import UserFactory, personal_team
 
 pytestmark = pytest.mark.django_db

@@ -26,13 +26,15 @@ from agentprotocol import (
     HeartbeatAnswer,
 )
 from core.errors import ValidationFailed
-from marketplace import objectstore
 from marketplace.lifecycle import rental_cancel, rental_stop
-from marketplace.models import Artifact, Node, Rental, RentalStatus
-from marketplace.services import api_token_create, storage, team_create
+from marketplace.models import Node, Rental, RentalStatus
+from marketplace.services import api_token_create, team_create
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 from provisioning.services import nodes_mark_silent
 from scheduler.services import scheduler_cycle_run
+from storage import objectstore
+from storage import services as storage
+from storage.models import Artifact
 from tests.factories import UserFactory, personal_team
 
 pytestmark = pytest.mark.django_db

@@ -3,7 +3,7 @@ beside `migrate`; the embedded stack creates its own)."""
 
 from django.core.management.base import BaseCommand, CommandError
 
-from marketplace import objectstore
+from storage import objectstore
 
 
 class Command(BaseCommand):

@@ -1,0 +1,235 @@
+"""Plans from the offers free now, and booking one of them in one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from decimal import Decimal
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import DurationField, ExpressionWrapper, F, Sum
+from django.db.models.functions import Coalesce, Now
+from django.utils import timezone
+
+from advisor.engine.layouts import Run, estimate
+from advisor.engine.pricing import Offer, Plan, card_plans, choose, placements, price_plan
+from advisor.selectors import advisor_card_get, advisor_cards
+from core.errors import Conflict
+from marketplace.models import (
+    Node,
+    Rental,
+    RentalEvent,
+    RentalKind,
+    RentalStatus,
+    Team,
+    User,
+)
+from marketplace.selectors import OfferFilters, offer_list
+from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
+
+# Preemption rate of a pool with little history: one per 50 node-hours, worth 10 node-hours of
+# observation (a pool's measurements outweigh it once it has some).
+PRIOR_PREEMPTIONS_PER_NODE_HOUR = 0.02
+PRIOR_NODE_HOURS = 10.0
+PREEMPTION_WINDOW = timedelta(days=30)
+OFFERS_PER_CARD = 200
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Query:
+    run: Run
+    interruptible: bool = False
+    deadline_hours: float | None = None
+    budget: Decimal | None = None
+    region: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Answer:
+    plans: list[Plan]
+    reasons: list[str]
+
+
+def preemption_rates() -> dict[str, float]:
+    """Preemptions per node-hour of interruptible rentals, per pool, over the last 30 days."""
+    since = timezone.now() - PREEMPTION_WINDOW
+    ran = (
+        Rental.objects.filter(
+            kind=RentalKind.INTERRUPTIBLE, started_at__isnull=False, started_at__gte=since
+        )
+        .values("pool")
+        .annotate(
+            span=Sum(
+                ExpressionWrapper(
+                    (Coalesce("ended_at", Now()) - F("started_at")) * F("node_count"),
+                    output_field=DurationField(),
+                )
+            )
+        )
+    )
+    hours = {row["pool"]: row["span"].total_seconds() / 3600 for row in ran if row["span"]}
+    preempted: dict[str, int] = {}
+    for pool in RentalEvent.objects.filter(
+        to_status=RentalStatus.PREEMPTED, created_at__gte=since
+    ).values_list("rental__pool", flat=True):
+        preempted[pool] = preempted.get(pool, 0) + 1
+    return {
+        pool: (preempted.get(pool, 0) + PRIOR_PREEMPTIONS_PER_NODE_HOUR * PRIOR_NODE_HOURS)
+        / (hours.get(pool, 0.0) + PRIOR_NODE_HOURS)
+        for pool in set(hours) | set(preempted)
+    }
+
+
+def offers(*, card: str, region: str | None, rates: dict[str, float]) -> list[Offer]:
+    rows = offer_list(
+        filters=OfferFilters(gpu_models=(card,), region=region), limit=OFFERS_PER_CARD, offset=0
+    )
+    nodes = {
+        n["id"]: n
+        for n in Node.objects.filter(id__in=[r["node_id"] for r in rows]).values(
+            "id", "pool", "net_up_mbps", "net_down_mbps"
+        )
+    }
+    result = []
+    for row in rows:
+        node = nodes[row["node_id"]]
+        net = min(node["net_up_mbps"], node["net_down_mbps"]) / 1000
+        result.append(
+            Offer(
+                node_id=row["node_id"],
+                card=row["gpu_model"],
+                free_gpus=row["free_gpus"],
+                nvlink=row["nvlink"],
+                price_per_gpu_hour=row["price_per_gpu_hour"],
+                min_bid_per_gpu_hour=row["min_bid_per_gpu_hour"],
+                network_gbits=net or None,
+                preemptions_per_node_hour=rates.get(node["pool"], PRIOR_PREEMPTIONS_PER_NODE_HOUR),
+            )
+        )
+    return result
+
+
+def advise(query: Query, *, only_card: str | None = None) -> Answer:
+    """Every card's plans from the offers free now, filtered by deadline and budget."""
+    rates = preemption_rates() if query.interruptible else {}
+    plans, reasons = [], []
+    for card in advisor_cards():
+        if only_card is not None and card.slug != only_card:
+            continue
+        card_offers = offers(card=card.slug, region=query.region, rates=rates)
+        if not card_offers:
+            continue
+        found, why = card_plans(
+            query.run,
+            card,
+            card_offers,
+            interruptible=query.interruptible,
+            deadline_hours=query.deadline_hours,
+        )
+        plans.extend(found)
+        if why:
+            reasons.append(why)
+    if not plans and not reasons:
+        # Name only what was asked: a region when there is one.
+        where = f" in region {query.region}" if query.region else ""
+        reasons.append(f"no offer matches: no GPUs are free{where} now")
+    kept, why = choose(plans, deadline_hours=query.deadline_hours, budget=query.budget)
+    return Answer(plans=kept, reasons=reasons + why)
+
+
+def plan_estimate(plan: Plan) -> dict:
+    """What booking stores on the rental, to compare with the run's measurements."""
+    found = plan.estimate
+    return {
+        "plan": plan.id,
+        "card": found.card.slug,
+        "gpus": found.gpus,
+        "layout": found.layout.to_dict(),
+        "precision": str(found.precision),
+        "mfu_prior": found.prior,
+        "mfu": found.mfu,
+        "step_s": found.step.total,
+        "tokens_per_step": found.step.tokens,
+        "tokens_per_s": found.tokens_per_s,
+        "per_gpu_gb": found.memory.gb(),
+        "hours": plan.hours,
+        "booked_s": plan.booked_s,
+        "hold_micros": plan.hold_micros,
+    }
+
+
+def plan_book(
+    *,
+    customer: User,
+    team: Team,
+    query: Query,
+    plan_id: str | None,
+    card: str | None,
+    name: str,
+    runtime: dict | None,
+) -> Rental:
+    """Book a plan in one step: its card and gang size (`card:NODESxGPUS`) re-priced against the
+    offers free now, or the cheapest plan of a card when only the card is named."""
+    if plan_id:
+        chosen = _price_gang(query, plan_id)
+    else:
+        chosen = next(iter(advise(query, only_card=card).plans), None)
+    field = "plan" if plan_id else "card"
+    if chosen is None:
+        raise Conflict(f"no free offers can run {plan_id or card} now", field=field)
+    if chosen.cost is None:
+        raise Conflict("this plan costs more than can be booked", field=field)
+    run = runtime or {
+        "image": settings.GPUMARKET["HARNESS_IMAGE"],
+        "harness_config": {"model": {"name": "gpt"}, "data": {"name": "text"}},
+    }
+    # What the plan said it books and holds (pricing.booked_seconds, pricing.hold_micros).
+    duration = chosen.booked_s
+    placement = chosen.placement
+    price = chosen.price_per_gpu_hour
+    with transaction.atomic():
+        rental = rental_create(
+            customer=customer,
+            team=team,
+            request=RentalRequest(
+                name=name or f"advisor: {chosen.estimate.card.name or chosen.estimate.card.slug}",
+                gpu_models=(chosen.estimate.card.slug,),
+                gpus_per_node=placement.gpus_per_node,
+                node_count=len(placement.offers),
+                # Only tensor parallelism needs one NVLink group; data parallel runs anywhere.
+                same_group=chosen.estimate.layout.tp > 1,
+                region=query.region or "",
+                max_price_per_gpu_hour=None if query.interruptible else price,
+                kind=RentalKind.INTERRUPTIBLE if query.interruptible else RentalKind.ON_DEMAND,
+                bid_per_gpu_hour=price if query.interruptible else None,
+                duration_s=duration,
+                runtime=RuntimeSpec(
+                    image=run["image"],
+                    command=run.get("command", []),
+                    harness_config=run.get("harness_config"),
+                    env=run.get("env", {}),
+                    ports=run.get("ports", []),
+                ),
+            ),
+        )
+        Rental.objects.filter(pk=rental.pk).update(advisor_estimate=plan_estimate(chosen))
+    return rental
+
+
+def _price_gang(query: Query, plan_id: str) -> Plan | None:
+    """The plan's card and gang (`card:NODESxGPUS`) priced on the offers free now."""
+    slug, _, gang = plan_id.partition(":")
+    card = advisor_card_get(slug)
+    if card is None:
+        return None
+    rates = preemption_rates() if query.interruptible else {}
+    gangs = placements(
+        offers(card=slug, region=query.region, rates=rates), interruptible=query.interruptible
+    )
+    for placement in gangs:
+        if f"{len(placement.offers)}x{placement.gpus_per_node}" == gang:
+            found = estimate(query.run, card, placement.topology())
+            if found is not None and found.fits:
+                return price_plan(query.run, found, placement, interruptible=query.interruptible)
+    return None

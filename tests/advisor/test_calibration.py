@@ -1,0 +1,112 @@
+"""Calibration by a real run: the harness trains on CPU, its JSON-line metrics are stored as the
+agent would forward them, and the advisor compares them with its estimate and learns."""
+
+import io
+import json
+import statistics
+
+import pytest
+from django.utils import timezone
+
+from advisor.models import AdvisorCheck, AdvisorPrior
+from harness.config import load_config_dict
+from harness.metrics import JsonLines
+from harness.trainer import Trainer
+from marketplace.models import Rental
+from provisioning.models import ContainerRun, RunMetric
+from provisioning.services import advisor_runs_calibrate, metrics_store, run_id_for
+
+pytestmark = pytest.mark.django_db
+
+CARD = "a100-sxm4-80gb"
+# What the customer asks; the harness then trains a small GPT (what the booked config runs).
+QUERY = {"model": "gpt2-124m", "tokens_b": 1}
+HARNESS = {
+    "model": {"name": "gpt", "layers": 2, "width": 64, "heads": 2},
+    "data": {"name": "text", "seq_len": 64, "batch_size": 8},
+    "train": {"steps": 6, "log_every": 2, "device": "cpu", "precision": "fp32"},
+    "checkpoint": {"enabled": False},
+}
+
+
+def _harness_lines() -> list[str]:
+    out = io.StringIO()
+    Trainer(load_config_dict(HARNESS), emit=JsonLines(out)).run()
+    return out.getvalue().splitlines()
+
+
+def _estimate_hours(api) -> float:
+    body = {**QUERY, "card": CARD, "gpus": 1}
+    return api.post("/api/v1/advisor/estimate/", body, format="json").json()["hours"]
+
+
+def test_a_cpu_harness_run_moves_the_next_estimate_toward_the_measurement(auth_api, make_node):
+    node = make_node(card=CARD, gpus=1)
+    before = _estimate_hours(auth_api)
+    booked = auth_api.post(
+        "/api/v1/advisor/book/",
+        {
+            **QUERY,
+            "card": CARD,
+            "runtime": {"image": "gpumarket/harness:dev", "harness_config": HARNESS},
+        },
+        format="json",
+    )
+    assert booked.status_code == 201, booked.content
+    rental = Rental.objects.get(pk=booked.json()["id"])
+    assert rental.advisor_estimate["card"] == CARD
+
+    # Given the run's metrics as the agent forwards them (the real harness, on CPU)
+    run = ContainerRun.objects.create(
+        rental=rental, node=node, run_id=run_id_for(rental.pk, node.pk, timezone.now())
+    )
+    lines = _harness_lines()
+    refused = metrics_store(node=node, lines=[(str(rental.pk), run.run_id, line) for line in lines])
+    assert refused == 0
+    assert RunMetric.objects.filter(rental=rental).count() == len(lines)
+
+    # When the calibration pass runs (twice: the second finds nothing new)
+    assert advisor_runs_calibrate() == 1
+    assert advisor_runs_calibrate() == 0
+
+    # Then the measured step sits beside the estimate, and the card's prior moved toward it
+    check = AdvisorCheck.objects.get(rental=rental)
+    summary = json.loads(lines[-1])
+    # The measurement is the median step rate after the warm-up interval, in tokens.
+    steps = [json.loads(line) for line in lines if json.loads(line)["event"] == "step"]
+    seq_len = HARNESS["data"].get("seq_len", 128)
+    median_rate = statistics.median(e["samples_per_s"] for e in steps[1:])
+    assert check.measured_tokens_per_s == pytest.approx(median_rate * seq_len)
+    assert summary["event"] == "summary" and check.measured_peak_gb > 0
+    # A CPU is far slower than an A100's estimate: the prior drops, never below its floor.
+    assert check.measured_step_s > check.estimated_step_s
+    prior = AdvisorPrior.objects.get(card__slug=CARD)
+    assert prior.runs == 1 and check.prior_after == prior.mfu < check.prior_before
+    after = _estimate_hours(auth_api)
+    assert after > before
+
+    accuracy = auth_api.get("/api/v1/advisor/accuracy/").json()
+    assert accuracy["runs"] == 1
+    assert accuracy["median"] == pytest.approx(
+        check.measured_step_s / check.estimated_step_s, rel=1e-3
+    )
+    answer = auth_api.post("/api/v1/advisor/", QUERY, format="json").json()
+    assert answer["accuracy"] == accuracy
+
+
+def test_metrics_of_a_run_not_booked_by_the_advisor_are_not_compared(auth_api, make_node):
+    node = make_node(card=CARD, gpus=1)
+    r = auth_api.post(
+        "/api/v1/rentals/",
+        {"gpus_per_node": 1, "duration_s": 600, "runtime": {"image": "gpumarket/harness:dev"}},
+        format="json",
+    )
+    assert r.status_code == 201, r.content
+    rental = Rental.objects.get(pk=r.json()["id"])
+    run = ContainerRun.objects.create(
+        rental=rental, node=node, run_id=run_id_for(rental.pk, node.pk, timezone.now())
+    )
+    summary = json.dumps({"event": "summary", "steps": 1})
+    metrics_store(node=node, lines=[(str(rental.pk), run.run_id, summary)])
+    assert advisor_runs_calibrate() == 0
+    assert not AdvisorCheck.objects.exists() and not AdvisorPrior.objects.exists()
