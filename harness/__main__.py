@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--nproc",
         type=_nproc,
         default=1,
-        help="start this many local ranks (DDP); 'auto' = one per visible GPU",
+        help="start this many local ranks; 'auto' = NPROC_PER_NODE, else one per visible GPU",
     )
     commands = parser.add_subparsers(dest="command", metavar="{benchmark}")
     bench = commands.add_parser("benchmark", help="measure matmul, memory and training speed")
@@ -116,6 +116,15 @@ def _visible_gpus() -> int:
     return max(torch.cuda.device_count(), 1)
 
 
+def _auto_nproc(device: str) -> int:
+    """`--nproc auto`: the node agent's NPROC_PER_NODE (the GPUs it gave the run) when set, else
+    every visible GPU, else one process on the CPU."""
+    given = os.environ.get("NPROC_PER_NODE", "").strip()
+    if given.isdigit() and int(given) >= 1:
+        return int(given)
+    return _visible_gpus() if device != "cpu" else 1
+
+
 def _report(error: ConfigError) -> int:
     for line in error.lines():
         print(line, file=sys.stderr)
@@ -152,18 +161,23 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         return _report(error)
 
-    from harness.launcher import launch_local
+    from harness.launcher import Gang, launch_local
 
     output = output_dir()
     _log_to_output(output)
 
-    nproc = args.nproc
-    if nproc == "auto":
-        nproc = _visible_gpus() if config.train.device != "cpu" else 1
     try:
-        if nproc > 1:
+        # A rank of a launched job trains; otherwise this node's share of the job across
+        # nodes the node agent describes (NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT), if any.
+        worker = "RANK" in os.environ
+        gang = Gang() if worker else Gang.from_env()
+        nproc = args.nproc
+        if nproc == "auto":
+            nproc = 1 if worker else _auto_nproc(config.train.device)
+        world = nproc * gang.nnodes
+        if world > 1:
             # A layout that cannot fit is refused before any rank starts.
-            resolve_layout(config.layout, nproc, nproc)
+            resolve_layout(config.layout, world, nproc)
             worker_args = (
                 ["--config-env", args.config_env] if args.config_env else ["--config", args.config]
             )
@@ -171,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                 worker_args += ["--set", override]
             if early:
                 return 0  # stopped before any rank started: nothing to checkpoint
-            return launch_local(worker_args, nproc)
+            return launch_local(worker_args, nproc, gang)
         # torch loads only now, so a bad config fails fast and the launcher stays light.
         from harness.metrics import JsonLines
         from harness.trainer import Trainer

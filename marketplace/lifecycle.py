@@ -317,10 +317,25 @@ def rental_mark_provisioning(*, rental: Rental, hostname: str) -> None:
         )
 
 
-def rental_mark_container_started(*, rental: Rental, hostname: str, started_at: datetime) -> None:
-    """The agent reports the rental's container ran: the rental is RUNNING from `started_at`."""
+def rental_mark_container_started(
+    *, rental: Rental, hostname: str, started_at: datetime, waiting_for: str = ""
+) -> None:
+    """The agent reports the rental's container ran: the rental is RUNNING from `started_at`.
+    A multi-node rental passes `waiting_for` while some of its members have not started yet:
+    it stays PROVISIONING (unbilled) until the last one runs."""
     if rental.status == S.SCHEDULED:
-        rental_transition(rental=rental, to_status=S.PROVISIONING, actor_kind=A.AGENT)
+        rental_transition(
+            rental=rental,
+            to_status=S.PROVISIONING,
+            actor_kind=A.AGENT,
+            reason=f"started on {hostname}; {waiting_for}" if waiting_for else "",
+        )
+    if rental.status == S.PROVISIONING and waiting_for:
+        reason = f"started on {hostname}; {waiting_for}"
+        if rental.status_reason != reason:  # the wait is told, with no transition
+            rental.status_reason = reason
+            rental.save(update_fields=["status_reason", "updated_at"])
+        return
     if rental.status == S.PROVISIONING:
         rental_transition(
             rental=rental,
@@ -411,6 +426,21 @@ def _requeue(*, rental: Rental, actor_kind: str, reason: str, at: datetime) -> N
     # Placed again at once, not at beat's next tick.
     pool = rental.pool
     transaction.on_commit(lambda: _cycle_soon(pool))
+
+
+def rental_gang_requeue(*, rental: Rental, reason: str, at: datetime) -> None:
+    """A multi-node rental whose members did not all start in time: its GPUs are freed and it
+    goes back to the queue (never RUNNING, so never billed) to be placed again."""
+    _allocations_release(rental=rental, at=at)
+    _requeue(rental=rental, actor_kind=A.SYSTEM, reason=reason, at=at)
+
+
+def rental_gang_fail(*, rental: Rental, reason: str, at: datetime) -> None:
+    """A multi-node rental that could not start on its last try: failed, its GPUs freed."""
+    _allocations_release(rental=rental, at=at)
+    rental_transition(
+        rental=rental, to_status=S.FAILED, actor_kind=A.SYSTEM, reason=reason, ended_at=at
+    )
 
 
 def rental_mark_booked_time_ended(*, rental: Rental) -> bool:

@@ -521,6 +521,9 @@ class Agent:
             "runtime": self.config.runtime,
             # An sshd in the rental needs a container and a published port.
             "ssh": self.config.runtime == "docker" and self.config.publish is not None,
+            # Where the other nodes of a multi-node rental reach this one's runs.
+            "fabric_address": self.config.fabric_address
+            or hostinfo.source_address(self.config.server_url),
         }
 
     def _create_driver(self, node_id: int) -> RuntimeDriver:

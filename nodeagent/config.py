@@ -9,6 +9,7 @@ stack runs its demo hosts that way (`nodeagent.fleet`).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import shlex
 import socket
@@ -49,6 +50,7 @@ _OPTIONS: dict[str, tuple[str, str | None]] = {
     "publish_ports": ("GPUMARKET_PUBLISH_PORTS", "42000-42999"),
     "publish_address": ("GPUMARKET_PUBLISH_ADDRESS", "0.0.0.0"),
     "public_host": ("GPUMARKET_PUBLIC_HOST", None),
+    "fabric_address": ("GPUMARKET_FABRIC_ADDRESS", None),
 }
 
 
@@ -86,6 +88,9 @@ class AgentConfig:
     # The node's cache of staged files (datasets, resume checkpoints), least recently used out.
     cache_max_bytes: int = 100 * 1024**3
     publish: PublishConfig | None = None  # None: no port of a rental is published
+    # The address the other members of a multi-node rental reach this node on; None: the
+    # source address of the agent's route to the server.
+    fabric_address: str | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--public-host",
         help="the name or address customers reach this node at [GPUMARKET_PUBLIC_HOST] "
         "(the hostname)",
+    )
+    add(
+        "--fabric-address",
+        help="the IP address the other nodes of a multi-node rental reach this node at "
+        "[GPUMARKET_FABRIC_ADDRESS] (the source address of the route to the server)",
     )
     add("--once", action="store_true", help="one heartbeat and reconcile, then exit")
     return parser
@@ -219,6 +229,14 @@ def load_config(
         address=get("publish_address") or "0.0.0.0",
         host=get("public_host") or hostname,
     )
+    fabric_address = get("fabric_address") or None
+    if fabric_address is not None:
+        try:
+            fabric_address = str(ipaddress.ip_address(fabric_address))
+        except ValueError:
+            raise ConfigError(
+                f"--fabric-address must be an IP address, not {fabric_address!r}"
+            ) from None
     benchmark_command = tuple(shlex.split(get("benchmark_command") or ""))
     if not benchmark_command:
         raise ConfigError("the benchmark command is empty")
@@ -248,6 +266,7 @@ def load_config(
         metrics_address=get("metrics_address") or "127.0.0.1",
         cache_max_bytes=int(cache_gb * 1024**3),
         publish=publish,
+        fabric_address=fabric_address,
     )
 
 

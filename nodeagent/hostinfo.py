@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
+from urllib.parse import urlsplit
 
 _GIB = 1024**3
 
@@ -31,3 +33,21 @@ def disk_gb(path: str) -> int:
     while not os.path.exists(path):
         path = os.path.dirname(path)
     return max(1, shutil.disk_usage(path).total // _GIB)
+
+
+def source_address(server_url: str) -> str | None:
+    """The local address this host's packets to the server leave from (a UDP "connect" sends
+    nothing: the kernel only picks the route); None when it cannot tell."""
+    parts = urlsplit(server_url)
+    if not parts.hostname:
+        return None
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        family, _, _, _, address = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_DGRAM)[
+            0
+        ]
+        with socket.socket(family, socket.SOCK_DGRAM) as sock:
+            sock.connect(address)
+            return sock.getsockname()[0]
+    except OSError:
+        return None

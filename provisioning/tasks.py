@@ -22,6 +22,13 @@ def end_booked_time() -> None:
 
 
 @shared_task(
+    name="provisioning.gangs_start_timeout", ignore_result=True, time_limit=120, soft_time_limit=100
+)
+def gangs_start_timeout() -> None:
+    services.gangs_start_timeout()
+
+
+@shared_task(
     name="provisioning.flush_telemetry", ignore_result=True, time_limit=120, soft_time_limit=100
 )
 def flush_telemetry() -> None:

@@ -172,7 +172,9 @@ def rent(user):
             customer=customer,
             team=team or personal_team(customer),
             request=RentalRequest(
-                gpus_per_node=gpus, runtime=RuntimeSpec(image="gpumarket/harness:dev"), **kwargs
+                gpus_per_node=gpus,
+                runtime=kwargs.pop("runtime", RuntimeSpec(image="gpumarket/harness:dev")),
+                **kwargs,
             ),
         )
 

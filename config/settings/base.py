@@ -321,6 +321,7 @@ PERIODIC_TASKS: dict[str, tuple[str, timedelta]] = {
     "scheduler-tick": ("scheduler.tick", timedelta(seconds=5)),
     "silent-nodes": ("provisioning.mark_silent_nodes", timedelta(seconds=15)),
     "booked-time": ("provisioning.end_booked_time", timedelta(seconds=15)),
+    "gang-start-timeout": ("provisioning.gangs_start_timeout", timedelta(seconds=15)),
     "node-reliability": ("provisioning.measure_reliability", timedelta(hours=1)),
     "telemetry-flush": ("provisioning.flush_telemetry", timedelta(seconds=5)),
     "advisor-calibrate": ("provisioning.calibrate_advisor", timedelta(minutes=5)),
@@ -379,6 +380,10 @@ GPUMARKET = {
     # Agents that have not heartbeaten for this long are marked OFFLINE.
     "NODE_SILENCE_TIMEOUT_S": env.int("NODE_SILENCE_TIMEOUT_S", default=60),
     "HEARTBEAT_INTERVAL_S": env.int("HEARTBEAT_INTERVAL_S", default=5),
+    # A multi-node rental whose members have not all started this long after its placement is
+    # placed again (provisioning/services/gangs.py), and failed after this many placements.
+    "GANG_START_TIMEOUT_S": env.int("GANG_START_TIMEOUT_S", default=600),
+    "GANG_START_ATTEMPTS": env.int("GANG_START_ATTEMPTS", default=3),
     # What the advisor books when the customer names no image: the training harness.
     "HARNESS_IMAGE": env.str("HARNESS_IMAGE", default="gpumarket/harness:dev"),
     # What happens to a started rental whose node goes silent: "fail" or "requeue".

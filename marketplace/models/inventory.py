@@ -63,6 +63,11 @@ class Node(models.Model):
     ssh_capable = models.BooleanField(
         default=True, help_text="the agent can run an sshd in a rental and publish its port"
     )
+    # Where the other members of a multi-node rental reach this node's runs (the rendezvous
+    # store, gloo/NCCL): declared by the agent at join, else the address the join came from.
+    fabric_address = models.GenericIPAddressField(
+        null=True, blank=True, help_text="the address the members of a multi-node rental use"
+    )
     price_per_gpu_hour = models.DecimalField(max_digits=10, decimal_places=4)
     min_bid_per_gpu_hour = models.DecimalField(max_digits=10, decimal_places=4)
     last_seen_at = models.DateTimeField(null=True, blank=True)

@@ -120,6 +120,7 @@ def node_register(
     pool: str = "default",
     runtime: str = "",
     ssh_capable: bool = True,
+    fabric_address: str | None = None,
 ) -> Node:
     """List a server and its GPUs in one transaction; unknown card models are refused."""
     if not gpus:
@@ -157,6 +158,7 @@ def node_register(
             simulated=simulated,
             runtime=runtime,
             ssh_capable=ssh_capable,
+            fabric_address=fabric_address,
             price_per_gpu_hour=price_per_gpu_hour,
             min_bid_per_gpu_hour=min_bid_per_gpu_hour,
         )

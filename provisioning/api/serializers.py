@@ -180,6 +180,9 @@ class JoinSerializer(serializers.Serializer):
     # What the agent can run (agents that predate these said nothing: docker, with SSH).
     runtime = serializers.ChoiceField(choices=["docker", "process"], required=False, default="")
     ssh = serializers.BooleanField(required=False, default=True)
+    # The address the other members of a multi-node rental reach this node on; the address the
+    # join came from when absent.
+    fabric_address = serializers.IPAddressField(required=False, default=None, allow_null=True)
 
 
 class PublishedPortSerializer(serializers.Serializer):

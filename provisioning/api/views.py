@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import threading
 import time
 import uuid
@@ -201,6 +202,7 @@ class JoinView(APIView):
                 simulated=data["simulated"],
                 runtime=data["runtime"],
                 ssh_capable=data["ssh"] and data["runtime"] != "process",
+                fabric_address=data["fabric_address"] or _address_or_none(client_ip(request)),
                 **data["host"],
             ),
             gpus=[_message(GpuInfo, g) for g in data["gpus"]],
@@ -210,6 +212,13 @@ class JoinView(APIView):
             node_id=node.pk, node_token=raw, heartbeat_interval_s=services.heartbeat_interval_s()
         )
         return Response(answer.to_payload(), status=status.HTTP_201_CREATED)
+
+
+def _address_or_none(text: str) -> str | None:
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        return None
 
 
 class HeartbeatView(APIView):

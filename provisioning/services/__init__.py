@@ -5,6 +5,7 @@
 
 from provisioning.services.artifacts import artifact_uploads_for_node, artifacts_commit_for_node
 from provisioning.services.calibration import advisor_runs_calibrate
+from provisioning.services.gangs import gangs_start_timeout
 from provisioning.services.heartbeat import (
     HeartbeatReports,
     benchmark_record,
@@ -44,6 +45,7 @@ __all__ = [
     "benchmark_record",
     "catalog_match",
     "desired_state",
+    "gangs_start_timeout",
     "heartbeat_interval_s",
     "join_token_create",
     "metrics_store",

@@ -38,11 +38,16 @@ from marketplace.models import (
     NodeEvent,
     NodeStatus,
     Rental,
+    RentalStatus,
 )
 from marketplace.selectors import measured_tflops_plausible, rental_ssh_keys
 from marketplace.services import token_hash
 from provisioning import queries
 from provisioning.models import ContainerRun, NodeBenchmark, RunMetric
+from provisioning.services.gangs import barrier as gang_barrier
+from provisioning.services.gangs import members_of as gang_members
+from provisioning.services.gangs import others_still_running as gang_others_running
+from provisioning.services.gangs import rendezvous_env
 from provisioning.services.join import node_authenticate
 from provisioning.services.logs import run_logs_store
 from provisioning.services.telemetry import telemetry_buffer
@@ -105,11 +110,16 @@ def _desired_from(*, node: Node, held: list[tuple]) -> list[DesiredRun]:
     ssh_keys = rental_ssh_keys(rental for rental, _ in by_rental.values())
     staging = _staging(rentals.values())
     sync = objectstore.configured()
+    gangs = gang_members(r.pk for r in rentals.values() if r.node_count > 1)
     desired = []
     for rental, gpus in by_rental.values():
         cpu, memory_mb = _cpu_and_memory(node, len(gpus))
         command = list(rental.command)
         env = {str(k): str(v) for k, v in rental.env.items()}
+        if rental.pk in gangs:
+            # One job across the members: the platform's job description wins over the env
+            # the customer set, or the members would not find each other.
+            env.update(rendezvous_env(rental, gangs[rental.pk], node.pk))
         if rental.harness_config is not None:
             env["HARNESS_CONFIG_JSON"] = json.dumps(rental.harness_config)
             if not command:
@@ -213,10 +223,27 @@ def _apply_container(node: Node, report: ContainerReport, now: datetime) -> None
     ]
     run.last_report_at = now
     run.save()
+    gang = rental.node_count > 1
     if report.status in (ContainerStatus.RUNNING, ContainerStatus.EXITED):
+        started_at, waiting_for = run.started_at or now, ""
+        if gang:
+            # RUNNING (and billed) from the moment the last member runs.
+            state = gang_barrier(rental)
+            started_at = state.started_at or started_at
+            if not state.open:
+                waiting_for = f"{state.started} of {state.needed} members running"
         lifecycle.rental_mark_container_started(
-            rental=rental, hostname=node.hostname, started_at=run.started_at or now
+            rental=rental, hostname=node.hostname, started_at=started_at, waiting_for=waiting_for
         )
+    if (
+        gang
+        and report.status == ContainerStatus.EXITED
+        and report.exit_code == 0
+        and not report.error
+        and rental.status == RentalStatus.RUNNING
+        and gang_others_running(rental, node.pk)
+    ):
+        return  # this member finished its part: the rental ends when every member has
     if report.status in (ContainerStatus.EXITED, ContainerStatus.MISSING):
         lifecycle.rental_mark_container_ended(
             rental=rental,

@@ -113,6 +113,8 @@ class HostFacts:
     simulated: bool = False
     runtime: str = ""  # "docker" | "process"; "" from agents that predate saying it
     ssh_capable: bool = True
+    # Where the other members of a multi-node rental reach this node (None: not known).
+    fabric_address: str | None = None
 
 
 def node_join(
@@ -186,6 +188,7 @@ def node_join(
                 cuda_version=host.cuda_version,
                 runtime=host.runtime,
                 ssh_capable=host.ssh_capable,
+                fabric_address=host.fabric_address,
             )
         node.last_seen_at = timezone.now()
         node.benchmark_requested = True  # measured, not declared: benchmark on join
@@ -261,6 +264,7 @@ def _node_rekey(
         cuda_version=host.cuda_version,
         runtime=host.runtime,
         ssh_capable=host.ssh_capable,
+        fabric_address=host.fabric_address,
     )
     log.info("node rejoined node=%s provider=%s", node.pk, token.provider_id)
     node.refresh_from_db()
