@@ -15,7 +15,11 @@ from marketplace.lifecycle import rental_transition
 from marketplace.models import Rental, RentalEvent, RentalStatus
 
 ROOT = Path(__file__).resolve().parents[2]
-SCANNED = ("marketplace", "scheduler", "provisioning", "billing", "notifications", "config")
+SCANNED = (
+    "marketplace", "scheduler", "provisioning", "billing", "notifications", "config", "core",
+    "advisor", "storage",
+)  # fmt: skip
+_TABLES = {"Rental": "marketplace_rental", "RentalEvent": "marketplace_rentalevent"}
 LIFECYCLE = ROOT / "marketplace" / "lifecycle.py"
 
 _UPDATE_RENTAL = re.compile(
@@ -51,6 +55,21 @@ def rental_status_writes(source: str, filename: str = "<source>") -> list[str]:
         found.append(f"{filename}:{node.lineno}: {what}")
 
     tree = ast.parse(source, filename)
+    # Statements written with names from `_meta` (core.rows.sql_named(template, rental=Rental)):
+    # `{rental}` is read as the table, `{rental.status}` as the column.
+    aliases = {
+        k.arg: _TABLES[k.value.id]
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and _text(n.func).endswith("sql_named")
+        for k in n.keywords
+        if k.arg and isinstance(k.value, ast.Name) and k.value.id in _TABLES
+    }
+
+    def named(sql: str) -> str:
+        for alias, table in aliases.items():
+            sql = re.sub(r"\{" + alias + r"\.(\w+)\}", r"\1", sql).replace(f"{{{alias}}}", table)
+        return sql
+
     # An f-string is read whole; its literal parts are not read again on their own.
     parts = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
     for node in ast.walk(tree):
@@ -89,6 +108,7 @@ def rental_status_writes(source: str, filename: str = "<source>") -> list[str]:
                 flag(node, "RentalEvent(...) builds an event row")
         sql = _sql(node) if isinstance(node, ast.Constant | ast.JoinedStr) else None
         if sql is not None and id(node) not in parts:
+            sql = named(sql)
             for update in _UPDATE_RENTAL.finditer(sql):
                 if re.search(r"\bstatus\s*=", update.group("set"), re.IGNORECASE):
                     flag(node, "SQL sets marketplace_rental.status")
@@ -169,6 +189,12 @@ def _node_lost(rental, node, now, policy):
             ended_at=now,
         )
 """
+NAMED_STATUS_WRITE = """
+SET_STATUS = "UPDATE {r} SET {r.status} = %s WHERE {r.id} = %s"
+EVENT = "INSERT INTO {ev} ({ev.rental}) VALUES (%s)"
+statement = sql_named(SET_STATUS, r=Rental)
+other = rows.sql_named(EVENT, ev=RentalEvent)
+"""
 OLD_TEST_SHORTCUT = "Rental.objects.filter(pk=waiting.pk).update(status=RentalStatus.SCHEDULED)"
 
 
@@ -181,9 +207,19 @@ OLD_TEST_SHORTCUT = "Rental.objects.filter(pk=waiting.pk).update(status=RentalSt
             ["SQL sets marketplace_rental.status", "SQL writes marketplace_rentalevent"],
         ),
         (OLD_PROVISIONING_NODE_LOST, ["calls rental_transition"]),
+        (
+            NAMED_STATUS_WRITE,
+            ["SQL sets marketplace_rental.status", "SQL writes marketplace_rentalevent"],
+        ),
         (OLD_TEST_SHORTCUT, ["update(status=...)"]),
     ],
-    ids=["rental-services", "scheduler-bind", "provisioning-node-lost", "queryset-update"],
+    ids=[
+        "rental-services",
+        "scheduler-bind",
+        "provisioning-node-lost",
+        "named-sql",
+        "queryset-update",
+    ],
 )
 def test_the_scan_flags_the_writers_the_lifecycle_replaced(source, expected):
     hits = rental_status_writes(source)
