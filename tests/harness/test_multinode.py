@@ -51,9 +51,7 @@ def _gang(tmp: Path, nodes: int, per_node: int, layout: dict[str, Any]) -> list[
             MASTER_PORT=str(port), NPROC_PER_NODE=str(per_node),
             WORLD_SIZE=str(nodes * per_node), GPUMARKET_WORKSPACE=str(tmp / f"node{rank}"),
         )  # fmt: skip
-        members.append(
-            HarnessProcess(["--config", str(config), "--nproc", "auto"], tmp, env=env)
-        )
+        members.append(HarnessProcess(["--config", str(config), "--nproc", "auto"], tmp, env=env))
     try:
         codes = [member.finish(timeout=240) for member in members]
         assert codes == [0] * nodes, [member.stderr() for member in members]
