@@ -42,9 +42,12 @@ class Measured:
     heads: int
     seq_len: int
     vocab: int
+    kv_heads: int | None
+    ffn_hidden: int | None
     micro_batch: int
     global_batch: int
     world_size: int
+    layout: Layout
     precision: Precision
     checkpointing: Checkpointing
     step_s: float
@@ -62,8 +65,9 @@ def measured_from_events(events: list[dict]) -> Measured | None:
     try:
         config = start["config"]
         model, data, train = config["model"], config["data"], config["train"]
-        if model.get("name") != "gpt":
+        if model.get("name") not in ("gpt", "transformer"):
             return None
+        transformer = model["name"] == "transformer"
         # The first interval holds the warm-up (allocation, first kernels): left out when
         # there are later ones.
         rates = [float(e["samples_per_s"]) for e in steps[1:] or steps]
@@ -71,20 +75,41 @@ def measured_from_events(events: list[dict]) -> Measured | None:
         samples_per_s = statistics.median(rates)
         global_batch = int(start["global_batch_size"])
         seq_len = int(data.get("seq_len", 128))
+        micro_batch = int(data.get("batch_size", 32))
+        world_size = int(start["world_size"])
+        checkpointing = (
+            Checkpointing.FULL if train.get("activation_checkpointing") else Checkpointing.NONE
+        )
+        # A transformer run reports the layout it used (the harness's layout section).
+        ran = (start.get("layout") or {}) if transformer else {}
+        if int(ran.get("pp", 1)) > 1:
+            # The pipeline cuts each harness micro-batch into the advisor's micro-batches.
+            micro_batch //= int(ran.get("pp_microbatches") or ran["pp"])
+        if ran.get("recompute"):
+            checkpointing = Checkpointing(ran["recompute"])
+        layout = Layout(
+            dp=int(ran.get("dp", world_size)),
+            tp=int(ran.get("tp", 1)),
+            pp=int(ran.get("pp", 1)),
+            zero_stage={"none": 0, "zero2": 2, "zero3": 3}[ran.get("shard", "none")],
+            micro_batch=micro_batch,
+            checkpointing=checkpointing,
+        )
         measured = Measured(
             params=float(start["params"]),
             layers=int(model.get("layers", 4)),
-            hidden=int(model.get("width", 128)),
+            hidden=int(model.get("hidden" if transformer else "width", 128)),
             heads=int(model.get("heads", 4)),
             seq_len=seq_len,
-            vocab=int(data.get("vocab_size", 256)),
-            micro_batch=int(data.get("batch_size", 32)),
+            vocab=int(model.get("vocab_size", 256) if transformer else data.get("vocab_size", 256)),
+            kv_heads=int(model["kv_heads"]) if transformer else None,
+            ffn_hidden=int(model["ffn_hidden"]) if transformer else None,
+            micro_batch=micro_batch,
             global_batch=global_batch,
-            world_size=int(start["world_size"]),
+            world_size=world_size,
+            layout=layout,
             precision=Precision(start["precision"]),
-            checkpointing=Checkpointing.FULL
-            if train.get("activation_checkpointing")
-            else Checkpointing.NONE,
+            checkpointing=checkpointing,
             step_s=global_batch / samples_per_s,
             tokens_per_s=samples_per_s * seq_len,
             peak_gb=max(peaks) / 1e9 if peaks else None,
@@ -110,18 +135,15 @@ def advisor_check_record(*, rental: Rental, events: list[dict]) -> AdvisorCheck 
         layers=measured.layers,
         hidden=measured.hidden,
         heads=measured.heads,
+        kv_heads=measured.kv_heads,
+        ffn_hidden=measured.ffn_hidden,
         seq_len=measured.seq_len,
         vocab=measured.vocab,
         global_batch=measured.global_batch,
         micro_batch=measured.micro_batch,
     )
     run = Run(shape=shape, tokens=1.0, precision=measured.precision)
-    layout = Layout(
-        dp=measured.world_size,
-        micro_batch=measured.micro_batch,
-        checkpointing=measured.checkpointing,
-    )
-    found = estimate(run, card, default_topology(card, measured.world_size), fixed=layout)
+    found = estimate(run, card, default_topology(card, measured.world_size), fixed=measured.layout)
     if found is None:
         return None
     observed = observed_prior(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from decimal import Decimal
@@ -13,9 +14,18 @@ from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
 from advisor.engine.layouts import Run, estimate
-from advisor.engine.pricing import Offer, Plan, card_plans, choose, placements, price_plan
+from advisor.engine.pricing import (
+    MAX_BOOKED_S,
+    Offer,
+    Plan,
+    card_plans,
+    choose,
+    placements,
+    price_plan,
+)
+from advisor.engine.runs import harness_config, harness_problems
 from advisor.selectors import advisor_card_get, advisor_cards
-from core.errors import Conflict
+from core.errors import Conflict, ValidationFailed
 from marketplace.models import (
     Node,
     Rental,
@@ -43,6 +53,8 @@ class Query:
     deadline_hours: float | None = None
     budget: Decimal | None = None
     region: str | None = None
+    # A dataset of the team's token files the booked run trains on (None: the built-in tokens).
+    dataset: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -154,6 +166,7 @@ def plan_estimate(plan: Plan) -> dict:
         "tokens_per_s": found.tokens_per_s,
         "per_gpu_gb": found.memory.gb(),
         "hours": plan.hours,
+        "bookings": plan.bookings,
         "booked_s": plan.booked_s,
         "hold_micros": plan.hold_micros,
     }
@@ -168,9 +181,13 @@ def plan_book(
     card: str | None,
     name: str,
     runtime: dict | None,
+    series: bool = False,
+    resume_from: uuid.UUID | None = None,
 ) -> Rental:
     """Book a plan in one step: its card and gang size (`card:NODESxGPUS`) re-priced against the
-    offers free now, or the cheapest plan of a card when only the card is named."""
+    offers free now, or the cheapest plan of a card when only the card is named. A plan longer
+    than one booking is refused unless ``series`` asks for the next booking of its series: the
+    longest booking, resuming from ``resume_from``'s checkpoint when given."""
     if plan_id:
         chosen = _price_gang(query, plan_id)
     else:
@@ -180,10 +197,18 @@ def plan_book(
         raise Conflict(f"no free offers can run {plan_id or card} now", field=field)
     if chosen.cost is None:
         raise Conflict("this plan costs more than can be booked", field=field)
-    run = runtime or {
-        "image": settings.GPUMARKET["HARNESS_IMAGE"],
-        "harness_config": {"model": {"name": "gpt"}, "data": {"name": "text"}},
-    }
+    if chosen.bookings > 1 and not series:
+        # Booking it as one rental would end it after the longest booking, a fraction of the
+        # way through: say so rather than book a run cut short.
+        raise Conflict(
+            f"this plan takes {chosen.hours:,.0f} h, longer than the {MAX_BOOKED_S // 3600} h "
+            f"one booking can hold: it runs as a series of {chosen.bookings} bookings, each "
+            "resuming from the checkpoint of the one before; book them with series: true (the "
+            "next ones with resume_from: the previous rental's id), or choose more GPUs or fewer "
+            "tokens",
+            field=field,
+        )
+    run = _runtime(chosen, query, runtime)
     # What the plan said it books and holds (pricing.booked_seconds, pricing.hold_micros).
     duration = chosen.booked_s
     placement = chosen.placement
@@ -211,10 +236,73 @@ def plan_book(
                     env=run.get("env", {}),
                     ports=run.get("ports", []),
                 ),
+                datasets=(query.dataset,) if query.dataset else (),
+                resume_from=resume_from,
             ),
         )
         Rental.objects.filter(pk=rental.pk).update(advisor_estimate=plan_estimate(chosen))
     return rental
+
+
+def plan_harness_config(plan: Plan, query: Query) -> dict:
+    """The harness config that runs the plan: its model, layout, precision, the query's tokens
+    as steps and its dataset; checked by the harness's own rules for the GPUs the plan books
+    (ValidationFailed naming the field the harness would refuse at start)."""
+    found = plan.estimate
+    config = harness_config(
+        shape=query.run.shape,
+        layout=found.layout,
+        precision=found.precision,
+        micro_batches=found.step.micro_batches,
+        tokens=query.run.tokens,
+        dataset=query.dataset,
+    )
+    problems = harness_problems(
+        config,
+        world_size=plan.placement.gpus,
+        local_world_size=plan.placement.gpus_per_node,
+    )
+    if problems:
+        key, reason = problems[0]
+        raise ValidationFailed(
+            f"the harness cannot run this plan: {key}: {reason}", field=_request_field(key)
+        )
+    return config
+
+
+# The request field behind each harness config key the harness can refuse.
+_FIELDS = {
+    "layout.dp": "dp",
+    "layout.tp": "tp",
+    "layout.pp": "pp",
+    "layout.shard": "zero_stage",
+    "layout.recompute": "checkpointing",
+    "layout.micro_batch": "micro_batch",
+    "layout.grad_accum": "global_batch",
+    "layout.pp_microbatches": "micro_batch",
+    "train.precision": "precision",
+    "train.steps": "tokens_b",
+    "data.seq_len": "seq_len",
+    "model.seq_len": "seq_len",
+    "data.batch_size": "micro_batch",
+    "data.path": "dataset",
+}
+
+
+def _request_field(key: str) -> str:
+    if key in _FIELDS:
+        return _FIELDS[key]
+    return "model" if key.startswith("model.") else "plan"
+
+
+def _runtime(plan: Plan, query: Query, runtime: dict | None) -> dict:
+    """What the rental runs: the harness with the plan's config, unless the customer gave a
+    command or a harness config of their own."""
+    harness = settings.GPUMARKET["HARNESS_IMAGE"]
+    run = dict(runtime or {"image": harness})
+    if run.get("image") == harness and run.get("harness_config") is None and not run.get("command"):
+        run["harness_config"] = plan_harness_config(plan, query)
+    return run
 
 
 def _price_gang(query: Query, plan_id: str) -> Plan | None:

@@ -32,6 +32,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
             which = p.add_mutually_exclusive_group(required=True)
             which.add_argument("--plan", help="a plan id from advise (card:NODESxGPUS)")
             which.add_argument("--card", help="a card: its cheapest plan")
+            p.add_argument("--dataset", help="your team's dataset of token files to train on")
+            p.add_argument(
+                "--series",
+                action="store_true",
+                help="a plan longer than one booking: book the next of its series",
+            )
+            p.add_argument("--resume-from", help="the series' previous rental id")
 
 
 def plan_row(plan: dict) -> dict:
@@ -69,5 +76,11 @@ def run(args: argparse.Namespace, api: Api) -> str:
         text = table(rows, columns) if rows else "no plan"
         return "\n".join([text, *answer["reasons"]])
     which = {"plan": args.plan} if args.plan else {"card": args.card}
+    if args.dataset:
+        which["dataset"] = args.dataset
+    if args.series:
+        which["series"] = True
+    if args.resume_from:
+        which["resume_from"] = args.resume_from
     rental = api.call("POST", "/api/v1/advisor/book/", json={**_body(args), **which})
-    return f"{rental['id']} {rental['status']}"
+    return "\n".join([f"{rental['id']} {rental['status']}", *filter(None, [rental.get("message")])])

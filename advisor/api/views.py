@@ -12,8 +12,18 @@ from rest_framework.views import APIView
 from advisor import calibration, plans
 from advisor import selectors as advisor_selectors
 from advisor.engine.layouts import Run, default_topology, estimate
-from advisor.engine.memory import Checkpointing, Layout, Optimizer, Precision, per_gpu
-from advisor.engine.presets import PRESETS, ModelShape, decoder_shape, with_run
+from advisor.engine.memory import (
+    GB,
+    USABLE_SHARE,
+    Checkpointing,
+    Layout,
+    Optimizer,
+    Precision,
+    per_gpu,
+)
+from advisor.engine.presets import PRESETS, ModelShape, decoder_shape, params_mismatch, with_run
+from advisor.engine.pricing import MAX_BOOKED_S
+from advisor.engine.runs import layout_section, unrunnable
 from core.errors import ValidationFailed
 from marketplace import selectors
 from marketplace.api.serializers import RentalDetailSerializer, RuntimeSerializer, refuse_unknown
@@ -33,27 +43,49 @@ class ModelSpecSerializer(serializers.Serializer):
     layers = serializers.IntegerField(required=False, min_value=1, max_value=1000)
     hidden = serializers.IntegerField(required=False, min_value=1, max_value=131_072)
     heads = serializers.IntegerField(required=False, min_value=1, max_value=1024)
+    kv_heads = serializers.IntegerField(
+        required=False, min_value=1, max_value=1024, help_text="grouped-query attention heads"
+    )
+    ffn_hidden = serializers.IntegerField(
+        required=False,
+        min_value=1,
+        max_value=1_048_576,
+        help_text="the MLP width; default: the one that gives params_b",
+    )
     seq_len = serializers.IntegerField(required=False, min_value=1, max_value=1_048_576)
     micro_batch = serializers.IntegerField(required=False, min_value=1, max_value=65_536)
     global_batch = serializers.IntegerField(
         required=False, min_value=1, max_value=10_000_000, help_text="sequences per step"
     )
     precision = serializers.ChoiceField(choices=list(Precision), default=Precision.BF16)
-    optimizer = serializers.ChoiceField(choices=list(Optimizer), default=Optimizer.ADAMW)
+    optimizer = serializers.ChoiceField(
+        choices=[*Optimizer, "adam"],
+        default=Optimizer.ADAMW,
+        help_text="adam is adamw (the same states: two fp32 moments)",
+    )
 
     ALSO: frozenset[str] = frozenset()
+
+    def validate_optimizer(self, value):
+        # Adam and AdamW keep the same states; they differ only in how weight decay is applied.
+        return Optimizer.ADAMW if value == "adam" else Optimizer(value)
 
     def validate(self, attrs):
         refuse_unknown(self, also=self.ALSO)
         if ("model" in attrs) == ("params_b" in attrs):
             raise serializers.ValidationError({"model": ["give a preset model or params_b"]})
-        shape_fields = {"layers", "hidden", "heads"} & set(attrs)
+        shape_fields = {"layers", "hidden", "heads", "kv_heads", "ffn_hidden"} & set(attrs)
         if "model" in attrs and shape_fields:
             field = sorted(shape_fields)[0]
             raise serializers.ValidationError({field: ["a preset has its own shape"]})
         if "hidden" in attrs and "heads" in attrs and attrs["hidden"] % attrs["heads"]:
             raise serializers.ValidationError({"heads": ["hidden must be divisible by heads"]})
+        if "kv_heads" in attrs and attrs.get("heads", 1) % attrs["kv_heads"]:
+            raise serializers.ValidationError({"kv_heads": ["must divide heads"]})
         attrs["shape"] = self._shape(attrs)
+        mismatch = params_mismatch(attrs["shape"])
+        if mismatch is not None:
+            raise serializers.ValidationError({"params_b": [str(mismatch)]})
         if attrs["shape"].micro_batch > attrs["shape"].global_batch:
             raise serializers.ValidationError({"micro_batch": ["larger than global_batch"]})
         return attrs
@@ -84,6 +116,8 @@ class ModelSpecSerializer(serializers.Serializer):
             layers=attrs.get("layers"),
             hidden=attrs.get("hidden"),
             heads=attrs.get("heads"),
+            kv_heads=attrs.get("kv_heads"),
+            ffn_hidden=attrs.get("ffn_hidden"),
             seq_len=attrs.get("seq_len", 2048),
             global_batch=attrs.get("global_batch"),
             micro_batch=attrs.get("micro_batch", 1),
@@ -105,6 +139,17 @@ class LayoutFieldsMixin(serializers.Serializer):
         tp, pp = attrs.get("tp", 1), attrs.get("pp", 1)
         dp = attrs.get("dp", (gpus // (tp * pp)) if gpus else 1)
         shape = attrs["shape"]
+        if gpus is not None and "dp" not in attrs:
+            # dp follows from the others: a tp or pp that does not divide the GPUs is at fault.
+            for name, label, value in (
+                ("tp", "tp", tp),
+                ("pp", "pp", pp),
+                ("tp", "tp x pp", tp * pp),
+            ):
+                if gpus % value:
+                    raise ValidationFailed(
+                        f"{label} = {value} does not divide the {gpus} GPUs", field=name
+                    )
         if gpus is not None and dp * tp * pp != gpus:
             raise ValidationFailed(f"dp x tp x pp = {dp * tp * pp}, not gpus ({gpus})", field="dp")
         if shape.heads % tp:
@@ -142,6 +187,18 @@ class LayoutSerializer(serializers.Serializer):
     checkpointing = serializers.CharField()
 
 
+class HarnessLayoutSerializer(serializers.Serializer):
+    dp = serializers.IntegerField()
+    tp = serializers.IntegerField()
+    pp = serializers.IntegerField()
+    shard = serializers.ChoiceField(choices=["none", "zero2", "zero3"])
+    recompute = serializers.ChoiceField(choices=list(Checkpointing))
+    micro_batch = serializers.IntegerField()
+    grad_accum = serializers.IntegerField()
+    pp_schedule = serializers.CharField(required=False)
+    pp_microbatches = serializers.IntegerField(required=False)
+
+
 class MemoryAnswerSerializer(serializers.Serializer):
     per_gpu_gb = GbSerializer()
     layout = LayoutSerializer()
@@ -164,8 +221,9 @@ class EstimateAnswerSerializer(serializers.Serializer):
     card = serializers.CharField()
     gpus = serializers.IntegerField()
     fits = serializers.BooleanField()
-    hours = serializers.FloatField()
-    gpu_hours = serializers.FloatField()
+    message = serializers.CharField(allow_null=True, help_text="why there are no hours")
+    hours = serializers.FloatField(allow_null=True, help_text="null when the run does not fit")
+    gpu_hours = serializers.FloatField(allow_null=True)
     mfu = serializers.FloatField(help_text="model FLOPs (6 x params x tokens) over the dense peak")
     mfu_prior = serializers.FloatField(help_text="the card's share of peak, calibrated by runs")
     step_s = serializers.FloatField()
@@ -189,7 +247,7 @@ class AdvisorQuerySerializer(ModelSpecSerializer):
     interruptible = serializers.BooleanField(default=False)
     region = serializers.SlugField(max_length=40, required=False)
 
-    ALSO = frozenset({"plan", "card", "name", "runtime"})
+    ALSO = frozenset({"plan", "card", "name", "runtime", "dataset", "series", "resume_from"})
 
     def query(self) -> plans.Query:
         data = self.validated_data
@@ -199,6 +257,7 @@ class AdvisorQuerySerializer(ModelSpecSerializer):
             deadline_hours=data.get("deadline_hours"),
             budget=data.get("budget"),
             region=data.get("region"),
+            dataset=data.get("dataset"),
         )
 
 
@@ -213,6 +272,19 @@ class AdvisorBookSerializer(AdvisorQuerySerializer):
     )
     name = serializers.CharField(max_length=80, required=False, default="")
     runtime = RuntimeSerializer(required=False)
+    dataset = serializers.SlugField(
+        max_length=100,
+        required=False,
+        help_text="one of your team's ready datasets of token files (flat uint16 arrays, uint32 "
+        "for a vocabulary over 65,536) the run trains on; default: the built-in tokens",
+    )
+    series = serializers.BooleanField(
+        default=False,
+        help_text="book a plan longer than one booking as the next booking of its series",
+    )
+    resume_from = serializers.UUIDField(
+        required=False, help_text="the series' previous rental: its last checkpoint is resumed"
+    )
 
     def validate(self, attrs):
         attrs = super().validate(attrs)
@@ -253,7 +325,17 @@ class PlanSerializer(serializers.Serializer):
     hold_usd = serializers.DecimalField(max_digits=20, decimal_places=6)
     interruptible = serializers.BooleanField()
     checkpoint_interval_s = serializers.FloatField(allow_null=True)
-    flags = serializers.ListField(child=serializers.CharField())
+    bookings = serializers.IntegerField(
+        help_text=f"1 for a run one booking holds; more: a series of bookings of at most "
+        f"{MAX_BOOKED_S // 3600} h, each resuming from the checkpoint of the one before"
+    )
+    runs = serializers.SerializerMethodField(
+        help_text="the harness config's layout section booking it runs"
+    )
+    flags = serializers.ListField(
+        child=serializers.CharField(),
+        help_text="cheapest, fastest, best_value: among the plans one booking holds",
+    )
     notes = serializers.ListField(child=serializers.CharField())
 
     def get_nodes(self, plan) -> int:
@@ -267,6 +349,10 @@ class PlanSerializer(serializers.Serializer):
     def get_per_gpu_gb(self, plan) -> dict:
         return plan.estimate.memory.gb()
 
+    @extend_schema_field(HarnessLayoutSerializer)
+    def get_runs(self, plan) -> dict:
+        return layout_section(plan.estimate.layout, plan.estimate.step.micro_batches)
+
 
 class AdvisorAnswerSerializer(serializers.Serializer):
     plans = PlanSerializer(many=True)
@@ -277,12 +363,21 @@ class AdvisorAnswerSerializer(serializers.Serializer):
 
 
 def _estimate_answer(found) -> dict:
+    usable = found.card.memory_gb * USABLE_SHARE
     return {
         "card": found.card.slug,
         "gpus": found.gpus,
         "fits": found.fits,
-        "hours": found.hours,
-        "gpu_hours": found.gpu_hours,
+        # Hours of a run that cannot start are no answer: say what is short instead.
+        "message": None
+        if found.fits
+        else (
+            f"does not fit: {found.memory.total / GB:.1f} GB per GPU with the layout needing the "
+            f"least, {usable:.1f} GB usable on a {found.card.memory_gb:g} GB card; add GPUs, "
+            "shard (zero_stage 3) or recompute (checkpointing full)"
+        ),
+        "hours": found.hours if found.fits else None,
+        "gpu_hours": found.gpu_hours if found.fits else None,
         "mfu": found.mfu,
         "mfu_prior": found.prior,
         "step_s": found.step.total,
@@ -325,6 +420,12 @@ class AdvisorEstimateView(APIView):
         data = body.validated_data
         card = advisor_selectors.advisor_card_get(data["card"])
         fixed = body.layout(data, gpus=data["gpus"])
+        precision = card.precision_used(Precision(data["precision"]))
+        why = fixed and unrunnable(data["shape"], fixed, precision)
+        if why:
+            raise ValidationFailed(
+                f"the harness cannot run this layout: {why.reason}", field=why.field
+            )
         found = estimate(body.run(), card, default_topology(card, data["gpus"]), fixed=fixed)
         if found is None:
             raise ValidationFailed(
@@ -381,8 +482,16 @@ class AdvisorBookView(APIView):
             card=data.get("card"),
             name=data["name"],
             runtime=data.get("runtime"),
+            series=data["series"],
+            resume_from=data.get("resume_from"),
         )
         rental = selectors.rental_get(team=team, rental_id=rental.pk)
-        return Response(
-            RentalDetailSerializer.for_instance(rental).data, status=status.HTTP_201_CREATED
-        )
+        answer = dict(RentalDetailSerializer.for_instance(rental).data)
+        bookings = (rental.advisor_estimate or {}).get("bookings", 1)
+        if bookings > 1:
+            answer["message"] = (
+                f"one booking of a series of {bookings}: the run checkpoints as it goes; book the "
+                f"next with series: true and resume_from: {rental.pk} to continue from its last "
+                "checkpoint"
+            )
+        return Response(answer, status=status.HTTP_201_CREATED)

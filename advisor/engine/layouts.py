@@ -7,7 +7,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from advisor.engine.compute import Card, StepTime, Topology, mfu_of, step_time
+from advisor.engine.compute import (
+    NETWORK_GBITS_PER_GPU_NVLINK,
+    Card,
+    StepTime,
+    Topology,
+    mfu_of,
+    step_time,
+)
 from advisor.engine.memory import (
     Checkpointing,
     Layout,
@@ -18,6 +25,7 @@ from advisor.engine.memory import (
     per_gpu,
 )
 from advisor.engine.presets import Kind, ModelShape
+from advisor.engine.runs import ZERO_STAGES, unrunnable
 
 SECONDS_PER_HOUR = 3600
 MAX_PIPELINE = 64
@@ -60,9 +68,17 @@ class Estimate:
 
 
 def default_topology(card: Card, gpus: int) -> Topology:
-    """Up to 8 GPUs per node, equal shares, NVLink where the card has it."""
+    """Up to 8 GPUs per node, equal shares, NVLink where the card has it; a cluster of NVLink
+    nodes on the reference fabric (compute.NETWORK_GBITS_PER_GPU_NVLINK per GPU), others on the
+    conservative default."""
     per_node = max(d for d in range(1, 9) if gpus % d == 0)
-    return Topology(gpus_per_node=per_node, nodes=gpus // per_node, nvlink=card.nvlink_gbs > 0)
+    nvlink = card.nvlink_gbs > 0
+    return Topology(
+        gpus_per_node=per_node,
+        nodes=gpus // per_node,
+        nvlink=nvlink,
+        network_gbits=NETWORK_GBITS_PER_GPU_NVLINK * per_node if nvlink else None,
+    )
 
 
 def _tp_options(shape: ModelShape, card: Card, topology: Topology) -> list[int]:
@@ -79,11 +95,13 @@ def _tp_options(shape: ModelShape, card: Card, topology: Topology) -> list[int]:
 def candidates(
     run: Run, card: Card, topology: Topology, *, fixed: Layout | None = None
 ) -> list[Layout]:
-    """Every layout of the run on these GPUs (or just the fixed one), before memory is checked."""
+    """Every layout of the run on these GPUs that the harness runs (or just the fixed one),
+    before memory is checked."""
     if fixed is not None:
         return [fixed]
     gpus = topology.gpus_per_node * topology.nodes
     shape = run.shape
+    precision = card.precision_used(run.precision)
     checkpointing = [run.checkpointing] if run.checkpointing else list(Checkpointing)
     layouts = []
     for tp in _tp_options(shape, card, topology):
@@ -97,17 +115,17 @@ def candidates(
                 continue
             micro = max(1, min(shape.micro_batch, shape.global_batch // dp))
             for ckpt in checkpointing:
-                for zero in range(4) if dp > 1 else (0,):
-                    layouts.append(
-                        Layout(
-                            dp=dp,
-                            tp=tp,
-                            pp=pp,
-                            zero_stage=zero,
-                            micro_batch=micro,
-                            checkpointing=ckpt,
-                        )
+                for zero in ZERO_STAGES if dp > 1 else (0,):
+                    layout = Layout(
+                        dp=dp,
+                        tp=tp,
+                        pp=pp,
+                        zero_stage=zero,
+                        micro_batch=micro,
+                        checkpointing=ckpt,
                     )
+                    if unrunnable(shape, layout, precision) is None:
+                        layouts.append(layout)
     return layouts
 
 

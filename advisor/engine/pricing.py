@@ -35,6 +35,15 @@ BOOKING_MARGIN = 1.2
 MIN_BOOKED_S = 600
 MAX_BOOKED_S = 30 * 86400
 MICROS_PER_USD = 1_000_000
+# What a card's answer keeps: the cheapest, the fastest, the best value and the one meeting the
+# deadline, then the next best values, up to this many.
+PLANS_PER_CARD = 3
+
+
+def bookings_needed(hours: float) -> int:
+    """How many bookings of the longest a booking may last a run of this estimate takes: more
+    than one is a series, each resuming from the checkpoint the one before it wrote."""
+    return max(1, math.ceil(hours * 3600 / MAX_BOOKED_S))
 
 
 def booked_seconds(hours: float) -> int:
@@ -100,6 +109,8 @@ class Plan:
     hold_micros: int
     checkpoint_interval_s: float | None = None
     preemption_overhead: float = 0.0
+    # More than one: longer than a booking can hold, run as a series of bookings.
+    bookings: int = 1
     flags: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -113,6 +124,12 @@ class Plan:
     @property
     def gpu_hours(self) -> float:
         return self.hours * self.placement.gpus
+
+    @property
+    def exact_cost(self) -> Decimal:
+        """The estimated hours at the price, unrounded: what tells apart plans of a short run
+        whose costs round to the same cent."""
+        return Decimal(repr(self.hours)) * self.placement.gpus * self.price_per_gpu_hour
 
     @property
     def booked_hours(self) -> float:
@@ -183,6 +200,13 @@ def price_plan(run: Run, found: Estimate, placement: Placement, *, interruptible
         f"{MIN_BOOKED_S // 60} min) and holds ${Decimal(held) / MICROS_PER_USD:.2f} of the "
         "balance until it ends; only the GPU-seconds it runs are charged"
     )
+    bookings = bookings_needed(hours)
+    if bookings > 1:
+        notes.append(
+            f"takes {hours:,.0f} h, longer than the {MAX_BOOKED_S // 3600} h one booking can "
+            f"hold: it runs as a series of {bookings} bookings, each resuming from the last "
+            "checkpoint of the one before (book each with resume_from); more GPUs make it shorter"
+        )
     return Plan(
         estimate=found,
         placement=placement,
@@ -194,6 +218,7 @@ def price_plan(run: Run, found: Estimate, placement: Placement, *, interruptible
         interruptible=interruptible,
         checkpoint_interval_s=interval,
         preemption_overhead=overhead,
+        bookings=bookings,
         notes=notes,
     )
 
@@ -246,7 +271,37 @@ def card_plans(
         found = estimate(run, card, topologies[i])
         if found is not None and found.fits:
             plans.append(price_plan(run, found, gangs[i], interruptible=interruptible))
-    return plans, None
+    return shortlist(plans, deadline_hours=deadline_hours), None
+
+
+def _value(plan: Plan) -> Decimal:
+    return plan.exact_cost * Decimal(repr(plan.hours))
+
+
+def shortlist(plans: list[Plan], *, deadline_hours: float | None) -> list[Plan]:
+    """A card's few plans worth showing: its fewest GPUs, cheapest, fastest and best value
+    (least cost x hours), the fewest GPUs meeting the deadline, then the next best values,
+    PLANS_PER_CARD in all unless those named are more."""
+    if len(plans) <= PLANS_PER_CARD:
+        return plans
+
+    def cost(p: Plan) -> Decimal:
+        return p.exact_cost
+
+    keep = {
+        min(plans, key=lambda p: (p.placement.gpus, cost(p))).id,
+        min(plans, key=lambda p: (cost(p), p.hours)).id,
+        min(plans, key=lambda p: (p.hours, cost(p))).id,
+        min(plans, key=lambda p: (_value(p), cost(p))).id,
+    }
+    meeting = [p for p in plans if deadline_hours is not None and p.hours <= deadline_hours]
+    if meeting:
+        keep.add(min(meeting, key=lambda p: (p.placement.gpus, cost(p))).id)
+    for plan in sorted(plans, key=lambda p: (_value(p), cost(p))):
+        if len(keep) >= PLANS_PER_CARD:
+            break
+        keep.add(plan.id)
+    return [p for p in plans if p.id in keep]
 
 
 def choose(
@@ -273,10 +328,18 @@ def choose(
             reasons.append(f"no plan fits a budget of {budget}: the cheapest costs {cheapest}")
         kept = within
     kept.sort(key=lambda p: (p.cost, p.hours, p.id))
-    if kept:
-        min(kept, key=lambda p: (p.cost, p.hours)).flags.append("cheapest")
-        min(kept, key=lambda p: (p.hours, p.cost)).flags.append("fastest")
-        min(kept, key=lambda p: (p.cost * Decimal(repr(p.hours)), p.cost)).flags.append(
-            "best_value"
+    # A flag recommends booking the plan: never one that no booking can hold.
+    bookable = [p for p in kept if p.bookings == 1]
+    if bookable:
+        min(bookable, key=lambda p: (p.exact_cost, p.hours)).flags.append("cheapest")
+        min(bookable, key=lambda p: (p.hours, p.exact_cost)).flags.append("fastest")
+        min(bookable, key=lambda p: (_value(p), p.exact_cost)).flags.append("best_value")
+    elif kept:
+        fastest = min(kept, key=lambda p: p.hours)
+        reasons.append(
+            f"no plan fits one booking of at most {MAX_BOOKED_S // 3600} h: the fastest takes "
+            f"{fastest.hours:,.0f} h ({fastest.hours / 8766:,.1f} years), a series of "
+            f"{fastest.bookings} bookings resuming from checkpoints; none is recommended: "
+            "train on fewer tokens, a smaller model, or more GPUs"
         )
     return kept, reasons

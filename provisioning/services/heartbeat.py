@@ -116,6 +116,9 @@ def _desired_from(*, node: Node, held: list[tuple]) -> list[DesiredRun]:
         cpu, memory_mb = _cpu_and_memory(node, len(gpus))
         command = list(rental.command)
         env = {str(k): str(v) for k, v in rental.env.items()}
+        # The processes a run starts (`--nproc auto`): one per GPU it has here, also where the
+        # GPUs are simulated and the run trains on the CPU, so a planned layout gets its ranks.
+        env["NPROC_PER_NODE"] = str(len(gpus))
         if rental.pk in gangs:
             # One job across the members: the platform's job description wins over the env
             # the customer set, or the members would not find each other.
@@ -123,7 +126,7 @@ def _desired_from(*, node: Node, held: list[tuple]) -> list[DesiredRun]:
         if rental.harness_config is not None:
             env["HARNESS_CONFIG_JSON"] = json.dumps(rental.harness_config)
             if not command:
-                # One command whatever the GPU count: DDP over every GPU the container sees.
+                # One command whatever the GPU count: the planned layout over NPROC_PER_NODE.
                 command = [
                     "python", "-m", "harness",
                     "--config-env", "HARNESS_CONFIG_JSON", "--nproc", "auto",

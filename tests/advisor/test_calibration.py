@@ -110,3 +110,37 @@ def test_metrics_of_a_run_not_booked_by_the_advisor_are_not_compared(auth_api, m
     metrics_store(node=node, lines=[(str(rental.pk), run.run_id, summary)])
     assert advisor_runs_calibrate() == 0
     assert not AdvisorCheck.objects.exists() and not AdvisorPrior.objects.exists()
+
+
+def test_the_booked_plan_runs_as_planned_and_its_measurement_reaches_the_calibration(
+    auth_api, make_node
+):
+    # Given a plan for the harness's tiny preset booked without a runtime of the customer's
+    node = make_node(card=CARD, gpus=1)
+    query = {"model": "tiny", "tokens_b": 0.001, "card": CARD}
+    booked = auth_api.post("/api/v1/advisor/book/", query, format="json")
+    assert booked.status_code == 201, booked.content
+    rental = Rental.objects.get(pk=booked.json()["id"])
+    planned = rental.harness_config
+    assert planned["model"] == {"name": "transformer", "preset": "tiny"}
+
+    # When the harness runs that config (shortened, on CPU) and its metrics are stored
+    # (bf16 is the plan's precision; a CPU runs fp32 faster)
+    train = {**planned["train"], "steps": 6, "log_every": 2, "device": "cpu", "precision": "fp32"}
+    config = {**planned, "train": train, "checkpoint": {"enabled": False}}
+    out = io.StringIO()
+    Trainer(load_config_dict(config), emit=JsonLines(out)).run()
+    lines = out.getvalue().splitlines()
+    start = json.loads(lines[0])
+    # Then the run reports the planned model and layout
+    assert start["config"]["model"]["layers"] == 4 and start["config"]["model"]["hidden"] == 32
+    for key in ("dp", "tp", "pp", "shard", "recompute", "micro_batch", "grad_accum"):
+        assert start["layout"][key] == planned["layout"][key], key
+    run = ContainerRun.objects.create(
+        rental=rental, node=node, run_id=run_id_for(rental.pk, node.pk, timezone.now())
+    )
+    metrics_store(node=node, lines=[(str(rental.pk), run.run_id, line) for line in lines])
+    # And its measurement is compared with the estimate for that model and layout
+    assert advisor_runs_calibrate() == 1
+    check = AdvisorCheck.objects.get(rental=rental)
+    assert check.measured_step_s > 0 and check.estimated_step_s > 0

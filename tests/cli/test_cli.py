@@ -290,3 +290,27 @@ def test_show_summarises_a_finished_rental():
     assert "datasets  shakespeare" in out and "access    ssh -p 2222 root@gpu.example" in out
     assert "  2026-12-06 03:10:39  pending      created" in out
     assert out.splitlines()[-1] == "  line 19" and "line 14" not in out
+
+
+def test_book_runs_the_plan_on_the_named_dataset(cli, user, make_node):
+    from storage.models import Dataset, DatasetStatus
+
+    # Given a card free and a ready dataset of the team's token files
+    make_node(card="rtx4090-24gb", gpus=2, price="0.40")
+    Dataset.objects.create(
+        team=personal_team(user), owner=user, name="corpus", status=DatasetStatus.READY
+    )
+    # When the card's cheapest plan is booked from the command line with the dataset
+    code, out, _ = cli(
+        "book", "--model", "gpt2-124m", "--tokens-b", "0.1", "--card", "rtx4090-24gb",
+        "--dataset", "corpus",
+    )  # fmt: skip
+    # Then the rental runs the planned preset on that dataset, in the planned layout
+    assert code == 0, out
+    rental = Rental.objects.get()
+    config = rental.harness_config
+    assert config["model"] == {"name": "transformer", "preset": "gpt2-124m"}
+    assert config["data"]["path"] == "corpus"
+    layout = config["layout"]
+    assert layout["dp"] * layout["tp"] * layout["pp"] == rental.gpus_per_node * rental.node_count
+    assert rental.advisor_estimate["layout"]["dp"] == layout["dp"]

@@ -113,10 +113,12 @@ def test_the_demo_marketplace_is_live_and_a_new_account_books_a_plan_and_gets_it
     # They ask the advisor and book a one-GPU H100 plan in one step.
     driver.get(f"{base}/advisor/")
     _landed(driver, "/advisor/")
-    Select(driver.find_element(By.ID, "a-model")).select_by_value("gpt2-124m")
+    # The booking runs the planned model: the harness's CPU-sized preset on a simulated host,
+    # with tokens enough that it still trains when stopped.
+    Select(driver.find_element(By.ID, "a-model")).select_by_value("tiny")
     tokens_b = driver.find_element(By.ID, "a-tokens_b")
     tokens_b.clear()
-    tokens_b.send_keys("0.0001")
+    tokens_b.send_keys("1")
     driver.find_element(By.ID, "a-submit").click()
 
     def one_gpu_h100(d):
