@@ -14,9 +14,10 @@ from advisor import selectors as advisor_selectors
 from advisor.engine.layouts import Run, default_topology, estimate
 from advisor.engine.memory import Checkpointing, Layout, Optimizer, Precision, per_gpu
 from advisor.engine.presets import PRESETS, ModelShape, decoder_shape, with_run
+from core.api.fields import refuse_unknown
 from core.errors import ValidationFailed
 from marketplace import selectors
-from marketplace.api.serializers import RentalDetailSerializer, RuntimeSerializer, refuse_unknown
+from marketplace.api.serializers import RentalDetailSerializer, RuntimeSerializer
 from marketplace.models import GpuModel
 from marketplace.tenancy import request_team
 

@@ -3,28 +3,17 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from decimal import Decimal
 
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from advisor.engine.presets import PRESETS, decoder_shape
-from core.api.fields import INT32_MAX, BoundedDateTimeField
+from core.api.fields import INT32_MAX, BoundedDateTimeField, refuse_unknown
 from core.api.pagination import MAX_OFFSET
 from core.api.reuse import ReusedPerThread
 from marketplace.models import ApiToken, GpuModel, RentalStatus, TeamRole
 from marketplace.selectors import OFFER_ORDERINGS
-
-
-def refuse_unknown(
-    serializer: serializers.Serializer, *, also: Iterable[str] = (), why: str = "unknown field"
-) -> None:
-    """A request naming a field the serializer does not take is refused, naming it: a typo must
-    not silently become the default."""
-    unknown = set(serializer.initial_data) - set(serializer.fields) - set(also)
-    if unknown:
-        raise serializers.ValidationError({name: [why] for name in sorted(unknown)})
 
 
 class GpuModelSerializer(serializers.ModelSerializer):
