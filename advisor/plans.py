@@ -12,19 +12,12 @@ from django.db.models import DurationField, ExpressionWrapper, F, Sum
 from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
+from accounts.models import Team
 from advisor.engine.layouts import Run, estimate
 from advisor.engine.pricing import Offer, Plan, card_plans, choose, placements, price_plan
 from advisor.selectors import advisor_card_get, advisor_cards
 from core.errors import Conflict
-from marketplace.models import (
-    Node,
-    Rental,
-    RentalEvent,
-    RentalKind,
-    RentalStatus,
-    Team,
-    User,
-)
+from marketplace.models import Node, Rental, RentalEvent, RentalKind, RentalStatus, User
 from marketplace.selectors import OfferFilters, offer_list
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 

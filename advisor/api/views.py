@@ -9,6 +9,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from accounts.tenancy import request_team
 from advisor import calibration, plans
 from advisor import selectors as advisor_selectors
 from advisor.engine.layouts import Run, default_topology, estimate
@@ -19,7 +20,6 @@ from core.errors import ValidationFailed
 from marketplace import selectors
 from marketplace.api.serializers import RentalDetailSerializer, RuntimeSerializer
 from marketplace.models import GpuModel
-from marketplace.tenancy import request_team
 
 MAX_GPUS = 100_000
 

@@ -16,8 +16,8 @@ from django.core import signing
 from django.test import Client
 from django.urls import reverse
 
+from accounts.signup import EmailNotSent, email_send
 from billing.models import Account, AccountKind, LedgerEntry
-from config.accounts import EmailNotSent, email_send
 from marketplace.models import User
 from tests.conftest import totp_code
 from tests.factories import UserFactory
