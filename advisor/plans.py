@@ -13,6 +13,7 @@ from django.db.models import DurationField, ExpressionWrapper, F, Sum
 from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
+from accounts.models import Team
 from advisor.engine.layouts import Run, estimate
 from advisor.engine.pricing import (
     MAX_BOOKED_S,
@@ -26,15 +27,7 @@ from advisor.engine.pricing import (
 from advisor.engine.runs import harness_config, harness_problems
 from advisor.selectors import advisor_card_get, advisor_cards
 from core.errors import Conflict, ValidationFailed
-from marketplace.models import (
-    Node,
-    Rental,
-    RentalEvent,
-    RentalKind,
-    RentalStatus,
-    Team,
-    User,
-)
+from marketplace.models import Node, Rental, RentalEvent, RentalKind, RentalStatus, User
 from marketplace.selectors import OfferFilters, offer_list
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 

@@ -32,8 +32,8 @@ RENTAL_COPY = (
 
 def bench_team(user_id: int) -> int:
     """The personal team of the user, made as the app makes it (rentals belong to a team)."""
+    from accounts.services import team_personal_ensure
     from marketplace.models import User
-    from marketplace.services import team_personal_ensure
 
     return team_personal_ensure(user=User.objects.get(pk=user_id)).pk
 

@@ -49,8 +49,8 @@ def server_cpu_seconds(server: subprocess.Popen) -> float:
 
 
 def join_tokens(n: int) -> list[str]:
+    from accounts.services import user_create
     from marketplace.models import Provider
-    from marketplace.services import user_create
     from provisioning.services import join_token_create
 
     owner = user_create(username="provider", email="p@example.invalid", password="x")
@@ -177,8 +177,8 @@ def scheduled_to_running(base: str) -> tuple[float, str]:
     """One real agent, one rental: seconds from the SCHEDULED event to the RUNNING event."""
     import docker
 
+    from accounts.services import team_personal_ensure, user_create
     from marketplace.models import Rental, RentalEvent, RentalStatus
-    from marketplace.services import team_personal_ensure, user_create
     from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
     from scheduler.services import scheduler_cycle_run
 

@@ -161,8 +161,8 @@ def celery_worker():
 
 
 def funded_customer(username: str):
+    from accounts.services import team_personal_ensure, user_create
     from billing.services.ledger import account_adjust, account_for_team
-    from marketplace.services import team_personal_ensure, user_create
 
     customer = user_create(username=username, email=f"{username}@example.invalid", password="x")
     account_adjust(
@@ -178,7 +178,7 @@ def offered_load(rate: float, seconds: float, customer) -> dict:
     """rental_create at `rate`/s for `seconds` from 4 threads; create->SCHEDULED of each."""
     from django.db import connection, connections
 
-    from marketplace.services import team_personal_ensure
+    from accounts.services import team_personal_ensure
     from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 
     team = team_personal_ensure(user=customer)
@@ -254,7 +254,7 @@ def service_create_rate(customer, n: int = 200) -> float:
     for one caller (no scheduling, no queueing)."""
     from django.db import transaction
 
-    from marketplace.services import team_personal_ensure
+    from accounts.services import team_personal_ensure
     from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 
     team = team_personal_ensure(user=customer)
@@ -279,8 +279,8 @@ def api_creates(customer, seconds: float = 10.0, threads_n: int = 4) -> dict:
     from http.client import HTTPConnection
     from urllib.parse import urlsplit
 
-    from marketplace.services import team_personal_ensure
-    from marketplace.services.accounts import api_token_create
+    from accounts.services import team_personal_ensure
+    from accounts.services.tokens import api_token_create
 
     team = team_personal_ensure(user=customer)
     _, token = api_token_create(user=customer, team=team, name="bench")

@@ -8,7 +8,10 @@ class BillingConfig(AppConfig):
     def ready(self) -> None:
         # Models are loaded only now. The marketplace cannot import billing (billing depends
         # on it), so billing hands it the funds hold that guards every new rental.
-        from billing.services import funds_hold_create
+        from accounts.signup import signup_onboard_register
+        from billing.services import customer_signup, funds_hold_create
         from marketplace.services.rentals import funds_hold_register
 
         funds_hold_register(funds_hold_create)
+        # Likewise the accounts app, below billing, is handed what a new sign-up gets.
+        signup_onboard_register(customer_signup)

@@ -9,6 +9,7 @@ from decimal import Decimal
 from django.db.models import F, Q, QuerySet, Sum
 from django.utils import timezone
 
+from accounts.models import Team
 from billing import conf, queries, stripe_adapter
 from billing.models import (
     Account,
@@ -27,7 +28,7 @@ from billing.models import (
 )
 from core.money import cost_micros
 from marketplace import lifecycle
-from marketplace.models import Node, Provider, Rental, Team, User
+from marketplace.models import Node, Provider, Rental, User
 
 
 @dataclass(frozen=True, slots=True)

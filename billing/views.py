@@ -11,8 +11,8 @@ from django.shortcuts import render
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
+from accounts.tenancy import request_membership, request_team, team_page
 from billing import conf, selectors, services, stripe_adapter
-from marketplace.tenancy import request_membership, request_team, team_page
 
 log = logging.getLogger(__name__)
 

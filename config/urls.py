@@ -5,7 +5,7 @@ from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from config.accounts import ConfirmEmailView
+from accounts.signup import ConfirmEmailView
 from config.observability.health import healthz, readyz
 from config.observability.metrics import metrics_view
 from provisioning import web as provisioning_web
@@ -29,6 +29,7 @@ urlpatterns = [
     path("accounts/", include("allauth.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+    path("api/v1/", include("accounts.api.urls")),
     path("api/v1/", include("marketplace.api.urls")),
     path("api/v1/advisor/", include("advisor.api.urls")),
     path("api/v1/billing/", include("billing.api.urls")),
@@ -55,5 +56,6 @@ urlpatterns = [
     ),
     path("advisor/", include("advisor.urls")),
     path("datasets/", include("storage.urls")),
+    path("", include("accounts.urls")),
     path("", include("marketplace.web.urls")),
 ]

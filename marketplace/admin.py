@@ -1,5 +1,5 @@
-"""The ops console: inventory, catalog, rentals, teams and tokens (staff only, as the admin
-always is)."""
+"""The ops console: people, inventory, catalog and rentals (staff only, as the admin always is).
+Teams and tokens are in accounts.admin."""
 
 from __future__ import annotations
 
@@ -9,21 +9,19 @@ from django.contrib import admin, messages
 from django.contrib.auth.admin import UserAdmin
 from django.db.models import Prefetch
 
+from accounts.models import Membership
+from accounts.services import team_personal_ensure
 from core.errors import DomainError
 from marketplace import services
 from marketplace.models import (
     Allocation,
-    ApiToken,
     Gpu,
     GpuModel,
-    Invitation,
-    Membership,
     Node,
     NodeEvent,
     Provider,
     Rental,
     RentalEvent,
-    Team,
     User,
 )
 
@@ -44,64 +42,7 @@ class MarketplaceUserAdmin(UserAdmin):
         super().save_model(request, obj, form, change)
         if not change:
             # Every person has a personal team, however their account was made.
-            services.team_personal_ensure(user=obj)
-
-
-class MembershipInline(admin.TabularInline):
-    model = Membership
-    fields = ["user", "role", "created_at"]
-    readonly_fields = ["created_at"]
-    raw_id_fields = ["user"]
-    extra = 0
-
-
-@admin.register(Team)
-class TeamAdmin(admin.ModelAdmin):
-    list_display = ["name", "personal_of", "created_at"]
-    search_fields = ["name", "memberships__user__username", "memberships__user__email"]
-    list_select_related = ["personal_of"]
-    readonly_fields = ["personal_of", "created_at"]
-    inlines = [MembershipInline]
-
-
-@admin.register(Membership)
-class MembershipAdmin(admin.ModelAdmin):
-    list_display = ["team", "user", "role", "created_at"]
-    list_filter = ["role"]
-    search_fields = ["team__name", "user__username", "user__email"]
-    list_select_related = ["team", "user"]
-    raw_id_fields = ["team", "user"]
-
-
-@admin.register(Invitation)
-class InvitationAdmin(admin.ModelAdmin):
-    list_display = [
-        "email",
-        "team",
-        "role",
-        "created_at",
-        "expires_at",
-        "accepted_at",
-        "revoked_at",
-    ]
-    list_filter = ["role"]
-    search_fields = ["email", "team__name"]
-    list_select_related = ["team"]
-    readonly_fields = [
-        "team",
-        "email",
-        "role",
-        "key_hash",
-        "invited_by",
-        "created_at",
-        "expires_at",
-        "accepted_at",
-        "accepted_by",
-    ]
-
-    def has_add_permission(self, request) -> bool:
-        # Invitations are made by a team's owners so that the link reaches the invited only.
-        return False
+            team_personal_ensure(user=obj)
 
 
 @admin.register(Provider)
@@ -263,15 +204,3 @@ class AllocationAdmin(admin.ModelAdmin):
     list_display = ["rental", "node", "gpu", "during", "released_at"]
     list_select_related = ["rental", "node", "gpu__node"]
     search_fields = ["rental__id", "node__hostname"]
-
-
-@admin.register(ApiToken)
-class ApiTokenAdmin(admin.ModelAdmin):
-    list_display = ["name", "user", "team", "prefix", "created_at", "last_used_at", "revoked_at"]
-    list_select_related = ["user", "team"]
-    readonly_fields = ["prefix", "key_hash", "created_at", "last_used_at"]
-    search_fields = ["name", "prefix", "user__username", "team__name"]
-
-    def has_add_permission(self, request) -> bool:
-        # Tokens are created through the API so that the secret is shown to its owner only.
-        return False

@@ -29,9 +29,10 @@ from django.db import connection, transaction
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
+from accounts.models import Team
 from core.errors import Conflict, NotFound
 from core.rows import model_insert
-from marketplace.models import Allocation, Rental, RentalEvent, RentalStatus, Team, User
+from marketplace.models import Allocation, Rental, RentalEvent, RentalStatus, User
 
 S = RentalStatus
 A = RentalEvent.Actor

@@ -15,20 +15,16 @@ from typing import TYPE_CHECKING
 
 from django.db import connection
 
-from core.rows import model_from_row, sql_named
+from core.rows import sql_named
 from marketplace.models import (
     Allocation,
-    ApiToken,
     Gpu,
     GpuModel,
-    Membership,
     Node,
     NodeStatus,
     Provider,
     Rental,
     RentalEvent,
-    Team,
-    User,
 )
 
 if TYPE_CHECKING:
@@ -179,56 +175,11 @@ def offers(
 
 
 # --- The create path --------------------------------------------------------------------------
-# Every request with a token reads it, its user and team and the user's membership of that
-# team; Django compiling that join cost more CPU than anything else in a create (a create's
-# server CPU, bench/scheduler.py --parts api, docs/benchmarks.md), so the statement is built
-# once and the rows are made into models as the ORM does.
-_TOKEN_JOIN = ((ApiToken, "t"), (User, "u"), (Team, "tm"), (Membership, "m"))
-
-
-@cache
-def _token_sql() -> str:
-    quote = connection.ops.quote_name
-    columns = ", ".join(
-        f"{alias}.{quote(field.column)}"
-        for model, alias in _TOKEN_JOIN
-        for field in model._meta.concrete_fields
-    )
-    return sql_named(
-        f"SELECT {columns} FROM {{token}} t"  # noqa: S608 - the models' own names
-        " JOIN {user} u ON u.{user.id} = t.{token.user}"
-        " JOIN {team} tm ON tm.{team.id} = t.{token.team}"
-        " LEFT JOIN {membership} m"
-        " ON m.{membership.team} = t.{token.team} AND m.{membership.user} = t.{token.user}"
-        " WHERE t.{token.key_hash} = %s",
-        token=ApiToken,
-        user=User,
-        team=Team,
-        membership=Membership,
-    )
-
-
-def api_token_with_membership(
-    *, key_hash: str
-) -> tuple[ApiToken, User, Team, Membership | None] | None:
-    """The token with that hash, its user, its team and the user's membership of the team
-    (None when they are no longer in it), in one statement; None for no such token."""
-    rows = _all(_token_sql(), [key_hash])
-    if not rows:
-        return None
-    row = rows[0]
-    loaded = []
-    for model, _ in _TOKEN_JOIN:
-        fields = model._meta.concrete_fields
-        values, row = row[: len(fields)], row[len(fields) :]
-        loaded.append(model_from_row(model, fields, values) if values[0] is not None else None)
-    token, user, team, membership = loaded
-    return token, user, team, membership
-
+# (The token and membership read of each request is accounts.queries.)
 
 # The refusal check of every create: the cheapest listed nodes that could take a request, with
-# their GPUs, in one statement (compiling it through the ORM cost more than running it; the
-# same create-CPU figure).
+# their GPUs, in one statement (compiling it through the ORM cost more than running it: a
+# create's server CPU, bench/scheduler.py --parts api, docs/benchmarks.md).
 NODE_COLUMNS = (
     "id",
     "region",

@@ -14,7 +14,8 @@ The team's settings switch each kind on or off for all of them (webhook and emai
 
 from __future__ import annotations
 
-from marketplace.models import Membership, Rental, Team, TeamRole, User
+from accounts.models import Membership, Team, TeamRole
+from marketplace.models import Rental, User
 
 MONEY_KINDS = frozenset({"balance.low", "budget.reached"})
 

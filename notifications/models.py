@@ -43,7 +43,7 @@ class NotificationSettings(models.Model):
     until they turn it off. Who of the team receives the emails: notifications.audience."""
 
     team = models.OneToOneField(
-        "marketplace.Team", on_delete=models.CASCADE, related_name="notification_settings"
+        "accounts.Team", on_delete=models.CASCADE, related_name="notification_settings"
     )
     email_enabled = models.BooleanField(default=True)
     email_off = _kind_list()
@@ -68,7 +68,7 @@ class Notification(models.Model):
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     team = models.ForeignKey(
-        "marketplace.Team", on_delete=models.CASCADE, related_name="notifications"
+        "accounts.Team", on_delete=models.CASCADE, related_name="notifications"
     )
     kind = models.CharField(max_length=20, choices=NotificationKind.choices)
     # What the notification reports, unique so that recording the same fact twice is a no-op:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from django.db.models import QuerySet
 
+from accounts.models import Team
 from core.errors import NotFound
-from marketplace.models import Team
 from notifications.models import Delivery, NotificationSettings
 
 

@@ -24,8 +24,9 @@ from django.core.mail import EmailMessage
 from django.db import transaction
 from django.utils import timezone
 
+from accounts.models import Team
 from core.errors import ValidationFailed
-from marketplace.models import Rental, RentalEvent, RentalStatus, Team
+from marketplace.models import Rental, RentalEvent, RentalStatus
 from notifications import audience, webhooks
 from notifications.models import (
     Channel,

@@ -20,10 +20,10 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from accounts.services import token_hash, user_create, user_email_verified_set
 from agentprotocol import simulated_gpu_uuid
 from billing.services import account_adjust, customer_onboard
 from marketplace.models import Gpu, Node, Provider, User
-from marketplace.services import token_hash, user_create, user_email_verified_set
 from provisioning.models import JoinToken, NodeCredential
 from provisioning.services import join_token_create
 

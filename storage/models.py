@@ -32,7 +32,7 @@ class Dataset(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     # The team owns it (any member's rentals read it; the quota is the team's); ownership is
     # read through storage.selectors (datasets_owned) only.
-    team = models.ForeignKey("marketplace.Team", on_delete=models.PROTECT, related_name="datasets")
+    team = models.ForeignKey("accounts.Team", on_delete=models.PROTECT, related_name="datasets")
     # The member who uploaded or registered it.
     owner = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="datasets"

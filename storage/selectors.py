@@ -9,8 +9,9 @@ from collections.abc import Iterable
 from django.db.models import Prefetch, QuerySet, Sum
 from django.db.models.functions import Coalesce
 
+from accounts.models import Team
 from core.errors import NotFound
-from marketplace.models import Rental, Team
+from marketplace.models import Rental
 from marketplace.selectors import rental_owned
 from storage.models import Artifact, Dataset, DatasetFile, RentalDataset
 

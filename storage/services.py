@@ -29,10 +29,11 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from accounts.models import Team
 from core.errors import Conflict, DomainError, ValidationFailed
 from core.locks import advisory_lock
 from marketplace import lifecycle
-from marketplace.models import Rental, Team, User
+from marketplace.models import Rental, User
 from storage import objectstore
 from storage.models import (
     Artifact,

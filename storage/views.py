@@ -9,7 +9,7 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
-from marketplace.tenancy import request_team, team_page
+from accounts.tenancy import request_team, team_page
 from storage import selectors
 
 

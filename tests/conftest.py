@@ -24,8 +24,10 @@ from decimal import Decimal
 import pytest
 from rest_framework.test import APIClient
 
-from marketplace.models import NodeStatus, Provider, Team, User
-from marketplace.services import GpuSpec, api_token_create, node_register, team_personal_ensure
+from accounts.models import Team
+from accounts.services import api_token_create, team_personal_ensure
+from marketplace.models import NodeStatus, Provider, User
+from marketplace.services import GpuSpec, node_register
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 from tests.factories import ProviderFactory, UserFactory, personal_team
 

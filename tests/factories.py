@@ -3,8 +3,9 @@
 import factory
 from allauth.mfa.totp.internal.auth import TOTP
 
-from marketplace.models import Provider, Team, User
-from marketplace.services import team_personal_ensure, user_email_verified_set
+from accounts.models import Team
+from accounts.services import team_personal_ensure, user_email_verified_set
+from marketplace.models import Provider, User
 
 STAFF_TOTP_SECRET = "JBSWY3DPEHPK3PXP"
 
@@ -17,7 +18,7 @@ class UserFactory(factory.django.DjangoModelFactory):
     username = factory.Sequence(lambda n: f"user{n}")
     email = factory.LazyAttribute(lambda u: f"{u.username}@example.invalid")
     password = factory.django.Password("pw-not-secret")
-    # As marketplace.services.user_create does: every person owns a personal team.
+    # As accounts.services.user_create does: every person owns a personal team.
     personal_team = factory.PostGeneration(
         lambda user, create, extracted, **kwargs: (
             team_personal_ensure(user=user) if create else None

@@ -15,6 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 APPS = (
+    "accounts",
     "config",
     "core",
     "devstack",
@@ -34,8 +35,10 @@ ALLOWED = {
     "billing/queries.py": "the funds check's lock and sums, usage and telemetry ingestion, the"
     " set-based billing pass (bench/agents.py, bench/metering.py, bench/scheduler.py)",
     "config/observability/health.py": "readiness probes (SELECT 1 under a statement timeout)",
-    "marketplace/queries.py": "the offers list (bench/offers.py), the create path's token and"
-    " node reads (bench/scheduler.py --parts api), the schedule-latency histogram",
+    "accounts/queries.py": "the create path's token and membership read (bench/scheduler.py"
+    " --parts api)",
+    "marketplace/queries.py": "the offers list (bench/offers.py), the create path's node reads"
+    " (bench/scheduler.py --parts api), the schedule-latency histogram",
     "marketplace/lifecycle.py": "the batch placement's UPDATE and COPY of events: the lifecycle"
     " alone writes a rental's status and events, and tests/marketplace/test_lifecycle.py finds"
     " such SQL by its table names",

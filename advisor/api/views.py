@@ -9,6 +9,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from accounts.tenancy import request_team
 from advisor import calibration, plans
 from advisor import selectors as advisor_selectors
 from advisor.engine.layouts import Run, default_topology, estimate
@@ -24,11 +25,11 @@ from advisor.engine.memory import (
 from advisor.engine.presets import PRESETS, ModelShape, decoder_shape, params_mismatch, with_run
 from advisor.engine.pricing import MAX_BOOKED_S
 from advisor.engine.runs import layout_section, unrunnable
+from core.api.fields import refuse_unknown
 from core.errors import ValidationFailed
 from marketplace import selectors
-from marketplace.api.serializers import RentalDetailSerializer, RuntimeSerializer, refuse_unknown
+from marketplace.api.serializers import RentalDetailSerializer, RuntimeSerializer
 from marketplace.models import GpuModel
-from marketplace.tenancy import request_team
 
 MAX_GPUS = 100_000
 

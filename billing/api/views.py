@@ -11,6 +11,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from accounts.tenancy import request_team
 from billing import selectors, services
 from billing.api.serializers import (
     AccountSerializer,
@@ -31,7 +32,6 @@ from billing.api.serializers import (
 )
 from core.api.pagination import PaginatedListView
 from core.errors import NotFound
-from marketplace.tenancy import request_team
 
 
 class _ListView(PaginatedListView):

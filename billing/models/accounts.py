@@ -20,7 +20,7 @@ class Account(models.Model):
     kind = models.CharField(max_length=10, choices=AccountKind.choices)
     # A customer account belongs to a team: its members' rentals are held and charged here.
     team = models.ForeignKey(
-        "marketplace.Team",
+        "accounts.Team",
         null=True,
         blank=True,
         on_delete=models.PROTECT,

@@ -26,6 +26,7 @@ from billing.services.metering import (
 )
 from billing.services.onboarding import (
     customer_onboard,
+    customer_signup,
     provider_onboard,
     provider_payouts_start,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "billing_pass_run",
     "budgets_enforce",
     "customer_onboard",
+    "customer_signup",
     "funds_hold_create",
     "hold_micros",
     "invoice_issue",

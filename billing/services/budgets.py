@@ -38,13 +38,14 @@ from decimal import Decimal, InvalidOperation
 from django.db import transaction
 from django.utils import timezone
 
+from accounts.models import MONEY_ROLES, Membership
 from agentprotocol import DEFAULT_STOP_GRACE_S
 from billing import conf, queries, selectors
 from billing.errors import BudgetExceeded, LimitExceeded, RateLimited
 from billing.models import Account, BalanceNotice, NoticeKind
 from core.errors import NotFound, ValidationFailed
 from marketplace import lifecycle
-from marketplace.models import MONEY_ROLES, Membership, Rental, User
+from marketplace.models import Rental, User
 from notifications.services import budget_reached_notify
 
 # Dollar amounts a budget may be set to: a cent up to a million dollars.

@@ -11,13 +11,14 @@ from django.db.models import BigIntegerField, F, Value
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
+from accounts.models import Team
 from billing import conf, queries, selectors
 from billing.models import Account, AccountKind, EntryKind, FundsHold, LedgerEntry
 from billing.services import budgets
 from core.errors import PaymentRequired, ValidationFailed
 from core.money import cost_micros
 from core.rows import insert_values, mark_saved, model_insert, pipelined
-from marketplace.models import Provider, Rental, Team, User
+from marketplace.models import Provider, Rental, User
 
 
 def account_for_team(*, team: Team) -> Account:

@@ -6,16 +6,18 @@ from __future__ import annotations
 import logging
 import uuid
 
+from django.conf import settings
 from django.db import transaction
 
+from accounts.services import team_personal_ensure
 from billing import stripe_adapter
 from billing.errors import PaymentsUnavailable
 from billing.models import Account
-from billing.services.ledger import account_for_provider, account_for_team
+from billing.services.ledger import account_adjust, account_for_provider, account_for_team
 from billing.stripe_adapter import StripePermanentError, StripeRetryableError
 from core.errors import NotFound, ValidationFailed
 from marketplace.models import Provider, User
-from marketplace.services import provider_create, team_personal_ensure
+from marketplace.services import provider_create
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +28,24 @@ def customer_onboard(*, user: User) -> Account:
     sign-up changes nothing."""
     with transaction.atomic():
         return account_for_team(team=team_personal_ensure(user=user))
+
+
+def customer_signup(*, user: User) -> None:
+    """A person who signed up: set up as a customer (customer_onboard) and given the sign-up
+    credit (SIGNUP_CREDIT_USD), in the caller's transaction. The accounts app's sign-up calls
+    this through the hook billing registers (accounts sits below billing)."""
+    with transaction.atomic():
+        account = customer_onboard(user=user)
+        credit = settings.SIGNUP_CREDIT_USD
+        if credit > 0:
+            # Keyed by the user: a repeated save cannot credit twice.
+            account_adjust(
+                account_id=account.pk,
+                amount_micros=int(credit * 1_000_000),
+                reason="sign-up credit",
+                actor=None,
+                key=f"signup-credit-{user.pk}",
+            )
 
 
 def provider_onboard(*, owner: User, name: str) -> Provider:

@@ -18,6 +18,7 @@ from django.db import transaction
 from django.db.models import Q, Sum
 from django.utils import timezone
 
+from accounts.models import Membership, Team, TeamRole
 from billing import conf, selectors, stripe_adapter
 from billing.errors import PaymentMismatch, PaymentsUnavailable
 from billing.models import (
@@ -35,7 +36,7 @@ from billing.models import (
 from billing.services.ledger import account_for_team, ledger_post
 from billing.stripe_adapter import PaymentIntentInfo, StripePermanentError, StripeRetryableError
 from core.errors import Conflict, Forbidden, NotFound, PaymentRequired, ValidationFailed
-from marketplace.models import Membership, Team, TeamRole, User
+from marketplace.models import User
 
 log = logging.getLogger(__name__)
 

@@ -58,6 +58,7 @@ INSTALLED_APPS = [
     "django_filters",
     "drf_spectacular",
     "axes",
+    "accounts",
     "marketplace",
     "scheduler",
     "provisioning",
@@ -88,7 +89,7 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "axes.middleware.AxesMiddleware",
     # After sessions, auth and messages: it reads the user and says why it redirects.
-    "config.accounts.StaffTwoFactorMiddleware",
+    "accounts.signup.StaffTwoFactorMiddleware",
 ]
 # The agent API (node tokens, no browser) is served by its own handler with only the middleware
 # a machine's request needs (config/wsgi.py): sessions, CSRF, the user, allauth, messages, axes
@@ -116,7 +117,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
-                "marketplace.web.context.teams",
+                "accounts.context.teams",
             ],
         },
     },
@@ -167,7 +168,7 @@ AXES_COOLOFF_TIME = timedelta(minutes=env.int("AXES_COOLOFF_MINUTES", default=15
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_RESET_ON_SUCCESS = True
 # allauth's sign-in form calls its field "login" (a username or an email address).
-AXES_USERNAME_CALLABLE = "config.accounts.axes_username"
+AXES_USERNAME_CALLABLE = "accounts.signup.axes_username"
 AXES_CLIENT_IP_CALLABLE = "core.api.guards.client_ip"
 AXES_COOLOFF_MESSAGE = (
     "Too many failed sign-ins for this account from your address: try again later."
@@ -193,8 +194,8 @@ LOGOUT_REDIRECT_URL = "/"
 
 # Sign-up and sign-in (django-allauth): a username or the email address signs in; the address
 # must be verified (a link by mail) before the first sign-in; TOTP is optional for customers and
-# required for staff before the admin opens (config.accounts.StaffTwoFactorMiddleware).
-ACCOUNT_ADAPTER = "config.accounts.AccountAdapter"
+# required for staff before the admin opens (accounts.signup.StaffTwoFactorMiddleware).
+ACCOUNT_ADAPTER = "accounts.signup.AccountAdapter"
 ACCOUNT_LOGIN_METHODS = {"username", "email"}
 ACCOUNT_SIGNUP_FIELDS = ["email*", "username*", "password1*", "password2*"]
 ACCOUNT_EMAIL_VERIFICATION = "mandatory"
@@ -211,7 +212,7 @@ MFA_TOTP_TOLERANCE = 1
 
 # Mail (verification links, password resets, sign-in notices) through Django's backend: SMTP by
 # default, the console in `python3 dev.py up`. EMAIL_TIMEOUT bounds every SMTP call; a send that
-# fails on the connection is tried EMAIL_SEND_ATTEMPTS times (config.accounts.email_send).
+# fails on the connection is tried EMAIL_SEND_ATTEMPTS times (accounts.signup.email_send).
 EMAIL_BACKEND = env.str("EMAIL_BACKEND", default="django.core.mail.backends.smtp.EmailBackend")
 EMAIL_HOST = env.str("EMAIL_HOST", default="localhost")
 EMAIL_PORT = env.int("EMAIL_PORT", default=25)
@@ -243,7 +244,7 @@ CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "marketplace.authentication.ApiTokenAuthentication",
+        "accounts.authentication.ApiTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],

@@ -1,7 +1,9 @@
-"""Input fields bounded to what the database and Python's datetime can hold."""
+"""Input fields bounded to what the database and Python's datetime can hold, and the refusal
+of fields a serializer does not take."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import UTC, datetime
 
 from rest_framework import serializers
@@ -24,3 +26,13 @@ class BoundedDateTimeField(serializers.DateTimeField):
                 f"must be between {EARLIEST:%Y-%m-%d} and {LATEST:%Y-%m-%d}"
             )
         return parsed
+
+
+def refuse_unknown(
+    serializer: serializers.Serializer, *, also: Iterable[str] = (), why: str = "unknown field"
+) -> None:
+    """A request naming a field the serializer does not take is refused, naming it: a typo must
+    not silently become the default."""
+    unknown = set(serializer.initial_data) - set(serializer.fields) - set(also)
+    if unknown:
+        raise serializers.ValidationError({name: [why] for name in sorted(unknown)})

@@ -1,6 +1,6 @@
 """Marketplace models, one module per concern."""
 
-from marketplace.models.accounts import ApiToken, Provider, User
+from marketplace.models.accounts import Provider, User
 from marketplace.models.catalog import GpuModel, GpuTier
 from marketplace.models.inventory import Gpu, Node, NodeEvent, NodeStatus
 from marketplace.models.rentals import (
@@ -10,18 +10,12 @@ from marketplace.models.rentals import (
     RentalKind,
     RentalStatus,
 )
-from marketplace.models.sshkeys import SshKey
-from marketplace.models.teams import MONEY_ROLES, Invitation, Membership, Team, TeamRole
 
 __all__ = [
-    "MONEY_ROLES",
     "Allocation",
-    "ApiToken",
     "Gpu",
     "GpuModel",
     "GpuTier",
-    "Invitation",
-    "Membership",
     "Node",
     "NodeEvent",
     "NodeStatus",
@@ -30,8 +24,5 @@ __all__ = [
     "RentalEvent",
     "RentalKind",
     "RentalStatus",
-    "SshKey",
-    "Team",
-    "TeamRole",
     "User",
 ]

@@ -35,7 +35,7 @@ class Rental(models.Model):
     customer = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="rentals"
     )
-    team = models.ForeignKey("marketplace.Team", on_delete=models.PROTECT, related_name="rentals")
+    team = models.ForeignKey("accounts.Team", on_delete=models.PROTECT, related_name="rentals")
     name = models.CharField(max_length=80, blank=True)
     status = models.CharField(
         max_length=12, choices=RentalStatus.choices, default=RentalStatus.PENDING
@@ -74,7 +74,7 @@ class Rental(models.Model):
     resume_from = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
-    # An sshd in the container for the customer's SSH keys (marketplace.models.sshkeys).
+    # An sshd in the container for the customer's SSH keys (accounts.models.sshkeys).
     ssh = models.BooleanField(default=False)
 
     # What happened.

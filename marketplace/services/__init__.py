@@ -1,11 +1,5 @@
 """Every write of the marketplace: typed, keyword-only functions, each owning its transaction."""
 
-from marketplace.services.accounts import (
-    api_token_create,
-    api_token_revoke,
-    token_hash,
-    user_email_verified_set,
-)
 from marketplace.services.inventory import (
     GpuSpec,
     node_bring_online,
@@ -18,26 +12,9 @@ from marketplace.services.inventory import (
     provider_node_action,
     provider_node_price,
 )
-from marketplace.services.teams import (
-    InvitationSent,
-    invitation_accept,
-    invitation_create,
-    invitation_revoke,
-    team_create,
-    team_member_remove,
-    team_member_role_set,
-    team_personal_ensure,
-    user_create,
-)
 
 __all__ = [
     "GpuSpec",
-    "InvitationSent",
-    "api_token_create",
-    "api_token_revoke",
-    "invitation_accept",
-    "invitation_create",
-    "invitation_revoke",
     "node_bring_online",
     "node_drain",
     "node_register",
@@ -47,11 +24,4 @@ __all__ = [
     "provider_create",
     "provider_node_action",
     "provider_node_price",
-    "team_create",
-    "team_member_remove",
-    "team_member_role_set",
-    "team_personal_ensure",
-    "token_hash",
-    "user_create",
-    "user_email_verified_set",
 ]

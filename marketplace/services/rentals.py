@@ -18,17 +18,11 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
 from django.utils import timezone
 
+from accounts.models import Membership, Team
+from accounts.selectors import ssh_key_scope
 from core.errors import NotFound, ValidationFailed
-from marketplace import selectors
 from marketplace.lifecycle import rental_submit
-from marketplace.models import (
-    GpuModel,
-    Membership,
-    Rental,
-    RentalKind,
-    Team,
-    User,
-)
+from marketplace.models import GpuModel, Rental, RentalKind, User
 from marketplace.selectors import (
     NodeFilter,
     engine_nodes_cheapest,
@@ -273,7 +267,7 @@ def rental_create(
         unknown = sorted(set(request.gpu_models) - known)
         if unknown:
             raise ValidationFailed(f"unknown GPU model: {', '.join(unknown)}", field="gpu_models")
-    if request.ssh and not selectors.ssh_key_scope(team=team).exists():
+    if request.ssh and not ssh_key_scope(team=team).exists():
         raise ValidationFailed("add an SSH public key to your team first", field="ssh")
     resume_from = (
         rental_owned(team=team, rental_id=request.resume_from)

@@ -10,22 +10,14 @@ from django.conf import settings
 from django.contrib.auth.decorators import login_required
 from django.core.paginator import Paginator
 from django.http import Http404, HttpRequest, HttpResponse
-from django.shortcuts import redirect, render
-from django.utils.http import url_has_allowed_host_and_scheme
-from django.views.decorators.http import require_GET, require_http_methods, require_POST
+from django.shortcuts import render
+from django.views.decorators.http import require_GET
 
-from core.errors import DomainError, Forbidden
-from marketplace import lifecycle, selectors, services
+from accounts.tenancy import request_team, team_page
+from marketplace import lifecycle, selectors
 from marketplace.api.serializers import OfferQuerySerializer
-from marketplace.models import RentalStatus, TeamRole
+from marketplace.models import RentalStatus
 from marketplace.templatetags.web_format import SIMULATED_HOST_FLAGS
-from marketplace.tenancy import (
-    refused,
-    request_membership,
-    request_team,
-    session_team_set,
-    team_page,
-)
 
 OFFER_PAGE = 50
 ORDERINGS = [
@@ -149,29 +141,6 @@ def rental_detail(request: HttpRequest, rental_id) -> HttpResponse:
 
 @require_GET
 @login_required
-@team_page
-def tokens(request: HttpRequest) -> HttpResponse:
-    return render(
-        request,
-        "web/tokens.html",
-        {
-            "tokens": selectors.api_token_list(
-                team=request_team(request), user=request.user
-            ).order_by("-created_at")
-        },
-    )
-
-
-@require_GET
-@login_required
-@team_page
-def ssh_keys(request: HttpRequest) -> HttpResponse:
-    keys = selectors.ssh_key_list(team=request_team(request))
-    return render(request, "web/ssh_keys.html", {"keys": keys})
-
-
-@require_GET
-@login_required
 def provider(request: HttpRequest) -> HttpResponse:
     """For provider owners: each provider's nodes (prices, drain / relist), a join token for a
     new host, and earnings."""
@@ -188,63 +157,3 @@ def provider(request: HttpRequest) -> HttpResponse:
             "simulated_host_flags": SIMULATED_HOST_FLAGS,
         },
     )
-
-
-@require_GET
-@login_required
-def team(request: HttpRequest) -> HttpResponse:
-    """The current team: its members and roles; owners invite and manage them from here."""
-    membership = request_membership(request)
-    if membership is None:
-        return refused(request, Forbidden("you belong to no team"))
-    return render(
-        request,
-        "web/team.html",
-        {
-            "team": membership.team,
-            "members": selectors.team_members(team=membership.team),
-            "invitations": selectors.invitation_pending_list(team=membership.team),
-            "roles": TeamRole.choices,
-        },
-    )
-
-
-@require_POST
-@login_required
-def team_switch(request: HttpRequest) -> HttpResponse:
-    """The team switcher: the session acts for another of the person's teams from now on."""
-    try:
-        team_id = int(request.POST.get("team", ""))
-    except ValueError:
-        raise Http404("no such team") from None
-    try:
-        session_team_set(request, team_id=team_id)
-    except DomainError as exc:
-        raise Http404(exc.message) from exc
-    back = request.POST.get("next") or "/"
-    if not url_has_allowed_host_and_scheme(back, allowed_hosts={request.get_host()}):
-        back = "/"
-    return redirect(back)
-
-
-@require_http_methods(["GET", "POST"])
-@login_required
-def invitation(request: HttpRequest, team_id: int, key: str) -> HttpResponse:
-    """An invitation's link: shows the team; the button joins it (signed in as the address it
-    was sent to), makes it the session's team and opens its rentals."""
-    found = selectors.invitation_by_key(raw=key)
-    if found is None or found.team_id != team_id:
-        return render(request, "web/invitation.html", {"error": "no such invitation"}, status=404)
-    if request.method == "GET":
-        return render(request, "web/invitation.html", {"invitation": found})
-    try:
-        membership = services.invitation_accept(user=request.user, team_id=team_id, raw=key)
-    except DomainError as exc:
-        return render(
-            request,
-            "web/invitation.html",
-            {"invitation": found, "error": exc.message},
-            status=exc.status,
-        )
-    session_team_set(request, team_id=membership.team_id)
-    return redirect("web-rentals")

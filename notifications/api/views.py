@@ -7,8 +7,8 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from accounts.tenancy import request_team
 from core.api.pagination import PaginatedListView
-from marketplace.tenancy import request_team
 from notifications import selectors, services
 from notifications.api.serializers import (
     DeliveryListQuerySerializer,

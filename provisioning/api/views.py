@@ -19,6 +19,8 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from accounts.services import token_hash
+from accounts.tenancy import request_team
 from agentprotocol import (
     ArtifactCommitAnswer,
     ArtifactUpload,
@@ -36,8 +38,6 @@ from core.api.throttles import RateThrottle
 from core.errors import NotFound
 from marketplace.lifecycle import TERMINAL
 from marketplace.models import Node, Provider, Rental
-from marketplace.services import token_hash
-from marketplace.tenancy import request_team
 from provisioning import services
 from provisioning.api.serializers import (
     ArtifactCommitAnswerSerializer,

@@ -18,6 +18,7 @@ from django.conf import settings
 from django.db import DatabaseError, IntegrityError, transaction
 from django.utils import timezone
 
+from accounts.services import token_hash
 from agentprotocol import (
     ContainerReport,
     ContainerStatus,
@@ -41,7 +42,6 @@ from marketplace.models import (
     RentalStatus,
 )
 from marketplace.selectors import measured_tflops_plausible, rental_ssh_keys
-from marketplace.services import token_hash
 from provisioning import queries
 from provisioning.models import ContainerRun, NodeBenchmark, RunMetric
 from provisioning.services.gangs import barrier as gang_barrier

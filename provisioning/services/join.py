@@ -13,6 +13,7 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
+from accounts.services import token_hash, token_mint
 from agentprotocol import (
     GpuInfo,
 )
@@ -25,8 +26,7 @@ from marketplace.models import (
     Provider,
     User,
 )
-from marketplace.services import GpuSpec, node_register, token_hash
-from marketplace.services.accounts import token_mint
+from marketplace.services import GpuSpec, node_register
 from provisioning import queries
 from provisioning.models import JoinToken, NodeCredential
 

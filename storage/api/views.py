@@ -19,10 +19,10 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from accounts.tenancy import request_team
+from core.api.fields import refuse_unknown
 from core.api.pagination import PaginatedListView
 from core.errors import NotFound
-from marketplace.api.serializers import refuse_unknown
-from marketplace.tenancy import request_team
 from storage import objectstore, selectors
 from storage import services as storage
 

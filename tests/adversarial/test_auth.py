@@ -13,9 +13,9 @@ from django.test import Client, RequestFactory
 from django.utils import timezone
 from rest_framework.test import APIClient
 
+from accounts.models import ApiToken
+from accounts.services import api_token_create
 from core.api.guards import client_ip
-from marketplace.models import ApiToken
-from marketplace.services import api_token_create
 from tests.factories import personal_team
 
 pytestmark = pytest.mark.django_db

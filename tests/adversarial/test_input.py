@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from marketplace.models import ApiToken, Rental, RentalEvent
+from accounts.models import ApiToken
+from marketplace.models import Rental, RentalEvent
 
 pytestmark = pytest.mark.django_db
 

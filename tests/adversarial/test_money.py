@@ -8,11 +8,11 @@ from decimal import Decimal
 import pytest
 from django.db import connection
 
+from accounts.services import invitation_accept, invitation_create, team_create
 from billing.models import FundsHold
 from billing.services import account_adjust, account_for_team
 from core.errors import PaymentRequired
 from marketplace.models import Rental
-from marketplace.services import invitation_accept, invitation_create, team_create
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 from tests.factories import UserFactory, personal_team
 

@@ -10,7 +10,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import CHECKS, load_all_checks
 
-from marketplace.services import api_token_create
+from accounts.services import api_token_create
 from tests.factories import personal_team
 
 pytestmark = pytest.mark.e2e

@@ -9,11 +9,11 @@ import pytest
 from django.utils import timezone
 from rest_framework.test import APIClient
 
+from accounts.services import api_token_create
 from billing.models import Invoice, InvoiceLine
 from billing.services import billing_pass_run, invoice_issue, invoices_issue_due
 from core.errors import ValidationFailed
 from marketplace.models import GpuModel
-from marketplace.services import api_token_create
 from tests.factories import UserFactory, personal_team
 
 pytestmark = pytest.mark.django_db

@@ -6,14 +6,9 @@ from __future__ import annotations
 import pytest
 from rest_framework.test import APIClient
 
+from accounts.models import TeamRole
+from accounts.services import api_token_create, invitation_accept, invitation_create, team_create
 from billing.models import Account, TopUp
-from marketplace.models import TeamRole
-from marketplace.services import (
-    api_token_create,
-    invitation_accept,
-    invitation_create,
-    team_create,
-)
 from tests.factories import UserFactory
 
 pytestmark = pytest.mark.django_db

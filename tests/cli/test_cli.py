@@ -6,9 +6,9 @@ import time
 
 import pytest
 
+from accounts.services import api_token_create
 from gpumarket_cli.main import main
 from marketplace.models import Rental
-from marketplace.services import api_token_create
 from tests.factories import personal_team
 from tests.provisioning.test_agent_api import _beat, agent  # noqa: F401
 from tests.provisioning.test_run_logs import _running

@@ -28,8 +28,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from accounts.services import api_token_create
 from marketplace.models import Rental
-from marketplace.services import api_token_create
 from tests.factories import personal_team
 
 pytestmark = pytest.mark.django_db(transaction=True)

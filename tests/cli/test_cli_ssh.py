@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from marketplace.models import Rental, SshKey
+from accounts.models import SshKey
+from marketplace.models import Rental
 from tests.cli.test_cli import cli  # noqa: F401
 
 pytestmark = pytest.mark.django_db(transaction=True)

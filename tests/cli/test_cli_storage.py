@@ -7,9 +7,9 @@ import hashlib
 import pytest
 import requests
 
+from accounts.services import api_token_create
 from gpumarket_cli.main import main
 from marketplace.models import Rental
-from marketplace.services import api_token_create
 from storage import objectstore
 from storage import services as storage
 from storage.models import Dataset, DatasetStatus

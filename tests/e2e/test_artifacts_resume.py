@@ -221,7 +221,7 @@ def test_an_interruptible_rental_resumes_on_another_host_from_its_synced_checkpo
     assert max(_synced_steps(rental_id)) == STEPS
 
     # and `gpumarket artifacts pull` downloads it, and torch.load opens it
-    from marketplace.services.accounts import api_token_create
+    from accounts.services.tokens import api_token_create
     from tests.factories import personal_team
 
     _, token = api_token_create(user=user, team=personal_team(user), name="cli")

@@ -20,6 +20,7 @@ import pytest
 import requests
 from django.utils import timezone
 
+from accounts.services import api_token_create
 from billing.models import TelemetrySample
 from marketplace.models import (
     Allocation,
@@ -29,7 +30,7 @@ from marketplace.models import (
     RentalEvent,
     RentalStatus,
 )
-from marketplace.services import GpuSpec, api_token_create, node_register
+from marketplace.services import GpuSpec, node_register
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 from provisioning.models import ContainerRun
 from provisioning.services import join_token_create

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from accounts.services import api_token_create
 from marketplace.models import Node, Rental, RentalStatus
-from marketplace.services import api_token_create
 from tests.e2e.conftest import ROOT, wait_for
 from tests.factories import personal_team
 

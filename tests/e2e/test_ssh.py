@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from rest_framework.test import APIClient
 
+from accounts.services.sshkeys import ssh_key_add
 from marketplace import lifecycle
 from marketplace.models import Rental
-from marketplace.services.sshkeys import ssh_key_add
 from tests.e2e.conftest import HARNESS_IMAGE, credit_customer, managed_containers, remove_managed
 from tests.e2e.conftest import wait_for as wait
 from tests.factories import personal_team

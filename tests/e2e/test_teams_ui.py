@@ -9,7 +9,8 @@ import pytest
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select
 
-from marketplace.models import Membership, Team, TeamRole, User
+from accounts.models import Membership, Team, TeamRole
+from marketplace.models import User
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 from tests.e2e.test_signup import sign_in, sign_up
 from tests.e2e.test_web_ui import _landed, _wait

@@ -17,9 +17,10 @@ from selenium.common.exceptions import (
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
+from accounts.models import ApiToken
+from accounts.services import token_hash
 from billing.models import TelemetrySample
-from marketplace.models import ApiToken, Node, NodeStatus, Rental, RentalStatus
-from marketplace.services import token_hash
+from marketplace.models import Node, NodeStatus, Rental, RentalStatus
 from provisioning.models import RunMetric
 from provisioning.services import telemetry_flush
 from tests.e2e.conftest import credit_customer, managed_containers, remove_managed, wait_for

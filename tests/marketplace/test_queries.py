@@ -10,22 +10,9 @@ import pytest
 from django.utils import timezone
 
 from marketplace import queries
-from marketplace.models import (
-    Allocation,
-    ApiToken,
-    Gpu,
-    Membership,
-    Node,
-    NodeStatus,
-    Rental,
-    RentalEvent,
-    RentalStatus,
-)
+from marketplace.models import Allocation, Gpu, Node, NodeStatus, Rental, RentalEvent, RentalStatus
 from marketplace.selectors import MEASURED_TFLOPS_MAX_SHARE, MEASURED_TFLOPS_MIN_SHARE, OfferFilters
-from marketplace.services import token_hash
-from marketplace.services.accounts import api_token_create
 from scheduler.services import scheduler_cycle_run
-from tests.factories import personal_team
 
 pytestmark = pytest.mark.django_db
 
@@ -92,20 +79,6 @@ def test_offers_are_the_online_nodes_with_free_gpus_the_orm_counts(market, filte
             node.gpu_model.slug,
             node.price_per_gpu_hour,
         )
-
-
-def test_api_token_with_membership_reads_the_rows_the_orm_reads(user):
-    team = personal_team(user)
-    token, raw = api_token_create(user=user, team=team, name="ci")
-    found, found_user, found_team, membership = queries.api_token_with_membership(
-        key_hash=token_hash(raw)
-    )
-    assert _fields(found) == _fields(ApiToken.objects.get(pk=token.pk))
-    assert (_fields(found_user), _fields(found_team)) == (_fields(user), _fields(team))
-    assert _fields(membership) == _fields(Membership.objects.get(user=user, team=team))
-    Membership.objects.filter(user=user, team=team).delete()
-    assert queries.api_token_with_membership(key_hash=token_hash(raw))[3] is None
-    assert queries.api_token_with_membership(key_hash="0" * 64) is None
 
 
 def test_nodes_cheapest_are_the_orm_s_matching_nodes_cheapest_first(market):

@@ -6,9 +6,9 @@ import struct
 
 import pytest
 
+from accounts.services.sshkeys import ssh_key_add
 from billing.models import FundsHold
 from marketplace.models import Allocation, Node, Rental, RentalEvent, RentalStatus
-from marketplace.services.sshkeys import ssh_key_add
 from scheduler.services import scheduler_cycle_run
 from tests.factories import personal_team
 

@@ -2,8 +2,8 @@
 
 import pytest
 
+from accounts.services import api_token_create
 from marketplace.models import Rental, RentalEvent, RentalStatus
-from marketplace.services import api_token_create
 from scheduler.services import scheduler_cycle_run
 from tests.factories import UserFactory, personal_team
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from django.test import Client
 
+from accounts.services import api_token_create
 from billing.services.ledger import account_adjust, account_for_team
 from marketplace.models import Rental
-from marketplace.services import api_token_create
 from tests.factories import UserFactory, personal_team
 
 pytestmark = pytest.mark.django_db

@@ -2,8 +2,8 @@
 
 import pytest
 
+from accounts.services import api_token_create
 from gpumarket_cli.main import main
-from marketplace.services import api_token_create
 from notifications.models import NotificationSettings
 from tests.factories import personal_team
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from accounts.models import TeamRole
+from accounts.services import team_create
 from marketplace.models import RentalStatus as S
-from marketplace.models import TeamRole
-from marketplace.services import team_create
 from notifications.models import Channel, Delivery, NotificationSettings
 from notifications.services import balance_low_notify, budget_reached_notify
+from tests.accounts.test_teams import _client, _join
 from tests.factories import UserFactory, personal_team
-from tests.marketplace.test_teams import _client, _join
 from tests.notifications.conftest import move
 
 pytestmark = pytest.mark.django_db

@@ -13,6 +13,7 @@ import requests
 from django.utils import timezone
 from rest_framework.test import APIClient
 
+from accounts.services import api_token_create, team_create
 from agentprotocol import (
     ARTIFACT_COMMIT_PATH,
     ARTIFACT_UPLOADS_PATH,
@@ -28,7 +29,6 @@ from agentprotocol import (
 from core.errors import ValidationFailed
 from marketplace.lifecycle import rental_cancel, rental_stop
 from marketplace.models import Node, Rental, RentalStatus
-from marketplace.services import api_token_create, team_create
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 from provisioning.services import nodes_mark_silent
 from scheduler.services import scheduler_cycle_run
@@ -403,7 +403,7 @@ def test_a_member_rents_with_a_dataset_another_member_uploaded_and_other_teams_c
     join_agent, rent, user, object_store
 ):
     # Given a team where one member uploaded a dataset
-    from tests.marketplace.test_teams import _join
+    from tests.accounts.test_teams import _join
 
     agent = join_agent("host-a")
     acme = team_create(owner=user, name="acme")

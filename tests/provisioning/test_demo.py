@@ -12,9 +12,9 @@ import pytest
 from allauth.account.models import EmailAddress
 from django.test import Client
 
+from accounts.services import token_hash
 from billing.models import Account, AccountKind
 from marketplace.models import Node, User
-from marketplace.services import token_hash
 from provisioning.demo import DEMO_NODES, demo_fleet_prepare, load_demo
 from provisioning.models import JoinToken
 from provisioning.services import node_credential_revoke

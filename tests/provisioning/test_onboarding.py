@@ -13,10 +13,10 @@ from urllib.parse import parse_qs
 import pytest
 from django.test import Client
 
+from accounts.services import token_hash
 from billing.models import Account, AccountKind
 from billing.stripe_adapter import connect_account_params
 from marketplace.models import Provider
-from marketplace.services import token_hash
 from provisioning.models import JoinToken
 from tests.billing.conftest import localstripe_base, stripe_on  # noqa: F401
 from tests.factories import ProviderFactory, UserFactory

@@ -14,7 +14,7 @@ import requests
 from django.db import close_old_connections
 from rest_framework.test import APIClient
 
-from marketplace.services import api_token_create
+from accounts.services import api_token_create
 from storage import services as storage_services
 from storage.models import Dataset, DatasetFile, DatasetStatus, RentalDataset
 from tests.factories import UserFactory, personal_team

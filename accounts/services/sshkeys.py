@@ -16,11 +16,14 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
+from django.contrib.auth import get_user_model
 from django.db import IntegrityError, transaction
 
+from accounts import selectors
+from accounts.models import SshKey, Team
 from core.errors import NotFound, ValidationFailed
-from marketplace import selectors
-from marketplace.models import SshKey, Team, User
+
+User = get_user_model()
 
 MAX_KEY_CHARS = 16 * 1024
 MAX_KEYS_PER_TEAM = 50

@@ -1,6 +1,7 @@
 """Where django-allauth meets the project: new people become customers through the one service
-that sets a customer up, mail leaves with a timeout and a bounded retry, django-axes counts
-sign-ins by what was typed into allauth's form, and staff reach the admin only with TOTP on."""
+that sets a customer up (billing's, handed over as a hook), mail leaves with a timeout and a
+bounded retry, django-axes counts sign-ins by what was typed into allauth's form, and staff
+reach the admin only with TOTP on."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 import smtplib
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from allauth.account.adapter import DefaultAccountAdapter
 from allauth.account.views import ConfirmEmailView as BaseConfirmEmailView
@@ -17,13 +19,12 @@ from allauth.mfa.utils import is_mfa_enabled
 from django.conf import settings
 from django.contrib import messages
 from django.contrib.sites.shortcuts import get_current_site
+from django.core.exceptions import ImproperlyConfigured
 from django.core.mail import EmailMessage
 from django.db import transaction
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect
 from django.urls import reverse
-
-from billing.services import account_adjust, customer_onboard
 
 log = logging.getLogger(__name__)
 
@@ -56,26 +57,39 @@ def email_send(message: EmailMessage, *, attempts: int | None = None) -> None:
             time.sleep(2 ** (attempt - 1))
 
 
+class SignupOnboarder(Protocol):
+    def __call__(self, *, user) -> None: ...
+
+
+_signup_onboard: SignupOnboarder | None = None
+MISSING_SIGNUP_ONBOARD = "billing's sign-up onboarding is not registered: is billing installed?"
+
+
+def signup_onboard_registered() -> bool:
+    return _signup_onboard is not None
+
+
+def signup_onboard_register(onboard: SignupOnboarder) -> None:
+    """Billing, which depends on this app and not the reverse, hands over what a new sign-up
+    gets (its personal team, billing account and sign-up credit) when its app is ready."""
+    global _signup_onboard
+    _signup_onboard = onboard
+
+
 class AccountAdapter(DefaultAccountAdapter):
-    """A new account is a customer with everything a customer needs (customer_onboard), made
-    in the same transaction as the user row."""
+    """A new account is a customer with everything a customer needs (billing's
+    customer_signup, registered as the sign-up hook), made in the same transaction as the
+    user row."""
 
     def save_user(self, request, user, form, commit=True):
         if not commit:
             return super().save_user(request, user, form, commit=False)
+        if _signup_onboard is None:
+            # Fail closed: an account without a team or a billing account could not rent.
+            raise ImproperlyConfigured(MISSING_SIGNUP_ONBOARD)
         with transaction.atomic():
             user = super().save_user(request, user, form, commit=True)
-            account = customer_onboard(user=user)
-            credit = settings.SIGNUP_CREDIT_USD
-            if credit > 0:
-                # Keyed by the user: a repeated save cannot credit twice.
-                account_adjust(
-                    account_id=account.pk,
-                    amount_micros=int(credit * 1_000_000),
-                    reason="sign-up credit",
-                    actor=None,
-                    key=f"signup-credit-{user.pk}",
-                )
+            _signup_onboard(user=user)
         return user
 
     def send_mail(self, template_prefix: str, email: str, context: dict) -> None:

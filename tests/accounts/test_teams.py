@@ -14,27 +14,19 @@ from django.urls import URLPattern, URLResolver, get_resolver
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from billing.models import Invoice
-from billing.services import account_adjust, account_for_team, invoice_issue
-from marketplace.models import (
-    ApiToken,
-    Invitation,
-    Membership,
-    Rental,
-    RentalStatus,
-    SshKey,
-    TeamRole,
-    User,
-)
-from marketplace.services import (
+from accounts.models import ApiToken, Invitation, Membership, SshKey, TeamRole
+from accounts.services import (
     api_token_create,
     invitation_accept,
     invitation_create,
     team_create,
     user_create,
 )
-from marketplace.services.sshkeys import ssh_key_add
-from marketplace.services.teams import invitation_path
+from accounts.services.sshkeys import ssh_key_add
+from accounts.services.teams import invitation_path
+from billing.models import Invoice
+from billing.services import account_adjust, account_for_team, invoice_issue
+from marketplace.models import Rental, RentalStatus, User
 from notifications.models import Delivery
 from notifications.services import notification_record
 from storage.models import Dataset
@@ -116,7 +108,7 @@ def test_first_requests_at_once_make_one_personal_team():
 
     from django.db import connection
 
-    from marketplace.services.teams import team_personal_ensure
+    from accounts.services.teams import team_personal_ensure
 
     person = User.objects.create_user("twin", "twin@example.invalid", "pw-long-enough")
     barrier, teams, errors = threading.Barrier(8), [], []

@@ -14,14 +14,16 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.core.mail import send_mail
 from django.db import transaction
 from django.utils import timezone
 
+from accounts.models import ApiToken, Invitation, Membership, Team, TeamRole
+from accounts.services.tokens import token_hash, token_mint
 from core.errors import Conflict, Forbidden, NotFound, ValidationFailed
-from marketplace.models import ApiToken, Invitation, Membership, Team, TeamRole, User
-from marketplace.services.accounts import token_hash, token_mint
 
+User = get_user_model()
 log = logging.getLogger(__name__)
 
 INVITATION_TTL = timedelta(days=7)

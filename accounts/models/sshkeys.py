@@ -10,7 +10,7 @@ class SshKey(models.Model):
 
     # The team owns it (any member adds and removes keys); ownership is read in one place
     # (selectors.ssh_key_scope).
-    team = models.ForeignKey("marketplace.Team", on_delete=models.CASCADE, related_name="ssh_keys")
+    team = models.ForeignKey("accounts.Team", on_delete=models.CASCADE, related_name="ssh_keys")
     # The member who added it (shown in the listing).
     owner = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="ssh_keys"
@@ -25,6 +25,7 @@ class SshKey(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
+        db_table = "marketplace_sshkey"
         ordering = ["-created_at", "-id"]
         constraints = [
             models.UniqueConstraint(fields=["team", "fingerprint"], name="ssh_key_once_per_team")

@@ -1,5 +1,5 @@
 """Bearer-token authentication for programs: `Authorization: Bearer gpm_...`; a token acts
-for the one team it was created in (marketplace.tenancy)."""
+for the one team it was created in (accounts.tenancy)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from django.db.models import Q
 from django.utils import timezone
 from rest_framework import authentication, exceptions
 
-from marketplace import selectors
-from marketplace.models import ApiToken
-from marketplace.services import token_hash
-from marketplace.tenancy import membership_decided
+from accounts import selectors
+from accounts.models import ApiToken
+from accounts.services import token_hash
+from accounts.tenancy import membership_decided
 
 # Writing last_used_at on every request would turn reads into writes; a minute is precise enough.
 _LAST_USED_GRANULARITY = timedelta(minutes=1)

@@ -1,7 +1,7 @@
 """Account writes: verified addresses of people ops vouch for, API tokens (stored hashed, shown
 once), each acting for one team.
 
-People and their teams are created in marketplace.services.teams (`user_create`)."""
+People and their teams are created in accounts.services.teams (`user_create`)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,14 @@ import secrets
 from datetime import datetime
 
 from allauth.account.models import EmailAddress
+from django.contrib.auth import get_user_model
 from django.db import transaction
 from django.utils import timezone
 
+from accounts.models import ApiToken, Team
 from core.errors import NotFound, ValidationFailed
-from marketplace.models import ApiToken, Team, User
+
+User = get_user_model()
 
 TOKEN_PREFIX = "gpm"
 

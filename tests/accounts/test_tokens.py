@@ -6,8 +6,8 @@ import pytest
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from marketplace.models import ApiToken
-from marketplace.services import api_token_create, token_hash
+from accounts.models import ApiToken
+from accounts.services import api_token_create, token_hash
 from tests.factories import personal_team
 
 pytestmark = pytest.mark.django_db
@@ -91,8 +91,8 @@ def test_token_without_name_is_400_and_nothing_stored(auth_api):
 def test_the_token_read_at_each_request_is_what_the_orm_reads(user):
     """The authentication reads a token, its user, team and membership in one hand-built
     statement: every field of each comes back as the ORM gives it."""
-    from marketplace import selectors
-    from marketplace.models import Membership
+    from accounts import selectors
+    from accounts.models import Membership
 
     team = personal_team(user)
     token, raw = api_token_create(

@@ -1,6 +1,7 @@
 """Sign-up, email verification, password reset and TOTP through django-allauth's real views,
 with mail through a real SMTP server (aiosmtpd) whose links the tests follow; staff reach the
-admin only with TOTP; django-axes keeps locking out allauth's sign-in form."""
+admin only with TOTP; django-axes keeps locking out allauth's sign-in form; without billing's
+onboarding hook the checks refuse to start and nobody signs up."""
 
 from __future__ import annotations
 
@@ -13,11 +14,16 @@ from allauth.account.models import EmailAddress
 from allauth.mfa.models import Authenticator
 from django.conf import settings
 from django.core import signing
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management import call_command
+from django.core.management.base import SystemCheckError
 from django.test import Client
 from django.urls import reverse
 
+from accounts import signup
+from accounts.checks import hooks_are_registered
+from accounts.signup import EmailNotSent, email_send
 from billing.models import Account, AccountKind, LedgerEntry
-from config.accounts import EmailNotSent, email_send
 from marketplace.models import User
 from tests.conftest import totp_code
 from tests.factories import UserFactory
@@ -369,3 +375,22 @@ def test_a_new_account_gets_the_operators_sign_up_credit_once(
     assert account.balance_micros == balance_micros
     entries = LedgerEntry.objects.filter(account=account)
     assert [e.amount_micros for e in entries] == ([balance_micros] if balance_micros else [])
+
+
+def test_with_billing_ready_the_sign_up_hook_is_registered():
+    assert hooks_are_registered(None) == []
+
+
+def test_without_billings_onboarding_the_checks_refuse_to_start_and_nobody_signs_up(
+    client, monkeypatch
+):
+    # Given no onboarding handed to sign-up
+    monkeypatch.setattr(signup, "_signup_onboard", None)
+    assert [e.id for e in hooks_are_registered(None)] == ["accounts.E001"]
+    with pytest.raises(SystemCheckError, match="sign-up onboarding is not registered"):
+        call_command("check")
+    before = _counts()
+    # When someone signs up, then it is refused and nothing was written
+    with pytest.raises(ImproperlyConfigured):
+        _sign_up(client, email="cy@example.invalid", username="cy")
+    assert _counts() == before

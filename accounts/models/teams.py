@@ -31,6 +31,7 @@ class Team(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
+        db_table = "marketplace_team"
         ordering = ["name", "id"]
 
     def __str__(self) -> str:
@@ -48,6 +49,7 @@ class Membership(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
+        db_table = "marketplace_membership"
         ordering = ["team_id", "id"]
         constraints = [
             models.UniqueConstraint(fields=["team", "user"], name="membership_once_per_team"),
@@ -89,6 +91,7 @@ class Invitation(models.Model):
     revoked_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
+        db_table = "marketplace_invitation"
         ordering = ["-created_at", "-id"]
         constraints = [
             models.CheckConstraint(

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from django.contrib.auth import get_user_model
 from django.http import HttpRequest
 
-from marketplace import selectors
-from marketplace.models import User
-from marketplace.tenancy import request_membership
+from accounts import selectors
+from accounts.tenancy import request_membership
+
+User = get_user_model()
 
 
 def teams(request: HttpRequest) -> dict:

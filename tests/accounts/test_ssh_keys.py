@@ -12,10 +12,11 @@ import pytest
 from django.contrib.auth import get_user_model
 from rest_framework.test import APIClient
 
+from accounts.models import SshKey
+from accounts.services import api_token_create
+from accounts.services.sshkeys import ssh_key_add, ssh_key_parse
 from core.errors import ValidationFailed
-from marketplace.models import Rental, SshKey
-from marketplace.services import api_token_create
-from marketplace.services.sshkeys import ssh_key_add, ssh_key_parse
+from marketplace.models import Rental
 from provisioning.models import ContainerRun
 from scheduler.services import scheduler_cycle_run
 from tests.factories import personal_team
@@ -199,8 +200,8 @@ def test_a_key_one_member_added_opens_the_rentals_another_member_creates_in_that
     user,
     tmp_path,
 ):
-    from marketplace.services import team_create
-    from tests.marketplace.test_teams import _join
+    from accounts.services import team_create
+    from tests.accounts.test_teams import _join
 
     # Given a team whose member A added a key through the API (listed with who added it)
     acme = team_create(owner=user, name="acme")
@@ -236,7 +237,7 @@ def test_a_key_one_member_added_opens_the_rentals_another_member_creates_in_that
 def test_a_member_of_a_team_without_keys_is_refused_ssh_even_with_keys_elsewhere(
     rent, user, tmp_path
 ):
-    from marketplace.services import team_create
+    from accounts.services import team_create
 
     ssh_key_add(team=personal_team(user), owner=user, public_key=_keygen(tmp_path, "ed25519"))
     acme = team_create(owner=user, name="acme")

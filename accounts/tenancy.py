@@ -13,12 +13,15 @@ from __future__ import annotations
 
 from functools import wraps
 
+from django.contrib.auth import get_user_model
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 
+from accounts import selectors, services
+from accounts.models import Membership, Team
 from core.errors import Forbidden, NotFound
-from marketplace import selectors, services
-from marketplace.models import Membership, Team, User
+
+User = get_user_model()
 
 TEAM_SESSION_KEY = "gpumarket_team_id"
 _MEMBERSHIP = "_gpumarket_membership"
@@ -73,7 +76,7 @@ def session_team_set(request, *, team_id: int) -> Membership:
 
 def refused(request: HttpRequest, error: Forbidden) -> HttpResponse:
     """The page a person sees when the team or their role does not allow what they asked."""
-    return render(request, "web/refused.html", {"message": error.message}, status=error.status)
+    return render(request, "accounts/refused.html", {"message": error.message}, status=error.status)
 
 
 def team_page(view):
