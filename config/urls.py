@@ -8,9 +8,10 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from accounts.signup import ConfirmEmailView
 from config.observability.health import healthz, readyz
 from config.observability.metrics import metrics_view
+from marketplace.api import urls as marketplace_api
 from provisioning import web as provisioning_web
-from provisioning.api.urls import agent_urlpatterns, provider_urlpatterns, rental_urlpatterns
-from storage.api.urls import rental_urlpatterns as storage_rental_urlpatterns
+from provisioning.api import urls as provisioning_api
+from storage.api import urls as storage_api
 
 # Staff sign in through allauth (password, then TOTP), never through the admin's own form.
 admin.site.login = secure_admin_login(admin.site.login)
@@ -19,7 +20,7 @@ handler404 = "core.api.exceptions.not_found"
 
 urlpatterns = [
     # First: the agents' requests are the most frequent, and Django tries the routes in order.
-    path("api/agent/v1/", include(agent_urlpatterns)),
+    path("api/agent/v1/", include(provisioning_api.agent_urlpatterns)),
     path("admin/", admin.site.urls),
     path(
         "accounts/confirm-email/<str:key>/",
@@ -31,14 +32,28 @@ urlpatterns = [
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("api/v1/", include("accounts.api.urls")),
     path("api/v1/", include("marketplace.api.urls")),
+    # Each prefix once: a rental's routes from the marketplace (the rental), provisioning (its
+    # metrics and logs) and storage (its artifacts); a provider's from the marketplace (nodes,
+    # prices) and provisioning (join tokens).
+    path(
+        "api/v1/rentals/",
+        include(
+            [
+                *marketplace_api.rental_urlpatterns,
+                *provisioning_api.rental_urlpatterns,
+                *storage_api.rental_urlpatterns,
+            ]
+        ),
+    ),
+    path(
+        "api/v1/providers/",
+        include([*marketplace_api.provider_urlpatterns, *provisioning_api.provider_urlpatterns]),
+    ),
     path("api/v1/advisor/", include("advisor.api.urls")),
     path("api/v1/billing/", include("billing.api.urls")),
     path("billing/", include("billing.urls")),
     path("api/v1/notifications/", include("notifications.api.urls")),
     path("notifications/", include("notifications.urls")),
-    path("api/v1/providers/", include(provider_urlpatterns)),
-    path("api/v1/rentals/", include(rental_urlpatterns)),
-    path("api/v1/rentals/", include(storage_rental_urlpatterns)),
     path("api/v1/datasets/", include("storage.api.urls")),
     path("healthz", healthz, name="healthz"),
     path("readyz", readyz, name="readyz"),

@@ -283,6 +283,8 @@ SPECTACULAR_SETTINGS = {
         "RentalStatusEnum": "marketplace.models.RentalStatus",
         "TopUpStatusEnum": "billing.models.payments.TopUpStatus",
         "NotificationKindEnum": "notifications.models.NotificationKind",
+        # The advisor's recompute and checkpointing fields: advisor.engine.memory.Checkpointing.
+        "RecomputeEnum": ["none", "selective", "full"],
     },
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",

@@ -8,27 +8,26 @@ router.register("gpu-models", views.GpuModelViewSet, basename="gpu-model")
 
 urlpatterns = [
     path("offers/", views.OfferListView.as_view(), name="offer-list"),
-    path("rentals/", views.RentalListCreateView.as_view(), name="rental-list"),
-    path("rentals/<uuid:rental_id>/", views.RentalDetailView.as_view(), name="rental-detail"),
+    *router.urls,
+]
+
+# /api/v1/rentals/ and /api/v1/providers/ are mounted once, in config/urls.py, with the routes
+# the apps above the marketplace add under them (a rental's metrics, logs and artifacts; join
+# tokens): the marketplace cannot import those apps.
+rental_urlpatterns = [
+    path("", views.RentalListCreateView.as_view(), name="rental-list"),
+    path("<uuid:rental_id>/", views.RentalDetailView.as_view(), name="rental-detail"),
+    path("<uuid:rental_id>/cancel/", views.RentalCancelView.as_view(), name="rental-cancel"),
+    path("<uuid:rental_id>/stop/", views.RentalStopView.as_view(), name="rental-stop"),
+]
+
+provider_urlpatterns = [
+    path("", views.ProviderListView.as_view(), name="provider-list"),
+    path("<int:provider_id>/nodes/", views.ProviderNodeListView.as_view(), name="provider-nodes"),
+    path("nodes/<int:node_id>/", views.ProviderNodePriceView.as_view(), name="provider-node"),
     path(
-        "rentals/<uuid:rental_id>/cancel/", views.RentalCancelView.as_view(), name="rental-cancel"
-    ),
-    path("rentals/<uuid:rental_id>/stop/", views.RentalStopView.as_view(), name="rental-stop"),
-    path("providers/", views.ProviderListView.as_view(), name="provider-list"),
-    path(
-        "providers/<int:provider_id>/nodes/",
-        views.ProviderNodeListView.as_view(),
-        name="provider-nodes",
-    ),
-    path(
-        "providers/nodes/<int:node_id>/",
-        views.ProviderNodePriceView.as_view(),
-        name="provider-node",
-    ),
-    path(
-        "providers/nodes/<int:node_id>/action/",
+        "nodes/<int:node_id>/action/",
         views.ProviderNodeActionView.as_view(),
         name="provider-node-action",
     ),
-    *router.urls,
 ]
