@@ -24,6 +24,14 @@ class AdvisorPriorAdmin(_ReadOnly):
 
 @admin.register(AdvisorCheck)
 class AdvisorCheckAdmin(_ReadOnly):
-    list_display = ["rental", "card", "gpus", "estimated_step_s", "measured_step_s", "created_at"]
+    list_display = [
+        "rental",
+        "card",
+        "gpus",
+        "estimated_step_s",
+        "measured_step_s",
+        "simulated",
+        "created_at",
+    ]
     list_filter = ["card"]
     search_fields = ["rental__id"]

@@ -153,6 +153,8 @@ def advisor_check_record(*, rental: Rental, events: list[dict]) -> AdvisorCheck 
         low=OBSERVED_LOW,
         high=OBSERVED_HIGH,
     )
+    # A simulated host trains on its CPU: its step time says nothing about the card.
+    simulated = rental.allocations.filter(node__simulated=True).exists()
     with transaction.atomic():
         existing = AdvisorCheck.objects.filter(rental=rental).first()
         if existing is not None:
@@ -161,11 +163,14 @@ def advisor_check_record(*, rental: Rental, events: list[dict]) -> AdvisorCheck 
             card=model, defaults={"mfu": catalog_card(model).prior}
         )
         before = prior.mfu
-        weight = max(1.0 / (prior.runs + 1 + PRIOR_WEIGHT_RUNS), MIN_STEP)
-        prior.mfu = min(OBSERVED_HIGH, max(OBSERVED_LOW, before + weight * (observed - before)))
-        prior.runs += 1
-        prior.save(update_fields=["mfu", "runs", "updated_at"])
+        if not simulated:
+            weight = max(1.0 / (prior.runs + 1 + PRIOR_WEIGHT_RUNS), MIN_STEP)
+            step = before + weight * (observed - before)
+            prior.mfu = min(OBSERVED_HIGH, max(OBSERVED_LOW, step))
+            prior.runs += 1
+            prior.save(update_fields=["mfu", "runs", "updated_at"])
         return AdvisorCheck.objects.create(
+            simulated=simulated,
             rental=rental,
             card=model.slug,
             gpus=measured.world_size,
@@ -185,7 +190,9 @@ def accuracy() -> dict:
     time over the latest runs (None until there is one)."""
     ratios = sorted(
         c.measured_step_s / c.estimated_step_s
-        for c in AdvisorCheck.objects.only("measured_step_s", "estimated_step_s")[:ACCURACY_WINDOW]
+        for c in AdvisorCheck.objects.filter(simulated=False).only(
+            "measured_step_s", "estimated_step_s"
+        )[:ACCURACY_WINDOW]
     )
     if not ratios:
         return {"runs": 0, "median": None, "p90": None}

@@ -41,6 +41,11 @@ class AdvisorCheck(models.Model):
     measured_peak_gb = models.FloatField(null=True, blank=True)
     prior_before = models.FloatField()
     prior_after = models.FloatField()
+    simulated = models.BooleanField(
+        default=False,
+        help_text="ran on a simulated host (on its CPU): shown, but moves no prior and is left "
+        "out of the advisor's accuracy",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

@@ -6,7 +6,8 @@ directory): checkpoints/, final/ (model.pt and config.json, when the run complet
 
 Exit status: 0 when training completed or stopped cleanly on SIGTERM/SIGINT (a checkpoint was
 written), 2 for an invalid config or command line (a layout that does not fit the number of
-processes started included), anything else for a failure.
+processes started, or a model that does not fit the memory of the GPUs the node agent gave it
+(``HARNESS_GPU_MEMORY_GB``), included), anything else for a failure.
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ from pathlib import Path
 from harness.config import (
     CONFIG_ERROR_EXIT_CODE,
     ConfigError,
+    HarnessConfig,
     apply_overrides,
     load_config,
     load_config_dict,
     resolve_layout,
 )
+from harness.memory import fit_problem
 from harness.paths import HUMAN_LOG, LOG_SUBDIR, METRICS_LOG, output_dir
 
 
@@ -125,6 +128,21 @@ def _auto_nproc(device: str) -> int:
     return _visible_gpus() if device != "cpu" else 1
 
 
+def _check_fits(config: HarnessConfig, *, dp: int) -> None:
+    """ConfigError when the node agent says how much memory each GPU has
+    (``HARNESS_GPU_MEMORY_GB``) and the config needs more than that."""
+    raw = os.environ.get("HARNESS_GPU_MEMORY_GB", "").strip()
+    try:
+        gpu_memory_gb = float(raw)
+    except ValueError:
+        return
+    if not gpu_memory_gb > 0:
+        return
+    problem = fit_problem(config, dp=dp, device=config.train.device, gpu_memory_gb=gpu_memory_gb)
+    if problem is not None:
+        raise ConfigError([problem])
+
+
 def _report(error: ConfigError) -> int:
     for line in error.lines():
         print(line, file=sys.stderr)
@@ -175,9 +193,12 @@ def main(argv: list[str] | None = None) -> int:
         if nproc == "auto":
             nproc = 1 if worker else _auto_nproc(config.train.device)
         world = nproc * gang.nnodes
+        if not worker:
+            # A layout that cannot split over the job, or a config that cannot fit the GPUs
+            # it got, is refused before any rank starts, with the reason.
+            resolved = resolve_layout(config.layout, world, nproc)
+            _check_fits(config, dp=resolved.dp)
         if world > 1:
-            # A layout that cannot fit is refused before any rank starts.
-            resolve_layout(config.layout, world, nproc)
             worker_args = (
                 ["--config-env", args.config_env] if args.config_env else ["--config", args.config]
             )

@@ -373,6 +373,11 @@ def rental_mark_container_ended(
         to, reason = S.COMPLETED, "finished"
     elif exit_code is not None:
         to, reason = S.FAILED, f"container exited with code {exit_code}"
+        # As Kubernetes' FallbackToLogsOnError: the run's last line says why (a config the
+        # harness refused, the exception that ended it).
+        last = last_log_line(log_tail)
+        if last:
+            reason = f"{reason}: {last}"
     else:
         to, reason = S.FAILED, "container disappeared from the node"
     if to not in ALLOWED_TRANSITIONS[rental.status]:
@@ -387,6 +392,20 @@ def rental_mark_container_ended(
         exit_code=exit_code,
         log_tail=log_tail,
     )
+
+
+# The longest piece of a run's log that goes into a rental's status reason.
+REASON_LOG_CHARS = 300
+
+
+def last_log_line(log_tail: str) -> str:
+    """The last non-empty line of a log, with control and bidirectional-override characters
+    dropped and cut to REASON_LOG_CHARS ("" for none)."""
+    for line in reversed(log_tail.splitlines()):
+        shown = "".join(c for c in line if c.isprintable()).strip()
+        if shown:
+            return shown if len(shown) <= REASON_LOG_CHARS else shown[: REASON_LOG_CHARS - 1] + "…"
+    return ""
 
 
 def rental_mark_node_lost(*, rental: Rental, hostname: str, at: datetime, requeue: bool) -> bool:

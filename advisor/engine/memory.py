@@ -1,20 +1,7 @@
-"""Memory per GPU of a training run, by component.
-
-Model states follow the ZeRO paper (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward
-Training Trillion Parameter Models", Section 3.1 and Figure 1): mixed-precision Adam keeps 2 bytes
-of 16-bit weights, 2 of 16-bit gradients and K = 12 of optimizer states (fp32 master weights and
-two moments) per parameter; stage 1 shards the optimizer states over the data-parallel ranks,
-stage 2 the gradients as well, stage 3 the weights too. Tensor and pipeline parallelism split the
-parameters each GPU holds before ZeRO shards them.
-
-Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-Transformer Models" (Section 4, Table 2): per transformer layer and micro-batch, with sequence s,
-micro-batch b, width h and a heads, sbh(34 + 5as/h) bytes in 16-bit without recomputation; with
-tensor parallelism t and sequence parallelism everything divides by t; selective recomputation
-(the attention core) keeps sbh x 34 / t; full recomputation keeps the 2sbh/t layer inputs, plus
-one layer's full set while it is recomputed. With the 1F1B pipeline schedule the first stage
-holds p micro-batches of L/p layers: L layers' worth whatever p (Section 4.2.3). The logits for
-the loss add 4sbv/t bytes (fp32). 32-bit training doubles every activation.
+"""Memory per GPU of a training run, by component. Decoder transformers use the model the
+harness checks its configs with (``harness.memory``: the ZeRO paper's model states and Korthikanti
+et al.'s activations), so a plan that fits is a config the harness starts; CNNs keep their
+measured per-sample figure here.
 """
 
 from __future__ import annotations
@@ -23,11 +10,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from advisor.engine.presets import Kind, ModelShape
+from harness import memory as harness_memory
 
-GB = 1e9
-# The share of a card's memory a run can use: the CUDA context, the allocator's fragmentation
-# and the communication buffers take the rest (approximate).
-USABLE_SHARE = 0.9
+GB = harness_memory.GB
+USABLE_SHARE = harness_memory.USABLE_SHARE
 
 
 class Precision(StrEnum):
@@ -101,31 +87,24 @@ def state_bytes_per_param(
     precision: Precision, optimizer: Optimizer, hidden: int
 ) -> tuple[float, float, float]:
     """(weights, gradients, optimizer states) in bytes per parameter."""
-    mixed = precision != Precision.FP32
-    weights = grads = 2.0 if mixed else 4.0
-    master = 4.0 if mixed else 0.0
-    if optimizer == Optimizer.ADAMW:
-        states = 8.0  # two fp32 moments
-    elif optimizer == Optimizer.SGD:
-        states = 4.0  # one fp32 momentum
-    else:
-        # Adafactor (Shazeer and Stern 2018) keeps a row and a column factor of the second
-        # moment, fp32, per weight matrix: about 2 / width values per parameter, no momentum.
-        states = 4.0 * 2.0 / max(hidden, 1)
-    return weights, grads, master + states
+    return harness_memory.state_bytes_per_param(
+        mixed=precision != Precision.FP32, optimizer=str(optimizer), hidden=hidden
+    )
 
 
 def model_states(
     *, params: float, precision: Precision, optimizer: Optimizer, layout: Layout, hidden: int = 1
 ) -> tuple[float, float, float]:
     """Bytes per GPU of weights, gradients and optimizer states (ZeRO paper, Section 3.1)."""
-    local = params / (layout.tp * layout.pp)
-    w, g, o = state_bytes_per_param(precision, optimizer, hidden)
-    dp, stage = layout.dp, layout.zero_stage
-    return (
-        local * w / (dp if stage >= 3 else 1),
-        local * g / (dp if stage >= 2 else 1),
-        local * o / (dp if stage >= 1 else 1),
+    return harness_memory.model_state_bytes(
+        params=params,
+        mixed=precision != Precision.FP32,
+        optimizer=str(optimizer),
+        hidden=hidden,
+        dp=layout.dp,
+        tp=layout.tp,
+        pp=layout.pp,
+        zero_stage=layout.zero_stage,
     )
 
 
@@ -140,17 +119,17 @@ def activations(*, shape: ModelShape, precision: Precision, layout: Layout) -> f
         if layout.checkpointing == Checkpointing.FULL:
             per_batch /= 4
         return per_batch * scale
-    s, h, a, t, L = shape.seq_len, shape.hidden, shape.heads, layout.tp, shape.layers
-    sbh = s * b * h
-    full_layer = sbh * (34 / t + 5 * a * s / (h * t))
-    if layout.checkpointing == Checkpointing.NONE:
-        layers = L * full_layer
-    elif layout.checkpointing == Checkpointing.SELECTIVE:
-        layers = L * sbh * 34 / t
-    else:
-        layers = L * 2 * sbh / t + full_layer
-    logits = 4 * s * b * shape.vocab / t
-    return (layers + logits) * scale
+    return harness_memory.decoder_activation_bytes(
+        seq_len=shape.seq_len,
+        micro_batch=b,
+        hidden=shape.hidden,
+        heads=shape.heads,
+        layers=shape.layers,
+        vocab=shape.vocab,
+        tp=layout.tp,
+        recompute=str(layout.checkpointing),
+        fp32=precision == Precision.FP32,
+    )
 
 
 def per_gpu(

@@ -104,7 +104,7 @@ def _desired_from(*, node: Node, held: list[tuple]) -> list[DesiredRun]:
     by_rental: dict = {}
     for rental_id, index, gpu_uuid in held:
         by_rental.setdefault(rental_id, (rentals[rental_id], []))[1].append((index, gpu_uuid))
-    tensor_tflops = GpuModel.objects.values_list("tensor_tflops", flat=True).get(
+    tensor_tflops, memory_gb = GpuModel.objects.values_list("tensor_tflops", "memory_gb").get(
         pk=node.gpu_model_id
     )
     ssh_keys = rental_ssh_keys(rental for rental, _ in by_rental.values())
@@ -132,6 +132,8 @@ def _desired_from(*, node: Node, held: list[tuple]) -> list[DesiredRun]:
                     "--config-env", "HARNESS_CONFIG_JSON", "--nproc", "auto",
                 ]  # fmt: skip
             env.setdefault("HARNESS_PEAK_TFLOPS", str(tensor_tflops))
+            # The harness refuses at start, with the reason, a config that cannot fit.
+            env.setdefault("HARNESS_GPU_MEMORY_GB", str(memory_gb))
         desired.append(
             DesiredRun(
                 rental_id=str(rental.pk),

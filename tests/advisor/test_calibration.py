@@ -4,15 +4,17 @@ agent would forward them, and the advisor compares them with its estimate and le
 import io
 import json
 import statistics
+from datetime import timedelta
 
 import pytest
+from django.db.backends.postgresql.psycopg_any import DateTimeTZRange
 from django.utils import timezone
 
 from advisor.models import AdvisorCheck, AdvisorPrior
 from harness.config import load_config_dict
 from harness.metrics import JsonLines
 from harness.trainer import Trainer
-from marketplace.models import Rental
+from marketplace.models import Allocation, Node, Rental
 from provisioning.models import ContainerRun, RunMetric
 from provisioning.services import advisor_runs_calibrate, metrics_store, run_id_for
 
@@ -144,3 +146,32 @@ def test_the_booked_plan_runs_as_planned_and_its_measurement_reaches_the_calibra
     assert advisor_runs_calibrate() == 1
     check = AdvisorCheck.objects.get(rental=rental)
     assert check.measured_step_s > 0 and check.estimated_step_s > 0
+
+
+def test_a_run_on_a_simulated_host_is_shown_but_moves_no_prior(auth_api, make_node):
+    # Given a plan booked and placed on a simulated host (it trains on its CPU)
+    node = make_node(card=CARD, gpus=1)
+    Node.objects.filter(pk=node.pk).update(simulated=True)
+    booked = auth_api.post("/api/v1/advisor/book/", {**QUERY, "card": CARD}, format="json")
+    assert booked.status_code == 201, booked.content
+    rental = Rental.objects.get(pk=booked.json()["id"])
+    gpu = node.gpus.first()
+    now = timezone.now()
+    Allocation.objects.create(
+        rental=rental, gpu=gpu, node=node, during=DateTimeTZRange(now, now + timedelta(hours=1))
+    )
+    run = ContainerRun.objects.create(
+        rental=rental, node=node, run_id=run_id_for(rental.pk, node.pk, timezone.now())
+    )
+    lines = _harness_lines()
+    metrics_store(node=node, lines=[(str(rental.pk), run.run_id, line) for line in lines])
+    # When the calibration pass runs
+    assert advisor_runs_calibrate() == 1
+    # Then the measurement is kept beside the estimate, marked simulated; the card's prior and
+    # the advisor's accuracy are those of real hosts only
+    check = AdvisorCheck.objects.get(rental=rental)
+    assert check.simulated and check.measured_step_s > check.estimated_step_s
+    assert check.prior_after == check.prior_before
+    prior = AdvisorPrior.objects.get(card__slug=CARD)
+    assert prior.runs == 0 and prior.mfu == check.prior_before
+    assert auth_api.get("/api/v1/advisor/accuracy/").json()["runs"] == 0

@@ -134,6 +134,20 @@ def remove_managed(client, rental_id: str | None = None) -> None:
         driver.release_unused_rentals(container.labels.get("gpumarket.rental"))
 
 
+@pytest.fixture
+def funded_customer(settings, user):
+    """The real path: the funds check is on and the customer has credit from ops."""
+    settings.BILLING_FUNDS_CHECK = True
+    credit_customer(user)
+
+
+@pytest.fixture
+def no_leftover_containers(docker_client):
+    """Every managed container (and what the driver made for it) removed after the test."""
+    yield
+    remove_managed(docker_client)
+
+
 def remove_process_runs(root: Path) -> None:
     """Remove the process-runtime runs left under `root`, as a provider uninstalling the agent
     would: they outlive the agent (as containers do), and a test's runs sleeping for an hour

@@ -138,6 +138,29 @@ def test_a_container_exiting_non_zero_fails_the_rental_with_code_and_log(
     wait_for(lambda: not managed_containers(docker_client, rental_id), 60, "container removal")
 
 
+def test_a_config_that_cannot_fit_the_card_is_refused_at_start_with_the_reason(
+    auth_api, celery_worker, start_agent, docker_client
+):
+    # The simulated host's cards are RTX 4090s (24 GB); GPT-2 1.5B under plain data parallelism
+    # in bf16 keeps 16 bytes of states per parameter: about 25 GB before any activation.
+    start_agent()
+    _joined()
+    too_big = {
+        "model": {"name": "transformer", "preset": "gpt2-1.5b"},
+        "data": {"name": "text", "seq_len": 512, "batch_size": 1},
+        "train": {"steps": 10, "precision": "bf16", "device": "cpu"},
+    }
+    rental_id = _rent(auth_api, harness_config=too_big)
+    rental = _wait_status(rental_id, RentalStatus.FAILED)
+    assert rental.exit_code == 2
+    assert "container exited with code 2: config error: layout: needs about" in (
+        rental.status_reason
+    ), rental.status_reason
+    assert "the GPUs have 24 GB" in rental.status_reason
+    # Refused before training: not one step was reported.
+    assert _steps(rental_id) == 0
+
+
 def test_a_silent_node_goes_offline_and_its_rental_fails_by_policy(
     auth_api, celery_worker, start_agent, docker_client
 ):

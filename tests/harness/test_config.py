@@ -200,3 +200,52 @@ def test_cli_validates_a_config_passed_in_the_environment(clean_env):
 
     result = _cli("--config-env", "UNSET_VARIABLE", env=clean_env)
     assert "config error: environment variable UNSET_VARIABLE is not set" in result.stderr
+
+
+# GPT-2 1.5B in bf16 with AdamW keeps 16 bytes of states per parameter: about 25 GB per GPU under
+# plain data parallelism (34 GB with the activations of one 1024-token sequence), more than a
+# 24 GB card; ZeRO-3 over 4 ranks with full recomputation fits.
+TOO_BIG = {
+    "model": {"name": "transformer", "preset": "gpt2-1.5b"},
+    "data": {"name": "text", "seq_len": 1024, "batch_size": 1},
+    "train": {"steps": 10, "precision": "bf16", "device": "cpu"},
+}
+
+
+def test_cli_refuses_a_config_that_cannot_fit_the_gpus_it_got(tmp_path, clean_env):
+    import json
+
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps(TOO_BIG))
+    env = {**clean_env, "HARNESS_GPU_MEMORY_GB": "24", "GPUMARKET_WORKSPACE": str(tmp_path)}
+    result = _cli("--config", str(path), env=env)
+    assert result.returncode == CONFIG_ERROR_EXIT_CODE, result.stderr
+    assert "config error: layout: needs about 34.2 GB per GPU" in result.stderr
+    assert "the GPUs have 24 GB (21.6 usable)" in result.stderr
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize("given", [None, "", "junk", "0", "-24", "nan"])
+def test_without_a_usable_memory_figure_the_harness_does_not_guess(monkeypatch, given):
+    from harness.__main__ import _check_fits
+
+    monkeypatch.delenv("HARNESS_GPU_MEMORY_GB", raising=False)
+    if given is not None:
+        monkeypatch.setenv("HARNESS_GPU_MEMORY_GB", given)
+    _check_fits(load_config_dict(TOO_BIG), dp=1)  # no ConfigError
+    monkeypatch.setenv("HARNESS_GPU_MEMORY_GB", "24")
+    with pytest.raises(ConfigError):
+        _check_fits(load_config_dict(TOO_BIG), dp=1)
+
+
+def test_the_fit_follows_the_layout_and_the_ranks():
+    from harness.memory import fit_problem
+
+    config = load_config_dict(TOO_BIG)
+    assert fit_problem(config, dp=1, device="cpu", gpu_memory_gb=24) is not None
+    sharded = load_config_dict({**TOO_BIG, "layout": {"shard": "zero3", "recompute": "full"}})
+    assert fit_problem(sharded, dp=4, device="cpu", gpu_memory_gb=24) is None
+    assert fit_problem(sharded, dp=4, device="cpu", gpu_memory_gb=4) is not None
+    # A model the memory model does not cover is never refused by it.
+    cnn = load_config_dict({"model": {"name": "mnist_cnn"}})
+    assert fit_problem(cnn, dp=1, device="cpu", gpu_memory_gb=0.001) is None

@@ -286,9 +286,33 @@ def test_a_container_that_exits_non_zero_fails_the_rental_with_code_and_log(agen
     rental.refresh_from_db()
     assert (rental.status, rental.exit_code) == (RentalStatus.FAILED, 3)
     assert rental.log_tail.endswith("Boom")
-    assert "code 3" in rental.status_reason
+    # The reason ends with the run's last line, as Kubernetes' FallbackToLogsOnError.
+    assert rental.status_reason == "container exited with code 3: Boom"
     assert ContainerRun.objects.get(rental=rental).status == "exited"
     assert _beat(agent).json()["desired"] == []
+
+
+@pytest.mark.parametrize(
+    ("log_tail", "reason"),
+    [
+        ("", "container exited with code 1"),
+        ("\n  \n\t\n", "container exited with code 1"),
+        ("step 1\nRuntimeError: CUDA out of memory\n\n", "container exited with code 1: "
+         "RuntimeError: CUDA out of memory"),
+        # Bidirectional overrides are dropped (escape characters are already replaced in the
+        # stored log), long lines cut.
+        ("evil\u202egpj.exe\x1b[31m", "container exited with code 1: evilgpj.exe\ufffd[31m"),
+        ("x" * 5000, "container exited with code 1: " + "x" * 299 + "…"),
+    ],
+)  # fmt: skip
+def test_a_failed_run_s_reason_ends_with_its_last_log_line(agent, rent, log_tail, reason):
+    rental = _schedule(rent, 1)
+    [desired] = _beat(agent).json()["desired"]
+    run = {"rental_id": str(rental.pk), "run_id": desired["run_id"]}
+    _beat(agent, containers=[{**run, "status": "running", "started_at": 1.0e9}])
+    _beat(agent, containers=[{**run, "status": "exited", "exit_code": 1, "log_tail": log_tail}])
+    rental.refresh_from_db()
+    assert (rental.status, rental.status_reason) == (RentalStatus.FAILED, reason)
 
 
 def test_a_silent_node_goes_offline_and_its_rentals_follow_the_policy(agent, rent):
