@@ -7,7 +7,9 @@
     gpumarket rentals | show ID | metrics ID | logs [-f] ID | stop ID | cancel ID
     gpumarket budget [--monthly 500 --warn-percent 80 --max-gpus 16 --max-rentals-per-minute 10]
     gpumarket data push PATH [--name NAME] | data ls | data rm NAME
-    gpumarket rent ... --data NAME --resume-from RENTAL
+    gpumarket rent ... --data NAME --resume-from RENTAL --env NAME=VALUE --port 8000
+    gpumarket template save NAME --image IMAGE [--env ..] -- CMD | template ls | show | rm
+    gpumarket rent --gpus 1 --hours 2 --template NAME
     gpumarket artifacts ls RENTAL | artifacts pull RENTAL [DEST]
     gpumarket ssh-key add ~/.ssh/id_ed25519.pub | ssh-key ls | ssh-key rm ID
     gpumarket rent --ssh ... ; gpumarket ssh-command ID     (ssh -p PORT harness@HOST)
@@ -28,7 +30,17 @@ import json
 import os
 import sys
 
-from gpumarket_cli import advisor, billing, notify, offers, providers, rentals, ssh, storage
+from gpumarket_cli import (
+    advisor,
+    billing,
+    notify,
+    offers,
+    providers,
+    rentals,
+    ssh,
+    storage,
+    templates,
+)
 from gpumarket_cli.api import Api, CliError
 
 # A call is one short process: what it does not use, it does not import (typing included).
@@ -37,7 +49,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any
 
-GROUPS = (offers, advisor, rentals, ssh, storage, billing, notify, providers)
+GROUPS = (offers, advisor, rentals, templates, ssh, storage, billing, notify, providers)
 HANDLERS: dict[str, Callable[[argparse.Namespace, Api], str | None]] = {
     command: group.run for group in GROUPS for command in group.COMMANDS
 }
@@ -65,6 +77,8 @@ class _Parser(argparse.ArgumentParser):
     parent's)."""
 
     _width: int | None = None
+    # The top-level parser takes what follows `--` as the command (see parse_known_args).
+    takes_command = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -86,7 +100,18 @@ class _Parser(argparse.ArgumentParser):
         asked = "--json" in args[:end]
         if asked:
             args = [a for a in args[:end] if a != "--json"] + args[end:]
+        command = None
+        end = args.index("--") if "--" in args else len(args)
+        if self.takes_command and end < len(args):
+            # What follows `--` is the rental's command (`rent`, `template save`): taken here,
+            # as argparse loses `--` on its way into a sub-subcommand.
+            args, command = args[:end], args[end + 1 :]
         namespace, rest = super().parse_known_args(args, namespace)
+        if command is not None:
+            if hasattr(namespace, "cmd"):
+                namespace.cmd = command
+            else:
+                rest += ["--", *command]
         if asked:
             namespace.json = True
         return namespace, rest
@@ -99,6 +124,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="gpumarket", description=__doc__.splitlines()[0])
+    parser.takes_command = True
     parser.add_argument(
         "--server", default=os.environ.get("GPUMARKET_SERVER_URL", "http://127.0.0.1:8000")
     )
@@ -114,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     ssh.add_parsers(sub)
     rentals.add_parsers(sub)
     storage.add_parsers(sub)
+    templates.add_parsers(sub)
     rentals.add_logs_parser(sub)
     billing.add_parsers(sub)
     notify.add_parsers(sub)

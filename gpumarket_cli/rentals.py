@@ -8,7 +8,9 @@ import json
 import sys
 import time
 
+from gpumarket_cli.api import CliError
 from gpumarket_cli.output import duration, table, when
+from gpumarket_cli.templates import add_runtime_flags, runtime_from_flags
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -35,7 +37,9 @@ def add_rent_parser(sub: argparse._SubParsersAction) -> None:
     rent.add_argument(
         "--max-cost", help="dollars: the rental checkpoints and stops when its charge reaches this"
     )
-    rent.add_argument("--image", required=True)
+    rent.add_argument("--image", help="the image (required unless --template gives it)")
+    rent.add_argument("--template", help="start from one of your team's templates")
+    add_runtime_flags(rent)
     rent.add_argument(
         "--data", action="append", default=[], help="a dataset (repeatable): /data/NAME"
     )
@@ -63,8 +67,16 @@ def _rent_body(args: argparse.Namespace) -> dict:
         "gpus_per_node": args.gpus,
         "node_count": args.nodes,
         "duration_s": int(args.hours * 3600),
-        "runtime": {"image": args.image, "command": args.cmd},
     }
+    runtime = runtime_from_flags(args)
+    if args.template:
+        body["template"] = args.template
+        if runtime:
+            body["runtime"] = runtime  # what the template runs, with these changes
+    elif not args.image:
+        raise CliError("give --image (or --template)")
+    else:
+        body["runtime"] = {"command": [], **runtime}
     for key in ("region", "name"):
         if getattr(args, key):
             body[key] = getattr(args, key)

@@ -22,6 +22,7 @@ from marketplace.models import (
     Provider,
     Rental,
     RentalEvent,
+    RentalTemplate,
     User,
 )
 
@@ -204,3 +205,11 @@ class AllocationAdmin(admin.ModelAdmin):
     list_display = ["rental", "node", "gpu", "during", "released_at"]
     list_select_related = ["rental", "node", "gpu__node"]
     search_fields = ["rental__id", "node__hostname"]
+
+
+@admin.register(RentalTemplate)
+class RentalTemplateAdmin(admin.ModelAdmin):
+    list_display = ["name", "team", "image", "created_by", "updated_at"]
+    list_select_related = ["team", "created_by"]
+    search_fields = ["name", "image", "team__name"]
+    raw_id_fields = ["team", "created_by"]

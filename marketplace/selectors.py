@@ -23,7 +23,17 @@ from advisor.engine.presets import ModelShape, with_run
 from core.errors import NotFound
 from marketplace import queries
 from marketplace.lifecycle import ACTIVE
-from marketplace.models import Allocation, Gpu, GpuModel, Node, Provider, Rental, RentalEvent, User
+from marketplace.models import (
+    Allocation,
+    Gpu,
+    GpuModel,
+    Node,
+    Provider,
+    Rental,
+    RentalEvent,
+    RentalTemplate,
+    User,
+)
 from scheduler.engine import types as engine
 
 # The most GPUs one node is listed with (the `fits=` filter looks no further).
@@ -379,3 +389,11 @@ def rental_access(rental: Rental) -> list[dict]:
                 entry["command"] = f"ssh -p {port['host_port']} {SSH_LOGIN}@{port['host']}"
             access.append(entry)
     return access
+
+
+def template_list(*, team: Team) -> QuerySet[RentalTemplate]:
+    return RentalTemplate.objects.filter(team=team).select_related("created_by").order_by("name")
+
+
+def template_get(*, team: Team, name: str) -> RentalTemplate | None:
+    return template_list(team=team).filter(name=name).first()

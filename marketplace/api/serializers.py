@@ -407,3 +407,35 @@ class ProviderNodePriceSerializer(serializers.Serializer):
 class ProviderNodeActionSerializer(serializers.Serializer):
     action = serializers.ChoiceField(choices=["drain", "maintenance", "online"])
     reason = serializers.CharField(max_length=200, required=False, default="", allow_blank=True)
+
+
+class TemplateWriteSerializer(RuntimeSerializer):
+    """A rental template: what runs (the runtime a rental request takes), its datasets and SSH."""
+
+    name = serializers.SlugField(max_length=40, required=False)
+    description = serializers.CharField(
+        max_length=200, required=False, default="", allow_blank=True
+    )
+    datasets = serializers.ListField(
+        child=serializers.CharField(max_length=80), required=False, default=list, max_length=16
+    )
+    ssh = serializers.BooleanField(required=False, default=False)
+
+    def validate(self, attrs):
+        refuse_unknown(self)
+        return attrs
+
+
+class TemplateSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    description = serializers.CharField()
+    image = serializers.CharField()
+    command = serializers.ListField(child=serializers.CharField())
+    env = serializers.DictField(child=serializers.CharField())
+    ports = serializers.ListField(child=serializers.IntegerField())
+    datasets = serializers.ListField(child=serializers.CharField())
+    harness_config = serializers.JSONField(allow_null=True)
+    ssh = serializers.BooleanField()
+    created_by = serializers.CharField(source="created_by.username", allow_null=True)
+    created_at = serializers.DateTimeField()
+    updated_at = serializers.DateTimeField()

@@ -8,6 +8,8 @@ router.register("gpu-models", views.GpuModelViewSet, basename="gpu-model")
 
 urlpatterns = [
     path("offers/", views.OfferListView.as_view(), name="offer-list"),
+    path("templates/", views.TemplateListCreateView.as_view(), name="template-list"),
+    path("templates/<slug:name>/", views.TemplateDetailView.as_view(), name="template-detail"),
     *router.urls,
 ]
 

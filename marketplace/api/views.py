@@ -10,7 +10,7 @@ from rest_framework.views import APIView
 
 from accounts.tenancy import request_membership, request_team
 from core.api.pagination import PaginatedListView
-from core.errors import NotFound
+from core.errors import NotFound, ValidationFailed
 from marketplace import selectors, services
 from marketplace.api.serializers import (
     GpuModelSerializer,
@@ -25,9 +25,16 @@ from marketplace.api.serializers import (
     RentalDetailSerializer,
     RentalListQuerySerializer,
     RentalSerializer,
+    TemplateSerializer,
+    TemplateWriteSerializer,
 )
 from marketplace.lifecycle import rental_cancel, rental_stop
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
+from marketplace.services.templates import (
+    rental_body_from_template,
+    template_delete,
+    template_save,
+)
 
 
 class GpuModelViewSet(viewsets.ReadOnlyModelViewSet):
@@ -91,11 +98,15 @@ class RentalListCreateView(PaginatedListView):
 
     @extend_schema(request=RentalCreateSerializer, responses={201: RentalDetailSerializer})
     def post(self, request: Request) -> Response:
-        body = RentalCreateSerializer.for_data(request.data)
+        team = request_team(request)
+        raw = request.data
+        if isinstance(raw, dict) and "template" in raw:
+            # Started from one of the team's templates: its runtime under what the body gives.
+            raw = rental_body_from_template(team=team, body=raw)
+        body = RentalCreateSerializer.for_data(raw)
         body.is_valid(raise_exception=True)
         data = dict(body.validated_data)
         runtime = RuntimeSpec(**data.pop("runtime"))
-        team = request_team(request)
         rental = rental_create(
             customer=request.user,
             team=team,
@@ -195,3 +206,56 @@ class ProviderNodeActionView(APIView):
         body.is_valid(raise_exception=True)
         services.provider_node_action(owner=request.user, node_id=node_id, **body.validated_data)
         return _provider_node(request, node_id)
+
+
+class TemplateListCreateView(PaginatedListView):
+    """The team's rental templates: list them, or save one."""
+
+    @extend_schema(responses=TemplateSerializer(many=True))
+    def get(self, request: Request) -> Response:
+        return self.paginated(
+            selectors.template_list(team=request_team(request)), TemplateSerializer
+        )
+
+    @extend_schema(request=TemplateWriteSerializer, responses={201: TemplateSerializer})
+    def post(self, request: Request) -> Response:
+        team = request_team(request)
+        body = TemplateWriteSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        values = dict(body.validated_data)
+        name = values.pop("name", None)
+        if not name:
+            raise ValidationFailed("a name for the template", field="name")
+        template = template_save(
+            team=team, actor=request.user, name=name, values=values, replace=False
+        )
+        return Response(TemplateSerializer(template).data, status=status.HTTP_201_CREATED)
+
+
+class TemplateDetailView(APIView):
+    """One of the team's templates by name: read, replace (PUT) or delete it."""
+
+    @extend_schema(responses=TemplateSerializer)
+    def get(self, request: Request, name: str) -> Response:
+        template = selectors.template_get(team=request_team(request), name=name)
+        if template is None:
+            raise NotFound("no such template")
+        return Response(TemplateSerializer(template).data)
+
+    @extend_schema(request=TemplateWriteSerializer, responses=TemplateSerializer)
+    def put(self, request: Request, name: str) -> Response:
+        team = request_team(request)
+        body = TemplateWriteSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        values = dict(body.validated_data)
+        if values.pop("name", name) != name:
+            raise ValidationFailed("differs from the template's name in the path", field="name")
+        template = template_save(
+            team=team, actor=request.user, name=name, values=values, replace=True
+        )
+        return Response(TemplateSerializer(template).data)
+
+    @extend_schema(request=None, responses={204: None})
+    def delete(self, request: Request, name: str) -> Response:
+        template_delete(team=request_team(request), name=name)
+        return Response(status=status.HTTP_204_NO_CONTENT)

@@ -10,6 +10,7 @@ from marketplace.models.rentals import (
     RentalKind,
     RentalStatus,
 )
+from marketplace.models.templates import RentalTemplate
 
 __all__ = [
     "Allocation",
@@ -24,5 +25,6 @@ __all__ = [
     "RentalEvent",
     "RentalKind",
     "RentalStatus",
+    "RentalTemplate",
     "User",
 ]

@@ -7,5 +7,6 @@ urlpatterns = [
     path("rentals/", views.rentals, name="web-rentals"),
     path("rentals/new/", views.rental_new, name="web-rental-new"),
     path("rentals/<uuid:rental_id>/", views.rental_detail, name="web-rental"),
+    path("templates/", views.templates, name="web-templates"),
     path("provider/", views.provider, name="web-provider"),
 ]

@@ -108,6 +108,23 @@ def rental_new(request: HttpRequest) -> HttpResponse:
             },
             # The storage app's rows, through the relation it declares (it sits above).
             "datasets": request_team(request).datasets.ready().order_by("name"),
+            "templates": selectors.template_list(team=request_team(request)),
+            "initial_template": request.GET.get("template", ""),
+        },
+    )
+
+
+@require_GET
+@login_required
+@team_page
+def templates(request: HttpRequest) -> HttpResponse:
+    """The team's rental templates: saved, listed, removed, and a rental started from one."""
+    return render(
+        request,
+        "web/templates.html",
+        {
+            "templates": selectors.template_list(team=request_team(request)),
+            "harness_image": settings.GPUMARKET["HARNESS_IMAGE"],
         },
     )
 

@@ -26,7 +26,7 @@ from accounts.services.sshkeys import ssh_key_add
 from accounts.services.teams import invitation_path
 from billing.models import Invoice
 from billing.services import account_adjust, account_for_team, invoice_issue
-from marketplace.models import Rental, RentalStatus, User
+from marketplace.models import Rental, RentalStatus, RentalTemplate, User
 from notifications.models import Delivery
 from notifications.services import notification_record
 from storage.models import Dataset
@@ -433,7 +433,9 @@ def theirs(make_node, rent, tmp_path):
     told = notification_record(
         team=team, kind="balance.low", source_key="theirs", summary="low", data={}
     )
+    template = RentalTemplate.objects.create(team=team, name="theirs", image="img:1")
     return {
+        "name": template.name,
         "delivery_id": told.deliveries.get().pk,
         "dataset_id": str(dataset.pk),
         "key_id": key.pk,
@@ -464,6 +466,7 @@ TEAM_OWNED = {
     "dataset_id",
     "key_id",
     "delivery_id",
+    "name",  # a rental template's
 }
 
 
@@ -496,6 +499,7 @@ def test_another_teams_id_is_404_on_every_endpoint_that_takes_one(
         list(Dataset.objects.values_list("pk", "status", "total_bytes")),
         list(SshKey.objects.values_list("pk", "team_id")),
         list(Delivery.objects.values_list("pk", "state", "attempts")),
+        list(RentalTemplate.objects.values_list("pk", "image", "updated_at")),
     )
     body = {"role": "owner"} if method == "patch" else None
     answer = (
@@ -513,6 +517,7 @@ def test_another_teams_id_is_404_on_every_endpoint_that_takes_one(
         list(Dataset.objects.values_list("pk", "status", "total_bytes")),
         list(SshKey.objects.values_list("pk", "team_id")),
         list(Delivery.objects.values_list("pk", "state", "attempts")),
+        list(RentalTemplate.objects.values_list("pk", "image", "updated_at")),
     )
     assert after == before
 
@@ -528,6 +533,7 @@ def test_the_scoping_test_covers_the_team_endpoints():
         "rentals/<uuid:rental_id>/",
         "api/v1/datasets/<uuid:dataset_id>/",
         "api/v1/datasets/<uuid:dataset_id>/complete/",
+        "api/v1/templates/<slug:name>/",
         "api/v1/ssh-keys/<int:key_id>/",
         "api/v1/notifications/deliveries/<int:delivery_id>/",
     ):
