@@ -777,25 +777,25 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def _pair(measured: float | None, estimated: float | None, ratio: float | None, spec: str) -> str:
-    return f"{_fmt(measured, spec)}/{_fmt(estimated, spec)} ({_fmt(ratio, '.2f')})"
+    return f"{_fmt(measured, spec)}/{_fmt(estimated, spec)} ({_fmt(ratio, '.3g')})"
 
 
 def layout_table(rows: list[dict[str, Any]]) -> str:
     """Measured beside estimated, one line per layout."""
     lines = [
-        f"{'layout':<14}{'gpus':>5}  {'step s meas/est (x)':<24}{'MFU meas/est (x)':<22}"
+        f"{'layout':<14}{'gpus':>5}  {'step s meas/est (x)':<28}{'MFU meas/est (x)':<28}"
         f"{'peak GB meas/est':<18}{'fits meas/est':<15}status"
     ]
     for row in rows:
         m, e = row.get("measured") or {}, row.get("estimated") or {}
         r = row.get("ratio_measured_to_estimated") or {}
-        step = _pair(m.get("step_s"), e.get("step_s"), r.get("step_s"), ".3f")
-        mfu = _pair(m.get("mfu_advisor_flops"), e.get("mfu"), r.get("mfu"), ".3f")
-        mem = f"{_fmt(m.get('peak_mem_gb'), '.1f')}/{_fmt(e.get('mem_gb'), '.1f')}"
+        step = _pair(m.get("step_s"), e.get("step_s"), r.get("step_s"), ".3g")
+        mfu = _pair(m.get("mfu_advisor_flops"), e.get("mfu"), r.get("mfu"), ".3g")
+        mem = f"{_fmt(m.get('peak_mem_gb'), '.3g')}/{_fmt(e.get('mem_gb'), '.3g')}"
         verdicts = {True: "yes", False: "no", None: "-"}
         fits = f"{verdicts[row.get('fits_measured')]}/{verdicts[e.get('fits')]}"
         lines.append(
-            f"{row['name']:<14}{row['gpus']:>5}  {step:<24}{mfu:<22}{mem:<18}{fits:<15}"
+            f"{row['name']:<14}{row['gpus']:>5}  {step:<28}{mfu:<28}{mem:<18}{fits:<15}"
             f"{row['status']}"
         )
     return "\n".join(lines)
@@ -906,6 +906,9 @@ def check_gang(
         "gang-ref",
     )
     port = _free_port()
+    # A GPU each: the first two this process sees.
+    visible = (env.get("CUDA_VISIBLE_DEVICES") or "0,1").split(",")
+    visible = visible if len(visible) >= 2 else ["0", "1"]
     members = []
     for node in range(2):
         extra = {
@@ -920,7 +923,7 @@ def check_gang(
         }
         if not rehearsal:
             extra |= {
-                "CUDA_VISIBLE_DEVICES": str(node),
+                "CUDA_VISIBLE_DEVICES": visible[node],
                 "NCCL_P2P_DISABLE": "1",
                 "NCCL_SHM_DISABLE": "1",
                 "NCCL_DEBUG": "INFO",
