@@ -35,6 +35,11 @@ def add_rent_parser(sub: argparse._SubParsersAction) -> None:
     rent.add_argument("--bid", help="interruptible, with this bid per GPU-hour")
     rent.add_argument("--hours", type=float, default=1.0)
     rent.add_argument(
+        "--start-at",
+        metavar="WHEN",
+        help="book ahead: an ISO 8601 time (2026-12-24T08:00Z; without a zone, UTC)",
+    )
+    rent.add_argument(
         "--max-cost", help="dollars: the rental checkpoints and stops when its charge reaches this"
     )
     rent.add_argument("--image", help="the image (required unless --template gives it)")
@@ -88,6 +93,8 @@ def _rent_body(args: argparse.Namespace) -> dict:
         body.update(kind="interruptible", bid_per_gpu_hour=args.bid)
     if args.max_cost:
         body["max_charge"] = args.max_cost
+    if args.start_at:
+        body["start_at"] = args.start_at
     if args.data:
         body["datasets"] = args.data
     if args.resume_from:

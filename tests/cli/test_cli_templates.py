@@ -55,3 +55,18 @@ def test_rent_needs_an_image_or_a_template_and_good_flags(cli):  # noqa: F811
     code, _, err = cli("rent", "--gpus", "1", "--image", "img", "--env", "NOEQUALS")
     assert code == 1 and "NAME=VALUE" in err
     assert not Rental.objects.exists()
+
+
+def test_rent_books_ahead_with_start_at_and_names_a_bad_time(cli, make_node):  # noqa: F811
+    from datetime import UTC, datetime, timedelta
+
+    make_node(card="a100-sxm4-80gb")
+    when = (datetime.now(UTC) + timedelta(days=2)).replace(microsecond=0)
+    code, _, err = cli(
+        "rent", "--gpus", "1", "--image", "img", "--start-at", when.strftime("%Y-%m-%dT%H:%M:%SZ")
+    )
+    assert code == 0, err
+    assert Rental.objects.get().start_at == when
+    code, _, err = cli("rent", "--gpus", "1", "--image", "img", "--start-at", "next tuesday")
+    assert code == 1 and "start_at" in err
+    assert Rental.objects.count() == 1
