@@ -11,7 +11,8 @@ parameters each GPU holds before ZeRO shards them.
 
 Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 Transformer Models" (Section 4, Table 2): per transformer layer and micro-batch, with sequence s,
-micro-batch b, width h and a heads, sbh(34 + 5as/h) bytes in 16-bit without recomputation; with
+micro-batch b, width h and a heads, sbh(34 + 5as/h) bytes in 16-bit without recomputation (the
+5as/h of the attention scores is not kept by fused attention, which the harness runs); with
 tensor parallelism t and sequence parallelism everything divides by t; selective recomputation
 (the attention core) keeps sbh x 34 / t; full recomputation keeps the 2sbh/t layer inputs, plus
 one layer's full set while it is recomputed. With the 1F1B pipeline schedule the first stage
@@ -84,12 +85,16 @@ def decoder_activation_bytes(
     tp: int,
     recompute: str,
     fp32: bool,
+    fused_attention: bool = True,
 ) -> float:
     """Activation bytes per GPU at the peak (the first pipeline stage) for one micro-batch of
-    ``micro_batch`` sequences; ``recompute`` is none, selective or full."""
+    ``micro_batch`` sequences; ``recompute`` is none, selective or full. ``fused_attention``
+    (the harness's ``scaled_dot_product_attention``: flash or memory-efficient kernels on CUDA)
+    keeps no s x s attention scores, so a layer keeps what selective recomputation keeps."""
     s, b, h, a, t, n = seq_len, micro_batch, hidden, heads, tp, layers
     sbh = s * b * h
-    full_layer = sbh * (34 / t + 5 * a * s / (h * t))
+    scores = 0.0 if fused_attention else 5 * a * s / (h * t)
+    full_layer = sbh * (34 / t + scores)
     if recompute == "none":
         kept = n * full_layer
     elif recompute == "selective":

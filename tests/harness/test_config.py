@@ -203,7 +203,7 @@ def test_cli_validates_a_config_passed_in_the_environment(clean_env):
 
 
 # GPT-2 1.5B in bf16 with AdamW keeps 16 bytes of states per parameter: about 25 GB per GPU under
-# plain data parallelism (34 GB with the activations of one 1024-token sequence), more than a
+# plain data parallelism (28 GB with the activations of one 1024-token sequence), more than a
 # 24 GB card; ZeRO-3 over 4 ranks with full recomputation fits.
 TOO_BIG = {
     "model": {"name": "transformer", "preset": "gpt2-1.5b"},
@@ -220,7 +220,7 @@ def test_cli_refuses_a_config_that_cannot_fit_the_gpus_it_got(tmp_path, clean_en
     env = {**clean_env, "HARNESS_GPU_MEMORY_GB": "24", "GPUMARKET_WORKSPACE": str(tmp_path)}
     result = _cli("--config", str(path), env=env)
     assert result.returncode == CONFIG_ERROR_EXIT_CODE, result.stderr
-    assert "config error: layout: needs about 34.2 GB per GPU" in result.stderr
+    assert "config error: layout: needs about 27.9 GB per GPU" in result.stderr
     assert "the GPUs have 24 GB (21.6 usable)" in result.stderr
     assert result.stdout == ""
 
