@@ -127,4 +127,24 @@ def never_fits(request: Request, nodes: Iterable[Node]) -> str | None:
         return "ssh: no matching node can run an sshd with a published port"
     if len(capable) < m:
         return f"ssh: only {len(capable)} matching nodes can run an sshd, the request needs {m}"
+    if m > 1:
+        return _no_cluster(request, capable)
     return None
+
+
+def _no_cluster(request: Request, nodes: list[Node]) -> str | None:
+    """Why no cluster can host the gang: its members all sit in one cluster."""
+    m = request.node_count
+    sizes = Counter(node.cluster for node in nodes if node.cluster is not None)
+    largest = max(sizes.values(), default=0)
+    if largest >= m:
+        return None
+    if not sizes:
+        return (
+            "node_count: no matching node is in a cluster; a multi-node rental runs inside "
+            "one cluster (nodes a provider declared on one fabric)"
+        )
+    return (
+        f"node_count: the largest cluster has {largest} matching nodes, the request needs {m} "
+        "in one cluster"
+    )

@@ -6,7 +6,7 @@ off-by-one in a half-open range check would show.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from decimal import Decimal
 
 from enginekit import HOUR, NOW, overlaps, plan_violations
@@ -57,6 +57,7 @@ def nodes_strategy(draw) -> tuple[Node, ...]:
                 min_bid=price / 2,
                 reliability=draw(st.sampled_from([0.9, 0.99])),
                 ssh_capable=draw(st.sampled_from([True, True, False])),
+                cluster=draw(st.sampled_from([None, "a", "a", "b"])),
                 gpus=tuple(
                     Gpu(
                         gpu_id=node_id * 100 + i,
@@ -195,7 +196,11 @@ def fits(snap: Snapshot, req: Request, held) -> bool:
         and (n.ssh_capable or not req.ssh)
         and node_can_host(n, req, held, t0, t0 + req.duration)
     ]
-    return len(hosts) >= req.node_count
+    if req.node_count == 1:
+        return bool(hosts)
+    # A gang's members share one cluster; a node without one hosts no member.
+    per_cluster = Counter(n.cluster for n in hosts if n.cluster is not None)
+    return max(per_cluster.values(), default=0) >= req.node_count
 
 
 def may_stop(req: Request, b: Busy) -> bool:
