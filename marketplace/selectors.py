@@ -23,7 +23,17 @@ from advisor.engine.presets import ModelShape, with_run
 from core.errors import NotFound
 from marketplace import queries
 from marketplace.lifecycle import ACTIVE
-from marketplace.models import Allocation, Gpu, GpuModel, Node, Provider, Rental, RentalEvent, User
+from marketplace.models import (
+    Allocation,
+    Cluster,
+    Gpu,
+    GpuModel,
+    Node,
+    Provider,
+    Rental,
+    RentalEvent,
+    User,
+)
 from scheduler.engine import types as engine
 
 # The most GPUs one node is listed with (the `fits=` filter looks no further).
@@ -220,7 +230,9 @@ def _with_rented_gpus(nodes: QuerySet[Node]) -> QuerySet[Node]:
         .annotate(n=Count("gpu", distinct=True))
         .values("n")
     )
-    return nodes.select_related("gpu_model").annotate(rented_gpus=Coalesce(Subquery(rented), 0))
+    return nodes.select_related("gpu_model", "cluster").annotate(
+        rented_gpus=Coalesce(Subquery(rented), 0)
+    )
 
 
 def provider_nodes(*, owner: User, provider_id: int) -> QuerySet[Node] | None:
@@ -235,6 +247,23 @@ def provider_node(*, owner: User, node_id: int) -> Node | None:
     return _with_rented_gpus(Node.objects.filter(pk=node_id, provider__owner=owner)).first()
 
 
+def _with_nodes(clusters: QuerySet[Cluster]) -> QuerySet[Cluster]:
+    nodes = Node.objects.select_related("gpu_model").order_by("hostname")
+    return clusters.prefetch_related(Prefetch("nodes", queryset=nodes)).order_by("name")
+
+
+def provider_clusters(*, owner: User, provider_id: int) -> QuerySet[Cluster] | None:
+    """The owner's provider's clusters with their nodes; another owner's provider: None."""
+    if not Provider.objects.filter(pk=provider_id, owner=owner).exists():
+        return None
+    return _with_nodes(Cluster.objects.filter(provider_id=provider_id))
+
+
+def provider_cluster(*, owner: User, cluster_id: int) -> Cluster | None:
+    """One of the owner's clusters with its nodes; another owner's cluster: None."""
+    return _with_nodes(Cluster.objects.filter(pk=cluster_id, provider__owner=owner)).first()
+
+
 _ENGINE_NODE_FIELDS = (
     "id",
     "region",
@@ -244,6 +273,7 @@ _ENGINE_NODE_FIELDS = (
     "reliability",
     "nvlink",
     "ssh_capable",
+    "cluster_id",
     "gpu_model__slug",
     "gpu_model__family",
     "gpu_model__memory_gb",
@@ -266,6 +296,7 @@ class NodeFilter:
     max_min_bid: Decimal | None = None  # nodes whose minimum bid is at most this
     max_price: Decimal | None = None  # nodes whose price is at most this
     ssh: bool = False  # only nodes whose agent can give a rental SSH (Node.ssh_capable)
+    clustered: bool = False  # only nodes in a cluster (what a gang's members need)
 
 
 def engine_nodes_cheapest(nodes: NodeFilter, *, limit: int) -> list[engine.Node]:
@@ -284,6 +315,7 @@ def engine_nodes_cheapest(nodes: NodeFilter, *, limit: int) -> list[engine.Node]
         "bid": nodes.max_min_bid,
         "price": nodes.max_price,
         "ssh": nodes.ssh,
+        "clustered": nodes.clustered,
         "limit": limit,
     }
     result = []
@@ -321,6 +353,7 @@ def _engine_node(r: dict, gpus: list[engine.Gpu]) -> engine.Node:
         gpus=tuple(gpus),
         pool=r["pool"],
         ssh_capable=r["ssh_capable"],
+        cluster=r["cluster_id"],
     )
 
 

@@ -111,8 +111,8 @@ _DIGEST = """
 SELECT count(*), md5(string_agg(concat_ws(
            ':', n.{node.id}, n.{node.region}, n.{node.price_per_gpu_hour},
            n.{node.min_bid_per_gpu_hour}, n.{node.reliability}, n.{node.nvlink},
-           n.{node.ssh_capable}, m.{gpu_model.slug}, m.{gpu_model.family},
-           m.{gpu_model.memory_gb}, m.{gpu_model.tensor_tflops}, g.gpus),
+           n.{node.ssh_capable}, coalesce(n.{node.cluster}, 0), m.{gpu_model.slug},
+           m.{gpu_model.family}, m.{gpu_model.memory_gb}, m.{gpu_model.tensor_tflops}, g.gpus),
        ',' ORDER BY n.{node.id}))
 FROM {node} n
 JOIN {gpu_model} m ON m.{gpu_model.id} = n.{node.gpu_model}

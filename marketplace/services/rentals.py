@@ -149,7 +149,8 @@ def _never_fits(req: RentalRequest, start: datetime, deadline: datetime) -> _Fit
         priced = replace(sized, max_price=req.max_price_per_gpu_hour)
     else:
         priced = sized
-    capable = replace(priced, ssh=req.ssh)
+    # A gang's members sit in one cluster: unclustered nodes never host one.
+    capable = replace(priced, ssh=req.ssh, clustered=req.node_count > 1)
     request = _engine_request(req, start, deadline)
     tiers = [
         (capable, 4 * req.node_count),
@@ -177,6 +178,8 @@ def _refusal(request: engine.Request, nodes: list[engine.Node], reason: str | No
     without_ssh = replace(request, ssh=False)
     if reason is not None and request.ssh and feasibility.never_fits(without_ssh, nodes) is None:
         return _Fit(reason, field="ssh")
+    if reason is not None and reason.startswith("node_count:"):
+        return _Fit(reason, field="node_count")
     return _Fit(reason)
 
 
