@@ -224,3 +224,35 @@ def test_a_gang_no_cluster_can_hold_is_refused_at_create_naming_node_count(make_
         rent(8, node_count=2)
     assert refused.value.field == "node_count"
     assert "no matching node is in a cluster" in refused.value.message
+
+
+def test_offers_show_the_interconnect_and_the_cluster_size(api, client, make_node):
+    # Given two online nodes in cluster "fabric" (InfiniBand 200 Gb/s) and one on its own
+    make_node(hostname="ib-1", price="1.00")
+    make_node(hostname="ib-2", price="1.10")
+    make_node(hostname="alone", price="1.20", cluster=None)
+
+    # When anyone reads the offers
+    rows = {r["hostname"]: r for r in api.get("/api/v1/offers/").json()["results"]}
+
+    # Then a clustered node says its fabric and how many nodes share it, the other nothing
+    fields = ("cluster", "interconnect", "interconnect_gbps", "cluster_nodes")
+    assert {h: tuple(r[f] for f in fields) for h, r in rows.items()} == {
+        "ib-1": ("fabric", "infiniband", 200, 2),
+        "ib-2": ("fabric", "infiniband", 200, 2),
+        "alone": (None, None, None, None),
+    }
+    # And the offers page shows it as a person reads it
+    html = client.get("/").content.decode()
+    assert "InfiniBand 200 Gb/s" in html and "2 nodes in fabric" in html
+
+
+def test_the_provider_page_shows_clusters_and_each_nodes_cluster(client, provider, make_node):
+    make_node(hostname="in-cluster", cluster="h100-ib")
+    make_node(hostname="on-its-own", cluster=None)
+    client.force_login(provider.owner)
+    html = client.get("/provider/").content.decode()
+    assert "Declare a cluster" in html and "InfiniBand 200 Gb/s" in html
+    cluster = Cluster.objects.get(name="h100-ib")
+    assert f'<option value="{cluster.pk}" selected>h100-ib</option>' in html
+    assert '<option value="" selected>on its own</option>' in html
