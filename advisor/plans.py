@@ -124,6 +124,7 @@ def offers(*, card: str, region: str | None, rates: dict[str, float]) -> list[Of
                 network_gbits=net or None,
                 preemptions_per_node_hour=rates.get(node["pool"], PRIOR_PREEMPTIONS_PER_NODE_HOUR),
                 cluster=row["cluster_id"],
+                interconnect_gbps=row["interconnect_gbps"] or 0,
                 interconnect=interconnect_label(row["interconnect"], row["interconnect_gbps"])
                 if row["interconnect"] is not None
                 else None,
@@ -232,6 +233,8 @@ def plan_book(
                 gpu_models=(chosen.estimate.card.slug,),
                 gpus_per_node=placement.gpus_per_node,
                 node_count=len(placement.offers),
+                # The fabric the plan was priced with: a gang runs only on a cluster as fast.
+                min_interconnect_gbps=placement.interconnect_gbps,
                 # Only tensor parallelism needs one NVLink group; data parallel runs anywhere.
                 same_group=chosen.estimate.layout.tp > 1,
                 region=query.region or "",

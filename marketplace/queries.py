@@ -217,8 +217,9 @@ def _cheapest_nodes_sql() -> str:
         for name in ("id", "index", "topology_group")
     )
     return sql_named(
-        f"SELECT {node}, {model}, {arrays}"  # noqa: S608 - the models' own names
+        f"SELECT {node}, c.{{cluster.bandwidth_gbps}}, {model}, {arrays}"  # noqa: S608
         " FROM {node} n JOIN {gpu_model} m ON m.{gpu_model.id} = n.{node.gpu_model}"
+        " LEFT JOIN {cluster} c ON c.{cluster.id} = n.{node.cluster}"
         " WHERE n.{node.pool} = %(pool)s"
         " AND (%(region)s = '' OR n.{node.region} = %(region)s"
         "      OR n.{node.region} LIKE %(zones)s)"
@@ -230,7 +231,7 @@ def _cheapest_nodes_sql() -> str:
         " AND (%(bid)s::numeric IS NULL OR n.{node.min_bid_per_gpu_hour} <= %(bid)s::numeric)"
         " AND (%(price)s::numeric IS NULL OR n.{node.price_per_gpu_hour} <= %(price)s::numeric)"
         " AND (NOT %(ssh)s OR n.{node.ssh_capable})"
-        " AND (NOT %(clustered)s OR n.{node.cluster} IS NOT NULL)"
+        " AND (NOT %(clustered)s OR c.{cluster.bandwidth_gbps} >= %(gbps)s)"
         " ORDER BY n.{node.price_per_gpu_hour}, n.{node.id} LIMIT %(limit)s",
         **_TABLES,
     )
@@ -238,9 +239,9 @@ def _cheapest_nodes_sql() -> str:
 
 def nodes_cheapest(*, params: dict) -> list[tuple]:
     """The `limit` cheapest nodes of the pool that meet `params` (region or its zones, models,
-    families, memory, tflops, GPUs, bid, price, ssh, clustered), whatever their state: the
-    NODE_COLUMNS, the MODEL_COLUMNS of their card, then their GPUs' ids, indexes and groups as
-    arrays."""
+    families, memory, tflops, GPUs, bid, price, ssh, clustered with at least gbps), whatever
+    their state: the NODE_COLUMNS, their cluster's bandwidth (None: no cluster), the
+    MODEL_COLUMNS of their card, then their GPUs' ids, indexes and groups as arrays."""
     return _all(_cheapest_nodes_sql(), params)
 
 

@@ -274,6 +274,7 @@ _ENGINE_NODE_FIELDS = (
     "nvlink",
     "ssh_capable",
     "cluster_id",
+    "cluster__bandwidth_gbps",
     "gpu_model__slug",
     "gpu_model__family",
     "gpu_model__memory_gb",
@@ -297,6 +298,7 @@ class NodeFilter:
     max_price: Decimal | None = None  # nodes whose price is at most this
     ssh: bool = False  # only nodes whose agent can give a rental SSH (Node.ssh_capable)
     clustered: bool = False  # only nodes in a cluster (what a gang's members need)
+    min_interconnect_gbps: int = 0  # with clustered: only clusters at least this fast
 
 
 def engine_nodes_cheapest(nodes: NodeFilter, *, limit: int) -> list[engine.Node]:
@@ -316,6 +318,7 @@ def engine_nodes_cheapest(nodes: NodeFilter, *, limit: int) -> list[engine.Node]
         "price": nodes.max_price,
         "ssh": nodes.ssh,
         "clustered": nodes.clustered,
+        "gbps": nodes.min_interconnect_gbps,
         "limit": limit,
     }
     result = []
@@ -354,6 +357,7 @@ def _engine_node(r: dict, gpus: list[engine.Gpu]) -> engine.Node:
         pool=r["pool"],
         ssh_capable=r["ssh_capable"],
         cluster=r["cluster_id"],
+        interconnect_gbps=r["cluster__bandwidth_gbps"] or 0,
     )
 
 

@@ -78,6 +78,7 @@ class Offer:
     # bandwidth per node.
     cluster: int | None = None
     interconnect: str | None = None
+    interconnect_gbps: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -93,6 +94,11 @@ class Placement:
     def interconnect(self) -> str | None:
         """The fabric between its nodes (all of one cluster); None on one node."""
         return self.offers[0].interconnect if len(self.offers) > 1 else None
+
+    @property
+    def interconnect_gbps(self) -> int:
+        """The bandwidth it was priced with, which a booking asks of its cluster (0: one node)."""
+        return self.offers[0].interconnect_gbps if len(self.offers) > 1 else 0
 
     def topology(self) -> Topology:
         nets = [o.network_gbits for o in self.offers]

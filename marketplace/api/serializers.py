@@ -256,6 +256,14 @@ class RentalCreateSerializer(ReusedPerThread, serializers.Serializer):
     ssh = serializers.BooleanField(
         required=False, default=False, help_text="an sshd in the container for your SSH keys"
     )
+    min_interconnect_gbps = serializers.IntegerField(
+        required=False,
+        default=0,
+        min_value=0,
+        max_value=CLUSTER_GBPS_MAX,
+        help_text="a multi-node rental: only a cluster whose fabric is at least this fast, "
+        "Gb/s per node (0: any cluster)",
+    )
     datasets = serializers.ListField(
         child=serializers.CharField(max_length=80),
         required=False,
@@ -341,6 +349,7 @@ class RentalSerializer(serializers.Serializer):
     ports = serializers.ListField(child=serializers.IntegerField())
     resume_from = serializers.UUIDField(source="resume_from_id", allow_null=True)
     ssh = serializers.BooleanField()
+    min_interconnect_gbps = serializers.IntegerField()
     created_at = serializers.DateTimeField()
 
 

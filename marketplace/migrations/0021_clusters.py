@@ -30,6 +30,11 @@ class Migration(migrations.Migration):
             name='cluster',
             field=models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='nodes', to='marketplace.cluster'),
         ),
+        migrations.AddField(
+            model_name='rental',
+            name='min_interconnect_gbps',
+            field=models.PositiveIntegerField(db_default=0, default=0, help_text="a multi-node rental's least cluster bandwidth, Gb/s"),
+        ),
         migrations.AddConstraint(
             model_name='cluster',
             constraint=models.UniqueConstraint(fields=('provider', 'name'), name='cluster_unique_name'),

@@ -134,11 +134,18 @@ def never_fits(request: Request, nodes: Iterable[Node]) -> str | None:
 
 def _no_cluster(request: Request, nodes: list[Node]) -> str | None:
     """Why no cluster can host the gang: its members all sit in one cluster."""
-    m = request.node_count
-    sizes = Counter(node.cluster for node in nodes if node.cluster is not None)
+    m, gbps = request.node_count, request.min_interconnect_gbps
+    clustered = [node for node in nodes if node.cluster is not None]
+    sizes = Counter(node.cluster for node in clustered if node.interconnect_gbps >= gbps)
     largest = max(sizes.values(), default=0)
     if largest >= m:
         return None
+    if clustered and not sizes:
+        fastest = max(node.interconnect_gbps for node in clustered)
+        return (
+            f"min_interconnect_gbps: no matching cluster is that fast (the fastest has "
+            f"{fastest} Gb/s, {gbps} asked)"
+        )
     if not sizes:
         return (
             "node_count: no matching node is in a cluster; a multi-node rental runs inside "

@@ -50,6 +50,12 @@ def node_gpus(chosen: Iterable[Choice]) -> NodeGpus:
     return tuple(sorted(gpus))
 
 
+def _gbps(part: Match) -> int:
+    """The interconnect bandwidth of a cluster's match (every node of a cluster shares it)."""
+    cls, _ = part.classes[0]
+    return cls.example.interconnect_gbps
+
+
 def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -129,6 +135,14 @@ class _Planner:
                 f"matching GPUs{describe_hardware(req)}: a multi-node rental runs inside one "
                 "cluster (nodes a provider declared on one fabric)"
             )
+        if req.node_count > 1 and req.min_interconnect_gbps:
+            fastest = max(_gbps(part) for part in parts)
+            parts = [part for part in parts if _gbps(part) >= req.min_interconnect_gbps]
+            if not parts:
+                return (
+                    f"min_interconnect_gbps: no matching cluster is that fast (the fastest "
+                    f"has {fastest} Gb/s, {req.min_interconnect_gbps} asked)"
+                )
         end = start + req.duration
         if len(parts) > 1:
             chosen = self._best_cluster(req, parts, start, end)

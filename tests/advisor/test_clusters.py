@@ -80,3 +80,29 @@ def test_single_node_plans_show_no_interconnect(api, make_node):
     make_node(card=CARD, price="1.00", cluster=None)
     plans = _plans(api, {"model": "gpt2-124m", "tokens_b": 1})
     assert plans and all(p["nodes"] == 1 and p["interconnect"] is None for p in plans)
+
+
+def test_a_booked_gang_asks_its_cluster_for_the_bandwidth_it_was_priced_with(auth_api, make_node):
+    # Given a cheap 10 Gb/s Ethernet cluster of three nodes and a dearer 200 Gb/s one of four
+    for _ in range(3):
+        make_node(card=CARD, price="0.80", cluster="slow")
+    slow = Cluster.objects.get(name="slow")
+    cluster_update(
+        owner=slow.provider.owner, cluster_id=slow.pk, interconnect="ethernet", bandwidth_gbps=10
+    )
+    for _ in range(4):
+        make_node(card=CARD, price="1.00", cluster="fast")
+
+    # When the 3x8 plan is booked (priced on the cheaper cluster) and a 4x8 one (only the
+    # dearer cluster has four nodes)
+    plans = {p["id"]: p for p in _plans(auth_api)}
+    assert plans[f"{CARD}:3x8"]["interconnect"] == "Ethernet 10 Gb/s"
+    assert plans[f"{CARD}:4x8"]["interconnect"] == "InfiniBand 200 Gb/s"
+    booked = {}
+    for plan_id in (f"{CARD}:3x8", f"{CARD}:4x8"):
+        r = auth_api.post("/api/v1/advisor/book/", {**NEEDS_17, "plan": plan_id}, format="json")
+        assert r.status_code == 201, r.content
+        booked[plan_id] = r.json()["min_interconnect_gbps"]
+
+    # Then each rental asks for a cluster at least as fast as the one it was priced on
+    assert booked == {f"{CARD}:3x8": 10, f"{CARD}:4x8": 200}

@@ -256,3 +256,39 @@ def test_the_provider_page_shows_clusters_and_each_nodes_cluster(client, provide
     cluster = Cluster.objects.get(name="h100-ib")
     assert f'<option value="{cluster.pk}" selected>h100-ib</option>' in html
     assert '<option value="" selected>on its own</option>' in html
+
+
+def test_a_gang_can_ask_for_a_fast_interconnect_and_a_single_node_cannot(auth_api, make_node, rent):
+    # Given a cheap 25 Gb/s Ethernet cluster and a dearer 200 Gb/s InfiniBand one
+    for name in ("e1", "e2"):
+        make_node(hostname=name, price="1.00", cluster="eth")
+    eth = Cluster.objects.get(name="eth")
+    Cluster.objects.filter(pk=eth.pk).update(interconnect="ethernet", bandwidth_gbps=25)
+    for name in ("i1", "i2"):
+        make_node(hostname=name, price="2.00", cluster="ib")
+
+    # When a gang asks for at least 100 Gb/s
+    body = {
+        "gpus_per_node": 8,
+        "node_count": 2,
+        "min_interconnect_gbps": 100,
+        "duration_s": 3600,
+        "runtime": {"image": "gpumarket/harness:dev"},
+    }
+    r = auth_api.post("/api/v1/rentals/", body, format="json")
+    assert r.status_code == 201, r.content
+    assert r.json()["min_interconnect_gbps"] == 100
+    scheduler_cycle_run()
+
+    # Then it is placed on the InfiniBand cluster, not the cheaper Ethernet one
+    from marketplace.models import Rental
+
+    assert _members(Rental.objects.get(pk=r.json()["id"])) == {"i1", "i2"}
+
+    # And asking more than any cluster has, or asking it of one node, is a 400 naming the field
+    for extra in ({"min_interconnect_gbps": 400}, {"node_count": 1}):
+        refused = auth_api.post("/api/v1/rentals/", {**body, **extra}, format="json")
+        assert refused.status_code == 400 and "min_interconnect_gbps" in refused.json(), (
+            refused.content
+        )
+    assert Rental.objects.count() == 1

@@ -101,6 +101,7 @@ def test_nodes_cheapest_are_the_orm_s_matching_nodes_cheapest_first(market):
         "price": Decimal("0.95"),
         "ssh": False,
         "clustered": False,
+        "gbps": 0,
         "limit": 10,
     }
     rows = queries.nodes_cheapest(params=params)
@@ -110,8 +111,9 @@ def test_nodes_cheapest_are_the_orm_s_matching_nodes_cheapest_first(market):
     assert [row[0] for row in rows] == [n.pk for n in expected]
     for row, node in zip(rows, expected, strict=True):
         gpus = Gpu.objects.filter(node=node).order_by("index")
-        assert row[: len(queries.NODE_COLUMNS)] == tuple(
-            getattr(node, Node._meta.get_field(name).attname) for name in queries.NODE_COLUMNS
+        assert row[: len(queries.NODE_COLUMNS) + 1] == (
+            *(getattr(node, Node._meta.get_field(name).attname) for name in queries.NODE_COLUMNS),
+            node.cluster.bandwidth_gbps if node.cluster else None,
         )
         assert row[-3:] == (
             [g.pk for g in gpus],

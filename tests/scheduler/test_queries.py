@@ -97,8 +97,8 @@ def _orm_digest(pool: str) -> tuple[int, str | None]:
         )
         values = (
             node.id, node.region, node.price_per_gpu_hour, node.min_bid_per_gpu_hour,
-            node.reliability, node.nvlink, node.ssh_capable, node.cluster_id or 0, model.slug,
-            model.family,
+            node.reliability, node.nvlink, node.ssh_capable, node.cluster_id or 0,
+            node.cluster.bandwidth_gbps if node.cluster else 0, model.slug, model.family,
             model.memory_gb, model.tensor_tflops, gpus,
         )  # fmt: skip
         parts.append(":".join(text(v) for v in values))

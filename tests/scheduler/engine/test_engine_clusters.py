@@ -137,3 +137,32 @@ def test_never_fits_names_node_count_when_no_cluster_is_big_enough():
         "cluster (nodes a provider declared on one fabric)"
     )
     assert never_fits(make_request(2, gpus_per_node=8), [make_node(3, cluster=None)]) is None
+
+
+def test_a_gang_asking_a_fast_interconnect_skips_the_cheaper_slower_cluster():
+    # Given a cheap 25 Gb/s Ethernet cluster and a dearer 400 Gb/s InfiniBand one
+    nodes = [
+        make_node(1, price="1.00", cluster="eth", gbps=25),
+        make_node(2, price="1.00", cluster="eth", gbps=25),
+        make_node(3, price="2.00", cluster="ib", gbps=400),
+        make_node(4, price="2.00", cluster="ib", gbps=400),
+    ]
+    gang = {"gpus_per_node": 8, "node_count": 2}
+
+    # When one gang asks for at least 200 Gb/s and another for any fabric
+    fast = plan(snapshot(nodes, pending=[make_request(1, min_interconnect_gbps=200, **gang)]))
+    any_fabric = plan(snapshot(nodes, pending=[make_request(2, **gang)]))
+
+    # Then the first takes the InfiniBand cluster, the second the cheaper Ethernet one
+    assert members(fast) == [3, 4]
+    assert members(any_fabric) == [1, 2]
+
+    # And a gang asking more than any cluster has waits, saying so; never_fits agrees
+    too_fast = make_request(3, min_interconnect_gbps=800, **gang)
+    result = plan(snapshot(nodes, pending=[too_fast]))
+    expected = (
+        "min_interconnect_gbps: no matching cluster is that fast (the fastest has 400 Gb/s, "
+        "800 asked)"
+    )
+    assert (result.placements, result.waiting[0].reason) == ((), expected)
+    assert never_fits(too_fast, nodes) == expected

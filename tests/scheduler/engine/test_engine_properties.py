@@ -32,6 +32,10 @@ PRICES = [Decimal("1.00"), Decimal("1.50"), Decimal("2.00")]
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+# Each cluster's bandwidth, as the database gives every node of one cluster the same.
+CLUSTER_GBPS = {"a": 100, "b": 400}
+
+
 @st.composite
 def nodes_strategy(draw) -> tuple[Node, ...]:
     nodes = []
@@ -57,7 +61,8 @@ def nodes_strategy(draw) -> tuple[Node, ...]:
                 min_bid=price / 2,
                 reliability=draw(st.sampled_from([0.9, 0.99])),
                 ssh_capable=draw(st.sampled_from([True, True, False])),
-                cluster=draw(st.sampled_from([None, "a", "a", "b"])),
+                cluster=(cluster := draw(st.sampled_from([None, "a", "a", "b"]))),
+                interconnect_gbps=CLUSTER_GBPS.get(cluster, 0),
                 gpus=tuple(
                     Gpu(
                         gpu_id=node_id * 100 + i,
@@ -144,6 +149,7 @@ def request_strategy(draw, rental_id: int) -> Request:
         if interruptible
         else None,
         ssh=draw(st.sampled_from([False, False, True])),
+        min_interconnect_gbps=draw(st.sampled_from([0, 0, 0, 200])),
     )
 
 
@@ -199,7 +205,11 @@ def fits(snap: Snapshot, req: Request, held) -> bool:
     if req.node_count == 1:
         return bool(hosts)
     # A gang's members share one cluster; a node without one hosts no member.
-    per_cluster = Counter(n.cluster for n in hosts if n.cluster is not None)
+    per_cluster = Counter(
+        n.cluster
+        for n in hosts
+        if n.cluster is not None and n.interconnect_gbps >= req.min_interconnect_gbps
+    )
     return max(per_cluster.values(), default=0) >= req.node_count
 
 
