@@ -27,7 +27,15 @@ from advisor.engine.pricing import (
 from advisor.engine.runs import harness_config, harness_problems
 from advisor.selectors import advisor_card_get, advisor_cards
 from core.errors import Conflict, ValidationFailed
-from marketplace.models import Node, Rental, RentalEvent, RentalKind, RentalStatus, User
+from marketplace.models import (
+    Node,
+    Rental,
+    RentalEvent,
+    RentalKind,
+    RentalStatus,
+    User,
+    interconnect_label,
+)
 from marketplace.selectors import OfferFilters, offer_list
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 
@@ -99,7 +107,12 @@ def offers(*, card: str, region: str | None, rates: dict[str, float]) -> list[Of
     result = []
     for row in rows:
         node = nodes[row["node_id"]]
-        net = min(node["net_up_mbps"], node["net_down_mbps"]) / 1000
+        # A clustered node's fabric is what its provider declared for the cluster (what a
+        # multi-node plan on it crosses); a node on its own has only its uplink.
+        if row["interconnect"] is not None:
+            net = float(row["interconnect_gbps"])
+        else:
+            net = min(node["net_up_mbps"], node["net_down_mbps"]) / 1000
         result.append(
             Offer(
                 node_id=row["node_id"],
@@ -110,6 +123,11 @@ def offers(*, card: str, region: str | None, rates: dict[str, float]) -> list[Of
                 min_bid_per_gpu_hour=row["min_bid_per_gpu_hour"],
                 network_gbits=net or None,
                 preemptions_per_node_hour=rates.get(node["pool"], PRIOR_PREEMPTIONS_PER_NODE_HOUR),
+                cluster=row["cluster_id"],
+                interconnect_gbps=row["interconnect_gbps"] or 0,
+                interconnect=interconnect_label(row["interconnect"], row["interconnect_gbps"])
+                if row["interconnect"] is not None
+                else None,
             )
         )
     return result
@@ -215,6 +233,8 @@ def plan_book(
                 gpu_models=(chosen.estimate.card.slug,),
                 gpus_per_node=placement.gpus_per_node,
                 node_count=len(placement.offers),
+                # The fabric the plan was priced with: a gang runs only on a cluster as fast.
+                min_interconnect_gbps=placement.interconnect_gbps,
                 # Only tensor parallelism needs one NVLink group; data parallel runs anywhere.
                 same_group=chosen.estimate.layout.tp > 1,
                 region=query.region or "",

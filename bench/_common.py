@@ -153,6 +153,17 @@ def build_inventory(url: str, nodes: int, *, busy_node_fraction: float = 0.0, se
         ) as copy:
             copy.write(node_rows.getvalue())
         node_ids = [r[0] for r in conn.execute("SELECT id FROM marketplace_node ORDER BY id")]
+        # Clusters of up to 32 nodes of one card and region, where the gangs go.
+        conn.execute(
+            "WITH n AS (SELECT id, gpu_model_id, region, (row_number() OVER (PARTITION BY"
+            " gpu_model_id, region ORDER BY id) - 1) / 32 AS k FROM marketplace_node),"
+            " c AS (INSERT INTO marketplace_cluster (provider_id, name, interconnect,"
+            " bandwidth_gbps, created_at) SELECT DISTINCT %s::bigint, 'c' || gpu_model_id || '-'"
+            " || region || '-' || k, 'infiniband', 400, now() FROM n RETURNING id, name)"
+            " UPDATE marketplace_node x SET cluster_id = c.id FROM n JOIN c"
+            " ON c.name = 'c' || n.gpu_model_id || '-' || n.region || '-' || n.k WHERE x.id = n.id",
+            (provider_id,),
+        )
         gpu_rows = io.StringIO()
         for node_id, model_id in zip(node_ids, node_models, strict=True):
             for idx in range(8):

@@ -55,6 +55,8 @@ def plan_row(plan: dict) -> dict:
         "held": f"${Decimal(plan['hold_usd']).normalize():f}",
         "mfu": f"{plan['mfu']:.0%}",
         "flags": ",".join(plan["flags"]),
+        # The fabric a multi-node plan crosses, and was priced with; "-" on one node.
+        "interconnect": plan.get("interconnect") or "-",
     }
 
 
@@ -72,7 +74,10 @@ def run(args: argparse.Namespace, api: Api) -> str:
     if args.command == "advise":
         answer = api.call("POST", "/api/v1/advisor/", json=_body(args))
         rows = [plan_row(p) for p in answer["plans"]]
-        columns = ["id", "gpus", "gb_per_gpu", "time", "mfu", "cost", "booked", "held", "flags"]
+        columns = [
+            *("id", "gpus", "gb_per_gpu", "time", "mfu", "cost", "booked", "held", "flags"),
+            "interconnect",
+        ]
         text = table(rows, columns) if rows else "no plan"
         return "\n".join([text, *answer["reasons"]])
     which = {"plan": args.plan} if args.plan else {"card": args.card}

@@ -33,5 +33,16 @@ def run(args: argparse.Namespace, api: Api) -> str:
     rows = api.call("GET", "/api/v1/offers/", params=params)["results"]
     if not rows:
         return "no free GPUs match"
+    for row in rows:
+        # "infiniband 400 Gb/s x 32": the fabric a multi-node rental here uses, and how many
+        # nodes share it; "-" for a node on its own (single-node rentals only).
+        row["interconnect"] = (
+            f"{row['interconnect']} {row['interconnect_gbps']} Gb/s x {row['cluster_nodes']}"
+            if row.get("interconnect")
+            else "-"
+        )
     columns = ["node_id", "hostname", "region", "gpu_name", "free_gpus"]
-    return table(rows, [*columns, "price_per_gpu_hour", "price_per_tflop_hour", "reliability"])
+    return table(
+        rows,
+        [*columns, "price_per_gpu_hour", "price_per_tflop_hour", "reliability", "interconnect"],
+    )

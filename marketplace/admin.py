@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from django import forms
 from django.contrib import admin, messages
 from django.contrib.auth.admin import UserAdmin
 from django.db.models import Prefetch
@@ -15,6 +16,7 @@ from core.errors import DomainError
 from marketplace import services
 from marketplace.models import (
     Allocation,
+    Cluster,
     Gpu,
     GpuModel,
     Node,
@@ -112,12 +114,53 @@ def _node_action(action: str, label: str):
     return run
 
 
+class ClusterNodeInline(admin.TabularInline):
+    model = Node
+    fk_name = "cluster"
+    extra = 0
+    can_delete = False
+    fields = ["hostname", "region", "status", "gpu_count"]
+    readonly_fields = fields
+    show_change_link = True
+
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False
+
+
+@admin.register(Cluster)
+class ClusterAdmin(admin.ModelAdmin):
+    list_display = ["name", "provider", "interconnect", "bandwidth_gbps", "node_count"]
+    list_filter = ["interconnect", "provider"]
+    search_fields = ["name", "provider__name"]
+    list_select_related = ["provider"]
+    inlines = [ClusterNodeInline]
+
+    @admin.display(description="nodes")
+    def node_count(self, obj: Cluster) -> int:
+        return obj.nodes.count()
+
+
+class NodeAdminForm(forms.ModelForm):
+    class Meta:
+        model = Node
+        fields = "__all__"  # noqa: DJ007 - the admin edits every column
+
+    def clean(self):
+        data = super().clean()
+        cluster, provider = data.get("cluster"), data.get("provider")
+        if cluster is not None and provider is not None and cluster.provider_id != provider.pk:
+            raise forms.ValidationError({"cluster": "a cluster of the node's own provider"})
+        return data
+
+
 @admin.register(Node)
 class NodeAdmin(admin.ModelAdmin):
+    form = NodeAdminForm
     list_display = [
         "hostname",
         "provider",
         "region",
+        "cluster",
         "status",
         "gpu_summary",
         "measured_tflops",
@@ -128,7 +171,7 @@ class NodeAdmin(admin.ModelAdmin):
     ]
     list_filter = ["status", "region", "simulated", "nvlink", "provider"]
     search_fields = ["hostname"]
-    list_select_related = ["provider"]
+    list_select_related = ["provider", "cluster"]
     inlines = [GpuInline, NodeEventInline]
     readonly_fields = ["status", "last_seen_at", "created_at"]
     actions = [

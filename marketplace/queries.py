@@ -18,6 +18,7 @@ from django.db import connection
 from core.rows import sql_named
 from marketplace.models import (
     Allocation,
+    Cluster,
     Gpu,
     GpuModel,
     Node,
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 
 _TABLES = {
     "allocation": Allocation,
+    "cluster": Cluster,
     "node": Node,
     "gpu_model": GpuModel,
     "gpu": Gpu,
@@ -80,7 +82,10 @@ SELECT n.{node.id} AS node_id, n.{node.hostname}, p.{provider.name} AS provider,
            AS price_per_tflop_hour,
        measured.tflops AS measured_tflops,
        round(n.{node.price_per_gpu_hour} / measured.tflops::numeric, 6)
-           AS price_per_measured_tflop_hour
+           AS price_per_measured_tflop_hour,
+       n.{node.cluster} AS cluster_id, c.{cluster.name} AS cluster,
+       c.{cluster.interconnect} AS interconnect,
+       c.{cluster.bandwidth_gbps} AS interconnect_gbps, sizes.nodes AS cluster_nodes
 FROM {node} n
 JOIN {gpu_model} m ON m.{gpu_model.id} = n.{node.gpu_model}
 -- A measured rate outside the plausible band is not shown nor divided by (1e-20 TFLOPS would
@@ -98,6 +103,13 @@ LEFT JOIN (
     WHERE x.{allocation.released_at} IS NULL AND x.{allocation.during} @> now()
     GROUP BY x.{allocation.node}
 ) busy ON busy.node_id = n.{node.id}
+-- The fabric a multi-node rental on this node would use, and how many online nodes share it.
+LEFT JOIN {cluster} c ON c.{cluster.id} = n.{node.cluster}
+LEFT JOIN (
+    SELECT y.{node.cluster} AS cluster_id, count(*) AS nodes FROM {node} y
+    WHERE y.{node.cluster} IS NOT NULL AND y.{node.status} = '{online}'
+    GROUP BY y.{node.cluster}
+) sizes ON sizes.cluster_id = n.{node.cluster}
 WHERE n.{node.status} = '{online}' AND n.{node.gpu_count} - COALESCE(busy.held, 0) >= %s{where}
 ORDER BY {order}
 LIMIT %s OFFSET %s
@@ -189,6 +201,7 @@ NODE_COLUMNS = (
     "reliability",
     "nvlink",
     "ssh_capable",
+    "cluster",
 )
 MODEL_COLUMNS = ("slug", "family", "memory_gb", "tensor_tflops")
 
@@ -204,8 +217,9 @@ def _cheapest_nodes_sql() -> str:
         for name in ("id", "index", "topology_group")
     )
     return sql_named(
-        f"SELECT {node}, {model}, {arrays}"  # noqa: S608 - the models' own names
+        f"SELECT {node}, c.{{cluster.bandwidth_gbps}}, {model}, {arrays}"  # noqa: S608
         " FROM {node} n JOIN {gpu_model} m ON m.{gpu_model.id} = n.{node.gpu_model}"
+        " LEFT JOIN {cluster} c ON c.{cluster.id} = n.{node.cluster}"
         " WHERE n.{node.pool} = %(pool)s"
         " AND (%(region)s = '' OR n.{node.region} = %(region)s"
         "      OR n.{node.region} LIKE %(zones)s)"
@@ -217,6 +231,7 @@ def _cheapest_nodes_sql() -> str:
         " AND (%(bid)s::numeric IS NULL OR n.{node.min_bid_per_gpu_hour} <= %(bid)s::numeric)"
         " AND (%(price)s::numeric IS NULL OR n.{node.price_per_gpu_hour} <= %(price)s::numeric)"
         " AND (NOT %(ssh)s OR n.{node.ssh_capable})"
+        " AND (NOT %(clustered)s OR c.{cluster.bandwidth_gbps} >= %(gbps)s)"
         " ORDER BY n.{node.price_per_gpu_hour}, n.{node.id} LIMIT %(limit)s",
         **_TABLES,
     )
@@ -224,8 +239,9 @@ def _cheapest_nodes_sql() -> str:
 
 def nodes_cheapest(*, params: dict) -> list[tuple]:
     """The `limit` cheapest nodes of the pool that meet `params` (region or its zones, models,
-    families, memory, tflops, GPUs, bid, price, ssh), whatever their state: the NODE_COLUMNS,
-    the MODEL_COLUMNS of their card, then their GPUs' ids, indexes and groups as arrays."""
+    families, memory, tflops, GPUs, bid, price, ssh, clustered with at least gbps), whatever
+    their state: the NODE_COLUMNS, their cluster's bandwidth (None: no cluster), the
+    MODEL_COLUMNS of their card, then their GPUs' ids, indexes and groups as arrays."""
     return _all(_cheapest_nodes_sql(), params)
 
 

@@ -25,6 +25,7 @@ from marketplace import queries
 from marketplace.lifecycle import ACTIVE
 from marketplace.models import (
     Allocation,
+    Cluster,
     Gpu,
     GpuModel,
     Node,
@@ -230,7 +231,9 @@ def _with_rented_gpus(nodes: QuerySet[Node]) -> QuerySet[Node]:
         .annotate(n=Count("gpu", distinct=True))
         .values("n")
     )
-    return nodes.select_related("gpu_model").annotate(rented_gpus=Coalesce(Subquery(rented), 0))
+    return nodes.select_related("gpu_model", "cluster").annotate(
+        rented_gpus=Coalesce(Subquery(rented), 0)
+    )
 
 
 def provider_nodes(*, owner: User, provider_id: int) -> QuerySet[Node] | None:
@@ -245,6 +248,23 @@ def provider_node(*, owner: User, node_id: int) -> Node | None:
     return _with_rented_gpus(Node.objects.filter(pk=node_id, provider__owner=owner)).first()
 
 
+def _with_nodes(clusters: QuerySet[Cluster]) -> QuerySet[Cluster]:
+    nodes = Node.objects.select_related("gpu_model").order_by("hostname")
+    return clusters.prefetch_related(Prefetch("nodes", queryset=nodes)).order_by("name")
+
+
+def provider_clusters(*, owner: User, provider_id: int) -> QuerySet[Cluster] | None:
+    """The owner's provider's clusters with their nodes; another owner's provider: None."""
+    if not Provider.objects.filter(pk=provider_id, owner=owner).exists():
+        return None
+    return _with_nodes(Cluster.objects.filter(provider_id=provider_id))
+
+
+def provider_cluster(*, owner: User, cluster_id: int) -> Cluster | None:
+    """One of the owner's clusters with its nodes; another owner's cluster: None."""
+    return _with_nodes(Cluster.objects.filter(pk=cluster_id, provider__owner=owner)).first()
+
+
 _ENGINE_NODE_FIELDS = (
     "id",
     "region",
@@ -254,6 +274,8 @@ _ENGINE_NODE_FIELDS = (
     "reliability",
     "nvlink",
     "ssh_capable",
+    "cluster_id",
+    "cluster__bandwidth_gbps",
     "gpu_model__slug",
     "gpu_model__family",
     "gpu_model__memory_gb",
@@ -276,6 +298,8 @@ class NodeFilter:
     max_min_bid: Decimal | None = None  # nodes whose minimum bid is at most this
     max_price: Decimal | None = None  # nodes whose price is at most this
     ssh: bool = False  # only nodes whose agent can give a rental SSH (Node.ssh_capable)
+    clustered: bool = False  # only nodes in a cluster (what a gang's members need)
+    min_interconnect_gbps: int = 0  # with clustered: only clusters at least this fast
 
 
 def engine_nodes_cheapest(nodes: NodeFilter, *, limit: int) -> list[engine.Node]:
@@ -294,6 +318,8 @@ def engine_nodes_cheapest(nodes: NodeFilter, *, limit: int) -> list[engine.Node]
         "bid": nodes.max_min_bid,
         "price": nodes.max_price,
         "ssh": nodes.ssh,
+        "clustered": nodes.clustered,
+        "gbps": nodes.min_interconnect_gbps,
         "limit": limit,
     }
     result = []
@@ -331,6 +357,8 @@ def _engine_node(r: dict, gpus: list[engine.Gpu]) -> engine.Node:
         gpus=tuple(gpus),
         pool=r["pool"],
         ssh_capable=r["ssh_capable"],
+        cluster=r["cluster_id"],
+        interconnect_gbps=r["cluster__bandwidth_gbps"] or 0,
     )
 
 

@@ -524,6 +524,16 @@ class Agent:
             # Where the other nodes of a multi-node rental reach this one's runs.
             "fabric_address": self.config.fabric_address
             or hostinfo.source_address(self.config.server_url),
+            # Said only when set: the provider's cluster to join, and its fabric to create it.
+            **(
+                {
+                    "cluster": self.config.cluster,
+                    "interconnect": self.config.interconnect,
+                    "interconnect_gbps": self.config.interconnect_gbps,
+                }
+                if self.config.cluster
+                else {}
+            ),
         }
 
     def _create_driver(self, node_id: int) -> RuntimeDriver:

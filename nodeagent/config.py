@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import re
 import shlex
 import socket
 from collections.abc import Mapping, Sequence
@@ -51,7 +52,13 @@ _OPTIONS: dict[str, tuple[str, str | None]] = {
     "publish_address": ("GPUMARKET_PUBLISH_ADDRESS", "0.0.0.0"),
     "public_host": ("GPUMARKET_PUBLIC_HOST", None),
     "fabric_address": ("GPUMARKET_FABRIC_ADDRESS", None),
+    "cluster": ("GPUMARKET_CLUSTER", None),
+    "interconnect": ("GPUMARKET_INTERCONNECT", None),
+    "interconnect_gbps": ("GPUMARKET_INTERCONNECT_GBPS", None),
 }
+
+# The fabrics a cluster may declare (the server's list, marketplace.models.Interconnect).
+INTERCONNECTS = ("infiniband", "roce", "ethernet", "nvlink")
 
 
 class ConfigError(ValueError):
@@ -91,6 +98,11 @@ class AgentConfig:
     # The address the other members of a multi-node rental reach this node on; None: the
     # source address of the agent's route to the server.
     fabric_address: str | None = None
+    # The provider's cluster this node joins (None: none), and what its fabric is, which
+    # creates the cluster when the provider has none of that name.
+    cluster: str | None = None
+    interconnect: str | None = None
+    interconnect_gbps: int | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,6 +162,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--fabric-address",
         help="the IP address the other nodes of a multi-node rental reach this node at "
         "[GPUMARKET_FABRIC_ADDRESS] (the source address of the route to the server)",
+    )
+    add(
+        "--cluster",
+        help="join this node into the provider's cluster of this name: the nodes a multi-node "
+        "rental may span [GPUMARKET_CLUSTER] (none)",
+    )
+    add(
+        "--interconnect",
+        help=f"the cluster's fabric, one of {', '.join(INTERCONNECTS)}, to create it if the "
+        "provider has none of that name [GPUMARKET_INTERCONNECT]",
+    )
+    add(
+        "--interconnect-gbps",
+        help="its bandwidth per node in Gb/s, with --interconnect [GPUMARKET_INTERCONNECT_GBPS]",
     )
     add("--once", action="store_true", help="one heartbeat and reconcile, then exit")
     return parser
@@ -237,6 +263,9 @@ def load_config(
             raise ConfigError(
                 f"--fabric-address must be an IP address, not {fabric_address!r}"
             ) from None
+    cluster, interconnect, interconnect_gbps = _cluster_config(
+        get("cluster"), get("interconnect"), get("interconnect_gbps")
+    )
     benchmark_command = tuple(shlex.split(get("benchmark_command") or ""))
     if not benchmark_command:
         raise ConfigError("the benchmark command is empty")
@@ -267,7 +296,37 @@ def load_config(
         cache_max_bytes=int(cache_gb * 1024**3),
         publish=publish,
         fabric_address=fabric_address,
+        cluster=cluster,
+        interconnect=interconnect,
+        interconnect_gbps=interconnect_gbps,
     )
+
+
+def _cluster_config(
+    cluster: str | None, interconnect: str | None, gbps: str | None
+) -> tuple[str | None, str | None, int | None]:
+    """--cluster, --interconnect and --interconnect-gbps, checked as the server checks them."""
+    cluster = cluster or None
+    if cluster is not None and not re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?", cluster):
+        raise ConfigError(
+            f"--cluster must be lower-case letters, digits and inner hyphens, not {cluster!r}"
+        )
+    interconnect = interconnect or None
+    if interconnect is not None and interconnect not in INTERCONNECTS:
+        raise ConfigError(f"--interconnect must be one of {', '.join(INTERCONNECTS)}")
+    bandwidth = None
+    if gbps:
+        try:
+            bandwidth = int(gbps)
+        except ValueError:
+            bandwidth = 0
+        if bandwidth <= 0:
+            raise ConfigError(f"--interconnect-gbps must be a positive whole number, not {gbps!r}")
+    if (interconnect is None) != (bandwidth is None):
+        raise ConfigError("give --interconnect and --interconnect-gbps together")
+    if interconnect is not None and cluster is None:
+        raise ConfigError("--interconnect describes a cluster: give --cluster too")
+    return cluster, interconnect, bandwidth
 
 
 def _publish_config(ports: str, *, address: str, host: str) -> PublishConfig | None:

@@ -30,6 +30,17 @@ from nodeagent.logs import configure_logging
 logger = logging.getLogger("nodeagent.fleet")
 
 
+def _cluster_args(host: dict) -> list[str]:
+    """The host's cluster flags, where the fleet file gives its cluster."""
+    if not host.get("cluster"):
+        return []
+    args = ["--cluster", str(host["cluster"])]
+    if host.get("interconnect"):
+        args += ["--interconnect", str(host["interconnect"])]
+        args += ["--interconnect-gbps", str(host["interconnect_gbps"])]
+    return args
+
+
 def fleet_configs(spec: dict, agent_args: Sequence[str] = ()) -> list[AgentConfig]:
     """One configuration per host of a fleet file's contents (ConfigError if unusable)."""
     try:
@@ -46,6 +57,7 @@ def fleet_configs(spec: dict, agent_args: Sequence[str] = ()) -> list[AgentConfi
                 "--volume-root", os.path.join(folder, "volumes"),
                 "--process-dir", os.path.join(folder, "runs"),
                 "--publish-ports", "off",
+                *_cluster_args(host),
                 *agent_args,
             ]  # fmt: skip
             configs.append(load_config(argv))

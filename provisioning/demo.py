@@ -44,6 +44,12 @@ DEMO_NODES = [
     ("sgp-a10-01", "ap-southeast", "a10-24gb", 4, "0.45"),
     ("sgp-t4-01", "ap-southeast", "t4-16gb", 4, "0.19"),
 ]
+# Hosts that share a fabric, so a multi-node rental can run on them: the H100 hosts are one
+# 400 Gb/s InfiniBand cluster of the platform provider (their agents create it at their join).
+DEMO_CLUSTERS = {
+    "fra-h100-01": ("fra-h100-ib", "infiniband", 400),
+    "fra-h100-02": ("fra-h100-ib", "infiniband", 400),
+}
 FLEET_FILE = "fleet.json"
 FLEET_DIR = "fleet"
 # The agent's files in its state directory (nodeagent.agent's TOKEN_FILE and HOST_KEY_FILE).
@@ -123,14 +129,16 @@ def demo_fleet_prepare(*, var_dir: Path | None = None, server_url: str) -> Path:
                 price_per_gpu_hour=price_d,
                 min_bid_per_gpu_hour=(price_d * Decimal("0.4")).quantize(Decimal("0.0001")),
             )
-        nodes.append(
-            {
-                "hostname": hostname,
-                "simulate_gpus": f"{card}:{count}",
-                "join_token": join_token,
-                "dir": str(node_dir.resolve()),
-            }
-        )
+        host = {
+            "hostname": hostname,
+            "simulate_gpus": f"{card}:{count}",
+            "join_token": join_token,
+            "dir": str(node_dir.resolve()),
+        }
+        if hostname in DEMO_CLUSTERS:
+            cluster, interconnect, gbps = DEMO_CLUSTERS[hostname]
+            host.update(cluster=cluster, interconnect=interconnect, interconnect_gbps=gbps)
+        nodes.append(host)
     text = json.dumps({"server": server_url, "nodes": nodes}, indent=1) + "\n"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(text)

@@ -18,10 +18,11 @@ from functools import cache
 from django.db import connection
 
 from core.rows import sql_named
-from marketplace.models import Allocation, Gpu, GpuModel, Node, Rental
+from marketplace.models import Allocation, Cluster, Gpu, GpuModel, Node, Rental
 
 _TABLES = {
     "allocation": Allocation,
+    "cluster": Cluster,
     "rental": Rental,
     "node": Node,
     "gpu_model": GpuModel,
@@ -74,6 +75,7 @@ PENDING_FIELDS = (
     "kind",
     "bid_per_gpu_hour",
     "ssh",
+    "min_interconnect_gbps",
 )
 _EPOCH_FIELDS = frozenset({"created_at", "start_at", "start_deadline"})
 
@@ -111,11 +113,13 @@ _DIGEST = """
 SELECT count(*), md5(string_agg(concat_ws(
            ':', n.{node.id}, n.{node.region}, n.{node.price_per_gpu_hour},
            n.{node.min_bid_per_gpu_hour}, n.{node.reliability}, n.{node.nvlink},
-           n.{node.ssh_capable}, m.{gpu_model.slug}, m.{gpu_model.family},
-           m.{gpu_model.memory_gb}, m.{gpu_model.tensor_tflops}, g.gpus),
+           n.{node.ssh_capable}, coalesce(n.{node.cluster}, 0),
+           coalesce(c.{cluster.bandwidth_gbps}, 0), m.{gpu_model.slug},
+           m.{gpu_model.family}, m.{gpu_model.memory_gb}, m.{gpu_model.tensor_tflops}, g.gpus),
        ',' ORDER BY n.{node.id}))
 FROM {node} n
 JOIN {gpu_model} m ON m.{gpu_model.id} = n.{node.gpu_model}
+LEFT JOIN {cluster} c ON c.{cluster.id} = n.{node.cluster}
 CROSS JOIN LATERAL (
     SELECT string_agg(concat_ws('/', x.{gpu.id}, x.{gpu.index}, x.{gpu.topology_group}), ','
                       ORDER BY x.{gpu.index}) AS gpus

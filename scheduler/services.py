@@ -73,6 +73,7 @@ def engine_request(row: dict) -> engine.Request:
         interruptible=row["kind"] == RentalKind.INTERRUPTIBLE,
         bid=row["bid_per_gpu_hour"],
         ssh=row["ssh"],
+        min_interconnect_gbps=row["min_interconnect_gbps"],
     )
 
 

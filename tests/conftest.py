@@ -27,7 +27,7 @@ from rest_framework.test import APIClient
 from accounts.models import Team
 from accounts.services import api_token_create, team_personal_ensure
 from marketplace.models import NodeStatus, Provider, User
-from marketplace.services import GpuSpec, node_register
+from marketplace.services import GpuSpec, cluster_for_join, node_register
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 from tests.factories import ProviderFactory, UserFactory, personal_team
 
@@ -89,7 +89,9 @@ def auth_api(user) -> APIClient:
 
 @pytest.fixture
 def make_node(provider):
-    """Register a node through the real service; GPUs get groups of `group_size`."""
+    """Register a node through the real service; GPUs get groups of `group_size`. Nodes share
+    the provider's cluster "fabric" (InfiniBand 200 Gb/s), so may host one gang together,
+    unless `cluster` names another or is None (a node on its own)."""
 
     def make(
         *,
@@ -104,8 +106,14 @@ def make_node(provider):
         group_size: int = 8,
         hostname: str | None = None,
         pool: str = "default",
+        cluster: str | None = "fabric",
     ):
         n = next(_host_seq)
+        fabric = None
+        if cluster is not None:
+            fabric = cluster_for_join(
+                provider=provider, name=cluster, interconnect="infiniband", bandwidth_gbps=200
+            )
         return node_register(
             provider=provider,
             hostname=hostname or f"node{n}",
@@ -128,6 +136,7 @@ def make_node(provider):
             nvlink=nvlink,
             reliability=Decimal(reliability),
             pool=pool,
+            cluster=fabric,
         )
 
     return make

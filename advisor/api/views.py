@@ -307,6 +307,12 @@ class PlanSerializer(serializers.Serializer):
     gpus = serializers.IntegerField(source="placement.gpus")
     gpus_per_node = serializers.IntegerField(source="placement.gpus_per_node")
     nodes = serializers.SerializerMethodField()
+    interconnect = serializers.CharField(
+        source="placement.interconnect",
+        allow_null=True,
+        help_text='the fabric between the nodes, "InfiniBand 400 Gb/s" (its bandwidth is what '
+        "the plan is priced with); null on one node",
+    )
     layout = serializers.SerializerMethodField()
     per_gpu_gb = serializers.SerializerMethodField()
     hours = serializers.FloatField()

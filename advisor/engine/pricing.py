@@ -73,6 +73,12 @@ class Offer:
     min_bid_per_gpu_hour: Decimal
     network_gbits: float | None = None
     preemptions_per_node_hour: float = 0.0
+    # The provider's cluster of the node (None: on its own, so single-node plans only) and its
+    # fabric as customers read it ("InfiniBand 400 Gb/s"); `network_gbits` is then its
+    # bandwidth per node.
+    cluster: int | None = None
+    interconnect: str | None = None
+    interconnect_gbps: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,6 +89,16 @@ class Placement:
     @property
     def gpus(self) -> int:
         return self.gpus_per_node * len(self.offers)
+
+    @property
+    def interconnect(self) -> str | None:
+        """The fabric between its nodes (all of one cluster); None on one node."""
+        return self.offers[0].interconnect if len(self.offers) > 1 else None
+
+    @property
+    def interconnect_gbps(self) -> int:
+        """The bandwidth it was priced with, which a booking asks of its cluster (0: one node)."""
+        return self.offers[0].interconnect_gbps if len(self.offers) > 1 else 0
 
     def topology(self) -> Topology:
         nets = [o.network_gbits for o in self.offers]
@@ -141,7 +157,11 @@ class Plan:
 
 
 def placements(offers: list[Offer], *, interruptible: bool) -> list[Placement]:
-    """Every gang size the offers allow, fewest GPUs first, cheapest nodes chosen for each."""
+    """Every gang size the offers allow, fewest GPUs first, cheapest nodes chosen for each.
+
+    A gang's nodes are all in one cluster, as the scheduler places it: multi-node placements
+    are made per cluster, from the offers of its nodes only; a node on its own gives single-node
+    placements only."""
 
     def price(o: Offer) -> Decimal:
         return o.min_bid_per_gpu_hour if interruptible else o.price_per_gpu_hour
@@ -153,12 +173,20 @@ def placements(offers: list[Offer], *, interruptible: bool) -> list[Placement]:
         result.append(
             Placement(gpus_per_node=n, offers=(next(o for o in ranked if o.free_gpus >= n),))
         )
-    for k in range(2, len(ranked) + 1):
-        share = 1 << int(math.log2(sorted((o.free_gpus for o in ranked), reverse=True)[k - 1]))
-        nodes = [o for o in ranked if o.free_gpus >= share][:k]
-        result.append(Placement(gpus_per_node=share, offers=tuple(nodes)))
-    result.sort(key=lambda p: (p.gpus, len(p.offers)))
-    # One placement per GPU count: the one on the fewest nodes.
+    clusters: dict[int, list[Offer]] = {}
+    for o in ranked:
+        if o.cluster is not None:
+            clusters.setdefault(o.cluster, []).append(o)
+    for members in clusters.values():
+        frees = sorted((o.free_gpus for o in members), reverse=True)
+        for k in range(2, len(members) + 1):
+            share = 1 << int(math.log2(frees[k - 1]))
+            nodes = [o for o in members if o.free_gpus >= share][:k]
+            result.append(Placement(gpus_per_node=share, offers=tuple(nodes)))
+    result.sort(
+        key=lambda p: (p.gpus, len(p.offers), max(price(o) for o in p.offers), p.offers[0].node_id)
+    )
+    # One placement per GPU count: the one on the fewest nodes, then the cheapest.
     return [p for i, p in enumerate(result) if i == 0 or result[i - 1].gpus != p.gpus]
 
 

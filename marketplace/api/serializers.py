@@ -11,7 +11,7 @@ from advisor.engine.presets import PRESETS, decoder_shape
 from core.api.fields import INT32_MAX, BoundedDateTimeField, refuse_unknown
 from core.api.pagination import MAX_OFFSET
 from core.api.reuse import ReusedPerThread
-from marketplace.models import GpuModel, RentalStatus
+from marketplace.models import CLUSTER_GBPS_MAX, GpuModel, Interconnect, RentalStatus
 from marketplace.selectors import OFFER_ORDERINGS
 
 
@@ -134,6 +134,19 @@ class OfferSerializer(serializers.Serializer):
     ram_gb = serializers.IntegerField()
     disk_gb = serializers.IntegerField()
     cuda_version = serializers.CharField()
+    cluster = serializers.CharField(
+        allow_null=True, help_text="the provider's cluster of the node; null: on its own"
+    )
+    interconnect = serializers.CharField(
+        allow_null=True, help_text="the cluster's fabric: infiniband, roce, ethernet, nvlink"
+    )
+    interconnect_gbps = serializers.IntegerField(
+        allow_null=True, help_text="the fabric's bandwidth per node, Gb/s"
+    )
+    cluster_nodes = serializers.IntegerField(
+        allow_null=True,
+        help_text="online nodes in the cluster: the most a multi-node rental here can span",
+    )
 
 
 class OfferPageSerializer(serializers.Serializer):
@@ -243,6 +256,14 @@ class RentalCreateSerializer(ReusedPerThread, serializers.Serializer):
     ssh = serializers.BooleanField(
         required=False, default=False, help_text="an sshd in the container for your SSH keys"
     )
+    min_interconnect_gbps = serializers.IntegerField(
+        required=False,
+        default=0,
+        min_value=0,
+        max_value=CLUSTER_GBPS_MAX,
+        help_text="a multi-node rental: only a cluster whose fabric is at least this fast, "
+        "Gb/s per node (0: any cluster)",
+    )
     datasets = serializers.ListField(
         child=serializers.CharField(max_length=80),
         required=False,
@@ -328,6 +349,7 @@ class RentalSerializer(serializers.Serializer):
     ports = serializers.ListField(child=serializers.IntegerField())
     resume_from = serializers.UUIDField(source="resume_from_id", allow_null=True)
     ssh = serializers.BooleanField()
+    min_interconnect_gbps = serializers.IntegerField()
     created_at = serializers.DateTimeField()
 
 
@@ -385,22 +407,68 @@ class ProviderNodeSerializer(serializers.Serializer):
     last_seen_at = serializers.DateTimeField(allow_null=True)
     driver_version = serializers.CharField()
     cuda_version = serializers.CharField()
+    cluster = serializers.IntegerField(
+        source="cluster_id", allow_null=True, help_text="its cluster's id; null: on its own"
+    )
+    cluster_name = serializers.CharField(source="cluster.name", allow_null=True, default=None)
 
 
 class ProviderNodePriceSerializer(serializers.Serializer):
+    """What a provider may change on its node: prices for new bookings, and its cluster."""
+
     price_per_gpu_hour = serializers.DecimalField(
         max_digits=10, decimal_places=4, min_value=Decimal("0.0001"), required=False
     )
     min_bid_per_gpu_hour = serializers.DecimalField(
         max_digits=10, decimal_places=4, min_value=Decimal("0.0001"), required=False
     )
+    cluster = serializers.IntegerField(
+        min_value=1,
+        max_value=INT32_MAX,
+        allow_null=True,
+        required=False,
+        help_text="one of the provider's clusters; null takes the node out of its cluster",
+    )
 
     def validate(self, attrs):
         refuse_unknown(self)
         if not attrs:
             raise serializers.ValidationError(
-                {"price_per_gpu_hour": ["give price_per_gpu_hour or min_bid_per_gpu_hour"]}
+                {"price_per_gpu_hour": ["give price_per_gpu_hour, min_bid_per_gpu_hour or cluster"]}
             )
+        return attrs
+
+
+class ClusterNodeSerializer(serializers.Serializer):
+    id = serializers.IntegerField()
+    hostname = serializers.CharField()
+    status = serializers.CharField()
+    gpu_model = serializers.CharField(source="gpu_model.slug")
+    gpu_count = serializers.IntegerField()
+
+
+class ClusterSerializer(serializers.Serializer):
+    """A provider's cluster: nodes on one fabric, where a multi-node rental is placed."""
+
+    id = serializers.IntegerField()
+    provider = serializers.IntegerField(source="provider_id")
+    name = serializers.CharField()
+    interconnect = serializers.CharField()
+    bandwidth_gbps = serializers.IntegerField()
+    interconnect_label = serializers.CharField(help_text='e.g. "InfiniBand 400 Gb/s"')
+    nodes = ClusterNodeSerializer(many=True, source="nodes.all")
+    created_at = serializers.DateTimeField()
+
+
+class ClusterWriteSerializer(serializers.Serializer):
+    name = serializers.CharField(max_length=40)
+    interconnect = serializers.ChoiceField(choices=Interconnect.choices)
+    bandwidth_gbps = serializers.IntegerField(
+        min_value=1, max_value=CLUSTER_GBPS_MAX, help_text="the fabric's bandwidth per node"
+    )
+
+    def validate(self, attrs):
+        refuse_unknown(self)
         return attrs
 
 

@@ -28,6 +28,16 @@ provider_urlpatterns = [
     path("<int:provider_id>/nodes/", views.ProviderNodeListView.as_view(), name="provider-nodes"),
     path("nodes/<int:node_id>/", views.ProviderNodePriceView.as_view(), name="provider-node"),
     path(
+        "<int:provider_id>/clusters/",
+        views.ProviderClusterListView.as_view(),
+        name="provider-clusters",
+    ),
+    path(
+        "clusters/<int:cluster_id>/",
+        views.ProviderClusterDetailView.as_view(),
+        name="provider-cluster",
+    ),
+    path(
         "nodes/<int:node_id>/action/",
         views.ProviderNodeActionView.as_view(),
         name="provider-node-action",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import permissions, status, viewsets
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -13,6 +13,8 @@ from core.api.pagination import PaginatedListView
 from core.errors import NotFound, ValidationFailed
 from marketplace import selectors, services
 from marketplace.api.serializers import (
+    ClusterSerializer,
+    ClusterWriteSerializer,
     GpuModelSerializer,
     OfferPageSerializer,
     OfferQuerySerializer,
@@ -186,14 +188,64 @@ def _provider_node(request: Request, node_id: int) -> Response:
 
 
 class ProviderNodePriceView(APIView):
-    """Set your node's price and minimum bid for new bookings; booked rentals keep theirs."""
+    """Set your node's price and minimum bid for new bookings (booked rentals keep theirs), or
+    its cluster (one of its provider's; null: on its own)."""
 
     @extend_schema(request=ProviderNodePriceSerializer, responses=ProviderNodeSerializer)
     def patch(self, request: Request, node_id: int) -> Response:
         body = ProviderNodePriceSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        services.provider_node_price(owner=request.user, node_id=node_id, **body.validated_data)
+        services.provider_node_update(owner=request.user, node_id=node_id, **body.validated_data)
         return _provider_node(request, node_id)
+
+
+class ProviderClusterListView(APIView):
+    """One of your providers' clusters (nodes on one fabric, where multi-node rentals go), and
+    declaring a new one; another provider's are 404."""
+
+    @extend_schema(responses=ClusterSerializer(many=True))
+    def get(self, request: Request, provider_id: int) -> Response:
+        clusters = selectors.provider_clusters(owner=request.user, provider_id=provider_id)
+        if clusters is None:
+            raise NotFound("no such provider")
+        return Response(ClusterSerializer(clusters, many=True).data)
+
+    @extend_schema(request=ClusterWriteSerializer, responses={201: ClusterSerializer})
+    def post(self, request: Request, provider_id: int) -> Response:
+        body = ClusterWriteSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        cluster = services.cluster_create(
+            owner=request.user, provider_id=provider_id, **body.validated_data
+        )
+        return Response(_cluster(request, cluster.pk), status=status.HTTP_201_CREATED)
+
+
+def _cluster(request: Request, cluster_id: int) -> dict:
+    cluster = selectors.provider_cluster(owner=request.user, cluster_id=cluster_id)
+    if cluster is None:
+        raise NotFound("no such cluster")
+    return ClusterSerializer(cluster).data
+
+
+class ProviderClusterDetailView(APIView):
+    """One of your clusters: rename it, say what its fabric is, or remove it (its nodes stay
+    listed, on their own)."""
+
+    @extend_schema(responses=ClusterSerializer)
+    def get(self, request: Request, cluster_id: int) -> Response:
+        return Response(_cluster(request, cluster_id))
+
+    @extend_schema(request=ClusterWriteSerializer(partial=True), responses=ClusterSerializer)
+    def patch(self, request: Request, cluster_id: int) -> Response:
+        body = ClusterWriteSerializer(data=request.data, partial=True)
+        body.is_valid(raise_exception=True)
+        services.cluster_update(owner=request.user, cluster_id=cluster_id, **body.validated_data)
+        return Response(_cluster(request, cluster_id))
+
+    @extend_schema(responses={204: OpenApiResponse(description="removed")})
+    def delete(self, request: Request, cluster_id: int) -> Response:
+        services.cluster_delete(owner=request.user, cluster_id=cluster_id)
+        return Response(status=status.HTTP_204_NO_CONTENT)
 
 
 class ProviderNodeActionView(APIView):

@@ -2,7 +2,16 @@
 
 from marketplace.models.accounts import Provider, User
 from marketplace.models.catalog import GpuModel, GpuTier
-from marketplace.models.inventory import Gpu, Node, NodeEvent, NodeStatus
+from marketplace.models.inventory import (
+    CLUSTER_GBPS_MAX,
+    Cluster,
+    Gpu,
+    Interconnect,
+    Node,
+    NodeEvent,
+    NodeStatus,
+    interconnect_label,
+)
 from marketplace.models.rentals import (
     Allocation,
     Rental,
@@ -13,10 +22,13 @@ from marketplace.models.rentals import (
 from marketplace.models.templates import RentalTemplate
 
 __all__ = [
+    "CLUSTER_GBPS_MAX",
     "Allocation",
+    "Cluster",
     "Gpu",
     "GpuModel",
     "GpuTier",
+    "Interconnect",
     "Node",
     "NodeEvent",
     "NodeStatus",
@@ -27,4 +39,5 @@ __all__ = [
     "RentalStatus",
     "RentalTemplate",
     "User",
+    "interconnect_label",
 ]

@@ -14,6 +14,64 @@ class NodeStatus(models.TextChoices):
     DRAINING = "draining", "Draining"
 
 
+class Interconnect(models.TextChoices):
+    """The fabric that joins the nodes of a cluster, as providers name it."""
+
+    INFINIBAND = "infiniband", "InfiniBand"
+    ROCE = "roce", "RoCE (RDMA over Ethernet)"
+    ETHERNET = "ethernet", "Ethernet"
+    NVLINK = "nvlink", "NVLink Switch"
+
+
+def interconnect_label(kind: str, gbps: int) -> str:
+    """What customers read: "InfiniBand 400 Gb/s"."""
+    name = Interconnect(kind).label.split(" (")[0] if kind in Interconnect.values else kind
+    return f"{name} {gbps} Gb/s"
+
+
+# A cluster's declared bandwidth per node, in Gb/s: from one 1 GbE port to an NVLink Switch
+# tray of four GPUs at 1.8 TB/s each (57,600 Gb/s, GB200 NVL72), with room to spare.
+CLUSTER_GBPS_MAX = 64_000
+
+
+class Cluster(models.Model):
+    """Nodes of one provider that share a fabric: where a multi-node rental may be placed."""
+
+    provider = models.ForeignKey(
+        "marketplace.Provider", on_delete=models.CASCADE, related_name="clusters"
+    )
+    name = models.SlugField(max_length=40, help_text="unique per provider, e.g. h100-ib")
+    interconnect = models.CharField(max_length=12, choices=Interconnect.choices)
+    bandwidth_gbps = models.PositiveIntegerField(
+        help_text="the fabric's bandwidth per node, Gb/s (e.g. 400 for one NDR port)"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["provider_id", "name"]
+        constraints = [
+            models.UniqueConstraint(fields=["provider", "name"], name="cluster_unique_name"),
+            # What the composite key of node (cluster, provider) references: a node joins only a
+            # cluster of its own provider (migration 0021).
+            models.UniqueConstraint(fields=["id", "provider"], name="cluster_id_provider"),
+            models.CheckConstraint(
+                condition=Q(bandwidth_gbps__gt=0) & Q(bandwidth_gbps__lte=CLUSTER_GBPS_MAX),
+                name="cluster_bandwidth_bounded",
+            ),
+            models.CheckConstraint(
+                condition=Q(interconnect__in=Interconnect.values),
+                name="cluster_interconnect_known",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def interconnect_label(self) -> str:
+        return interconnect_label(self.interconnect, self.bandwidth_gbps)
+
+
 class Node(models.Model):
     """A GPU server of a provider: where rentals run, priced per GPU-hour."""
 
@@ -67,6 +125,11 @@ class Node(models.Model):
     # store, gloo/NCCL): declared by the agent at join, else the address the join came from.
     fabric_address = models.GenericIPAddressField(
         null=True, blank=True, help_text="the address the members of a multi-node rental use"
+    )
+    # The fabric it shares with other nodes of its provider; only clustered nodes host the
+    # members of a multi-node rental, all of them in one cluster.
+    cluster = models.ForeignKey(
+        Cluster, null=True, blank=True, on_delete=models.SET_NULL, related_name="nodes"
     )
     price_per_gpu_hour = models.DecimalField(max_digits=10, decimal_places=4)
     min_bid_per_gpu_hour = models.DecimalField(max_digits=10, decimal_places=4)

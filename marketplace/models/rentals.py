@@ -54,6 +54,11 @@ class Rental(models.Model):
     )
     region = models.SlugField(max_length=40, blank=True)
     pool = models.SlugField(max_length=40, default="default")
+    # A gang: only a cluster whose fabric is at least this fast (what an advisor plan was
+    # priced with); 0: any cluster.
+    min_interconnect_gbps = models.PositiveIntegerField(
+        default=0, db_default=0, help_text="a multi-node rental's least cluster bandwidth, Gb/s"
+    )
     max_price_per_gpu_hour = models.DecimalField(
         max_digits=10, decimal_places=4, null=True, blank=True
     )

@@ -1,5 +1,13 @@
 """Every write of the marketplace: typed, keyword-only functions, each owning its transaction."""
 
+from marketplace.services.clusters import (
+    cluster_create,
+    cluster_delete,
+    cluster_for_join,
+    cluster_update,
+    node_cluster_set,
+    provider_node_update,
+)
 from marketplace.services.inventory import (
     GpuSpec,
     node_bring_online,
@@ -15,7 +23,12 @@ from marketplace.services.inventory import (
 
 __all__ = [
     "GpuSpec",
+    "cluster_create",
+    "cluster_delete",
+    "cluster_for_join",
+    "cluster_update",
     "node_bring_online",
+    "node_cluster_set",
     "node_drain",
     "node_register",
     "node_request_benchmark",
@@ -24,4 +37,5 @@ __all__ = [
     "provider_create",
     "provider_node_action",
     "provider_node_price",
+    "provider_node_update",
 ]

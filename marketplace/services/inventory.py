@@ -8,7 +8,16 @@ from decimal import Decimal
 from django.db import IntegrityError, transaction
 
 from core.errors import Conflict, NotFound, ValidationFailed
-from marketplace.models import Gpu, GpuModel, Node, NodeEvent, NodeStatus, Provider, User
+from marketplace.models import (
+    Cluster,
+    Gpu,
+    GpuModel,
+    Node,
+    NodeEvent,
+    NodeStatus,
+    Provider,
+    User,
+)
 
 # Which ops actions may move a node from which status. OFFLINE <-> ONLINE is the agent's to say.
 _NODE_ACTIONS: dict[str, tuple[frozenset[str], str]] = {
@@ -121,8 +130,10 @@ def node_register(
     runtime: str = "",
     ssh_capable: bool = True,
     fabric_address: str | None = None,
+    cluster: Cluster | None = None,
 ) -> Node:
-    """List a server and its GPUs in one transaction; unknown card models are refused."""
+    """List a server and its GPUs in one transaction; unknown card models are refused, and so is
+    another provider's cluster."""
     if not gpus:
         raise ValidationFailed("a node needs at least one GPU", field="gpus")
     indices = [g.index for g in gpus]
@@ -133,6 +144,8 @@ def node_register(
         raise ValidationFailed(
             "a node lists one GPU model; found " + ", ".join(sorted(slugs)), field="gpus"
         )
+    if cluster is not None and cluster.provider_id != provider.pk:
+        raise ValidationFailed("a cluster of the node's own provider", field="cluster")
     model = GpuModel.objects.filter(slug__in=slugs).first()
     if model is None:
         raise ValidationFailed(f"unknown GPU model: {slugs.pop()}", field="gpus")
@@ -159,6 +172,7 @@ def node_register(
             runtime=runtime,
             ssh_capable=ssh_capable,
             fabric_address=fabric_address,
+            cluster=cluster,
             price_per_gpu_hour=price_per_gpu_hour,
             min_bid_per_gpu_hour=min_bid_per_gpu_hour,
         )

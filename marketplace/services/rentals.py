@@ -22,7 +22,7 @@ from accounts.models import Membership, Team
 from accounts.selectors import ssh_key_scope
 from core.errors import NotFound, ValidationFailed
 from marketplace.lifecycle import rental_submit
-from marketplace.models import GpuModel, Rental, RentalKind, User
+from marketplace.models import CLUSTER_GBPS_MAX, GpuModel, Rental, RentalKind, User
 from marketplace.selectors import (
     NodeFilter,
     engine_nodes_cheapest,
@@ -77,6 +77,8 @@ class RentalRequest:
     # An earlier rental of the customer's whose last synced checkpoint the run starts from.
     resume_from: uuid.UUID | None = None
     ssh: bool = False  # an sshd in the container for the account's SSH keys
+    # A gang: only a cluster whose interconnect is at least this fast, Gb/s per node (0: any).
+    min_interconnect_gbps: int = 0
 
 
 def _harness_config(runtime: RuntimeSpec) -> dict | None:
@@ -112,6 +114,7 @@ def _engine_request(req: RentalRequest, start: datetime, deadline: datetime) -> 
         interruptible=req.kind == RentalKind.INTERRUPTIBLE,
         bid=req.bid_per_gpu_hour,
         ssh=req.ssh,
+        min_interconnect_gbps=req.min_interconnect_gbps,
     )
 
 
@@ -149,7 +152,13 @@ def _never_fits(req: RentalRequest, start: datetime, deadline: datetime) -> _Fit
         priced = replace(sized, max_price=req.max_price_per_gpu_hour)
     else:
         priced = sized
-    capable = replace(priced, ssh=req.ssh)
+    # A gang's members sit in one cluster: unclustered nodes never host one.
+    capable = replace(
+        priced,
+        ssh=req.ssh,
+        clustered=req.node_count > 1,
+        min_interconnect_gbps=req.min_interconnect_gbps,
+    )
     request = _engine_request(req, start, deadline)
     tiers = [
         (capable, 4 * req.node_count),
@@ -177,6 +186,9 @@ def _refusal(request: engine.Request, nodes: list[engine.Node], reason: str | No
     without_ssh = replace(request, ssh=False)
     if reason is not None and request.ssh and feasibility.never_fits(without_ssh, nodes) is None:
         return _Fit(reason, field="ssh")
+    for named in ("node_count", "min_interconnect_gbps"):
+        if reason is not None and reason.startswith(f"{named}:"):
+            return _Fit(reason, field=named)
     return _Fit(reason)
 
 
@@ -267,6 +279,12 @@ def rental_create(
         unknown = sorted(set(request.gpu_models) - known)
         if unknown:
             raise ValidationFailed(f"unknown GPU model: {', '.join(unknown)}", field="gpu_models")
+    if not 0 <= request.min_interconnect_gbps <= CLUSTER_GBPS_MAX:
+        raise ValidationFailed(f"0 to {CLUSTER_GBPS_MAX} Gb/s", field="min_interconnect_gbps")
+    if request.min_interconnect_gbps and request.node_count == 1:
+        raise ValidationFailed(
+            "only a multi-node rental crosses an interconnect", field="min_interconnect_gbps"
+        )
     if request.ssh and not ssh_key_scope(team=team).exists():
         raise ValidationFailed("add an SSH public key to your team first", field="ssh")
     resume_from = (
@@ -305,6 +323,7 @@ def rental_create(
             ports=request.runtime.ports,
             ssh=request.ssh,
             resume_from=resume_from,
+            min_interconnect_gbps=request.min_interconnect_gbps,
         )
         links = []
         if request.datasets:

@@ -1,4 +1,5 @@
-"""Display filters the web pages share: shell commands as a person copies them."""
+"""Display filters the web pages share: shell commands as a person copies them, a cluster's
+fabric as a customer reads it."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import shlex
 from collections.abc import Sequence
 
 from django import template
+
+from marketplace.models import interconnect_label
 
 register = template.Library()
 
@@ -61,3 +64,9 @@ def simulated_host_flags() -> str:
     """The flags above as continuation lines to follow an agent command, one option a line as
     shell_command lays out a long command."""
     return CONTINUATION.join(_option_lines([shlex.quote(flag) for flag in SIMULATED_HOST_FLAGS]))
+
+
+@register.filter(name="interconnect_label")
+def interconnect_label_filter(kind: str, gbps: int) -> str:
+    """A cluster's fabric as customers read it: "InfiniBand 400 Gb/s"."""
+    return interconnect_label(kind, gbps)

@@ -16,7 +16,7 @@ from django.views.decorators.http import require_GET
 from accounts.tenancy import request_team, team_page
 from marketplace import lifecycle, selectors
 from marketplace.api.serializers import OfferQuerySerializer
-from marketplace.models import RentalStatus
+from marketplace.models import CLUSTER_GBPS_MAX, Interconnect, RentalStatus
 from marketplace.templatetags.web_format import SIMULATED_HOST_FLAGS
 
 OFFER_PAGE = 50
@@ -159,10 +159,14 @@ def rental_detail(request: HttpRequest, rental_id) -> HttpResponse:
 @require_GET
 @login_required
 def provider(request: HttpRequest) -> HttpResponse:
-    """For provider owners: each provider's nodes (prices, drain / relist), a join token for a
-    new host, and earnings."""
+    """For provider owners: each provider's nodes (prices, cluster, drain / relist), its
+    clusters, a join token for a new host, and earnings."""
     providers = [
-        (p, selectors.provider_nodes(owner=request.user, provider_id=p.pk))
+        (
+            p,
+            selectors.provider_nodes(owner=request.user, provider_id=p.pk),
+            selectors.provider_clusters(owner=request.user, provider_id=p.pk),
+        )
         for p in selectors.provider_list(owner=request.user)
     ]
     return render(
@@ -172,5 +176,7 @@ def provider(request: HttpRequest) -> HttpResponse:
             "providers": providers,
             "server_url": request.build_absolute_uri("/").rstrip("/"),
             "simulated_host_flags": SIMULATED_HOST_FLAGS,
+            "interconnects": Interconnect.choices,
+            "cluster_gbps_max": CLUSTER_GBPS_MAX,
         },
     )

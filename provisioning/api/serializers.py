@@ -20,6 +20,7 @@ from rest_framework import serializers
 from agentprotocol import ContainerStatus
 from agentprotocol.untrusted import text_sanitize
 from core.api.reuse import ReusedPerThread
+from marketplace.models import CLUSTER_GBPS_MAX, Interconnect
 
 MAX_GPUS = 64
 INT32_MAX = (1 << 31) - 1
@@ -183,6 +184,17 @@ class JoinSerializer(serializers.Serializer):
     # The address the other members of a multi-node rental reach this node on; the address the
     # join came from when absent.
     fabric_address = serializers.IPAddressField(required=False, default=None, allow_null=True)
+    # The provider's cluster to join the node into, by name; created when the interconnect and
+    # its bandwidth are given too. Agents that predate clusters send none.
+    cluster = serializers.RegexField(
+        r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$", required=False, default=None, allow_null=True
+    )
+    interconnect = serializers.ChoiceField(
+        choices=Interconnect.choices, required=False, default=None, allow_null=True
+    )
+    interconnect_gbps = serializers.IntegerField(
+        min_value=1, max_value=CLUSTER_GBPS_MAX, required=False, default=None, allow_null=True
+    )
 
 
 class PublishedPortSerializer(serializers.Serializer):

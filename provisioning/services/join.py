@@ -19,6 +19,7 @@ from agentprotocol import (
 )
 from core.errors import Conflict, ValidationFailed
 from marketplace.models import (
+    Cluster,
     Gpu,
     GpuModel,
     Node,
@@ -26,7 +27,7 @@ from marketplace.models import (
     Provider,
     User,
 )
-from marketplace.services import GpuSpec, node_register
+from marketplace.services import GpuSpec, cluster_for_join, node_register
 from provisioning import queries
 from provisioning.models import JoinToken, NodeCredential
 
@@ -115,6 +116,11 @@ class HostFacts:
     ssh_capable: bool = True
     # Where the other members of a multi-node rental reach this node (None: not known).
     fabric_address: str | None = None
+    # The provider's cluster the node joins (by name; None: the agent named none), and what its
+    # fabric is, to create the cluster when the provider has none of that name.
+    cluster: str | None = None
+    interconnect: str | None = None
+    interconnect_gbps: int | None = None
 
 
 def node_join(
@@ -130,6 +136,10 @@ def node_join(
     it expires, gets the node it made back with a fresh node token (the earlier one revoked).
     That is the host whose first answer was lost (a timeout after the server committed);
     anyone else presenting a used token gets nothing.
+
+    A host that names a cluster joins its node into the provider's cluster of that name,
+    created when the host also says what its fabric is (`cluster_for_join`); a rejoin that
+    names none keeps the node's cluster (the provider may have set it since).
     """
     if not gpus:
         raise ValidationFailed("a node needs at least one GPU", field="gpus")
@@ -147,6 +157,14 @@ def node_join(
         if token.used_at is not None:
             node = _join_repeated(token=token, host_key=host_key, gpus=gpus)
             return node, _node_credential_mint(node)
+        cluster = None
+        if host.cluster is not None:
+            cluster = cluster_for_join(
+                provider=token.provider,
+                name=host.cluster,
+                interconnect=host.interconnect,
+                bandwidth_gbps=host.interconnect_gbps,
+            )
         models = {g.index: catalog_match(g.name, g.memory_mb) for g in gpus}
         unknown = sorted({g.name for g in gpus if models[g.index] is None})
         if unknown:
@@ -158,7 +176,7 @@ def node_join(
             .order_by("pk")
         )
         if listed:
-            node = _node_rekey(token=token, host=host, gpus=gpus, listed=listed)
+            node = _node_rekey(token=token, host=host, gpus=gpus, listed=listed, cluster=cluster)
         else:
             if Node.objects.filter(provider=token.provider, hostname=host.hostname).exists():
                 raise Conflict("this provider already lists a node of that name", field="hostname")
@@ -189,6 +207,7 @@ def node_join(
                 runtime=host.runtime,
                 ssh_capable=host.ssh_capable,
                 fabric_address=host.fabric_address,
+                cluster=cluster,
             )
         node.last_seen_at = timezone.now()
         node.benchmark_requested = True  # measured, not declared: benchmark on join
@@ -230,7 +249,12 @@ def _join_repeated(*, token: JoinToken, host_key: str, gpus: list[GpuInfo]) -> N
 
 
 def _node_rekey(
-    *, token: JoinToken, host: HostFacts, gpus: list[GpuInfo], listed: list[Gpu]
+    *,
+    token: JoinToken,
+    host: HostFacts,
+    gpus: list[GpuInfo],
+    listed: list[Gpu],
+    cluster: Cluster | None,
 ) -> Node:
     """A rejoin: the same node, its old token revoked, its host facts refreshed.
 
@@ -256,7 +280,10 @@ def _node_rekey(
         Gpu.objects.filter(pk__in=[gpu.pk for gpu in moved]).update(index=F("index") + 1000)
         for gpu in moved:
             Gpu.objects.filter(pk=gpu.pk).update(index=index_of[gpu.uuid])
+    # A host naming its cluster moves the node there; one naming none leaves it where it is.
+    moved_to = {} if cluster is None else {"cluster": cluster}
     Node.objects.filter(pk=node.pk).update(
+        **moved_to,
         cpu_cores=host.cpu_cores,
         ram_gb=host.ram_gb,
         disk_gb=host.disk_gb,

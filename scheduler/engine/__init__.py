@@ -7,8 +7,9 @@ GPU-hour):
   topology group on the node (GPUs sharing an NVLink island or PCIe switch), "" when it has none,
   in which case it is a group of its own.
 - `Node`: a GPU server with its on-demand `price_per_gpu_hour`, the `min_bid` interruptible
-  rentals must reach, `reliability` in [0, 1], its `gpus`, scheduler `pool` and whether its agent
-  can give a rental SSH (`ssh_capable`).
+  rentals must reach, `reliability` in [0, 1], its `gpus`, scheduler `pool`, whether its agent
+  can give a rental SSH (`ssh_capable`) and its `cluster` (nodes of one provider on one fabric;
+  None for a node on its own).
 - `Busy`: an allocation already bound, one per GPU, [start, end); only those ending after `now`
   matter. `interruptible` ones may be preempted; `price` is their locked price or bid.
 - `Request`: a pending rental. A GPU matches when it satisfies every constraint given
@@ -17,7 +18,8 @@ GPU-hour):
   price suits: on-demand needs `price_per_gpu_hour <= max_price`, interruptible needs
   `min_bid <= bid <= max_price`; a request with `ssh` needs an `ssh_capable` node. The request
   needs `gpus_per_node` matching GPUs on each of `node_count` distinct nodes (a gang: all or
-  none), all in one topology group per node when `same_group`, for [start, start + duration)
+  none, all its nodes in one cluster, none on a node without one), all in one topology group
+  per node when `same_group`, for [start, start + duration)
   where start is `max(now, request.start)`, no later than `start_deadline`.
 - `Snapshot(now, nodes, busy, pending)` and `Policy` (weights, aging, first fit, preemption,
   planning horizon, reservation depth, future-window candidates).
@@ -34,7 +36,9 @@ Policies, in the order they apply:
 1. Order: by effective priority `priority + aging_per_second * seconds waited` (so a low class
    gains one class per hour by default and is never starved), then FIFO by `created_at`, then
    rental id.
-2. Filter: nodes whose pool, region, price and GPUs match (see above).
+2. Filter: nodes whose pool, region, price and GPUs match (see above); a gang is searched in
+   each cluster and takes the one whose nodes score best together (lowest total, then the
+   lowest node id).
 3. Score (lower is better, integer points, ties by node id): `pack_weight` per GPU of the node
    left free (idle now for a request starting now, free over the window for a later one: best
    fit, so whole nodes stay free for big requests),

@@ -4,7 +4,9 @@ Everything is drawn from `random.Random(seed)`, so the same arguments always giv
 snapshot. The mix is meant to look like a GPU marketplace: mostly 8-GPU nodes of a few datacenter
 models (SXM nodes with one NVLink island, PCIe nodes with two switches, consumer cards with no
 topology group), a few price tiers per model, and requests of 1, 2, 4 and 8 GPUs with some
-multi-node gangs, future starts, deadlines and interruptible bids.
+multi-node gangs, future starts, deadlines and interruptible bids. Datacenter nodes sit in
+clusters of up to `CLUSTER_SIZE` nodes of one model and region (where gangs go); consumer cards
+in none.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ HOUR = 3600.0
 REGIONS = ("us-east", "us-west", "eu-west", "eu-central", "ap-south")
 PRICE_TIERS = (Decimal("0.9"), Decimal("1.0"), Decimal("1.1"), Decimal("1.25"))
 CENT = Decimal("0.01")
+CLUSTER_SIZE = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +52,8 @@ CATALOG = (
     CatalogModel("a10-24gb", "a10", 24, 125.0, False, 4, Decimal("0.59"), 10),
     CatalogModel("rtx4090-24gb", "rtx4090", 24, 165.2, False, 0, Decimal("0.39"), 10),
 )
+# Cards that providers do not cluster (a gang never asks for them and waits if it does).
+UNCLUSTERED = frozenset({"rtx4090-24gb"})
 
 
 def synthetic_nodes(*, seed: int, count: int = 10_000, gpus_per_node: int = 8) -> tuple[Node, ...]:
@@ -57,6 +62,9 @@ def synthetic_nodes(*, seed: int, count: int = 10_000, gpus_per_node: int = 8) -
     weights = [model.share for model in CATALOG]
     nodes = []
     gpu_id = 0
+    # Nodes so far per (model, region): the next one's cluster, without a draw of its own so
+    # the other figures stay those of the same seed.
+    clustered: dict[tuple[str, str], int] = {}
     for node_id in range(1, count + 1):
         model = rng.choices(CATALOG, weights)[0]
         price = (model.price * rng.choice(PRICE_TIERS)).quantize(CENT)
@@ -77,14 +85,21 @@ def synthetic_nodes(*, seed: int, count: int = 10_000, gpus_per_node: int = 8) -
                     nvlink=model.nvlink,
                 )
             )
+        region = rng.choice(REGIONS)
+        cluster = None
+        if model.slug not in UNCLUSTERED:
+            seen = clustered.get((model.slug, region), 0)
+            clustered[model.slug, region] = seen + 1
+            cluster = f"{model.slug}/{region}/{seen // CLUSTER_SIZE}"
         nodes.append(
             Node(
                 node_id=node_id,
-                region=rng.choice(REGIONS),
+                region=region,
                 price_per_gpu_hour=price,
                 min_bid=(price * Decimal("0.4")).quantize(CENT),
                 reliability=round(rng.uniform(0.9, 0.999), 3),
                 gpus=tuple(gpus),
+                cluster=cluster,
             )
         )
     return tuple(nodes)

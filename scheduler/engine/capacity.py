@@ -6,7 +6,10 @@ can never be given out twice for overlapping times.
 
 To avoid scanning every node per request, nodes are grouped into classes of identical hardware
 and location (pool, region, SSH capability, GPU kinds, size, largest topology group), so a
-request's hardware, location and SSH constraints select whole classes (a `Match`). Prices are
+request's hardware, location and SSH constraints select whole classes (a `Match`). A node in a
+cluster is also in a cluster class (the same key and its cluster): a gang matches cluster
+classes only and is searched once per cluster (`Match.clusters`), while single-node requests
+see the plain classes, as many as without clusters. Prices are
 set per node, so they are kept out of the class: within a class, nodes of one price and minimum
 bid form a tier, and a request's price constraint admits tiers (cheapest first, by bisection on
 a `Ladder`). A class some of whose tiers are priced out is still visited, and its nodes are
@@ -100,11 +103,13 @@ class Victim:
 
 
 class NodeClass:
-    """Nodes of identical hardware, location and SSH capability; the unit of matching a request."""
+    """Nodes of identical hardware, location and SSH capability (and cluster, for a cluster
+    class: `cluster` is not None); the unit of matching a request."""
 
     __slots__ = (
         "buckets",
         "cid",
+        "cluster",
         "entries",
         "example",
         "kinds",
@@ -115,8 +120,11 @@ class NodeClass:
         "tiers",
     )
 
-    def __init__(self, cid: int, node: Node, kinds: frozenset[int], max_group: int) -> None:
+    def __init__(
+        self, cid: int, node: Node, kinds: frozenset[int], max_group: int, cluster: object
+    ) -> None:
         self.cid = cid
+        self.cluster = cluster
         self.example = node
         self.kinds = kinds
         self.max_group = max_group
@@ -191,8 +199,10 @@ class NodeState:
     """Mutable per-node capacity: intervals per GPU position (GPUs sorted by index)."""
 
     __slots__ = (
+        "ccls",
         "clear",
         "cls",
+        "cranks",
         "entry",
         "first",
         "glevel",
@@ -243,6 +253,15 @@ class NodeState:
         self.cls: NodeClass
         # Its tier's place on its class's ladder of each gate.
         self.ranks: list[int]
+        # Its cluster class and the same place there (None: in no cluster).
+        self.ccls: NodeClass | None = None
+        self.cranks: list[int] = self.ranks_unset
+
+    ranks_unset: list[int] = []
+
+    def ranks_in(self, cls: NodeClass) -> list[int]:
+        """Its tier's place on the ladders of `cls`, its plain or its cluster class."""
+        return self.ranks if cls.cluster is None else self.cranks
 
     def matching(self, kinds: frozenset[int]) -> list[int]:
         return [p for p in self.positions if self.kind[p] in kinds]
@@ -265,6 +284,7 @@ class Match:
         "nodes",
         "orders",
         "partial",
+        "parts",
         "views",
     )
 
@@ -303,6 +323,18 @@ class Match:
         self.ids = set(self.full)
         self.orders: dict[Gate | None, list[Tier]] = {}
         self.views: dict[tuple[Gate, Decimal], Match] = {}
+        self.parts: list[Match] | None = None
+
+    def clusters(self) -> list[Match]:
+        """The match split by cluster, one match per cluster with a class admitted, in order of
+        first appearance; nodes without a cluster are left out (cached)."""
+        if self.parts is None:
+            by_cluster: dict[object, list[tuple[NodeClass, bool]]] = {}
+            for cls, full in self.classes:
+                if cls.cluster is not None:
+                    by_cluster.setdefault(cls.cluster, []).append((cls, full))
+            self.parts = [Match(self.kinds, classes) for classes in by_cluster.values()]
+        return self.parts
 
     def priced(self, gate: Gate, cap: Decimal | None) -> Match:
         """The nodes whose figure for `gate` is within cap (cached)."""
@@ -378,7 +410,7 @@ class CapacityIndex:
         # Request constraints repeat, so what they admit is cached at three levels: GPU kinds,
         # classes by location, and classes by both (each match keeps its views by price cap).
         self.kinds_cache: dict[tuple, frozenset[int]] = {}
-        self.located: dict[tuple[str | None, str, bool], list[NodeClass]] = {}
+        self.located: dict[tuple[str | None, str, bool, bool], list[NodeClass]] = {}
         self.matches: dict[tuple, Match] = {}
         self.max_level = 0
         # Per GPU count, the ids of the classes with a non-empty (reclaimable) bucket of it.
@@ -425,20 +457,15 @@ class CapacityIndex:
                 len(gpus),
                 shape.max_group,
             )
-            tier_key = (*class_key, node.price_per_gpu_hour, node.min_bid)
-            tier = self.tiers.get(tier_key)
-            if tier is None:
-                cls = self.classes.get(class_key)
-                if cls is None:
-                    cls = NodeClass(len(self.class_list), node, shape.kinds, shape.max_group)
-                    self.classes[class_key] = cls
-                    self.class_list.append(cls)
-                tier = self.tiers[tier_key] = Tier(len(self.tiers), cls, node)
-                cls.tiers.append(tier)
-            cls = tier.cls
-            ns.cls, ns.ranks = cls, tier.ranks
-            cls.entries.append(ns.entry)
+            tier = self._tier(class_key, None, node, shape)
+            ns.cls, ns.ranks = tier.cls, tier.ranks
+            tier.cls.entries.append(ns.entry)
             tier.entries.append(ns.entry)
+            if node.cluster is not None:
+                tier = self._tier(class_key, node.cluster, node, shape)
+                ns.ccls, ns.cranks = tier.cls, tier.ranks
+                tier.cls.entries.append(ns.entry)
+                tier.entries.append(ns.entry)
             self.nodes[ns.node_id] = ns
             for position, gpu in enumerate(gpus):
                 where[gpu.gpu_id] = (ns, position)
@@ -447,6 +474,21 @@ class CapacityIndex:
         for cls in self.class_list:
             cls.ladders = (Ladder(cls.tiers, Gate.PRICE), Ladder(cls.tiers, Gate.MIN_BID))
         return where
+
+    def _tier(self, class_key: tuple, cluster: object, node: Node, shape: Shape) -> Tier:
+        """The node's tier in its plain class (cluster None) or its cluster class."""
+        key = (*class_key, cluster)
+        tier_key = (*key, node.price_per_gpu_hour, node.min_bid)
+        tier = self.tiers.get(tier_key)
+        if tier is None:
+            cls = self.classes.get(key)
+            if cls is None:
+                cls = NodeClass(len(self.class_list), node, shape.kinds, shape.max_group, cluster)
+                self.classes[key] = cls
+                self.class_list.append(cls)
+            tier = self.tiers[tier_key] = Tier(len(self.tiers), cls, node)
+            cls.tiers.append(tier)
+        return tier
 
     def _kind_id(self, gpu: Gpu) -> int:
         key = (gpu.model, gpu.family, gpu.memory_gb, gpu.tensor_tflops)
@@ -548,23 +590,26 @@ class CapacityIndex:
         """Recompute the node's summaries after its intervals changed, and move it between
         buckets accordingly."""
         level, reclaimable = self._summarize(ns)
-        entry, cls = ns.entry, ns.cls
+        entry = ns.entry
+        classes = (ns.cls,) if ns.ccls is None else (ns.cls, ns.ccls)
         if level != ns.level:
-            if self.best_fit:
-                self._move(cls, cls.buckets, self.live, ns.level, entry, level, entry)
-            elif level < ns.level:
-                for stale in self._bucket_levels(level, ns.level):
-                    _drop(cls.buckets[stale], entry, self.live[stale], cls.cid)
-            else:
-                for fresh in self._bucket_levels(ns.level, level):
-                    insort(cls.buckets[fresh], entry)
-                    self.live[fresh].add(cls.cid)
+            for cls in classes:
+                if self.best_fit:
+                    self._move(cls, cls.buckets, self.live, ns.level, entry, level, entry)
+                elif level < ns.level:
+                    for stale in self._bucket_levels(level, ns.level):
+                        _drop(cls.buckets[stale], entry, self.live[stale], cls.cid)
+                else:
+                    for fresh in self._bucket_levels(ns.level, level):
+                        insort(cls.buckets[fresh], entry)
+                        self.live[fresh].add(cls.cid)
             ns.level = level
         cost = ns.min_victim or _ZERO
         old_cost, _ = ns.rentry
         if reclaimable != ns.rlevel or cost != old_cost:
             rentry = (cost, ns.node_id)
-            self._move(cls, cls.rbuckets, self.rlive, ns.rlevel, ns.rentry, reclaimable, rentry)
+            for cls in classes:
+                self._move(cls, cls.rbuckets, self.rlive, ns.rlevel, ns.rentry, reclaimable, rentry)
             ns.rlevel, ns.rentry = reclaimable, rentry
 
     @staticmethod
@@ -611,23 +656,27 @@ class CapacityIndex:
     # -- matching requests ----------------------------------------------------------------------
 
     def match(self, req: Request) -> Match:
-        """The classes the request's hardware and location constraints admit (cached)."""
+        """The classes the request's hardware and location constraints admit (cached): a gang's
+        among the cluster classes, anything else's among the plain ones."""
+        gang = req.node_count > 1
         kinds_key = (req.gpu_models, req.gpu_families, req.min_memory_gb, req.min_tensor_tflops)
-        key = (*kinds_key, req.region, req.pool, req.ssh, req.gpus_per_node, req.same_group)
+        key = (*kinds_key, req.region, req.pool, req.ssh, req.gpus_per_node, req.same_group, gang)
         match = self.matches.get(key)
         if match is None:
             kinds = self.kinds_cache.get(kinds_key)
             if kinds is None:
                 kinds = frozenset(i for i, g in enumerate(self.kind_gpus) if gpu_matches(req, g))
                 self.kinds_cache[kinds_key] = kinds
-            located = self.located.get((req.region, req.pool, req.ssh))
+            located = self.located.get((req.region, req.pool, req.ssh, gang))
             if located is None:
                 located = [
                     cls
                     for cls in self.class_list
-                    if location_ok(req, cls.example) and runtime_ok(req, cls.example)
+                    if (cls.cluster is not None) == gang
+                    and location_ok(req, cls.example)
+                    and runtime_ok(req, cls.example)
                 ]
-                self.located[req.region, req.pool, req.ssh] = located
+                self.located[req.region, req.pool, req.ssh, gang] = located
             k = req.gpus_per_node
             classes = [
                 (cls, cls.kinds <= kinds)

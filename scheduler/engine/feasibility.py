@@ -127,4 +127,31 @@ def never_fits(request: Request, nodes: Iterable[Node]) -> str | None:
         return "ssh: no matching node can run an sshd with a published port"
     if len(capable) < m:
         return f"ssh: only {len(capable)} matching nodes can run an sshd, the request needs {m}"
+    if m > 1:
+        return _no_cluster(request, capable)
     return None
+
+
+def _no_cluster(request: Request, nodes: list[Node]) -> str | None:
+    """Why no cluster can host the gang: its members all sit in one cluster."""
+    m, gbps = request.node_count, request.min_interconnect_gbps
+    clustered = [node for node in nodes if node.cluster is not None]
+    sizes = Counter(node.cluster for node in clustered if node.interconnect_gbps >= gbps)
+    largest = max(sizes.values(), default=0)
+    if largest >= m:
+        return None
+    if clustered and not sizes:
+        fastest = max(node.interconnect_gbps for node in clustered)
+        return (
+            f"min_interconnect_gbps: no matching cluster is that fast (the fastest has "
+            f"{fastest} Gb/s, {gbps} asked)"
+        )
+    if not sizes:
+        return (
+            "node_count: no matching node is in a cluster; a multi-node rental runs inside "
+            "one cluster (nodes a provider declared on one fabric)"
+        )
+    return (
+        f"node_count: the largest cluster has {largest} matching nodes, the request needs {m} "
+        "in one cluster"
+    )

@@ -75,7 +75,8 @@ def choose_preemption(
         for cid in index.rlive[level] & match.ids:
             full = match.full[cid]
             partial = match.partial.get(cid)
-            for cheapest, node_id in index.class_list[cid].rbuckets[level]:
+            cls = index.class_list[cid]
+            for cheapest, node_id in cls.rbuckets[level]:
                 # Every node left needs a victim, which costs at least the node's cheapest, and
                 # the bucket is sorted by that.
                 if len(best) == m and cheapest > best[-1].cost:
@@ -83,7 +84,7 @@ def choose_preemption(
                 if node_id in free_ids:
                     continue
                 ns = index.nodes[node_id]
-                if partial is not None and ns.ranks[match.gate] >= partial.tiers:
+                if partial is not None and ns.ranks_in(cls)[match.gate] >= partial.tiers:
                     continue
                 if ns.level < k and ns.min_spot is not None:
                     # At least k - level GPUs must be freed, each at a bid of min_spot or more;

@@ -57,7 +57,7 @@ def search_now(index: CapacityIndex, ask: Ask, t1: float) -> list[Choice]:
                 if worst is not None and (floor + static, node_id) >= worst:
                     break
                 ns = nodes[node_id]
-                if partial is not None and ns.ranks[gate] >= partial.tiers:
+                if partial is not None and ns.ranks_in(cls)[gate] >= partial.tiers:
                     if static > partial.highest:
                         break
                     continue

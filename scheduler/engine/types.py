@@ -42,7 +42,12 @@ class Node:
     """A schedulable GPU server with its prices; `gpus` lists every GPU the engine may use.
 
     `ssh_capable`: its agent can run an sshd in a rental and publish its port (a container
-    runtime with published ports); a rental that asks for SSH is never placed where it is not."""
+    runtime with published ports); a rental that asks for SSH is never placed where it is not.
+
+    `cluster`: the fabric it shares with other nodes (any hashable key, the same for every node
+    of one cluster), or None for a node on its own. The members of a gang (`node_count > 1`)
+    are all placed in one cluster; a node without one hosts single-node rentals only.
+    `interconnect_gbps`: its cluster's bandwidth per node (0 without a cluster)."""
 
     node_id: int
     region: str
@@ -52,6 +57,8 @@ class Node:
     gpus: tuple[Gpu, ...]
     pool: str = "default"
     ssh_capable: bool = True
+    cluster: int | str | None = None
+    interconnect_gbps: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -90,6 +97,9 @@ class Request:
     interruptible: bool = False
     bid: Decimal | None = None
     ssh: bool = False  # an sshd in the container: only an ssh_capable node can host it
+    # A gang: only a cluster whose interconnect is at least this fast, in Gb/s per node (a
+    # single-node rental crosses none, so it is not checked there).
+    min_interconnect_gbps: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

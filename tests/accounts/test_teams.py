@@ -375,6 +375,7 @@ NOT_TEAM_OWNED = {
     "slug",  # the public GPU catalog
     "provider_id",  # providers belong to their owner (tests/marketplace/test_provider_api.py)
     "node_id",
+    "cluster_id",  # a provider's cluster, its owner's (tests/marketplace/test_clusters.py)
     "object_id",  # the admin
     "app_label",
     "content_type_id",

@@ -17,8 +17,6 @@ from billing.services import (
     usage_reports_apply,
 )
 from core.errors import ValidationFailed
-from marketplace.services import GpuSpec, node_register
-from tests.factories import ProviderFactory
 
 pytestmark = pytest.mark.django_db
 
@@ -175,24 +173,11 @@ def test_reported_gpus_never_exceed_the_allocation(make_node, book):
     assert _rated(booked)[0] == 2 * 100
 
 
-def test_a_multi_node_rental_meters_each_node_for_its_provider(make_node, book):
+def test_a_multi_node_rental_meters_each_node_on_its_own(make_node, book):
+    # A gang's nodes are one provider's cluster (make_node's "fabric"): each is metered for
+    # what its own agent confirmed.
     make_node(price="1.00", gpus=8, hostname="a")
-    other = ProviderFactory()
-    node_register(
-        provider=other,
-        hostname="b",
-        region="eu-west",
-        cpu_cores=64,
-        ram_gb=512,
-        disk_gb=4000,
-        price_per_gpu_hour=__import__("decimal").Decimal("1.00"),
-        min_bid_per_gpu_hour=__import__("decimal").Decimal("0.50"),
-        gpus=[
-            GpuSpec(index=i, uuid=f"GPU-{uuid.uuid4()}", model_slug="a100-sxm4-80gb")
-            for i in range(8)
-        ],
-        status="online",
-    )
+    make_node(price="1.00", gpus=8, hostname="b")
     booked = book(gpus=8, nodes=2, hours=2, hours_ago=3)
     assert len(booked.node_ids) == 2
     first, second = booked.node_ids

@@ -314,3 +314,13 @@ def test_book_runs_the_plan_on_the_named_dataset(cli, user, make_node):
     layout = config["layout"]
     assert layout["dp"] * layout["tp"] * layout["pp"] == rental.gpus_per_node * rental.node_count
     assert rental.advisor_estimate["layout"]["dp"] == layout["dp"]
+
+
+def test_offers_show_the_interconnect_of_clustered_nodes(cli, make_node):
+    make_node(card="h100-sxm5-80gb", price="2.50", hostname="ib-host")
+    make_node(card="h100-sxm5-80gb", price="2.60", hostname="lone-host", cluster=None)
+    code, out, _ = cli("offers")
+    assert code == 0, out
+    lines = {line.split()[1]: line for line in out.splitlines()[1:]}
+    assert lines["ib-host"].rstrip().endswith("infiniband 200 Gb/s x 1")
+    assert lines["lone-host"].rstrip().endswith(" -")

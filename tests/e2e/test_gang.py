@@ -113,6 +113,8 @@ def gang_stack(stack_env, provider, tmp_path, fabric_hosts):
         stack.agents[f"agent-{host.hostname}"] = [
             "ip", "netns", "exec", host.ns, *command, "--server", server, "--join-token", token,
             "--fabric-address", address,
+            # One cluster, as a gang needs: the first agent to join creates it.
+            "--cluster", "gang-fabric", "--interconnect", "ethernet", "--interconnect-gbps", "10",
         ]  # fmt: skip
     try:
         yield stack.start()

@@ -1,11 +1,14 @@
 """The ops console: staff only; node actions recorded with who and when."""
 
 import pytest
+from django.forms.models import model_to_dict
 from django.test import Client
 from django.urls import reverse
 
+from marketplace.admin import NodeAdminForm
 from marketplace.models import NodeEvent, NodeStatus
-from tests.factories import UserFactory
+from marketplace.services import cluster_create
+from tests.factories import ProviderFactory, UserFactory
 
 pytestmark = pytest.mark.django_db
 
@@ -77,3 +80,23 @@ def test_ops_can_ask_for_a_new_benchmark(ops_client, make_node):
     _act(client, "request_benchmark", [node])
     node.refresh_from_db()
     assert node.benchmark_requested is True
+
+
+def test_ops_see_clusters_and_cannot_put_a_node_in_another_providers(ops_client, make_node):
+    client, _ = ops_client
+    node = make_node(hostname="ib-1", cluster="h100-ib")
+    r = client.get(reverse("admin:marketplace_cluster_change", args=[node.cluster_id]))
+    assert r.status_code == 200 and b"ib-1" in r.content
+    other = ProviderFactory()
+    foreign = cluster_create(
+        owner=other.owner,
+        provider_id=other.pk,
+        name="theirs",
+        interconnect="ethernet",
+        bandwidth_gbps=25,
+    )
+    form = NodeAdminForm(data={**model_to_dict(node), "cluster": foreign.pk}, instance=node)
+    assert not form.is_valid()
+    assert form.errors["cluster"] == ["a cluster of the node's own provider"]
+    node.refresh_from_db()
+    assert node.cluster.name == "h100-ib"

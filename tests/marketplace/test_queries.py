@@ -34,7 +34,7 @@ def market(make_node, rent):
     """Five nodes of two regions and prices, one offline, with some GPUs rented."""
     nodes = [
         make_node(gpus=8, price="1.00"),
-        make_node(gpus=4, price="0.90", region="us-east"),
+        make_node(gpus=4, price="0.90", region="us-east", cluster=None),
         make_node(gpus=8, price="0.80", region="us-east"),
         make_node(gpus=2, price="0.50"),
         make_node(gpus=8, price="0.70", status=NodeStatus.OFFLINE),
@@ -79,6 +79,12 @@ def test_offers_are_the_online_nodes_with_free_gpus_the_orm_counts(market, filte
             node.gpu_model.slug,
             node.price_per_gpu_hour,
         )
+        cluster = node.cluster
+        assert (row["cluster_id"], row["interconnect"], row["interconnect_gbps"]) == (
+            (cluster.pk, cluster.interconnect, cluster.bandwidth_gbps) if cluster else (None,) * 3
+        )
+        online = Node.objects.filter(cluster=cluster, status=NodeStatus.ONLINE).count()
+        assert row["cluster_nodes"] == (online if cluster else None)
 
 
 def test_nodes_cheapest_are_the_orm_s_matching_nodes_cheapest_first(market):
@@ -94,6 +100,8 @@ def test_nodes_cheapest_are_the_orm_s_matching_nodes_cheapest_first(market):
         "bid": None,
         "price": Decimal("0.95"),
         "ssh": False,
+        "clustered": False,
+        "gbps": 0,
         "limit": 10,
     }
     rows = queries.nodes_cheapest(params=params)
@@ -103,8 +111,9 @@ def test_nodes_cheapest_are_the_orm_s_matching_nodes_cheapest_first(market):
     assert [row[0] for row in rows] == [n.pk for n in expected]
     for row, node in zip(rows, expected, strict=True):
         gpus = Gpu.objects.filter(node=node).order_by("index")
-        assert row[: len(queries.NODE_COLUMNS)] == tuple(
-            getattr(node, name) for name in queries.NODE_COLUMNS
+        assert row[: len(queries.NODE_COLUMNS) + 1] == (
+            *(getattr(node, Node._meta.get_field(name).attname) for name in queries.NODE_COLUMNS),
+            node.cluster.bandwidth_gbps if node.cluster else None,
         )
         assert row[-3:] == (
             [g.pk for g in gpus],

@@ -95,3 +95,45 @@ def test_benchmark_command_is_split_like_a_shell(tmp_path):
     )
     config = load_config(["--server", "http://s", "--benchmark-command", command], environ={})
     assert config.benchmark_command == tuple(shlex.split(command))
+
+
+def test_the_cluster_to_join_from_flags_or_environment():
+    base = ["--server", "https://m.example"]
+    # None by default: the node joins on its own
+    assert load_config(base, environ={}).cluster is None
+    config = load_config(
+        [
+            *base,
+            "--cluster",
+            "h100-ib",
+            "--interconnect",
+            "infiniband",
+            "--interconnect-gbps",
+            "400",
+        ],
+        environ={},
+    )
+    assert (config.cluster, config.interconnect, config.interconnect_gbps) == (
+        "h100-ib",
+        "infiniband",
+        400,
+    )
+    config = load_config(base, environ={"GPUMARKET_CLUSTER": "ib"})
+    assert (config.cluster, config.interconnect, config.interconnect_gbps) == ("ib", None, None)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--cluster", "H100 IB"], "--cluster must be lower-case"),
+        (["--cluster", "ib", "--interconnect", "token-ring", "--interconnect-gbps", "4"],
+         "--interconnect must be one of"),
+        (["--cluster", "ib", "--interconnect", "ethernet"], "together"),
+        (["--cluster", "ib", "--interconnect", "ethernet", "--interconnect-gbps", "0"],
+         "--interconnect-gbps must be a positive"),
+        (["--interconnect", "ethernet", "--interconnect-gbps", "25"], "give --cluster too"),
+    ],
+)  # fmt: skip
+def test_a_bad_cluster_flag_is_refused_saying_which(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(["--server", "https://m.example", *extra], environ={})

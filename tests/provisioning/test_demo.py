@@ -14,7 +14,8 @@ from django.test import Client
 
 from accounts.services import token_hash
 from billing.models import Account, AccountKind
-from marketplace.models import Node, User
+from marketplace.models import Cluster, Node, User
+from nodeagent.fleet import fleet_configs
 from provisioning.demo import DEMO_NODES, demo_fleet_prepare, load_demo
 from provisioning.models import JoinToken
 from provisioning.services import node_credential_revoke
@@ -45,7 +46,7 @@ def _fleet(path) -> dict[str, dict]:
     return {n["hostname"]: n for n in json.loads(path.read_text())["nodes"]}
 
 
-def _joined(api, host: dict, *, key: str = "k" * 43) -> dict:
+def _joined(api, host: dict, *, key: str = "k" * 43, **extra) -> dict:
     """Join as the demo host's agent would, and keep its files where that agent keeps them."""
     from agentprotocol import simulated_gpu_uuid
 
@@ -60,7 +61,7 @@ def _joined(api, host: dict, *, key: str = "k" * 43) -> dict:
             "host": {"cpu_cores": 8, "ram_gb": 32, "disk_gb": 100},
             "gpus": [{"index": i, "uuid": simulated_gpu_uuid(host["hostname"], i), "name": slug,
                       "memory_mb": 24576} for i in range(int(count))],
-            "simulated": True, "runtime": "process", "ssh": False,
+            "simulated": True, "runtime": "process", "ssh": False, **extra,
         },
         format="json",
     )  # fmt: skip
@@ -119,3 +120,39 @@ def test_a_host_that_joined_but_never_heard_keeps_its_spent_token(tmp_path, api)
     (Path(host["dir"]) / "state" / "host_key").write_text("o" * 43)
     after = _fleet(demo_fleet_prepare(var_dir=tmp_path, server_url="http://s"))
     assert after["sgp-t4-01"]["join_token"] != host["join_token"]
+
+
+def test_the_demo_h100_hosts_join_one_400_gbps_infiniband_cluster(tmp_path, api):
+    # Given the fleet file of a fresh stack
+    load_demo(var_dir=tmp_path)
+    path = demo_fleet_prepare(var_dir=tmp_path, server_url="http://s")
+    configs = {c.hostname: c for c in fleet_configs(json.loads(path.read_text()))}
+
+    # Then the H100 hosts' agents name one cluster and its fabric, the others none
+    clustered = {h for h, c in configs.items() if c.cluster is not None}
+    assert clustered == {"fra-h100-01", "fra-h100-02"}
+    for hostname in clustered:
+        config = configs[hostname]
+        assert (config.cluster, config.interconnect, config.interconnect_gbps) == (
+            "fra-h100-ib",
+            "infiniband",
+            400,
+        )
+
+    # And when they join as their agents do, both nodes are in that one cluster
+    fleet = _fleet(path)
+    for hostname in sorted(clustered):
+        config = configs[hostname]
+        _joined(
+            api,
+            fleet[hostname],
+            cluster=config.cluster,
+            interconnect=config.interconnect,
+            interconnect_gbps=config.interconnect_gbps,
+        )
+    cluster = Cluster.objects.get()
+    assert (cluster.provider.is_platform, cluster.interconnect_label) == (
+        True,
+        "InfiniBand 400 Gb/s",
+    )
+    assert set(cluster.nodes.values_list("hostname", flat=True)) == clustered

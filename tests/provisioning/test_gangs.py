@@ -37,10 +37,12 @@ def _join(api, token: str, hostname: str, **extra) -> APIClient:
 
 @pytest.fixture
 def members(api, make_join_token):
-    """Two 2-GPU nodes of one provider; the first declares its fabric address, the second's is
-    the address its join came from."""
-    first = _join(api, make_join_token(), "gang-a", fabric_address="10.40.0.11")
-    second = _join(api, make_join_token(), "gang-b")
+    """Two 2-GPU nodes of one provider in one cluster (the first creates it at its join, the
+    second joins it); the first declares its fabric address, the second's is the address its
+    join came from."""
+    fabric = {"cluster": "gang", "interconnect": "ethernet", "interconnect_gbps": 25}
+    first = _join(api, make_join_token(), "gang-a", fabric_address="10.40.0.11", **fabric)
+    second = _join(api, make_join_token(), "gang-b", cluster="gang")
     return sorted([first, second], key=lambda agent: agent.node.pk)
 
 

@@ -97,7 +97,8 @@ def _orm_digest(pool: str) -> tuple[int, str | None]:
         )
         values = (
             node.id, node.region, node.price_per_gpu_hour, node.min_bid_per_gpu_hour,
-            node.reliability, node.nvlink, node.ssh_capable, model.slug, model.family,
+            node.reliability, node.nvlink, node.ssh_capable, node.cluster_id or 0,
+            node.cluster.bandwidth_gbps if node.cluster else 0, model.slug, model.family,
             model.memory_gb, model.tensor_tflops, gpus,
         )  # fmt: skip
         parts.append(":".join(text(v) for v in values))
@@ -108,7 +109,7 @@ def _orm_digest(pool: str) -> tuple[int, str | None]:
 
 def test_the_inventory_digest_is_the_md5_of_what_the_orm_reads(make_node):
     make_node(gpus=4, group_size=2, nvlink=True)
-    make_node(gpus=2, price="1.50", region="us-east")
+    make_node(gpus=2, price="1.50", region="us-east", cluster=None)
     make_node(gpus=2, status=NodeStatus.OFFLINE)
     make_node(gpus=2, pool="other")
     assert queries.inventory_digest(pool="default", online=NodeStatus.ONLINE) == _orm_digest(

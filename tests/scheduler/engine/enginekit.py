@@ -37,8 +37,11 @@ def make_node(
     region: str = "eu-west",
     pool: str = "default",
     ssh_capable: bool = True,
+    cluster: int | str | None = "fabric",
+    gbps: int = 200,
 ) -> Node:
-    """A node whose GPUs all share group "nvl" unless `groups` gives one label per GPU."""
+    """A node whose GPUs all share group "nvl" unless `groups` gives one label per GPU; nodes
+    share the cluster "fabric" (so may host one gang together) unless `cluster` says otherwise."""
     labels = groups if groups is not None else ["nvl"] * gpus
     return Node(
         node_id=node_id,
@@ -48,6 +51,8 @@ def make_node(
         reliability=reliability,
         pool=pool,
         ssh_capable=ssh_capable,
+        cluster=cluster,
+        interconnect_gbps=gbps if cluster is not None else 0,
         gpus=tuple(
             Gpu(
                 gpu_id=gpu_id(node_id, i),
@@ -215,6 +220,13 @@ def _placement_violations(req, p, nodes, gpus, now, policy) -> list[str]:
     node_ids = [node_id for node_id, _ in p.nodes]
     if len(node_ids) != req.node_count or len(set(node_ids)) != req.node_count:
         errors.append(f"{req.rental_id}: {len(node_ids)} nodes, needs {req.node_count} distinct")
+    if req.node_count > 1:
+        clusters = {nodes[node_id].cluster for node_id in node_ids}
+        if len(clusters) != 1 or None in clusters:
+            errors.append(f"{req.rental_id}: a gang across clusters {clusters}")
+        slow = [i for i in node_ids if nodes[i].interconnect_gbps < req.min_interconnect_gbps]
+        if slow:
+            errors.append(f"{req.rental_id}: nodes {slow} slower than its interconnect")
     prices = []
     for node_id, gpu_ids in p.nodes:
         node = nodes[node_id]

@@ -253,12 +253,12 @@ BEST_FIT = Policy(reserve_depth=4, future_candidates=4)
 FIRST_FIT = Policy(first_fit=True, reserve_depth=2)
 
 RECORDED = [
-    (0, BEST_FIT, (1411, 145, 383, 6, 3), "7ca83acea6aac60c"),
-    (0, FIRST_FIT, (1464, 135, 330, 6, 1), "869db99ef2376fc9"),
-    (1, BEST_FIT, (1424, 146, 374, 2, 4), "f5689959b5cd0cd7"),
-    (1, FIRST_FIT, (1491, 139, 307, 2, 2), "f93f34612dd4339f"),
-    (2, BEST_FIT, (1436, 98, 363, 1, 3), "b237e92e051f1b90"),
-    (2, FIRST_FIT, (1485, 96, 314, 1, 1), "5b927544f4579058"),
+    (0, BEST_FIT, (1410, 114, 384, 6, 4), "103a160f06d4649c"),
+    (0, FIRST_FIT, (1476, 112, 318, 6, 2), "8eae2c218bbfdd74"),
+    (1, BEST_FIT, (1441, 141, 357, 2, 4), "ab0414409aa13bca"),
+    (1, FIRST_FIT, (1497, 135, 301, 2, 2), "831016bbbbf06951"),
+    (2, BEST_FIT, (1440, 86, 359, 1, 4), "2ceab9d57bcf6089"),
+    (2, FIRST_FIT, (1482, 95, 317, 1, 2), "167abb62fe633c9e"),
 ]
 
 

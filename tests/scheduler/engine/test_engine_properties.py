@@ -6,7 +6,7 @@ off-by-one in a half-open range check would show.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from decimal import Decimal
 
 from enginekit import HOUR, NOW, overlaps, plan_violations
@@ -30,6 +30,10 @@ QUARTER = HOUR / 4
 MODELS = {"a100": ("a100", 40, 312.0), "h100": ("h100", 80, 989.0)}
 PRICES = [Decimal("1.00"), Decimal("1.50"), Decimal("2.00")]
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# Each cluster's bandwidth, as the database gives every node of one cluster the same.
+CLUSTER_GBPS = {"a": 100, "b": 400}
 
 
 @st.composite
@@ -57,6 +61,8 @@ def nodes_strategy(draw) -> tuple[Node, ...]:
                 min_bid=price / 2,
                 reliability=draw(st.sampled_from([0.9, 0.99])),
                 ssh_capable=draw(st.sampled_from([True, True, False])),
+                cluster=(cluster := draw(st.sampled_from([None, "a", "a", "b"]))),
+                interconnect_gbps=CLUSTER_GBPS.get(cluster, 0),
                 gpus=tuple(
                     Gpu(
                         gpu_id=node_id * 100 + i,
@@ -143,6 +149,7 @@ def request_strategy(draw, rental_id: int) -> Request:
         if interruptible
         else None,
         ssh=draw(st.sampled_from([False, False, True])),
+        min_interconnect_gbps=draw(st.sampled_from([0, 0, 0, 200])),
     )
 
 
@@ -195,7 +202,15 @@ def fits(snap: Snapshot, req: Request, held) -> bool:
         and (n.ssh_capable or not req.ssh)
         and node_can_host(n, req, held, t0, t0 + req.duration)
     ]
-    return len(hosts) >= req.node_count
+    if req.node_count == 1:
+        return bool(hosts)
+    # A gang's members share one cluster; a node without one hosts no member.
+    per_cluster = Counter(
+        n.cluster
+        for n in hosts
+        if n.cluster is not None and n.interconnect_gbps >= req.min_interconnect_gbps
+    )
+    return max(per_cluster.values(), default=0) >= req.node_count
 
 
 def may_stop(req: Request, b: Busy) -> bool:

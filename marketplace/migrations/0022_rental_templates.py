@@ -9,7 +9,7 @@ class Migration(migrations.Migration):
 
     dependencies = [
         ('accounts', '0002_content_types'),
-        ('marketplace', '0020_accounts_to_own_app'),
+        ('marketplace', '0021_clusters'),
     ]
 
     operations = [
