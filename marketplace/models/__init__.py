@@ -2,7 +2,7 @@
 
 from marketplace.models.accounts import Provider, User
 from marketplace.models.catalog import GpuModel, GpuTier
-from marketplace.models.inventory import Gpu, Node, NodeEvent, NodeStatus
+from marketplace.models.inventory import Gpu, GpuHealth, GpuHealthEvent, Node, NodeEvent, NodeStatus
 from marketplace.models.rentals import (
     Allocation,
     Rental,
@@ -14,6 +14,8 @@ from marketplace.models.rentals import (
 __all__ = [
     "Allocation",
     "Gpu",
+    "GpuHealth",
+    "GpuHealthEvent",
     "GpuModel",
     "GpuTier",
     "Node",

@@ -14,6 +14,15 @@ class NodeStatus(models.TextChoices):
     DRAINING = "draining", "Draining"
 
 
+class GpuHealth(models.TextChoices):
+    """A GPU's state as its health signals tell: FAILED is out of placement until a passing
+    check; DEGRADED still rents, shown and ranked down."""
+
+    OK = "ok", "OK"
+    DEGRADED = "degraded", "Degraded"
+    FAILED = "failed", "Failed"
+
+
 class Node(models.Model):
     """A GPU server of a provider: where rentals run, priced per GPU-hour."""
 
@@ -75,6 +84,10 @@ class Node(models.Model):
     # the history is in provisioning.NodeBenchmark.
     measured_tflops = models.FloatField(null=True, blank=True)
     benchmark_requested = models.BooleanField(default=False)
+    # The latest benchmark fell below its card's plausible band: shown, and ranked down.
+    benchmark_below_band = models.BooleanField(
+        default=False, help_text="the latest benchmark fell below the card's band"
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -121,6 +134,9 @@ class Gpu(models.Model):
         blank=True,
         help_text="GPUs that share an NVLink island or a PCIe switch have the same group",
     )
+    health = models.CharField(max_length=10, choices=GpuHealth.choices, default=GpuHealth.OK)
+    health_reason = models.CharField(max_length=200, blank=True)
+    health_since = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["node_id", "index"]
@@ -130,6 +146,28 @@ class Gpu(models.Model):
 
     def __str__(self) -> str:
         return f"{self.node.hostname}/gpu{self.index}"
+
+
+class GpuHealthEvent(models.Model):
+    """An audit row for each health change of a GPU: the history behind its state, the
+    provider's page and the node's reliability."""
+
+    gpu = models.ForeignKey(Gpu, on_delete=models.CASCADE, related_name="health_events")
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="gpu_health_events")
+    from_health = models.CharField(max_length=10, choices=GpuHealth.choices)
+    to_health = models.CharField(max_length=10, choices=GpuHealth.choices)
+    reason = models.CharField(max_length=200, blank=True)
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [models.Index(fields=["node", "created_at"], name="gpuhealth_node_created")]
+
+    def __str__(self) -> str:
+        return f"{self.gpu_id}: {self.from_health} -> {self.to_health}"
 
 
 class NodeEvent(models.Model):

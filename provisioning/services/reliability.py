@@ -50,11 +50,8 @@ def _runs_by_node(*, since: datetime, now: datetime):
     by_the_node = RentalEvent.objects.filter(
         rental_id=OuterRef("rental_id"), created_at__gte=since
     ).filter(
-        Q(
-            reason__startswith=Concat(
-                Value("node "), OuterRef("node__hostname"), Value(" went silent")
-            )
-        )
+        # lifecycle.NODE_FAULT_REASON: it went silent, or a GPU of it failed.
+        Q(reason__startswith=Concat(Value("node "), OuterRef("node__hostname"), Value(" ")))
         | Q(
             reason__startswith=Concat(
                 Value("cannot start on "), OuterRef("node__hostname"), Value(":")
