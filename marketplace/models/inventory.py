@@ -157,9 +157,6 @@ class GpuHealthEvent(models.Model):
     from_health = models.CharField(max_length=10, choices=GpuHealth.choices)
     to_health = models.CharField(max_length=10, choices=GpuHealth.choices)
     reason = models.CharField(max_length=200, blank=True)
-    actor = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
-    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

@@ -7,7 +7,6 @@ from provisioning.services.artifacts import artifact_uploads_for_node, artifacts
 from provisioning.services.calibration import advisor_runs_calibrate
 from provisioning.services.gangs import gangs_start_timeout
 from provisioning.services.health import (
-    gpu_check_request,
     gpus_health_apply,
     nodes_benchmark_schedule,
     sample_verdict,
@@ -52,7 +51,6 @@ __all__ = [
     "catalog_match",
     "desired_state",
     "gangs_start_timeout",
-    "gpu_check_request",
     "gpus_health_apply",
     "heartbeat_interval_s",
     "join_token_create",

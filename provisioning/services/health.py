@@ -25,7 +25,6 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
 from django.db.models import Exists, OuterRef, Q, Subquery
 from django.utils import timezone
 
@@ -40,7 +39,6 @@ from marketplace.models import (
     NodeStatus,
     Rental,
     RentalKind,
-    User,
 )
 from notifications.services import gpu_failed_notify
 from provisioning.models import ContainerRun, NodeBenchmark
@@ -107,13 +105,14 @@ def verdicts_by_index(samples: Iterable[Mapping[str, Any]]) -> dict[int, Verdict
     return worst
 
 
-def _change(
-    gpu: Gpu, to: str, reason: str, now: datetime, actor: User | None = None
-) -> GpuHealthEvent:
+def _change(gpu: Gpu, to: str, reason: str, now: datetime) -> GpuHealthEvent:
     event = GpuHealthEvent.objects.create(
-        gpu=gpu, node_id=gpu.node_id, from_health=gpu.health, to_health=to, reason=reason,
-        actor=actor,
-    )  # fmt: skip
+        gpu=gpu,
+        node_id=gpu.node_id,
+        from_health=gpu.health,
+        to_health=to,
+        reason=reason,
+    )
     gpu.health, gpu.health_reason, gpu.health_since = to, reason, now
     gpu.save(update_fields=["health", "health_reason", "health_since"])
     return event
@@ -202,18 +201,6 @@ def gpus_health_restore(
         _change(gpu, H.OK, reason, now)
         restored.append(gpu.index)
     return restored
-
-
-def gpu_check_request(*, gpu_id: int, actor: User) -> bool:
-    """Ops ask for a check of a GPU (the admin's action): the platform's benchmark runs on the
-    node's FAILED GPUs at its next heartbeat. Returns False for an unknown GPU."""
-    with transaction.atomic():
-        node_id = Gpu.objects.filter(pk=gpu_id).values_list("node_id", flat=True).first()
-        if node_id is None:
-            return False
-        Node.objects.filter(pk=node_id).update(benchmark_requested=True)
-        log.info("GPU check requested gpu=%s by=%s", gpu_id, actor.pk)
-    return True
 
 
 def nodes_benchmark_schedule(*, now: datetime | None = None) -> int:
