@@ -85,8 +85,9 @@ class Node(models.Model):
     measured_tflops = models.FloatField(null=True, blank=True)
     benchmark_requested = models.BooleanField(default=False)
     # The latest benchmark fell below its card's plausible band: shown, and ranked down.
+    # Defaults in the database too: bulk loaders (bench/, COPY) that name older columns only.
     benchmark_below_band = models.BooleanField(
-        default=False, help_text="the latest benchmark fell below the card's band"
+        default=False, db_default=False, help_text="the latest benchmark fell below the card's band"
     )
     created_at = models.DateTimeField(auto_now_add=True)
 
@@ -134,8 +135,10 @@ class Gpu(models.Model):
         blank=True,
         help_text="GPUs that share an NVLink island or a PCIe switch have the same group",
     )
-    health = models.CharField(max_length=10, choices=GpuHealth.choices, default=GpuHealth.OK)
-    health_reason = models.CharField(max_length=200, blank=True)
+    health = models.CharField(
+        max_length=10, choices=GpuHealth.choices, default=GpuHealth.OK, db_default=GpuHealth.OK
+    )
+    health_reason = models.CharField(max_length=200, blank=True, default="", db_default="")
     health_since = models.DateTimeField(null=True, blank=True)
 
     class Meta:
