@@ -123,6 +123,20 @@ def gpus_health_apply(*, node: Node, verdicts: Mapping[int, Verdict], now: datet
     the GPUs that failed now (their rentals ended, the provider told, a check asked for)."""
     if not verdicts:
         return []
+    # Most heartbeats change nothing: read the GPUs that are not OK without a lock, and lock
+    # (and write) only when a verdict differs from what is stored.
+    stored = {
+        index: (health, reason)
+        for index, health, reason in Gpu.objects.filter(node=node)
+        .exclude(health=H.OK)
+        .values_list("index", "health", "health_reason")
+    }
+    if all(
+        stored.get(index, (H.OK, ""))[0] == H.FAILED
+        or stored.get(index, (H.OK, "")) == (verdict.health, verdict.reason)
+        for index, verdict in verdicts.items()
+    ):
+        return []
     gpus = list(
         Gpu.objects.select_for_update(of=("self",))
         .filter(node=node, index__in=list(verdicts))

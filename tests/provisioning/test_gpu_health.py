@@ -13,6 +13,7 @@ from django.test import Client
 from django.utils import timezone
 from rest_framework.test import APIClient
 
+from core.metrics import BENCHMARKS_UNASKED
 from marketplace.models import (
     Allocation,
     Gpu,
@@ -210,9 +211,10 @@ def test_a_failed_gpu_returns_only_after_a_passing_check_on_a_clean_gpu(host):
     assert host.beat()["run_benchmark"] is False
     assert host.gpu(2).health == GpuHealth.FAILED
     # a benchmark sent unasked is dropped and counted, and stores nothing
-    stored = NodeBenchmark.objects.count()
+    stored, unasked = NodeBenchmark.objects.count(), BENCHMARKS_UNASKED._value.get()
     assert host.beat(benchmark=BENCH)["dropped"] == {"benchmark": 1}
     assert NodeBenchmark.objects.count() == stored and host.gpu(2).health == GpuHealth.FAILED
+    assert BENCHMARKS_UNASKED._value.get() == unasked + 1
     # the recheck is due an hour after the last benchmark: asked for, on GPU 2
     assert nodes_benchmark_schedule(now=timezone.now()) == 0
     assert nodes_benchmark_schedule(now=timezone.now() + timedelta(hours=2)) == 1
@@ -236,6 +238,9 @@ def test_a_degraded_gpu_still_rents_is_shown_and_recovers_when_its_signals_clear
         "degraded", "hardware thermal slowdown"
     )  # fmt: skip
     assert host.gpu(3).health_reason == "PCIe link x8 of x16"
+    # the same signals again change nothing and write no history
+    host.beat()
+    assert GpuHealthEvent.objects.filter(node=host.node).count() == 2
     # then the offer still lists all four GPUs, and says two are degraded
     [offer] = api.get("/api/v1/offers/").json()["results"]
     assert (offer["free_gpus"], offer["degraded_gpus"]) == (4, 2)
