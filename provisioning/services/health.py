@@ -187,9 +187,9 @@ def _rentals_end(*, node: Node, gpu: Gpu, reason: str, now: datetime) -> None:
             at=now,
             requeue=requeue,
         ):
-            # The run is over on this node: a late report of it must not touch the rental's
-            # next placement (as for a node that went silent).
-            ContainerRun.objects.filter(rental=rental, node=node).delete()
+            # Its runs are over, on every node of a multi-node rental (the others are stopped
+            # by their desired state): a late report must not touch the next placement.
+            ContainerRun.objects.filter(rental=rental).delete()
 
 
 def failed_gpu_indices(*, node_id: int) -> tuple[int, ...]:

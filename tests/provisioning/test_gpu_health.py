@@ -31,6 +31,7 @@ from provisioning.services import nodes_benchmark_schedule, nodes_reliability_up
 from provisioning.services.health import sample_verdict
 from scheduler.services import scheduler_cycle_run
 from tests.nodeagent.telemetry.fake_nvml import FakeNvml
+from tests.provisioning.test_gangs import _beat, _gang, _join, _report, _run
 
 pytestmark = pytest.mark.django_db
 
@@ -299,6 +300,11 @@ def test_a_node_that_drifts_below_its_band_is_flagged_and_ranked_down(host, api,
     ("signals", "verdict"),
     [
         ({}, ("ok", "")),
+        # the heartbeat of the report: answered 200, the node kept serving on that GPU
+        (
+            {"healthy": False, "xid_errors": 3, "ecc_errors": 12},
+            ("failed", "12 uncorrectable ECC errors"),
+        ),
         ({"lost": True}, ("failed", "fell off the bus")),
         ({"fatal_xid": 48}, ("failed", "Xid 48")),
         ({"fatal_xid": 13}, ("ok", "")),  # an application's fault, not the GPU's
@@ -313,3 +319,37 @@ def test_a_node_that_drifts_below_its_band_is_flagged_and_ranked_down(host, api,
 def test_what_each_signal_means(signals, verdict):
     got = sample_verdict({"gpu_index": 0, **signals})
     assert (got.health, got.reason) == verdict
+
+
+@pytest.fixture
+def members(api, make_join_token):
+    """Two 2-GPU nodes of one provider, as tests/provisioning/test_gangs.py joins them."""
+    first = _join(api, make_join_token(), "gang-a")
+    second = _join(api, make_join_token(), "gang-b")
+    return sorted([first, second], key=lambda agent: agent.node.pk)
+
+
+def test_a_gpu_fault_on_one_member_ends_the_whole_gang_on_every_node(members, rent):
+    # given an interruptible rental over two nodes, running on both
+    gang = _gang(rent, kind=RentalKind.INTERRUPTIBLE, bid_per_gpu_hour="0.50")
+    runs = [_run(agent, gang) for agent in members]
+    for agent, desired in zip(members, runs, strict=True):
+        _report(agent, desired, "running", started_at=1.0e9)
+    gang.refresh_from_db()
+    assert gang.status == RentalStatus.RUNNING
+    # when GPU 1 of the second member reports a double-bit ECC Xid
+    first, second = members
+    sample = {"gpu_index": 1, "ts": 1.0e9, "util_pct": 90.0, "mem_used_mb": 1, "power_w": 300.0,
+              "temp_c": 60.0, "fatal_xid": 48, "healthy": False}  # fmt: skip
+    _report(second, runs[1], "running", started_at=1.0e9)
+    answer = second.post("/api/agent/v1/heartbeat/", {"telemetry": [sample]}, format="json").json()
+    # then the whole gang goes back to the queue, its GPUs freed on both nodes, every run
+    # forgotten, and both members are told to stop
+    gang.refresh_from_db()
+    assert gang.status == RentalStatus.PENDING
+    assert gang.status_reason == f"node {second.node.hostname} GPU 1 failed: Xid 48; re-queued"
+    assert _held(gang) == [] and not ContainerRun.objects.filter(rental=gang).exists()
+    assert answer["desired"] == [] and _beat(first)["desired"] == []
+    # only that GPU is out
+    assert [g.index for g in Gpu.objects.filter(health=GpuHealth.FAILED)] == [1]
+    assert Gpu.objects.get(health=GpuHealth.FAILED).node_id == second.node.pk
