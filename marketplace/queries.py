@@ -108,8 +108,9 @@ LEFT JOIN (
 ) busy ON busy.node_id = n.{node.id}
 WHERE n.{node.status} = '{online}'
   AND n.{node.gpu_count} - COALESCE(busy.held, 0) - unhealthy.failed >= %s{where}
--- A node whose benchmark drifted below its card's band is ranked after the others.
-ORDER BY n.{node.benchmark_below_band}, {order}
+-- A node whose benchmark drifted below its card's band is ranked after the others, and one with
+-- degraded GPUs after the healthy ones.
+ORDER BY n.{node.benchmark_below_band}, unhealthy.degraded > 0, {order}
 LIMIT %s OFFSET %s
 """
 

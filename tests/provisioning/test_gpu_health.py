@@ -230,8 +230,12 @@ def test_a_failed_gpu_returns_only_after_a_passing_check_on_a_clean_gpu(host):
     ]  # fmt: skip
 
 
-def test_a_degraded_gpu_still_rents_is_shown_and_recovers_when_its_signals_clear(host, api):
-    # given GPU 1 throttled by heat and GPU 3 on a narrowed PCIe link
+def test_a_degraded_gpu_still_rents_is_shown_and_recovers_when_its_signals_clear(
+    host, api, make_node
+):
+    # given a dearer healthy H100 node beside ours
+    other = make_node(card="h100-sxm5-80gb", gpus=4, price="5.00")
+    # and on ours GPU 1 throttled by heat and GPU 3 on a narrowed PCIe link
     host.nvml.gpus[1].throttle = 0x40
     host.nvml.gpus[3].pcie_width = 8
     host.beat()
@@ -242,13 +246,16 @@ def test_a_degraded_gpu_still_rents_is_shown_and_recovers_when_its_signals_clear
     # the same signals again change nothing and write no history
     host.beat()
     assert GpuHealthEvent.objects.filter(node=host.node).count() == 2
-    # then the offer still lists all four GPUs, and says two are degraded
-    [offer] = api.get("/api/v1/offers/").json()["results"]
+    # then the offer still lists all four GPUs, says two are degraded, and comes after the
+    # healthy node even ordered by price
+    offer, healthy = api.get("/api/v1/offers/", {"ordering": "price"}).json()["results"][::-1]
+    assert healthy["node_id"] == other.pk and offer["node_id"] == host.node.pk
     assert (offer["free_gpus"], offer["degraded_gpus"]) == (4, 2)
     # the provider sees it on the API
     owner = APIClient()
     owner.force_authenticate(host.node.provider.owner)
-    [shown] = owner.get(f"/api/v1/providers/{host.node.provider_id}/nodes/").json()
+    nodes = owner.get(f"/api/v1/providers/{host.node.provider_id}/nodes/").json()
+    [shown] = [n for n in nodes if n["id"] == host.node.pk]
     assert [(g["index"], g["health"], g["health_reason"]) for g in shown["unhealthy_gpus"]] == [
         (1, "degraded", "hardware thermal slowdown"), (3, "degraded", "PCIe link x8 of x16")
     ]  # fmt: skip
