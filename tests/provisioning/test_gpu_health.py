@@ -360,3 +360,19 @@ def test_a_gpu_fault_on_one_member_ends_the_whole_gang_on_every_node(members, re
     # only that GPU is out
     assert [g.index for g in Gpu.objects.filter(health=GpuHealth.FAILED)] == [1]
     assert Gpu.objects.get(health=GpuHealth.FAILED).node_id == second.node.pk
+
+
+def test_an_idle_node_is_measured_again_daily_a_busy_one_is_left_alone(host, rent):
+    # given a node measured at its join
+    later = timezone.now() + timedelta(hours=25)
+    # when it holds a rental a day later: not asked (a benchmark never contends with a rental)
+    rental = _placed(rent, 1, duration_s=3 * 86400)
+    assert rental.status == RentalStatus.SCHEDULED
+    assert nodes_benchmark_schedule(now=later) == 0
+    # when it is idle again: asked, once
+    Allocation.objects.filter(rental=rental).update(released_at=timezone.now())
+    assert nodes_benchmark_schedule(now=timezone.now()) == 0  # measured less than a day ago
+    assert nodes_benchmark_schedule(now=later) == 1
+    assert nodes_benchmark_schedule(now=later) == 0
+    answer = host.beat()
+    assert answer["run_benchmark"] is True and answer["benchmark"]["gpu_indices"] == []
