@@ -329,8 +329,8 @@ def benchmark_record(
     """Record a validated benchmark (provisioning.api.serializers.BenchmarkSerializer) the
     server asked for. A rate outside the plausible band for the node's card is kept, flagged,
     and not listed; one below the band flags the node (shown, ranked down) until a later
-    result is back in it. A plausible result is the passing check of the node's FAILED GPUs
-    that reported `clean` in the same heartbeat: they are back in placement.
+    result is back in it. A plausible result within the band is the passing check of the node's
+    FAILED GPUs that reported `clean` in the same heartbeat: they are back in placement.
 
     A result marked simulated (nodeagent.telemetry.simulated: a figure for the card, not a
     measurement) is believed only from a node that joined as simulated, which is flagged as
@@ -338,8 +338,9 @@ def benchmark_record(
     tflops = float(result["matmul_tflops"])
     claims_simulated = result.get("raw", {}).get("simulated") is True
     model = GpuModel.objects.get(pk=node.gpu_model_id)
-    believed = node.simulated or not claims_simulated
-    plausible = measured_tflops_plausible(model=model, tflops=tflops) and believed
+    plausible = measured_tflops_plausible(model=model, tflops=tflops) and (
+        node.simulated or not claims_simulated
+    )
     with transaction.atomic():
         bench = NodeBenchmark.objects.create(
             node=node,
@@ -352,19 +353,18 @@ def benchmark_record(
             raw=result.get("raw", {}),
             plausible=plausible,
         )
-        update: dict[str, Any] = {
-            "benchmark_requested": False,
-            "benchmark_below_band": believed
-            and measured_tflops_below_band(
-                model=model, tflops=tflops, precision=result.get("precision", "")
-            ),
-        }
+        update: dict[str, Any] = {"benchmark_requested": False}
         if plausible:
-            update["measured_tflops"] = tflops
-            gpus_health_restore(
-                node=node, clean=clean, now=bench.measured_at,
-                reason=f"check passed: {tflops:g} TFLOPS",
-            )  # fmt: skip
+            # Only a believed figure moves the flag: an absurd one must not clear it.
+            below = measured_tflops_below_band(
+                model=model, tflops=tflops, precision=result.get("precision", "")
+            )
+            update.update(measured_tflops=tflops, benchmark_below_band=below)
+            if not below:  # the check passes in the card's band only
+                gpus_health_restore(
+                    node=node, clean=clean, now=bench.measured_at,
+                    reason=f"check passed: {tflops:g} TFLOPS",
+                )  # fmt: skip
         else:
             log.warning(
                 "implausible benchmark node=%s: %s TFLOPS on %s (simulated: result %s, node %s)",

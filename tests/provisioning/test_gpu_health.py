@@ -221,6 +221,10 @@ def test_a_failed_gpu_returns_only_after_a_passing_check_on_a_clean_gpu(host):
     assert nodes_benchmark_schedule(now=timezone.now() + timedelta(hours=2)) == 1
     answer = host.beat()
     assert answer["run_benchmark"] is True and answer["benchmark"]["gpu_indices"] == [2]
+    # a check below the card's band does not pass
+    host.beat(benchmark={**BENCH, "matmul_tflops": 300.0})
+    assert host.gpu(2).health == GpuHealth.FAILED
+    Node.objects.filter(pk=host.node.pk).update(benchmark_requested=True)
     # then a passing check with GPU 2 clean brings it back
     host.beat(benchmark=BENCH)
     gpu = host.gpu(2)
@@ -292,6 +296,10 @@ def test_a_node_that_drifts_below_its_band_is_flagged_and_ranked_down(host, api,
     host.beat(benchmark={**BENCH, "matmul_tflops": 300.0})
     node = Node.objects.get(pk=host.node.pk)
     assert node.benchmark_below_band is True
+    # and an absurd figure sent next is not believed, so it cannot clear the flag
+    Node.objects.filter(pk=host.node.pk).update(benchmark_requested=True)
+    host.beat(benchmark={**BENCH, "matmul_tflops": 99999.0})
+    assert Node.objects.get(pk=host.node.pk).benchmark_below_band is True
     # then the cheaper node is listed after the dearer one, flagged
     offers = api.get("/api/v1/offers/", {"ordering": "price"}).json()["results"]
     assert [(o["node_id"], o["benchmark_below_band"]) for o in offers] == [
