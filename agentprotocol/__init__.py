@@ -37,6 +37,9 @@ DEFAULT_STOP_GRACE_S = 30.0
 # A field with this metadata is left out of the payload while empty ("", None or ()): the
 # receiver's default is the same, and a report then says only what it has to say.
 OMIT_EMPTY: Mapping[str, bool] = types.MappingProxyType({"omit_empty": True})
+# A field with this metadata is left out while it equals its default (a health signal that
+# shows nothing wrong): every GPU sample of a healthy node stays as short as before.
+OMIT_DEFAULT: Mapping[str, bool] = types.MappingProxyType({"omit_default": True})
 
 
 class ProtocolError(ValueError):
@@ -69,6 +72,8 @@ class Message:
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
             if f.metadata.get("omit_empty") and value in ("", None, ()):
+                continue
+            if f.metadata.get("omit_default") and value == f.default:
                 continue
             payload[f.name] = _dump(value)
         return payload
@@ -180,6 +185,24 @@ def _dump(value: Any) -> Any:
     return value
 
 
+# Xids that mean the GPU itself is faulty (NVIDIA's "Xid Errors" catalog), so it must leave
+# placement: double-bit ECC (48), micro-controller halt (61, 62), row-remap failure (64),
+# NVLink error (74), fallen off the bus (79), high single-bit ECC rate (92), contained and
+# uncontained ECC (94, 95), GSP errors (119, 120). Application faults (13, 31, 43, 45) are not.
+# The agent reports the first it sees (`GpuSample.fatal_xid`); the server judges it by this list.
+FATAL_XIDS = frozenset({48, 61, 62, 64, 74, 79, 92, 94, 95, 119, 120})
+
+# NVML's clocks-event reasons that mean the hardware is held back (the rest, idle, an
+# application clock setting, the power cap under load, sync boost, are normal operation):
+# HW slowdown, SW and HW thermal slowdown, HW power brake.
+HARDWARE_THROTTLE_REASONS = {
+    0x8: "hardware slowdown",
+    0x20: "thermal slowdown",
+    0x40: "hardware thermal slowdown",
+    0x80: "power brake",
+}
+
+
 # -- join ----------------------------------------------------------------------------------------
 
 
@@ -227,6 +250,25 @@ class GpuSample(Message):
     ecc_errors: int = 0  # volatile (since driver load) uncorrected ECC errors
     xid_errors: int = 0  # critical Xid events seen since the agent started
     healthy: bool = True
+    # Health signals (protocol 2; an older agent sends none and the server reads the defaults,
+    # "nothing wrong seen"). The server decides what they mean (provisioning/services/health).
+    # The first Xid of NVIDIA's hardware list seen since the agent started, 0 for none.
+    fatal_xid: int = dataclasses.field(default=0, metadata=OMIT_DEFAULT)
+    # Row remapping failed (the memory cannot be repaired in place) / remaps or page
+    # retirements pending (repaired at the next GPU reset).
+    remap_failed: bool = dataclasses.field(default=False, metadata=OMIT_DEFAULT)
+    retire_pending: bool = dataclasses.field(default=False, metadata=OMIT_DEFAULT)
+    # NVML's clocks-event reasons bitmask (nvmlClocksThrottleReason*), as read.
+    throttle_reasons: int = dataclasses.field(default=0, metadata=OMIT_DEFAULT)
+    # The PCIe link: current width and the card's, the generation the slot allows and the
+    # card's (the current generation drops at idle to save power, so it is not compared).
+    # 0: unknown.
+    pcie_width: int = dataclasses.field(default=0, metadata=OMIT_DEFAULT)
+    pcie_width_max: int = dataclasses.field(default=0, metadata=OMIT_DEFAULT)
+    pcie_gen: int = dataclasses.field(default=0, metadata=OMIT_DEFAULT)
+    pcie_gen_max: int = dataclasses.field(default=0, metadata=OMIT_DEFAULT)
+    # NVML answers GPU_IS_LOST: the GPU fell off the bus.
+    lost: bool = dataclasses.field(default=False, metadata=OMIT_DEFAULT)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -380,6 +422,18 @@ class DesiredRun(Message):
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class BenchmarkSpec(Message):
+    """The platform's benchmark, as the server pins it: the harness image and the command run
+    in it, on these GPUs. The agent runs this and nothing the host configured instead."""
+
+    wire_name: ClassVar[str] = "benchmark spec"
+
+    image: str
+    command: tuple[str, ...]
+    gpu_indices: tuple[int, ...] = ()  # () for every GPU of the node
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class HeartbeatAnswer(Message):
     """The server's answer to a heartbeat: the desired state and what it has received."""
 
@@ -392,6 +446,9 @@ class HeartbeatAnswer(Message):
     # Report elements the server refused and dropped, by kind ("containers", "usage",
     # "telemetry", "metrics", "benchmark"): the rest of the heartbeat was applied.
     dropped: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    # With run_benchmark: what to run (an older server sends none; the agent then runs the
+    # harness's benchmark it ships with).
+    benchmark: BenchmarkSpec | None = dataclasses.field(default=None, metadata=OMIT_EMPTY)
 
     @classmethod
     def from_payload(
@@ -507,6 +564,8 @@ __all__ = [
     "ARTIFACT_COMMIT_PATH",
     "ARTIFACT_UPLOADS_PATH",
     "DEFAULT_STOP_GRACE_S",
+    "FATAL_XIDS",
+    "HARDWARE_THROTTLE_REASONS",
     "HEARTBEAT_PATH",
     "JOIN_PATH",
     "ArtifactCommit",
@@ -515,6 +574,7 @@ __all__ = [
     "ArtifactUpload",
     "ArtifactUploadAnswer",
     "ArtifactUploadRequest",
+    "BenchmarkSpec",
     "CommittedFile",
     "ContainerReport",
     "ContainerStatus",

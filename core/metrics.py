@@ -32,6 +32,11 @@ SCHEDULER_PLACEMENTS = Counter(
     ["pool"],
 )
 
+BENCHMARKS_UNASKED = Counter(
+    "gpumarket_benchmarks_unasked_total",
+    "Benchmark results a node sent that the server had not asked for (dropped, not stored)",
+)
+
 
 def scheduler_cycle_observe(*, pool: str, seconds: float, placements: int) -> None:
     """Called where a scheduler cycle ends."""

@@ -18,6 +18,8 @@ from marketplace.models import (
     Allocation,
     Cluster,
     Gpu,
+    GpuHealth,
+    GpuHealthEvent,
     GpuModel,
     Node,
     NodeEvent,
@@ -78,7 +80,10 @@ class GpuModelAdmin(admin.ModelAdmin):
 class GpuInline(admin.TabularInline):
     model = Gpu
     extra = 0
-    fields = ["index", "uuid", "model", "topology_group"]
+    fields = ["index", "uuid", "model", "topology_group", "health", "health_reason", "health_since"]
+    # Health changes come from heartbeats and checks only (provisioning's health), never by hand:
+    # a FAILED GPU returns through a passing check ("Benchmark again" below).
+    readonly_fields = ["health", "health_reason", "health_since"]
     autocomplete_fields = ["model"]
 
 
@@ -164,12 +169,16 @@ class NodeAdmin(admin.ModelAdmin):
         "status",
         "gpu_summary",
         "measured_tflops",
+        "benchmark_below_band",
         "price_per_gpu_hour",
         "reliability",
         "simulated",
         "last_seen_at",
     ]
-    list_filter = ["status", "region", "simulated", "nvlink", "provider"]
+    list_filter = [
+        "status", "region", "simulated", "nvlink", "benchmark_below_band", "gpus__health",
+        "provider",
+    ]  # fmt: skip
     search_fields = ["hostname"]
     list_select_related = ["provider", "cluster"]
     inlines = [GpuInline, NodeEventInline]
@@ -181,7 +190,10 @@ class NodeAdmin(admin.ModelAdmin):
         "request_benchmark",
     ]
 
-    @admin.action(description="Benchmark again (the agent runs it at its next heartbeat)")
+    @admin.action(
+        description="Benchmark again: the platform's check, on the node's failed GPUs if any "
+        "(a failed GPU that passes it with clean readings is back in placement)"
+    )
     def request_benchmark(self, request, queryset):
         ids = list(queryset.values_list("pk", flat=True))
         for node_id in ids:
@@ -190,12 +202,29 @@ class NodeAdmin(admin.ModelAdmin):
 
     @admin.display(description="GPUs")
     def gpu_summary(self, obj: Node) -> str:
-        counts = Counter(gpu.model.name for gpu in obj.gpus.all())
-        return ", ".join(f"{n}x {name}" for name, n in sorted(counts.items()))
+        gpus = obj.gpus.all()
+        counts = Counter(gpu.model.name for gpu in gpus)
+        summary = ", ".join(f"{n}x {name}" for name, n in sorted(counts.items()))
+        unhealthy = [f"GPU {g.index} {g.health}" for g in gpus if g.health != GpuHealth.OK]
+        return f"{summary} ({', '.join(unhealthy)})" if unhealthy else summary
 
     def get_queryset(self, request):
         gpus = Gpu.objects.select_related("model")
         return super().get_queryset(request).prefetch_related(Prefetch("gpus", queryset=gpus))
+
+
+@admin.register(GpuHealthEvent)
+class GpuHealthEventAdmin(admin.ModelAdmin):
+    list_display = ["created_at", "node", "gpu", "from_health", "to_health", "reason"]
+    list_filter = ["to_health"]
+    list_select_related = ["node", "gpu__node"]
+    search_fields = ["node__hostname", "reason"]
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_add_permission(self, request) -> bool:
+        return False
 
 
 @admin.register(NodeEvent)

@@ -408,13 +408,22 @@ def last_log_line(log_tail: str) -> str:
     return ""
 
 
-def rental_mark_node_lost(*, rental: Rental, hostname: str, at: datetime, requeue: bool) -> bool:
-    """A node of the rental went silent; its GPUs are freed. Not yet started -> back to
-    PENDING; started -> FAILED (its state is on the lost host) unless `requeue`; stopping ->
-    COMPLETED. Returns False when the rental was already over."""
+# Every end or re-queue a node caused starts its reason so ("node <hostname> went silent",
+# "node <hostname> GPU 2 failed: Xid 79"): reliability counts them against the node.
+NODE_FAULT_REASON = "node {hostname} {fault}"
+
+
+def rental_mark_node_fault(
+    *, rental: Rental, hostname: str, fault: str, at: datetime, requeue: bool
+) -> bool:
+    """The node failed the rental (cause: the node, not the customer): it went silent, or a GPU
+    the rental holds has a fatal fault. Its GPUs are freed at `at`. Not yet started -> back to
+    PENDING; started -> FAILED (its state is on the faulty host) unless `requeue`; stopping ->
+    COMPLETED. The one transition for a node-caused end, so whatever settles one (a credit for
+    the customer) hooks here. Returns False when the rental was already over."""
     if rental.status in TERMINAL:
         return False
-    reason = f"node {hostname} went silent"
+    reason = NODE_FAULT_REASON.format(hostname=hostname, fault=fault)
     _allocations_release(rental=rental, at=at)
     started = rental.status in (S.RUNNING, S.STOPPING)
     if rental.status == S.STOPPING:
@@ -428,6 +437,13 @@ def rental_mark_node_lost(*, rental: Rental, hostname: str, at: datetime, requeu
     else:
         _requeue(rental=rental, actor_kind=A.SYSTEM, reason=f"{reason}; re-queued", at=at)
     return True
+
+
+def rental_mark_node_lost(*, rental: Rental, hostname: str, at: datetime, requeue: bool) -> bool:
+    """A node of the rental went silent (rental_mark_node_fault)."""
+    return rental_mark_node_fault(
+        rental=rental, hostname=hostname, fault="went silent", at=at, requeue=requeue
+    )
 
 
 def _requeue(*, rental: Rental, actor_kind: str, reason: str, at: datetime) -> None:

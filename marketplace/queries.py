@@ -20,6 +20,7 @@ from marketplace.models import (
     Allocation,
     Cluster,
     Gpu,
+    GpuHealth,
     GpuModel,
     Node,
     NodeStatus,
@@ -77,7 +78,8 @@ SELECT n.{node.id} AS node_id, n.{node.hostname}, p.{provider.name} AS provider,
        n.{node.ram_gb}, n.{node.disk_gb}, n.{node.cuda_version}, n.{node.gpu_count},
        m.{gpu_model.slug} AS gpu_model, m.{gpu_model.name} AS gpu_name,
        m.{gpu_model.memory_gb}, m.{gpu_model.tensor_tflops},
-       n.{node.gpu_count} - COALESCE(busy.held, 0) AS free_gpus,
+       n.{node.gpu_count} - COALESCE(busy.held, 0) - unhealthy.failed AS free_gpus,
+       unhealthy.degraded AS degraded_gpus, n.{node.benchmark_below_band},
        round(n.{node.price_per_gpu_hour} / m.{gpu_model.tensor_tflops}, 6)
            AS price_per_tflop_hour,
        measured.tflops AS measured_tflops,
@@ -98,6 +100,12 @@ CROSS JOIN LATERAL (
         THEN n.{node.measured_tflops} END AS tflops
 ) measured
 JOIN {provider} p ON p.{provider.id} = n.{node.provider}
+-- A FAILED GPU is not offered; a DEGRADED one is, and counted for the customer to see.
+CROSS JOIN LATERAL (
+    SELECT count(*) FILTER (WHERE g.{gpu.health} = '{failed}') AS failed,
+           count(*) FILTER (WHERE g.{gpu.health} = '{degraded}') AS degraded
+    FROM {gpu} g WHERE g.{gpu.node} = n.{node.id}
+) unhealthy
 LEFT JOIN (
     SELECT x.{allocation.node} AS node_id, count(*) AS held FROM {allocation} x
     WHERE x.{allocation.released_at} IS NULL AND x.{allocation.during} @> now()
@@ -110,8 +118,11 @@ LEFT JOIN (
     WHERE y.{node.cluster} IS NOT NULL AND y.{node.status} = '{online}'
     GROUP BY y.{node.cluster}
 ) sizes ON sizes.cluster_id = n.{node.cluster}
-WHERE n.{node.status} = '{online}' AND n.{node.gpu_count} - COALESCE(busy.held, 0) >= %s{where}
-ORDER BY {order}
+WHERE n.{node.status} = '{online}'
+  AND n.{node.gpu_count} - COALESCE(busy.held, 0) - unhealthy.failed >= %s{where}
+-- A node whose benchmark drifted below its card's band is ranked after the others, and one with
+-- degraded GPUs after the healthy ones.
+ORDER BY n.{node.benchmark_below_band}, unhealthy.degraded > 0, {order}
 LIMIT %s OFFSET %s
 """
 
@@ -127,7 +138,8 @@ _OFFER_CONDITIONS = {
     "min_reliability": "n.{node.reliability} >= %s",
     "fits": (
         "EXISTS (SELECT 1 FROM unnest(%s::text[], %s::int[], %s::int[]) AS f(slug, pcie, nvl)"
-        " WHERE f.slug = m.{gpu_model.slug} AND n.{node.gpu_count} - COALESCE(busy.held, 0)"
+        " WHERE f.slug = m.{gpu_model.slug}"
+        " AND n.{node.gpu_count} - COALESCE(busy.held, 0) - unhealthy.failed"
         " >= CASE WHEN n.{node.nvlink} THEN f.nvl ELSE f.pcie END)"
     ),
 }
@@ -142,6 +154,8 @@ def _offers_sql(conditions: tuple[str, ...], ordering: str, shares: tuple[float,
     template = template.replace("{min_share}", repr(shares[0]))
     template = template.replace("{max_share}", repr(shares[1]))
     template = template.replace("{online}", NodeStatus.ONLINE.value)
+    template = template.replace("{failed}", GpuHealth.FAILED.value)
+    template = template.replace("{degraded}", GpuHealth.DEGRADED.value)
     return sql_named(template, **_TABLES)
 
 

@@ -27,6 +27,7 @@ from marketplace.models import (
     Allocation,
     Cluster,
     Gpu,
+    GpuHealth,
     GpuModel,
     Node,
     Provider,
@@ -95,6 +96,21 @@ def measured_tflops_plausible(*, model: GpuModel, tflops: float) -> bool:
     peak = max(model.tensor_tflops, model.tensor_tflops_fp16_acc or 0)
     low = float(model.tensor_tflops) * MEASURED_TFLOPS_MIN_SHARE
     return low <= tflops <= float(peak) * MEASURED_TFLOPS_MAX_SHARE
+
+
+# A healthy card's benchmark in a tensor precision reaches this share of its dense tensor peak
+# or more (the harness's quick matmul: 60-80 % on datacenter cards). Below it the node has
+# drifted (throttled, power-capped, a degraded link): it is flagged and ranked down.
+MEASURED_TFLOPS_EXPECTED_SHARE = 0.4
+_TENSOR_PRECISIONS = frozenset({"bf16", "fp16"})
+
+
+def measured_tflops_below_band(*, model: GpuModel, tflops: float, precision: str) -> bool:
+    """Whether a benchmark in a tensor precision fell below its card's expected band (a rate
+    in another precision, FP32 on a card without BF16, is not compared)."""
+    if precision not in _TENSOR_PRECISIONS:
+        return False
+    return tflops < float(model.tensor_tflops) * MEASURED_TFLOPS_EXPECTED_SHARE
 
 
 def catalog_card(model: GpuModel, prior: float | None = None) -> Card:
@@ -231,8 +247,16 @@ def _with_rented_gpus(nodes: QuerySet[Node]) -> QuerySet[Node]:
         .annotate(n=Count("gpu", distinct=True))
         .values("n")
     )
-    return nodes.select_related("gpu_model", "cluster").annotate(
-        rented_gpus=Coalesce(Subquery(rented), 0)
+    # The GPUs with a health warning or fault, for the provider to see (OK ones say nothing).
+    unhealthy = Prefetch(
+        "gpus",
+        queryset=Gpu.objects.exclude(health=GpuHealth.OK).order_by("index"),
+        to_attr="unhealthy_gpus",
+    )
+    return (
+        nodes.select_related("gpu_model", "cluster")
+        .prefetch_related(unhealthy)
+        .annotate(rented_gpus=Coalesce(Subquery(rented), 0))
     )
 
 
@@ -367,7 +391,12 @@ def engine_nodes(nodes: QuerySet[Node] | Iterable[Node]) -> list[engine.Node]:
     rows = list(nodes.values(*_ENGINE_NODE_FIELDS) if isinstance(nodes, QuerySet) else nodes)
     by_node: dict[int, list[engine.Gpu]] = {r["id"]: [] for r in rows}
     info = {r["id"]: r for r in rows}
-    gpus = Gpu.objects.filter(node_id__in=list(by_node)).order_by("node_id", "index")
+    # A FAILED GPU is out of placement until a check passes (provisioning's health).
+    gpus = (
+        Gpu.objects.filter(node_id__in=list(by_node))
+        .exclude(health=GpuHealth.FAILED)
+        .order_by("node_id", "index")
+    )
     for gpu_id, node_id, index, group in gpus.values_list(
         "id", "node_id", "index", "topology_group"
     ):

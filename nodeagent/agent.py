@@ -71,7 +71,7 @@ from agentprotocol.untrusted import metric_line_parse, text_sanitize
 from nodeagent import hostinfo
 from nodeagent import metrics as metrics_module
 from nodeagent.artifacts import ArtifactSyncer
-from nodeagent.benchmark import BenchmarkRunner, benchmark_env
+from nodeagent.benchmark import DEFAULT_COMMAND, BenchmarkRunner, benchmark_env
 from nodeagent.client import (
     AgentApiClient,
     AgentApiError,
@@ -331,8 +331,14 @@ class Agent:
             if config.telemetry == "simulated" and config.simulate_gpus
             else None
         )
+        if config.benchmark_command != DEFAULT_COMMAND:
+            logger.warning(
+                "--benchmark-command is ignored: the platform's benchmark runs as the server "
+                "names it",
+                extra={"ignored": " ".join(config.benchmark_command)},
+            )
         self._benchmark = BenchmarkRunner(
-            config.benchmark_command,
+            runtime=config.runtime,
             env=benchmark_env(gpu_mode=config.gpu_mode),
             timeout_s=config.benchmark_timeout_s,
             simulated=simulated,
@@ -614,7 +620,7 @@ class Agent:
             if self.config.once:
                 logger.info("benchmark requested; not run with --once")
             else:
-                self._benchmark.request()
+                self._benchmark.request(answer.benchmark)
         logger.debug(
             "heartbeat",
             extra={

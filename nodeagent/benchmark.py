@@ -1,10 +1,14 @@
 """The node benchmark the server asks for (`run_benchmark: true`): measured, not declared TFLOPS.
 
-It runs `python -m harness benchmark --quick` as a host subprocess, in a background thread so
-heartbeats go on meanwhile, with a timeout. The harness prints its result as one JSON line on
-stdout; that object is sent under `benchmark` in the next heartbeat. A GPU host whose harness
-lives only in the image runs it there instead through `--benchmark-command`, e.g.
-`docker run --rm --gpus all IMAGE python -m harness benchmark --quick`.
+The benchmark is the platform's: the server's answer names the harness image, the command run
+in it and the GPUs (agentprotocol.BenchmarkSpec), and nothing the host configures changes them
+(`--benchmark-command` is ignored; it is still accepted so that old unit files start). On the
+Docker runtime it runs `docker run --rm --network none --gpus device=... IMAGE COMMAND`; on the
+local-process runtime (no image) the command runs as a host subprocess with the harness the
+agent ships with, on the named GPUs (CUDA_VISIBLE_DEVICES). An older server that names no spec
+gets DEFAULT_COMMAND. It runs in a background thread so heartbeats go on meanwhile, with a
+timeout. The harness prints its result as one JSON line on stdout; that object is sent under
+`benchmark` in the next heartbeat, and the server checks it against the card's band.
 
 A failed run (non-zero exit, timeout, no usable JSON) is logged and not sent: the server refuses
 a result without a positive `matmul_tflops`, and a refused heartbeat would hold up usage reports.
@@ -24,8 +28,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
+
+from agentprotocol import BenchmarkSpec
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +48,22 @@ def benchmark_env(*, gpu_mode: str, base: Mapping[str, str] | None = None) -> di
     if gpu_mode == "none":
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env
+
+
+def benchmark_command(
+    spec: BenchmarkSpec | None, *, runtime: str
+) -> tuple[list[str], dict[str, str]]:
+    """The command line that runs the platform's benchmark, and what it adds to the
+    environment; built from the server's spec only."""
+    command = list(spec.command if spec is not None else DEFAULT_COMMAND)
+    indices = ",".join(str(i) for i in spec.gpu_indices) if spec is not None else ""
+    if runtime == "docker" and spec is not None:
+        gpus = f"device={indices}" if indices else "all"
+        return ["docker", "run", "--rm", "--network", "none", "--gpus", gpus, spec.image,
+                *command], {}  # fmt: skip
+    if command and command[0] in ("python", "python3"):
+        command[0] = sys.executable  # the agent's interpreter, which has the harness
+    return command, ({"CUDA_VISIBLE_DEVICES": indices} if indices else {})
 
 
 def parse_result(stdout: str) -> dict[str, Any]:
@@ -64,8 +86,8 @@ class BenchmarkRunner:
 
     def __init__(
         self,
-        command: Sequence[str],
         *,
+        runtime: str,
         env: Mapping[str, str],
         timeout_s: float = 900.0,
         retry_after_s: float = 1800.0,
@@ -74,11 +96,10 @@ class BenchmarkRunner:
     ) -> None:
         """`simulated`: on a node of simulated GPUs, what gives its result instead of the
         command (nodeagent.telemetry.simulated.simulated_benchmark)."""
-        command = list(command)
-        if command and command[0] in ("python", "python3"):
-            command[0] = sys.executable  # the agent's interpreter, which has the harness
-        self.command = command
+        self.runtime = runtime
+        self.command: list[str] = []
         self.env = dict(env)
+        self._run_env = self.env
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
         self._clock = clock
@@ -88,13 +109,15 @@ class BenchmarkRunner:
         self._result: dict[str, Any] | None = None
         self._not_before = 0.0
 
-    def request(self) -> bool:
-        """Start a run unless one is running, a result is waiting, or the last one failed
-        recently; True when one was started."""
+    def request(self, spec: BenchmarkSpec | None = None) -> bool:
+        """Start the platform's benchmark (`spec`, from the server) unless one is running, a
+        result is waiting, or the last one failed recently; True when one was started."""
         with self._lock:
             busy = self._thread is not None and self._thread.is_alive()
             if busy or self._result is not None or self._clock() < self._not_before:
                 return False
+            command, extra_env = benchmark_command(spec, runtime=self.runtime)
+            self.command, self._run_env = command, {**self.env, **extra_env}
             self._thread = threading.Thread(target=self._run, name="benchmark", daemon=True)
             self._thread.start()
         what = "the simulated card's figure" if self._simulated else " ".join(self.command)
@@ -143,7 +166,7 @@ class BenchmarkRunner:
             capture_output=True,
             text=True,
             timeout=self.timeout_s,
-            env=self.env,
+            env=self._run_env,
             stdin=subprocess.DEVNULL,
             check=False,
         )

@@ -123,7 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--process-dir", help="run records of the process runtime [GPUMARKET_PROCESS_DIR]")
     add("--interval", help="heartbeat seconds until the server says otherwise (5)")
     add("--request-timeout", help="seconds per server request (10)")
-    add("--benchmark-command", help="benchmark command line (python -m harness benchmark --quick)")
+    add(
+        "--benchmark-command",
+        help="ignored: the platform's benchmark runs as the server names it (kept for old units)",
+    )
     add("--benchmark-timeout", help="benchmark seconds (900)")
     add("--log-level", choices=["debug", "info", "warning", "error"], help="(info)")
     add(

@@ -17,6 +17,7 @@ class NotificationKind(models.TextChoices):
     RENTAL_COMPLETED = "rental.completed", "Rental completed"
     BALANCE_LOW = "balance.low", "Balance low"
     BUDGET_REACHED = "budget.reached", "Budget reached"
+    GPU_FAILED = "node.gpu_failed", "A GPU of your node failed"
 
 
 class Channel(models.TextChoices):

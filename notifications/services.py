@@ -25,8 +25,9 @@ from django.db import transaction
 from django.utils import timezone
 
 from accounts.models import Team
+from accounts.services import team_personal_ensure
 from core.errors import ValidationFailed
-from marketplace.models import Rental, RentalEvent, RentalStatus
+from marketplace.models import Rental, RentalEvent, RentalStatus, User
 from notifications import audience, webhooks
 from notifications.models import (
     Channel,
@@ -259,6 +260,21 @@ def budget_reached_notify(
         source_key=f"budget:{budget_key}"[:120],
         summary=summary,
         data={"budget": data},
+    )
+
+
+def gpu_failed_notify(
+    *, owner: User, event_id: int, node_id: int, hostname: str, gpu_index: int, reason: str
+) -> Notification | None:
+    """A GPU of a provider's node failed and left placement: tell the provider (its owner's
+    personal team), in the health change's transaction."""
+    return notification_record(
+        team=team_personal_ensure(user=owner),
+        kind=K.GPU_FAILED,
+        source_key=f"gpu-health:{event_id}",
+        summary=f"GPU {gpu_index} of {hostname} failed ({reason}): it takes no rental until a "
+        "check passes",
+        data={"node": {"id": node_id, "hostname": hostname, "gpu": gpu_index, "reason": reason}},
     )
 
 

@@ -57,8 +57,10 @@ def gpus_held(*, node_id: int, now: datetime, statuses: Sequence[str]) -> list[t
 
 # An idle heartbeat in one statement, from the token alone: the token names the node (no row:
 # it is unknown or revoked), the node is marked seen unless it is coming back from OFFLINE (the
-# full path brings it back under its row lock: `seen` is NULL), and `holds` says whether it
-# holds GPUs for a container that should run (the full path hands it over).
+# full path brings it back under its row lock: `seen` is NULL), `holds` says whether it
+# holds GPUs for a container that should run (the full path hands it over), `degraded`
+# whether a GPU of it is DEGRADED (the full path sees whether its signals cleared) and `failed`
+# the indices of its FAILED GPUs (where a check it is asked for runs).
 _IDLE = """
 WITH node AS (
   SELECT c.{credential.node} AS id FROM {credential} c
@@ -70,8 +72,15 @@ WITH node AS (
   RETURNING n.{node.id}, n.{node.benchmark_requested}
 )
 SELECT node.id, seen.id IS NOT NULL, seen.benchmark_requested,
-       EXISTS (SELECT 1 {held}) AS holds
+       EXISTS (SELECT 1 {held}) AS holds,
+       coalesce(unhealthy.degraded, false), coalesce(unhealthy.failed, '{{}}')
 FROM node LEFT JOIN seen ON true
+LEFT JOIN LATERAL (
+  SELECT bool_or(u.{gpu.health} = %s) AS degraded,
+         array_agg(u.{gpu.index} ORDER BY u.{gpu.index})
+             FILTER (WHERE u.{gpu.health} = %s) AS failed
+  FROM {gpu} u WHERE u.{gpu.node} = node.id AND u.{gpu.health} <> %s
+) unhealthy ON true
 """
 
 
@@ -82,13 +91,23 @@ def _idle_sql() -> str:
 
 
 def idle_heartbeat(
-    *, key_hash: str, now: datetime, offline: str, statuses: Sequence[str]
-) -> tuple[int, bool, bool | None, bool] | None:
+    *,
+    key_hash: str,
+    now: datetime,
+    offline: str,
+    statuses: Sequence[str],
+    health: tuple[str, str, str],
+) -> tuple[int, bool, bool | None, bool, bool, list[int]] | None:
     """An idle heartbeat of the node whose unrevoked token has `key_hash`: marks it seen at
     `now` unless its status is `offline`. (node id, marked seen, benchmark requested, holds
-    GPUs for a rental in `statuses`), or None for an unknown or revoked token."""
+    GPUs for a rental in `statuses`, has a GPU whose health is `degraded`, the indices of its
+    GPUs whose health is `failed`), `health` being (ok, degraded, failed); None for an unknown
+    or revoked token."""
+    ok, degraded, failed = health
     with connection.cursor() as cursor:
-        cursor.execute(_idle_sql(), [key_hash, now, offline, now, list(statuses)])
+        cursor.execute(
+            _idle_sql(), [key_hash, now, offline, now, list(statuses), degraded, failed, ok]
+        )
         return cursor.fetchone()
 
 

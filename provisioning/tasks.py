@@ -54,3 +54,10 @@ def measure_reliability() -> None:
 )
 def expire_run_logs() -> None:
     services.run_logs_expire()
+
+
+@shared_task(
+    name="provisioning.schedule_benchmarks", ignore_result=True, time_limit=120, soft_time_limit=100
+)
+def schedule_benchmarks() -> None:
+    services.nodes_benchmark_schedule()

@@ -123,7 +123,8 @@ LEFT JOIN {cluster} c ON c.{cluster.id} = n.{node.cluster}
 CROSS JOIN LATERAL (
     SELECT string_agg(concat_ws('/', x.{gpu.id}, x.{gpu.index}, x.{gpu.topology_group}), ','
                       ORDER BY x.{gpu.index}) AS gpus
-    FROM {gpu} x WHERE x.{gpu.node} = n.{node.id}
+    -- A FAILED GPU (marketplace GpuHealth) is out of placement: not in what the engine reads.
+    FROM {gpu} x WHERE x.{gpu.node} = n.{node.id} AND x.{gpu.health} <> 'failed'
 ) g
 WHERE n.{node.pool} = %(pool)s AND n.{node.status} = %(online)s
 """

@@ -326,6 +326,7 @@ PERIODIC_TASKS: dict[str, tuple[str, timedelta]] = {
     "booked-time": ("provisioning.end_booked_time", timedelta(seconds=15)),
     "gang-start-timeout": ("provisioning.gangs_start_timeout", timedelta(seconds=15)),
     "node-reliability": ("provisioning.measure_reliability", timedelta(hours=1)),
+    "node-benchmarks": ("provisioning.schedule_benchmarks", timedelta(minutes=10)),
     "telemetry-flush": ("provisioning.flush_telemetry", timedelta(seconds=5)),
     "advisor-calibrate": ("provisioning.calibrate_advisor", timedelta(minutes=5)),
     "run-logs-expire": ("provisioning.expire_run_logs", timedelta(hours=1)),
@@ -391,6 +392,14 @@ GPUMARKET = {
     "HARNESS_IMAGE": env.str("HARNESS_IMAGE", default="gpumarket/harness:dev"),
     # What happens to a started rental whose node goes silent: "fail" or "requeue".
     "NODE_LOST_POLICY": env.str("NODE_LOST_POLICY", default="fail"),
+    # The platform's benchmark (provisioning/services/health.py): the harness image (pin it by
+    # digest in production) and the command run in it. Nothing on the host changes either.
+    "BENCHMARK_IMAGE": env.str("BENCHMARK_IMAGE", default="gpumarket/harness:dev"),
+    "BENCHMARK_COMMAND": ("python", "-m", "harness", "benchmark", "--quick"),
+    # An idle node is measured again this often; a node with a FAILED GPU is checked again
+    # this often (the check that brings the GPU back).
+    "BENCHMARK_EVERY_S": env.int("BENCHMARK_EVERY_S", default=24 * 3600),
+    "BENCHMARK_RECHECK_S": env.int("BENCHMARK_RECHECK_S", default=3600),
     # How long the live log of a run (its output lines) is kept.
     "LOG_RETENTION_DAYS": env.int("LOG_RETENTION_DAYS", default=7),
 }

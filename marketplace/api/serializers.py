@@ -118,6 +118,12 @@ class OfferSerializer(serializers.Serializer):
     tensor_tflops = serializers.DecimalField(max_digits=7, decimal_places=2)
     free_gpus = serializers.IntegerField()
     gpu_count = serializers.IntegerField()
+    degraded_gpus = serializers.IntegerField(
+        help_text="GPUs rented with a health warning (throttling, a degraded PCIe link)"
+    )
+    benchmark_below_band = serializers.BooleanField(
+        help_text="the latest benchmark fell below the card's expected band: ranked down"
+    )
     nvlink = serializers.BooleanField()
     price_per_gpu_hour = serializers.DecimalField(max_digits=10, decimal_places=4)
     min_bid_per_gpu_hour = serializers.DecimalField(max_digits=10, decimal_places=4)
@@ -387,6 +393,13 @@ class ProviderSerializer(serializers.Serializer):
     name = serializers.CharField()
 
 
+class GpuHealthSerializer(serializers.Serializer):
+    index = serializers.IntegerField()
+    health = serializers.CharField()
+    health_reason = serializers.CharField()
+    health_since = serializers.DateTimeField(allow_null=True)
+
+
 class ProviderNodeSerializer(serializers.Serializer):
     """One of your nodes as its provider sees it: listing, state and how much of it is rented."""
 
@@ -403,6 +416,10 @@ class ProviderNodeSerializer(serializers.Serializer):
     min_bid_per_gpu_hour = serializers.DecimalField(max_digits=10, decimal_places=4)
     reliability = serializers.DecimalField(max_digits=5, decimal_places=4)
     measured_tflops = serializers.FloatField(allow_null=True)
+    benchmark_below_band = serializers.BooleanField()
+    unhealthy_gpus = GpuHealthSerializer(
+        many=True, help_text="GPUs not OK; a FAILED one rents no more"
+    )
     simulated = serializers.BooleanField()
     last_seen_at = serializers.DateTimeField(allow_null=True)
     driver_version = serializers.CharField()

@@ -72,6 +72,15 @@ class Cluster(models.Model):
         return interconnect_label(self.interconnect, self.bandwidth_gbps)
 
 
+class GpuHealth(models.TextChoices):
+    """A GPU's state as its health signals tell: FAILED is out of placement until a passing
+    check; DEGRADED still rents, shown and ranked down."""
+
+    OK = "ok", "OK"
+    DEGRADED = "degraded", "Degraded"
+    FAILED = "failed", "Failed"
+
+
 class Node(models.Model):
     """A GPU server of a provider: where rentals run, priced per GPU-hour."""
 
@@ -138,6 +147,11 @@ class Node(models.Model):
     # the history is in provisioning.NodeBenchmark.
     measured_tflops = models.FloatField(null=True, blank=True)
     benchmark_requested = models.BooleanField(default=False)
+    # The latest benchmark fell below its card's plausible band: shown, and ranked down.
+    # Defaults in the database too: bulk loaders (bench/, COPY) that name older columns only.
+    benchmark_below_band = models.BooleanField(
+        default=False, db_default=False, help_text="the latest benchmark fell below the card's band"
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -184,6 +198,11 @@ class Gpu(models.Model):
         blank=True,
         help_text="GPUs that share an NVLink island or a PCIe switch have the same group",
     )
+    health = models.CharField(
+        max_length=10, choices=GpuHealth.choices, default=GpuHealth.OK, db_default=GpuHealth.OK
+    )
+    health_reason = models.CharField(max_length=200, blank=True, default="", db_default="")
+    health_since = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["node_id", "index"]
@@ -193,6 +212,25 @@ class Gpu(models.Model):
 
     def __str__(self) -> str:
         return f"{self.node.hostname}/gpu{self.index}"
+
+
+class GpuHealthEvent(models.Model):
+    """An audit row for each health change of a GPU: the history behind its state, the
+    provider's page and the node's reliability."""
+
+    gpu = models.ForeignKey(Gpu, on_delete=models.CASCADE, related_name="health_events")
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="gpu_health_events")
+    from_health = models.CharField(max_length=10, choices=GpuHealth.choices)
+    to_health = models.CharField(max_length=10, choices=GpuHealth.choices)
+    reason = models.CharField(max_length=200, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [models.Index(fields=["node", "created_at"], name="gpuhealth_node_created")]
+
+    def __str__(self) -> str:
+        return f"{self.gpu_id}: {self.from_health} -> {self.to_health}"
 
 
 class NodeEvent(models.Model):

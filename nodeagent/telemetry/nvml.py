@@ -6,8 +6,10 @@ exponential backoff, since an agent started at boot may come up before the drive
 
 Readings are best effort per field: a counter the card does not have (ECC on GeForce cards, power
 on some boards) reads as 0 and does not make the GPU unhealthy; a field that fails for another
-reason (GPU_IS_LOST, unknown error) does. A GPU is also unhealthy after a hardware Xid (see
-`HARDWARE_XIDS`), with volatile uncorrected ECC errors, or when row remapping has failed.
+reason (unknown error) does, and GPU_IS_LOST reports the GPU fallen off the bus. A GPU is also
+unhealthy after a fatal Xid (agentprotocol.FATAL_XIDS), with volatile uncorrected ECC errors, or
+when row remapping has failed. The health signals go to the server as read (throttle reasons,
+PCIe link, pending repairs, the first fatal Xid): the server decides what they mean.
 
 Topology groups come from the NVLink graph: for each active link, NVML tells the PCI address at
 the other end, which is either another GPU or an NVSwitch. GPUs connected through any chain of
@@ -28,7 +30,7 @@ from typing import Any, TypeVar
 
 import pynvml
 
-from agentprotocol import GpuInfo, GpuSample
+from agentprotocol import FATAL_XIDS, GpuInfo, GpuSample
 from nodeagent.telemetry.base import (
     GpuInventory,
     PermanentTelemetryError,
@@ -62,14 +64,13 @@ _LIBRARY_GONE = {
     pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH,
 }
 
-# Xids that mean the hardware needs attention (NVIDIA's "Xid Errors" catalog): double-bit ECC
-# (48), micro-controller faults (61, 62), row-remap failure (64), NVLink error (74), fallen off
-# the bus (79), high single-bit ECC rate (92), uncontained ECC (95), GSP errors (119, 120).
-# Application faults (13, 31, 43, 45) are counted but leave the GPU healthy.
-HARDWARE_XIDS = frozenset({48, 61, 62, 64, 74, 79, 92, 95, 119, 120})
 
 # Events drained per sample: a storm of Xids must not hold up the heartbeat.
 _MAX_EVENTS_PER_SAMPLE = 256
+
+
+class _GpuLost(Exception):
+    """NVML answers GPU_IS_LOST for this GPU: it fell off the bus."""
 
 
 def _typed(exc: pynvml.NVMLError, what: str) -> TelemetryError:
@@ -113,7 +114,7 @@ class NvmlSource:
         self._handles: list[Any] | None = None
         self._event_set: Any = None
         self._xids: list[int] = []
-        self._hardware_fault: list[bool] = []
+        self._fatal_xid: list[int] = []
         self._open(self._init_attempts)
 
     # -- the TelemetrySource interface -------------------------------------------------------
@@ -181,7 +182,7 @@ class NvmlSource:
             self._close_library()
             raise
         self._xids = [0] * count
-        self._hardware_fault = [False] * count
+        self._fatal_xid = [0] * count
         self._event_set = self._register_xid_events(self._handles)
 
     def _ready(self) -> list[Any]:
@@ -203,18 +204,32 @@ class NvmlSource:
         self._event_set = None
 
     def _read(self, what: str, default: T, fn: Callable[..., T], *args: Any) -> tuple[T, bool]:
-        """(value, ok): absent counters read as `default` and ok; other failures are not ok."""
+        """(value, ok): absent counters read as `default` and ok; other failures are not ok; a
+        GPU that is lost raises _GpuLost."""
         try:
             return fn(*args), True
         except pynvml.NVMLError as exc:
             if exc.value in _LIBRARY_GONE:
                 raise _typed(exc, what) from exc
+            if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST:
+                raise _GpuLost from exc
             if exc.value in _ABSENT:
                 return default, True
             logger.warning("NVML read failed", extra={"field": what, "error": str(exc)})
             return default, False
 
     def _sample_one(self, index: int, handle: Any) -> GpuSample:
+        try:
+            return self._read_one(index, handle)
+        except _GpuLost:
+            logger.error("GPU fell off the bus", extra={"gpu": index})
+            return GpuSample(
+                gpu_index=index, ts=time.time(), util_pct=0.0, mem_used_mb=0, power_w=0.0,
+                temp_c=0.0, xid_errors=self._xids[index], fatal_xid=self._fatal_xid[index],
+                healthy=False, lost=True,
+            )  # fmt: skip
+
+    def _read_one(self, index: int, handle: Any) -> GpuSample:
         util, ok_util = self._read(
             "utilization", None, pynvml.nvmlDeviceGetUtilizationRates, handle
         )
@@ -231,8 +246,25 @@ class NvmlSource:
             pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
             pynvml.NVML_VOLATILE_ECC,
         )
+        # (corrected rows, uncorrected rows, remap pending, remap failed)
         remap, ok_remap = self._read(
             "remapped rows", (0, 0, 0, 0), pynvml.nvmlDeviceGetRemappedRows, handle
+        )
+        retired, _ = self._read(
+            "retired pages pending",
+            pynvml.NVML_FEATURE_DISABLED,
+            pynvml.nvmlDeviceGetRetiredPagesPendingStatus,
+            handle,
+        )
+        throttle, _ = self._read(
+            "throttle reasons", 0, pynvml.nvmlDeviceGetCurrentClocksThrottleReasons, handle
+        )
+        width, _ = self._read("PCIe width", 0, pynvml.nvmlDeviceGetCurrPcieLinkWidth, handle)
+        width_max, _ = self._read("PCIe max width", 0, pynvml.nvmlDeviceGetMaxPcieLinkWidth, handle)
+        # The slot's and card's best generation, not the current one (it drops at idle).
+        gen, _ = self._read("PCIe gen", 0, pynvml.nvmlDeviceGetMaxPcieLinkGeneration, handle)
+        gen_max, _ = self._read(
+            "PCIe card gen", 0, pynvml.nvmlDeviceGetGpuMaxPcieLinkGeneration, handle
         )
         healthy = (
             ok_util
@@ -243,7 +275,7 @@ class NvmlSource:
             and ok_remap
             and ecc == 0
             and not remap[3]  # row remapping failure: the memory cannot be repaired in place
-            and not self._hardware_fault[index]
+            and not self._fatal_xid[index]
         )
         return GpuSample(
             gpu_index=index,
@@ -255,6 +287,14 @@ class NvmlSource:
             ecc_errors=int(ecc),
             xid_errors=self._xids[index],
             healthy=bool(healthy),
+            fatal_xid=self._fatal_xid[index],
+            remap_failed=bool(remap[3]),
+            retire_pending=bool(remap[2]) or retired == pynvml.NVML_FEATURE_ENABLED,
+            throttle_reasons=int(throttle),
+            pcie_width=int(width),
+            pcie_width_max=int(width_max),
+            pcie_gen=int(gen),
+            pcie_gen_max=int(gen_max),
         )
 
     def _register_xid_events(self, handles: list[Any]) -> Any:
@@ -288,8 +328,8 @@ class NvmlSource:
             index = _nvml("device index", pynvml.nvmlDeviceGetIndex, event.device)
             xid = int(event.eventData)
             self._xids[index] += 1
-            if xid in HARDWARE_XIDS:
-                self._hardware_fault[index] = True
+            if xid in FATAL_XIDS and not self._fatal_xid[index]:
+                self._fatal_xid[index] = xid
             logger.warning("GPU Xid", extra={"gpu": index, "xid": xid})
 
     def _nvlink_groups(self, handles: list[Any]) -> dict[int, str]:

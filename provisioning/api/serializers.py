@@ -250,6 +250,19 @@ class TelemetrySerializer(ScalarElementSerializer):
         min_value=0, max_value=INT32_MAX, required=False, default=0
     )
     healthy = serializers.BooleanField(required=False, default=True)
+    fatal_xid = serializers.IntegerField(
+        min_value=0, max_value=INT32_MAX, required=False, default=0
+    )
+    remap_failed = serializers.BooleanField(required=False, default=False)
+    retire_pending = serializers.BooleanField(required=False, default=False)
+    throttle_reasons = serializers.IntegerField(
+        min_value=0, max_value=(1 << 63) - 1, required=False, default=0
+    )
+    pcie_width = serializers.IntegerField(min_value=0, max_value=64, required=False, default=0)
+    pcie_width_max = serializers.IntegerField(min_value=0, max_value=64, required=False, default=0)
+    pcie_gen = serializers.IntegerField(min_value=0, max_value=16, required=False, default=0)
+    pcie_gen_max = serializers.IntegerField(min_value=0, max_value=16, required=False, default=0)
+    lost = serializers.BooleanField(required=False, default=False)
 
 
 class MetricLineSerializer(ElementSerializer):
@@ -369,6 +382,12 @@ class DesiredRunSerializer(serializers.Serializer):
     )
 
 
+class BenchmarkSpecSerializer(serializers.Serializer):
+    image = serializers.CharField()
+    command = serializers.ListField(child=serializers.CharField())
+    gpu_indices = serializers.ListField(child=serializers.IntegerField(), required=False)
+
+
 class HeartbeatAnswerSerializer(serializers.Serializer):
     desired = DesiredRunSerializer(many=True)
     ack_usage_seq = serializers.IntegerField()
@@ -376,6 +395,9 @@ class HeartbeatAnswerSerializer(serializers.Serializer):
     run_benchmark = serializers.BooleanField()
     dropped = serializers.DictField(
         child=serializers.IntegerField(), help_text="report elements refused and dropped, by kind"
+    )
+    benchmark = BenchmarkSpecSerializer(
+        required=False, help_text="the platform's benchmark to run, with run_benchmark"
     )
 
 

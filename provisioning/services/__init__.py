@@ -6,6 +6,11 @@
 from provisioning.services.artifacts import artifact_uploads_for_node, artifacts_commit_for_node
 from provisioning.services.calibration import advisor_runs_calibrate
 from provisioning.services.gangs import gangs_start_timeout
+from provisioning.services.health import (
+    gpus_health_apply,
+    nodes_benchmark_schedule,
+    sample_verdict,
+)
 from provisioning.services.heartbeat import (
     HeartbeatReports,
     benchmark_record,
@@ -46,6 +51,7 @@ __all__ = [
     "catalog_match",
     "desired_state",
     "gangs_start_timeout",
+    "gpus_health_apply",
     "heartbeat_interval_s",
     "join_token_create",
     "metrics_store",
@@ -54,12 +60,14 @@ __all__ = [
     "node_heartbeat",
     "node_heartbeat_by_token",
     "node_join",
+    "nodes_benchmark_schedule",
     "nodes_mark_silent",
     "nodes_reliability_update",
     "rentals_end_booked_time",
     "run_id_for",
     "run_logs_expire",
     "run_logs_store",
+    "sample_verdict",
     "telemetry_buffer",
     "telemetry_flush",
     "telemetry_outbox_discard",

@@ -9,7 +9,7 @@ import json
 import logging
 import uuid
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from typing import Any
@@ -20,6 +20,7 @@ from django.utils import timezone
 
 from accounts.services import token_hash
 from agentprotocol import (
+    BenchmarkSpec,
     ContainerReport,
     ContainerStatus,
     DatasetMount,
@@ -32,8 +33,10 @@ from agentprotocol import (
 from agentprotocol.untrusted import metric_line_parse
 from billing.services.metering import UsageReport as MeteredUsage
 from billing.services.metering import usage_reports_apply
+from core.metrics import BENCHMARKS_UNASKED
 from marketplace import lifecycle
 from marketplace.models import (
+    GpuHealth,
     GpuModel,
     Node,
     NodeEvent,
@@ -41,13 +44,25 @@ from marketplace.models import (
     Rental,
     RentalStatus,
 )
-from marketplace.selectors import measured_tflops_plausible, rental_ssh_keys
+from marketplace.selectors import (
+    measured_tflops_below_band,
+    measured_tflops_plausible,
+    rental_ssh_keys,
+)
 from provisioning import queries
 from provisioning.models import ContainerRun, NodeBenchmark, RunMetric
 from provisioning.services.gangs import barrier as gang_barrier
 from provisioning.services.gangs import members_of as gang_members
 from provisioning.services.gangs import others_still_running as gang_others_running
 from provisioning.services.gangs import rendezvous_env
+from provisioning.services.health import (
+    OK,
+    failed_gpu_indices,
+    gpus_health_apply,
+    gpus_health_restore,
+    samples_clean,
+    verdicts_by_index,
+)
 from provisioning.services.join import node_authenticate
 from provisioning.services.logs import run_logs_store
 from provisioning.services.telemetry import telemetry_buffer
@@ -58,6 +73,9 @@ log = logging.getLogger(__name__)
 
 
 SSH_PORT = 22  # where the sshd of a rental that asked for SSH listens in its container
+
+
+_HEALTH = (GpuHealth.OK.value, GpuHealth.DEGRADED.value, GpuHealth.FAILED.value)
 
 
 def heartbeat_interval_s() -> int:
@@ -296,18 +314,35 @@ def metrics_store(*, node: Node, lines: list[tuple[str, str, str]]) -> int:
     return refused
 
 
-def benchmark_record(*, node: Node, result: Mapping[str, Any]) -> NodeBenchmark:
-    """Record a validated benchmark (provisioning.api.serializers.BenchmarkSerializer). A rate
-    outside the plausible band for the node's card is kept, flagged, and not listed.
+def benchmark_spec(*, gpu_indices: Sequence[int]) -> BenchmarkSpec:
+    """The platform's benchmark, as settings pin it (image and command; nothing the host
+    configures): on the node's FAILED GPUs when it has any (the check that may bring them
+    back), else on its first GPU."""
+    return BenchmarkSpec(
+        image=settings.GPUMARKET["BENCHMARK_IMAGE"],
+        command=tuple(settings.GPUMARKET["BENCHMARK_COMMAND"]),
+        gpu_indices=tuple(gpu_indices),
+    )
+
+
+def benchmark_record(
+    *, node: Node, result: Mapping[str, Any], clean: frozenset[int] = frozenset()
+) -> NodeBenchmark:
+    """Record a validated benchmark (provisioning.api.serializers.BenchmarkSerializer) the
+    server asked for. A rate outside the plausible band for the node's card is kept, flagged,
+    and not listed; one below the band flags the node (shown, ranked down) until a later
+    result is back in it. A plausible result within the band is the passing check of the node's
+    FAILED GPUs that reported `clean` in the same heartbeat: they are back in placement.
 
     A result marked simulated (nodeagent.telemetry.simulated: a figure for the card, not a
     measurement) is believed only from a node that joined as simulated, which is flagged as
     such wherever it is shown; from a real node it is refused whatever its figure."""
     tflops = float(result["matmul_tflops"])
     claims_simulated = result.get("raw", {}).get("simulated") is True
-    plausible = measured_tflops_plausible(
-        model=GpuModel.objects.get(pk=node.gpu_model_id), tflops=tflops
-    ) and (node.simulated or not claims_simulated)
+    model = GpuModel.objects.get(pk=node.gpu_model_id)
+    plausible = measured_tflops_plausible(model=model, tflops=tflops) and (
+        node.simulated or not claims_simulated
+    )
     with transaction.atomic():
         bench = NodeBenchmark.objects.create(
             node=node,
@@ -322,7 +357,16 @@ def benchmark_record(*, node: Node, result: Mapping[str, Any]) -> NodeBenchmark:
         )
         update: dict[str, Any] = {"benchmark_requested": False}
         if plausible:
-            update["measured_tflops"] = tflops
+            # Only a believed figure moves the flag: an absurd one must not clear it.
+            below = measured_tflops_below_band(
+                model=model, tflops=tflops, precision=result.get("precision", "")
+            )
+            update.update(measured_tflops=tflops, benchmark_below_band=below)
+            if not below:  # the check passes in the card's band only
+                gpus_health_restore(
+                    node=node, clean=clean, now=bench.measured_at,
+                    reason=f"check passed: {tflops:g} TFLOPS",
+                )  # fmt: skip
         else:
             log.warning(
                 "implausible benchmark node=%s: %s TFLOPS on %s (simulated: result %s, node %s)",
@@ -373,14 +417,15 @@ def node_heartbeat_by_token(
             now=now,
             offline=NodeStatus.OFFLINE.value,
             statuses=_CONTAINER_WANTED,
+            health=_HEALTH,
         )
         if row is None:
             return None
-        node_id, seen, run_benchmark, holds = row
-        if seen and not holds:
+        node_id, seen, run_benchmark, holds, degraded, failed = row
+        if seen and not holds and not degraded and samples_clean(reports.telemetry):
             return node_id, _answer(node_id=node_id, reports=reports, desired=[], ack=0,
                                     counts=Counter(reports.dropped),
-                                    run_benchmark=run_benchmark)  # fmt: skip
+                                    run_benchmark=run_benchmark, failed=failed)  # fmt: skip
     node = node_authenticate(raw_token)
     if node is None:
         return None
@@ -396,8 +441,11 @@ def node_heartbeat(*, node: Node, reports: HeartbeatReports) -> HeartbeatAnswer:
     now = timezone.now()
     counts: Counter[str] = Counter(reports.dropped)
     run_benchmark = node.benchmark_requested
+    verdicts = verdicts_by_index(reports.telemetry)
     with transaction.atomic():
         _node_seen(node=node, now=now)
+        if gpus_health_apply(node=node, verdicts=verdicts, now=now):
+            run_benchmark = True  # the check of the GPUs that failed
         for report in sorted(reports.containers, key=lambda c: c.run_id):
             try:
                 with transaction.atomic():
@@ -415,14 +463,22 @@ def node_heartbeat(*, node: Node, reports: HeartbeatReports) -> HeartbeatAnswer:
             counts["metrics"] += metrics_store(node=node, lines=reports.metrics)
         if reports.logs:
             counts["logs"] += run_logs_store(node=node, lines=reports.logs)
-        if reports.benchmark:
-            benchmark_record(node=node, result=reports.benchmark)
+        if reports.benchmark and not node.benchmark_requested:
+            # A result nobody asked for (a node re-sending old figures, or making them up)
+            # is not stored: one row per request, never one per heartbeat.
+            counts["benchmark"] += 1
+            BENCHMARKS_UNASKED.inc()
+            log.warning("benchmark not asked for dropped node=%s", node.pk)
+        elif reports.benchmark:
+            clean = frozenset(index for index, verdict in verdicts.items() if verdict is OK)
+            benchmark_record(node=node, result=reports.benchmark, clean=clean)
             run_benchmark = False
         desired = desired_state(node=node, now=now)
         if desired:
             _runs_request(node=node, desired=desired)
+    failed = failed_gpu_indices(node_id=node.pk) if run_benchmark else ()
     return _answer(node_id=node.pk, reports=reports, desired=desired, ack=ack, counts=counts,
-                   run_benchmark=run_benchmark)  # fmt: skip
+                   run_benchmark=run_benchmark, failed=failed)  # fmt: skip
 
 
 def _answer(
@@ -433,6 +489,7 @@ def _answer(
     ack: int,
     counts: Counter[str],
     run_benchmark: bool,
+    failed: Sequence[int],
 ) -> HeartbeatAnswer:
     if reports.telemetry:
         # Redis is not in the transaction: buffered once the rest is applied.
@@ -443,6 +500,7 @@ def _answer(
         heartbeat_interval_s=heartbeat_interval_s(),
         run_benchmark=run_benchmark,
         dropped={kind: n for kind, n in sorted(counts.items()) if n},
+        benchmark=benchmark_spec(gpu_indices=failed) if run_benchmark else None,
     )
 
 

@@ -1,14 +1,16 @@
 """Node reliability, measured from the last 30 days of history rather than declared.
 
-Two observations per node:
+Three observations per node:
 - uptime = time ONLINE or DRAINING (heartbeating: a silent node is marked OFFLINE) over time
   listed (every status but MAINTENANCE, which the provider announced), from the node's status
   events; an ONLINE node whose last heartbeat is older than the silence timeout is down since;
 - survival = 1 - failed / ran: of the rentals handed to the node in the window, those that
   ended by the node's fault (it went silent, it could not start the container, the container
-  disappeared from it).
+  disappeared from it, a GPU it held failed);
+- GPU health = 1 - the share of its GPU-time in the window its GPUs spent FAILED (out of
+  placement), from their health history (GpuHealthEvent).
 
-    observed = uptime x survival
+    observed = uptime x survival x GPU health
     w        = H / (H + H0)          H: listed hours in the window, H0 = PRIOR_HOURS
     score    = (1 - w) x declared + w x observed
 
@@ -29,6 +31,9 @@ from django.utils import timezone
 
 from marketplace.models import (
     Allocation,
+    Gpu,
+    GpuHealth,
+    GpuHealthEvent,
     Node,
     NodeEvent,
     NodeStatus,
@@ -50,11 +55,8 @@ def _runs_by_node(*, since: datetime, now: datetime):
     by_the_node = RentalEvent.objects.filter(
         rental_id=OuterRef("rental_id"), created_at__gte=since
     ).filter(
-        Q(
-            reason__startswith=Concat(
-                Value("node "), OuterRef("node__hostname"), Value(" went silent")
-            )
-        )
+        # lifecycle.NODE_FAULT_REASON: it went silent, or a GPU of it failed.
+        Q(reason__startswith=Concat(Value("node "), OuterRef("node__hostname"), Value(" ")))
         | Q(
             reason__startswith=Concat(
                 Value("cannot start on "), OuterRef("node__hostname"), Value(":")
@@ -103,15 +105,52 @@ def _uptime(
     return up, listed
 
 
+def _gpus_failed_s(*, since: datetime, now: datetime) -> dict[int, float]:
+    """Per node: the GPU-seconds in [since, now] its GPUs spent FAILED, walking each GPU's
+    health changes (a GPU failed before the window and still failed counts all of it)."""
+    by_gpu: dict[int, list[GpuHealthEvent]] = {}
+    for event in GpuHealthEvent.objects.filter(created_at__gt=since, created_at__lte=now).order_by(
+        "gpu_id", "created_at", "id"
+    ):
+        by_gpu.setdefault(event.gpu_id, []).append(event)
+    failed_s: dict[int, float] = {}
+    for events in by_gpu.values():
+        at, health = since, events[0].from_health
+        for event in [*events, None]:
+            until = now if event is None else event.created_at
+            if health == GpuHealth.FAILED:
+                node_id = events[0].node_id
+                failed_s[node_id] = failed_s.get(node_id, 0.0) + (until - at).total_seconds()
+            if event is not None:
+                at, health = until, event.to_health
+    # Failed since before the window, with no change in it.
+    for node_id in (
+        Gpu.objects.filter(health=GpuHealth.FAILED, health_since__lte=since)
+        .exclude(pk__in=list(by_gpu))
+        .values_list("node_id", flat=True)
+    ):
+        failed_s[node_id] = failed_s.get(node_id, 0.0) + (now - since).total_seconds()
+    return failed_s
+
+
 def reliability_score(
-    *, declared: float, up_s: float, listed_s: float, ran: int, failed: int
+    *,
+    declared: float,
+    up_s: float,
+    listed_s: float,
+    ran: int,
+    failed: int,
+    gpu_failed_share: float = 0.0,
 ) -> float:
-    """The blend of the module docstring, in [0, 1]."""
+    """The blend of the module docstring, in [0, 1]. `gpu_failed_share`: the share of the
+    node's GPU-time its GPUs spent FAILED."""
     hours = listed_s / 3600
     uptime = up_s / listed_s if listed_s > 0 else 1.0
     survival = 1 - failed / ran if ran else 1.0
+    gpu_health = 1 - min(1.0, max(0.0, gpu_failed_share))
     weight = hours / (hours + PRIOR_HOURS)
-    return min(1.0, max(0.0, (1 - weight) * declared + weight * uptime * survival))
+    observed = uptime * survival * gpu_health
+    return min(1.0, max(0.0, (1 - weight) * declared + weight * observed))
 
 
 def nodes_reliability_update(*, now: datetime | None = None) -> int:
@@ -123,9 +162,10 @@ def nodes_reliability_update(*, now: datetime | None = None) -> int:
     nodes = list(
         Node.objects.only(
             "id", "status", "created_at", "last_seen_at", "reliability",
-            "reliability_declared", "reliability_observed_hours",
+            "reliability_declared", "reliability_observed_hours", "gpu_count",
         )
     )  # fmt: skip
+    gpus_failed_s = _gpus_failed_s(since=since, now=now)
     events: dict[int, list[NodeEvent]] = {}
     for event in NodeEvent.objects.filter(created_at__gt=since, created_at__lte=now).order_by(
         "node_id", "created_at", "id"
@@ -138,12 +178,15 @@ def nodes_reliability_update(*, now: datetime | None = None) -> int:
     for node in nodes:
         up, listed = _uptime(node, events.get(node.pk, []), since, now, silence)
         ran, failed = runs.get(node.pk, (0, 0))
+        span_s = (now - max(since, node.created_at)).total_seconds()
+        gpu_s = node.gpu_count * span_s
         score = reliability_score(
             declared=float(node.reliability_declared),
             up_s=up,
             listed_s=listed,
             ran=ran,
             failed=failed,
+            gpu_failed_share=gpus_failed_s.get(node.pk, 0.0) / gpu_s if gpu_s > 0 else 0.0,
         )
         measured = Decimal(f"{score:.4f}")
         hours = round(listed / 3600, 2)

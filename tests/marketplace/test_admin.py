@@ -6,7 +6,7 @@ from django.test import Client
 from django.urls import reverse
 
 from marketplace.admin import NodeAdminForm
-from marketplace.models import NodeEvent, NodeStatus
+from marketplace.models import Gpu, GpuHealthEvent, NodeEvent, NodeStatus
 from marketplace.services import cluster_create
 from tests.factories import ProviderFactory, UserFactory
 
@@ -100,3 +100,25 @@ def test_ops_see_clusters_and_cannot_put_a_node_in_another_providers(ops_client,
     assert form.errors["cluster"] == ["a cluster of the node's own provider"]
     node.refresh_from_db()
     assert node.cluster.name == "h100-ib"
+
+
+def test_ops_see_gpu_health_and_its_history_and_can_ask_for_the_check(ops_client, make_node):
+    # given a node whose GPU 2 failed (Xid 79) and GPU 5 runs throttled
+    client, _ = ops_client
+    node = make_node(card="h100-sxm5-80gb", gpus=8, hostname="fra-9")
+    gpu = node.gpus.get(index=2)
+    GpuHealthEvent.objects.create(gpu=gpu, node=node, from_health="ok", to_health="failed",
+                                  reason="Xid 79")  # fmt: skip
+    Gpu.objects.filter(pk=gpu.pk).update(health="failed", health_reason="Xid 79")
+    Gpu.objects.filter(node=node, index=5).update(health="degraded", health_reason="power brake")
+    # then the node list says so, and filters by it
+    r = client.get(reverse("admin:marketplace_node_changelist"), {"gpus__health": "failed"})
+    assert "8x H100 SXM5 80 GB (GPU 2 failed, GPU 5 degraded)" in r.content.decode()
+    # the history is there, read-only
+    r = client.get(reverse("admin:marketplace_gpuhealthevent_changelist"))
+    assert r.status_code == 200 and "Xid 79" in r.content.decode()
+    assert client.get(reverse("admin:marketplace_gpuhealthevent_add")).status_code == 403
+    # and "Benchmark again" asks for the check that may bring GPU 2 back
+    _act(client, "request_benchmark", [node])
+    node.refresh_from_db()
+    assert node.benchmark_requested is True

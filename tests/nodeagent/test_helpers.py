@@ -8,17 +8,25 @@ import sys
 
 import pytest
 
+from agentprotocol import BenchmarkSpec
 from nodeagent import hostinfo
 from nodeagent.agent import (
     LOG_TAIL_MAX_BYTES,
+    Agent,
     Credentials,
     load_credentials,
     metric_lines,
     save_credentials,
     trim_log_tail,
 )
-from nodeagent.benchmark import BenchmarkRunner, benchmark_env, parse_result
-from nodeagent.config import ConfigError
+from nodeagent.benchmark import (
+    DEFAULT_COMMAND,
+    BenchmarkRunner,
+    benchmark_command,
+    benchmark_env,
+    parse_result,
+)
+from nodeagent.config import ConfigError, load_config
 from nodeagent.logs import KeyValueFormatter
 
 
@@ -109,21 +117,44 @@ def test_benchmark_env_hides_gpus_in_simulated_mode():
 
 def test_failed_benchmark_is_not_sent_and_cools_down():
     now = [0.0]
+    failing = BenchmarkSpec(image="img", command=("python", "-c", "raise SystemExit(4)"))
     runner = BenchmarkRunner(
-        ["python", "-c", "raise SystemExit(4)"],
+        runtime="process",
         env=benchmark_env(gpu_mode="none"),
         retry_after_s=60,
         clock=lambda: now[0],
     )
+    assert runner.request(failing) is True
     assert runner.command[0] == sys.executable
-    assert runner.request() is True
     runner.wait(30)
     assert runner.result() is None
     # asked again at once: not rerun; after the cool-down: rerun
-    assert runner.request() is False
+    assert runner.request(failing) is False
     now[0] = 61.0
-    assert runner.request() is True
+    assert runner.request(failing) is True
     runner.wait(30)
+
+
+def test_the_benchmark_command_is_the_server_s_spec():
+    # given the server's spec naming the harness image, its command and GPU 2
+    spec = BenchmarkSpec(
+        image="gpumarket/harness@sha256:abc",
+        command=("python", "-m", "harness", "benchmark", "--quick"),
+        gpu_indices=(2,),
+    )
+    # then on Docker the pinned image runs on that GPU, without network
+    assert benchmark_command(spec, runtime="docker") == (
+        ["docker", "run", "--rm", "--network", "none", "--gpus", "device=2",
+         "gpumarket/harness@sha256:abc", "python", "-m", "harness", "benchmark", "--quick"],
+        {},
+    )  # fmt: skip
+    # and on the local-process runtime the command runs with the agent's interpreter there
+    command, env = benchmark_command(spec, runtime="process")
+    assert command == [sys.executable, "-m", "harness", "benchmark", "--quick"]
+    assert env == {"CUDA_VISIBLE_DEVICES": "2"}
+    # an older server that names no spec gets the harness the agent ships with
+    assert benchmark_command(None, runtime="docker")[0][1:] == ["-m", "harness", "benchmark",
+                                                                "--quick"]  # fmt: skip
 
 
 def test_key_value_log_lines():
@@ -134,3 +165,30 @@ def test_key_value_log_lines():
     assert line.startswith("ts=")
     assert ' level=info logger=nodeagent msg="stopping run" run_id=r1-n2 ' in line
     assert line.endswith(r'error="bad \"quote\"\nnext"')
+
+
+def test_a_provider_s_benchmark_command_cannot_change_the_measured_score(tmp_path):
+    # given a simulated H100 host that overrides the benchmark command with one printing a
+    # huge score
+    forged = 'python -c \'print("{\\"matmul_tflops\\": 99999.0}")\''
+    config = load_config(
+        ["--server", "http://s", "--runtime", "process", "--gpu-mode", "none",
+         "--telemetry", "simulated", "--simulate-gpus", "h100-sxm5-80gb:2",
+         "--hostname", "sim-9", "--state-dir", str(tmp_path / "state"),
+         "--volume-root", str(tmp_path / "vol"), "--process-dir", str(tmp_path / "runs"),
+         "--benchmark-command", forged],
+        environ={},
+    )  # fmt: skip
+    assert config.benchmark_command[-1].endswith('99999.0}")')
+    agent = Agent(config)
+    # when the server asks for the platform's benchmark
+    spec = BenchmarkSpec(image="gpumarket/harness:dev", command=DEFAULT_COMMAND)
+    runner = agent._benchmark
+    assert runner.request(spec) is True
+    runner.wait(30)
+    # then the score is the platform's figure for the card (62-78 % of its 989 TFLOPS), not the
+    # host's, and the host's command never ran
+    result = runner.result()
+    assert result is not None and result["simulated"] is True
+    assert 0.6 * 989 <= result["matmul_tflops"] <= 0.8 * 989
+    assert "99999" not in " ".join(runner.command)

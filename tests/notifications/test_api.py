@@ -22,6 +22,7 @@ ALL_KINDS = [
     "rental.completed",
     "balance.low",
     "budget.reached",
+    "node.gpu_failed",
 ]
 
 
@@ -75,6 +76,7 @@ def test_defaults_then_a_webhook_with_its_secret_shown_once(auth_api):
         "rental.preempted",
         "rental.completed",
         "budget.reached",
+        "node.gpu_failed",
     ]
 
 

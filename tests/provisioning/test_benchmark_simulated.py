@@ -40,7 +40,7 @@ def _simulated_result(hostname: str) -> dict:
     """What the agent of a simulated H100 node sends: its benchmark runner, given the simulated
     telemetry's figure, runs no command (the one named here would fail)."""
     source = SimulatedSource(hostname=hostname, model_slug="h100-sxm5-80gb", count=2)
-    runner = BenchmarkRunner(["false"], env={}, simulated=source.benchmark)
+    runner = BenchmarkRunner(runtime="process", env={}, simulated=source.benchmark)
     assert runner.request()
     runner.wait(10)
     result = runner.result()

@@ -9,12 +9,14 @@ import pytest
 from django.utils import timezone
 
 from marketplace import lifecycle
-from marketplace.models import Allocation, Node, NodeStatus, Rental
+from marketplace.models import Allocation, Gpu, GpuHealth, Node, NodeStatus, Rental
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 from provisioning import queries
 from provisioning.models import NodeCredential
 from scheduler.services import scheduler_cycle_run
 from tests.factories import personal_team
+
+HEALTH = (GpuHealth.OK.value, GpuHealth.DEGRADED.value, GpuHealth.FAILED.value)
 
 pytestmark = pytest.mark.django_db
 
@@ -71,22 +73,32 @@ def test_an_idle_heartbeat_marks_the_node_seen_and_says_what_the_orm_says_it_hol
     # Given a busy node (the cheaper one, where the rental is placed) and an idle one
     idle, busy = make_node(gpus=8, price="9.00"), make_node(gpus=8)
     idle_hash, busy_hash = _credential(idle, "a"), _credential(busy, "b")
+    # and a throttled GPU on the idle one
+    Gpu.objects.filter(node=idle, index=3).update(health=GpuHealth.DEGRADED)
+    Gpu.objects.filter(node=idle, index__in=[5, 1]).update(health=GpuHealth.FAILED)
     rental = _placed(user, gpus=8)
     assert Allocation.objects.filter(rental=rental, node=busy).exists()
     now = rental.scheduled_start + timedelta(minutes=1)
     for node, key_hash in ((idle, idle_hash), (busy, busy_hash)):
-        node_id, seen, benchmark, holds = queries.idle_heartbeat(
-            key_hash=key_hash, now=now, offline=NodeStatus.OFFLINE.value, statuses=WANTED
-        )
+        node_id, seen, benchmark, holds, degraded, failed = queries.idle_heartbeat(
+            key_hash=key_hash, now=now, offline=NodeStatus.OFFLINE.value, statuses=WANTED,
+            health=HEALTH,
+        )  # fmt: skip
         stored = Node.objects.get(pk=node.pk)
-        assert (node_id, seen, benchmark, holds) == (
+        assert (node_id, seen, benchmark, holds, degraded, failed) == (
             node.pk,
             True,
             stored.benchmark_requested,
             bool(_orm_held(node, now)),
+            Gpu.objects.filter(node=node, health=GpuHealth.DEGRADED).exists(),
+            list(
+                Gpu.objects.filter(node=node, health=GpuHealth.FAILED)
+                .order_by("index")
+                .values_list("index", flat=True)
+            ),
         )
         assert stored.last_seen_at == now
-    assert holds
+    assert holds and not degraded
 
 
 def test_an_idle_heartbeat_leaves_an_offline_node_and_refuses_an_unknown_token(make_node):
@@ -95,14 +107,19 @@ def test_an_idle_heartbeat_leaves_an_offline_node_and_refuses_an_unknown_token(m
     before = Node.objects.get(pk=node.pk).last_seen_at
     now = timezone.now()
     assert queries.idle_heartbeat(
-        key_hash=key_hash, now=now, offline=NodeStatus.OFFLINE.value, statuses=WANTED
-    ) == (node.pk, False, None, False)
+        key_hash=key_hash, now=now, offline=NodeStatus.OFFLINE.value, statuses=WANTED,
+        health=HEALTH,
+    ) == (node.pk, False, None, False, False, [])  # fmt: skip
     assert Node.objects.get(pk=node.pk).last_seen_at == before
     NodeCredential.objects.filter(node=node).update(revoked_at=now)
     for unknown in (key_hash, "d" * 64):
         assert (
             queries.idle_heartbeat(
-                key_hash=unknown, now=now, offline=NodeStatus.OFFLINE.value, statuses=WANTED
+                key_hash=unknown,
+                now=now,
+                offline=NodeStatus.OFFLINE.value,
+                statuses=WANTED,
+                health=HEALTH,
             )
             is None
         )

@@ -8,7 +8,16 @@ from decimal import Decimal
 import pytest
 from django.utils import timezone
 
-from marketplace.models import Allocation, Node, NodeEvent, Rental, RentalEvent, RentalStatus
+from marketplace.models import (
+    Allocation,
+    Gpu,
+    GpuHealthEvent,
+    Node,
+    NodeEvent,
+    Rental,
+    RentalEvent,
+    RentalStatus,
+)
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 from provisioning.services import nodes_reliability_update
 from provisioning.services.reliability import PRIOR_HOURS
@@ -111,4 +120,33 @@ def test_downtime_lowers_reliability_and_maintenance_does_not(make_node):
     assert float(down.reliability) == pytest.approx((1 - weight) * 0.95 + weight * 0.5, abs=1e-3)
     assert float(resting.reliability) == pytest.approx(
         0.95 * (72 / (120 + 72)) + (120 / 192), abs=1e-3
+    )
+
+
+def test_time_a_gpu_spent_failed_lowers_its_node_s_reliability(make_node):
+    # Given two 4-GPU nodes listed 10 days, always online; one GPU of the faulty one failed 8
+    # days ago and came back after a passing check 3 days ago (5 of its 40 GPU-days lost), and
+    # another GPU of it failed 2 days ago and is still out (2 more GPU-days)
+    steady = make_node(hostname="steady", gpus=4)
+    faulty = make_node(hostname="faulty", gpus=4)
+    now = timezone.now()
+    for node in (steady, faulty):
+        _listed_since(node, 10)
+    first, second = faulty.gpus.order_by("index")[:2]
+    for gpu, days, frm, to in ((first, 8, "ok", "failed"), (first, 3, "failed", "ok"),
+                               (second, 2, "ok", "failed")):  # fmt: skip
+        event = GpuHealthEvent.objects.create(
+            gpu=gpu, node=faulty, from_health=frm, to_health=to, reason="Xid 79"
+        )
+        GpuHealthEvent.objects.filter(pk=event.pk).update(created_at=now - timedelta(days=days))
+    Gpu.objects.filter(pk=second.pk).update(health="failed", health_since=now - timedelta(days=2))
+    # When reliability is measured
+    nodes_reliability_update(now=now)
+    steady.refresh_from_db()
+    faulty.refresh_from_db()
+    # Then the faulty node's observed figure is its GPUs' healthy share: 33 of 40 GPU-days
+    weight = 240 / (240 + PRIOR_HOURS)
+    assert float(steady.reliability) == pytest.approx((1 - weight) * 0.95 + weight, abs=1e-3)
+    assert float(faulty.reliability) == pytest.approx(
+        (1 - weight) * 0.95 + weight * 33 / 40, abs=1e-3
     )
