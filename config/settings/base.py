@@ -390,6 +390,10 @@ GPUMARKET = {
     # What the advisor books when the customer names no image: the training harness.
     "HARNESS_IMAGE": env.str("HARNESS_IMAGE", default="gpumarket/harness:dev"),
     # What happens to a started rental whose node goes silent: "fail" or "requeue".
+    # What a preemption does to an interruptible rental, chosen per rental at its create (the
+    # customer may choose): "requeue" (resume from its last checkpoint), "end" (PREEMPTED), or
+    # "auto": requeue for a rental that checkpoints (the harness), end for any other.
+    "PREEMPTION_POLICY": env.str("PREEMPTION_POLICY", default="auto"),
     "NODE_LOST_POLICY": env.str("NODE_LOST_POLICY", default="fail"),
     # How long the live log of a run (its output lines) is kept.
     "LOG_RETENTION_DAYS": env.int("LOG_RETENTION_DAYS", default=7),

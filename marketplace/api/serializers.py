@@ -11,7 +11,7 @@ from advisor.engine.presets import PRESETS, decoder_shape
 from core.api.fields import INT32_MAX, BoundedDateTimeField, refuse_unknown
 from core.api.pagination import MAX_OFFSET
 from core.api.reuse import ReusedPerThread
-from marketplace.models import GpuModel, RentalStatus
+from marketplace.models import GpuModel, PreemptionPolicy, RentalStatus
 from marketplace.selectors import OFFER_ORDERINGS
 
 
@@ -230,6 +230,11 @@ class RentalCreateSerializer(ReusedPerThread, serializers.Serializer):
         max_digits=10, decimal_places=4, required=False, allow_null=True, default=None,
         min_value=Decimal("0.0001"),
     )  # fmt: skip
+    preemption_policy = serializers.ChoiceField(
+        choices=PreemptionPolicy.values, required=False, allow_null=True, default=None,
+        help_text="an interruptible rental preempted: requeue (resume from its last "
+        "checkpoint) or end; by default requeue for a run that checkpoints",
+    )  # fmt: skip
     max_charge = serializers.DecimalField(
         max_digits=9, decimal_places=2, required=False, allow_null=True, default=None,
         min_value=Decimal("0.01"), max_value=Decimal(1_000_000),
@@ -278,6 +283,7 @@ class RentalEventSerializer(serializers.Serializer):
     to_status = serializers.CharField()
     actor_kind = serializers.CharField()
     reason = serializers.CharField()
+    cause = serializers.CharField(help_text="whose doing an ending or a re-queue was")
 
 
 class AllocationSerializer(serializers.Serializer):
@@ -319,8 +325,14 @@ class RentalSerializer(serializers.Serializer):
     duration_s = serializers.IntegerField()
     scheduled_start = serializers.DateTimeField(allow_null=True)
     scheduled_end = serializers.DateTimeField(allow_null=True)
-    started_at = serializers.DateTimeField(allow_null=True)
-    ended_at = serializers.DateTimeField(allow_null=True)
+    started_at = serializers.DateTimeField(
+        allow_null=True, help_text="the server's RUNNING event: billed time starts here"
+    )
+    ended_at = serializers.DateTimeField(allow_null=True, help_text="the server's end time")
+    end_cause = serializers.CharField(
+        help_text="customer, node, platform or preemption; empty while it has not ended"
+    )
+    preemption_policy = serializers.CharField()
     exit_code = serializers.IntegerField(allow_null=True)
     image = serializers.CharField()
     command = serializers.JSONField()
@@ -341,9 +353,23 @@ class RentalAccessSerializer(serializers.Serializer):
 
 
 # Views render with this thread's instance (`for_instance`, core.api.reuse).
+class RentalCreditSerializer(serializers.Serializer):
+    """GPU time a node fault lost, credited automatically (never billed, never paid out)."""
+
+    node = serializers.CharField(source="hostname")
+    reason = serializers.CharField()
+    start = serializers.DateTimeField(
+        source="during.lower", help_text="the last synced checkpoint (the run's start if none)"
+    )
+    end = serializers.DateTimeField(source="during.upper", help_text="the fault")
+
+
 class RentalDetailSerializer(ReusedPerThread, RentalSerializer):
     events = RentalEventSerializer(many=True)
     allocations = AllocationSerializer(many=True)
+    credits = RentalCreditSerializer(
+        many=True, help_text="GPU time a node fault lost: credited, not billed"
+    )
     log_tail = serializers.CharField()
     access = RentalAccessSerializer(
         many=True, help_text="how to reach the running container (SSH), once its ports listen"

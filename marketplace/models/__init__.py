@@ -5,7 +5,10 @@ from marketplace.models.catalog import GpuModel, GpuTier
 from marketplace.models.inventory import Gpu, Node, NodeEvent, NodeStatus
 from marketplace.models.rentals import (
     Allocation,
+    EndCause,
+    PreemptionPolicy,
     Rental,
+    RentalCredit,
     RentalEvent,
     RentalKind,
     RentalStatus,
@@ -13,14 +16,17 @@ from marketplace.models.rentals import (
 
 __all__ = [
     "Allocation",
+    "EndCause",
     "Gpu",
     "GpuModel",
     "GpuTier",
     "Node",
     "NodeEvent",
     "NodeStatus",
+    "PreemptionPolicy",
     "Provider",
     "Rental",
+    "RentalCredit",
     "RentalEvent",
     "RentalKind",
     "RentalStatus",

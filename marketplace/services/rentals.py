@@ -22,7 +22,7 @@ from accounts.models import Membership, Team
 from accounts.selectors import ssh_key_scope
 from core.errors import NotFound, ValidationFailed
 from marketplace.lifecycle import rental_submit
-from marketplace.models import GpuModel, Rental, RentalKind, User
+from marketplace.models import GpuModel, PreemptionPolicy, Rental, RentalKind, User
 from marketplace.selectors import (
     NodeFilter,
     engine_nodes_cheapest,
@@ -77,6 +77,18 @@ class RentalRequest:
     # An earlier rental of the customer's whose last synced checkpoint the run starts from.
     resume_from: uuid.UUID | None = None
     ssh: bool = False  # an sshd in the container for the account's SSH keys
+    # What a preemption does to it (PreemptionPolicy); None: preemption_policy_default.
+    preemption_policy: str | None = None
+
+
+def preemption_policy_default(*, harness_config: dict | None) -> str:
+    """settings.GPUMARKET["PREEMPTION_POLICY"] when it names a policy; "auto" (the default):
+    REQUEUE for a rental that checkpoints (the harness syncs its checkpoints, so a re-queued
+    run resumes), END for any other, whose work a re-queue would start over."""
+    setting = settings.GPUMARKET.get("PREEMPTION_POLICY", "auto")
+    if setting in PreemptionPolicy.values:
+        return setting
+    return PreemptionPolicy.REQUEUE if harness_config is not None else PreemptionPolicy.END
 
 
 def _harness_config(runtime: RuntimeSpec) -> dict | None:
@@ -305,6 +317,8 @@ def rental_create(
             ports=request.runtime.ports,
             ssh=request.ssh,
             resume_from=resume_from,
+            preemption_policy=request.preemption_policy
+            or preemption_policy_default(harness_config=_harness_config(request.runtime)),
         )
         links = []
         if request.datasets:
