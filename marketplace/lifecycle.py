@@ -588,6 +588,28 @@ def rental_mark_booked_time_ended(*, rental: Rental) -> bool:
     return True
 
 
+def rental_stop_grace_passed(*, rental: Rental, grace: timedelta, now: datetime) -> bool:
+    """A STOPPING rental whose agent has not reported the container gone within the stop
+    grace: its GPUs are freed at the grace's end and it is COMPLETED, whatever the agent
+    reports later (a stop is never billed past its grace either). Returns whether it was."""
+    if rental.status != S.STOPPING:
+        return False
+    stop = rental.events.filter(to_status=S.STOPPING).order_by("-created_at", "-id").first()
+    if stop is None or stop.created_at + grace > now:
+        return False
+    at = stop.created_at + grace
+    _allocations_release(rental=rental, at=at)
+    rental_transition(
+        rental=rental,
+        to_status=S.COMPLETED,
+        actor_kind=A.SYSTEM,
+        reason="stopped: the stop grace passed, GPUs freed",
+        cause=_stop_cause(rental),
+        ended_at=at,
+    )
+    return True
+
+
 def rental_preempt(
     *, rental: Rental, reason: str, at: datetime, requeue: bool | None = None
 ) -> bool:
