@@ -8,7 +8,7 @@ from decimal import Decimal
 from rest_framework import serializers
 
 from advisor.engine.presets import PRESETS, decoder_shape
-from core.api.fields import INT32_MAX, BoundedDateTimeField, refuse_unknown
+from core.api.fields import INT32_MAX, BoundedDateTimeField, NameField, refuse_unknown
 from core.api.pagination import MAX_OFFSET
 from core.api.reuse import ReusedPerThread
 from marketplace.models import GpuModel, PreemptionPolicy, RentalStatus
@@ -202,7 +202,7 @@ class RuntimeSerializer(serializers.Serializer):
 class RentalCreateSerializer(ReusedPerThread, serializers.Serializer):
     """A rental request: GPU constraints, placement, timing, pricing and the runtime."""
 
-    name = serializers.CharField(max_length=80, required=False, default="", allow_blank=True)
+    name = NameField(max_length=80, required=False, default="", allow_blank=True)
     gpu_models = serializers.ListField(
         child=serializers.SlugField(max_length=40), required=False, default=list, max_length=20
     )
