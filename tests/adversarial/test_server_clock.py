@@ -79,7 +79,12 @@ def test_a_forged_start_is_billed_from_the_servers_running_event(agent, rent, us
     page.force_login(user)
     html = page.get(f"/rentals/{rental.pk}/").content.decode()
     assert timezone.localtime(rental.started_at).strftime("%Y-%m-%d %H:%M:%S") in html
-    assert timezone.localtime(forged).strftime("%Y-%m-%d %H:%M") not in html
+    ran = html.split("<dt>Ran</dt>", 1)[1].split("</dd>", 1)[0]
+    assert timezone.localtime(forged).strftime("%Y-%m-%d %H:%M:%S") not in ran
+    # (the agent's claim is shown apart, as reported)
+    reported = html.split('class="muted reported">', 1)[1].split("</dd>", 1)[0]
+    assert timezone.localtime(forged).strftime("%Y-%m-%d %H:%M:%S") in reported
+    assert "as the node's agent reported it" in reported
     api = page.get(f"/api/v1/rentals/{rental.pk}/").json()
     assert api["started_at"] == rental.started_at.isoformat().replace("+00:00", "Z")
 
