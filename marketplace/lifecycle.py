@@ -379,7 +379,7 @@ CUSTOMER_START_ERRORS = (
     "invalid reference format",
     "executable file not found",
     "exec format error",
-    "exec: ",
+    'exec: "',  # the runtime could not run the customer's (quoted) command: not executable
 )
 
 
