@@ -202,9 +202,17 @@ def test_a_provider_forging_every_report_for_60_s_bills_only_what_the_server_all
     assert meters, [r.status for r in Rental.objects.all()]
     assert any(m.gpu_seconds > 0 for m in meters)
     # And every billed second lies inside the bound: held on the node ∩ server RUNNING + grace
+    now = timezone.now()
     for meter in meters:
         bound = _bound(meter.rental_id, meter.node_id)
         assert meter.gpu_seconds + meter.credited_gpu_seconds <= bound, (meter.rental_id, bound)
+        # nor past now: a run still going is billed no further than the server's clock
+        first_run = meter.rental.events.filter(to_status=RentalStatus.RUNNING).earliest(
+            "created_at"
+        )
+        held = meter.rental.allocations.filter(node_id=meter.node_id).count()
+        elapsed = (now - first_run.created_at).total_seconds()
+        assert meter.gpu_seconds + meter.credited_gpu_seconds <= held * elapsed
         print(f"soak meter {meter.rental_id}: billed {meter.gpu_seconds} GPU-s, credited "
               f"{meter.credited_gpu_seconds}, bound {bound}")  # fmt: skip
     print(f"soak: {len(forger.statuses)} requests, statuses {sorted(set(forger.statuses))}")
