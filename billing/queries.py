@@ -28,7 +28,7 @@ from billing.models import (
 )
 from core.money import cost_micros_sql
 from core.rows import model_from_row, sql_named
-from marketplace.models import Allocation, Gpu, Node, Rental, RentalEvent
+from marketplace.models import Allocation, Gpu, Node, Rental, RentalCredit, RentalEvent
 
 
 def _priced(template: str, **costs: str) -> str:
@@ -518,6 +518,8 @@ _CANDIDATES = """
            m.{meter.charge_micros}, m.{meter.posting_seq}, m.{meter.posted_gpu_seconds},
                m.{meter.posted_charge_micros},
            m.{meter.posted_earning_micros}, m.{meter.posted_at},
+           m.{meter.credited_gpu_seconds}, m.{meter.credit_micros},
+               m.{meter.posted_credited_gpu_seconds}, m.{meter.posted_credit_micros},
            coalesce(m.{meter.price_per_gpu_hour},
                r.{rental.price_per_gpu_hour}) AS price_per_gpu_hour,
            -- Rated again on a new report, and when the rental moved (a stop, an end, a
@@ -534,7 +536,8 @@ _CANDIDATES = """
     WHERE m.{meter.id} >= %(first_id)s AND m.{meter.id} < %(end_id)s
       AND (m.{meter.rated_version} < m.{meter.usage_version}
           OR r.{rental.updated_at} > m.{meter.rated_at}
-           OR m.{meter.charge_micros} <> m.{meter.posted_charge_micros})
+           OR m.{meter.charge_micros} <> m.{meter.posted_charge_micros}
+           OR m.{meter.credit_micros} <> m.{meter.posted_credit_micros})
 """
 _ENSURE_ACCOUNTS = """
 WITH c AS ({candidates}),
@@ -569,23 +572,22 @@ confirmed AS (
     GROUP BY c.id
 ),
 moves AS (
-    SELECT ev.{event.rental_id}, ev.{event.to_status}, ev.{event.created_at}, c.started_at,
-        c.ended_at,
+    SELECT ev.{event.rental_id}, ev.{event.to_status}, ev.{event.created_at}, c.ended_at,
            lag(ev.{event.created_at}) OVER w AS prev_at,
            lead(ev.{event.to_status}) OVER w AS next_to,
            lead(ev.{event.created_at}) OVER w AS next_at,
            lead(ev.{event.created_at}, 2) OVER w AS after_next_at
-    FROM (SELECT DISTINCT rental_id, started_at, ended_at FROM c WHERE dirty) c
+    FROM (SELECT DISTINCT rental_id, ended_at FROM c WHERE dirty) c
     JOIN {event} ev ON ev.{event.rental_id} = c.rental_id
     WINDOW w AS (PARTITION BY ev.{event.rental_id} ORDER BY ev.{event.created_at}, ev.{event.id})
 ),
 episodes AS (
-    -- Each time the rental was RUNNING, in the server's own event times: from the agent's
-    -- start (no earlier than the hand-over before it) to the next move; a stop counts for its
+    -- Each time the rental was RUNNING, in the server's own event times only: from the RUNNING
+    -- event (never the start time an agent reports) to the next move; a stop counts for its
     -- grace at most, so a stop that never reaches the agent stops the bill anyway.
     SELECT rental_id, lo, GREATEST(lo, hi) AS hi
     FROM (SELECT rental_id,
-                 GREATEST(prev_at, LEAST(created_at, started_at)) AS lo,
+                 GREATEST(prev_at, created_at) AS lo,
                  LEAST(CASE WHEN next_to = 'stopping'
                             THEN LEAST(next_at + %(grace)s, coalesce(after_next_at, 'infinity'))
                             ELSE coalesce(next_at, 'infinity') END,
@@ -594,6 +596,13 @@ episodes AS (
 ),
 running AS (
     SELECT rental_id, range_agg(tstzrange(lo, hi)) AS spans FROM episodes GROUP BY rental_id
+),
+credits AS (
+    -- GPU time node faults destroyed (marketplace.RentalCredit): rated apart, credited back.
+    SELECT c.id, range_agg(fc.{credit.during}) AS spans,
+           left(string_agg(DISTINCT fc.{credit.reason}, '; '), 500) AS reason
+    FROM c JOIN {credit} fc ON fc.{credit.rental_id} = c.rental_id
+    GROUP BY c.id
 ),
 held AS (
     -- The allocations on the meter's node, each GPU's range (cut at its release). GPUs placed
@@ -606,17 +615,26 @@ held AS (
            ON al.{allocation.rental_id} = c.rental_id AND al.{allocation.node_id} = c.node_id
     WHERE c.dirty
 ),
-used AS (
-    -- Billable: confirmed, inside the allocation held on this node, while the rental ran.
+used_all AS (
+    -- Billable: confirmed, inside the allocation held on this node, while the rental ran; and
+    -- of that, what a node fault destroyed (credited).
     SELECT h.id, sum(floor(extract(epoch FROM (
                SELECT sum(upper(x) - lower(x))
                FROM unnest(k.spans * tstzmultirange(h.during) * ru.spans) AS x))))::bigint
-               AS gpu_seconds
+               AS all_seconds,
+           coalesce(sum(floor(extract(epoch FROM (
+               SELECT sum(upper(x) - lower(x))
+               FROM unnest(k.spans * tstzmultirange(h.during) * ru.spans * cr.spans) AS x)))),
+               0)::bigint AS credited_seconds
     FROM held h
     JOIN confirmed k ON k.id = h.id
     JOIN running ru ON ru.rental_id = h.rental_id
+    LEFT JOIN credits cr ON cr.id = h.id
     WHERE h.nth <= k.gpus
     GROUP BY h.id
+),
+used AS (
+    SELECT id, all_seconds - credited_seconds AS gpu_seconds, credited_seconds FROM used_all
 ),
 rated AS (
     SELECT c.*, ca.{account.id} AS customer_account_id, pa.{account.id} AS provider_account_id,
@@ -624,9 +642,16 @@ rated AS (
                AS new_seconds,
            CASE WHEN c.dirty
                 THEN ({charge})::bigint
-                ELSE c.charge_micros END AS new_charge
+                ELSE c.charge_micros END AS new_charge,
+           CASE WHEN c.dirty THEN coalesce(used.credited_seconds, 0)
+                ELSE c.credited_gpu_seconds END AS new_credited_seconds,
+           CASE WHEN c.dirty
+                THEN ({charge_all})::bigint - ({charge})::bigint
+                ELSE c.credit_micros END AS new_credit,
+           cr.reason AS credit_reason
     FROM c
     LEFT JOIN used ON used.id = c.id
+    LEFT JOIN credits cr ON cr.id = c.id
     LEFT JOIN {account} ca ON ca.{account.kind} = 'customer' AND ca.{account.team_id} = c.team_id
     LEFT JOIN {account} pa ON pa.{account.kind} = 'provider'
         AND pa.{account.provider_id} = c.provider_id
@@ -634,7 +659,7 @@ rated AS (
 decided AS (
     SELECT r.*,
            div(r.new_charge::numeric * (10000 - r.fee_bps), 10000)::bigint AS new_earning,
-           (r.new_charge <> r.posted_charge_micros
+           ((r.new_charge <> r.posted_charge_micros OR r.new_credit <> r.posted_credit_micros)
             AND r.customer_account_id IS NOT NULL AND r.provider_account_id IS NOT NULL
             AND (r.posted_at IS NULL
                  OR r.posted_at <= %(cutoff)s
@@ -656,27 +681,40 @@ moved AS (
         posted_charge_micros = CASE WHEN d.post THEN d.new_charge ELSE d.posted_charge_micros END,
         posted_earning_micros = CASE WHEN d.post THEN d.new_earning
                                      ELSE d.posted_earning_micros END,
-        posted_at = CASE WHEN d.post THEN %(now)s ELSE d.posted_at END
+        posted_at = CASE WHEN d.post THEN %(now)s ELSE d.posted_at END,
+        credited_gpu_seconds = d.new_credited_seconds,
+        credit_micros = d.new_credit,
+        posted_credited_gpu_seconds = CASE WHEN d.post THEN d.new_credited_seconds
+                                           ELSE d.posted_credited_gpu_seconds END,
+        posted_credit_micros = CASE WHEN d.post THEN d.new_credit
+                                    ELSE d.posted_credit_micros END
     FROM decided d
     WHERE m.{meter.id} = d.id AND (d.dirty OR d.post)
     RETURNING m.{meter.id}
 ),
 entries AS (
-    -- The deltas since the last posting, from totals: usage + earning + fee = 0.
+    -- The deltas since the last posting, from totals: usage + fault credit + earning + fee
+    -- = 0. The customer's usage is every billable second; the GPU time a node fault destroyed
+    -- is credited back beside it with the reason, and the provider earns on the rest only.
     INSERT INTO {entry}
         (account_id, kind, amount_micros, rental_id, meter_id, posting_seq, gpu_seconds, memo,
          created_at)
-    SELECT v.account_id, v.kind, v.amount, d.rental_id, d.id, d.posting_seq + 1, v.seconds, '',
-           %(now)s
+    SELECT v.account_id, v.kind, v.amount, d.rental_id, d.id, d.posting_seq + 1, v.seconds,
+           v.memo, %(now)s
     FROM decided d CROSS JOIN LATERAL (VALUES
-        (d.customer_account_id, 'usage', d.posted_charge_micros - d.new_charge,
-         d.new_seconds - d.posted_gpu_seconds),
+        (d.customer_account_id, 'usage',
+         (d.posted_charge_micros + d.posted_credit_micros) - (d.new_charge + d.new_credit),
+         (d.new_seconds + d.new_credited_seconds)
+             - (d.posted_gpu_seconds + d.posted_credited_gpu_seconds), ''),
+        (d.customer_account_id, 'fault_credit', d.new_credit - d.posted_credit_micros,
+         d.new_credited_seconds - d.posted_credited_gpu_seconds,
+         left('node fault: ' || coalesce(d.credit_reason, ''), 500)),
         (d.provider_account_id, 'earning', d.new_earning - d.posted_earning_micros,
-         NULL::bigint),
+         NULL::bigint, ''),
         (%(platform)s::bigint, 'platform_fee',
          (d.new_charge - d.posted_charge_micros) - (d.new_earning - d.posted_earning_micros),
-         NULL::bigint)
-    ) AS v(account_id, kind, amount, seconds)
+         NULL::bigint, '')
+    ) AS v(account_id, kind, amount, seconds, memo)
     WHERE d.post AND v.amount <> 0
     RETURNING account_id, amount_micros
 ),
@@ -697,6 +735,14 @@ def _charge() -> str:
     )
 
 
+def _charge_all() -> str:
+    """The charge of every billable second, the credited ones included."""
+    return cost_micros_sql(
+        price="c.price_per_gpu_hour",
+        gpu_seconds="coalesce(used.gpu_seconds, 0) + coalesce(used.credited_seconds, 0)",
+    )
+
+
 _PASS_TABLES = {
     "meter": UsageMeter,
     "rental": Rental,
@@ -706,6 +752,7 @@ _PASS_TABLES = {
     "allocation": Allocation,
     "account": Account,
     "entry": LedgerEntry,
+    "credit": RentalCredit,
 }
 
 
@@ -716,7 +763,10 @@ def _ensure_accounts_sql() -> str:
 
 @cache
 def _pass_sql() -> str:
-    return sql_named(_priced(_PASS, candidates=_CANDIDATES, charge=_charge()), **_PASS_TABLES)
+    return sql_named(
+        _priced(_PASS, candidates=_CANDIDATES, charge=_charge(), charge_all=_charge_all()),
+        **_PASS_TABLES,
+    )
 
 
 def billing_accounts_ensure(*, params: dict) -> None:

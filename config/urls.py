@@ -16,7 +16,11 @@ from storage.api import urls as storage_api
 # Staff sign in through allauth (password, then TOTP), never through the admin's own form.
 admin.site.login = secure_admin_login(admin.site.login)
 
+# Every error under /api/ answers JSON, whichever layer raised it.
+handler400 = "core.api.exceptions.bad_request_handler"
+handler403 = "core.api.exceptions.permission_denied_handler"
 handler404 = "core.api.exceptions.not_found"
+handler500 = "core.api.exceptions.server_error_handler"
 
 urlpatterns = [
     # First: the agents' requests are the most frequent, and Django tries the routes in order.

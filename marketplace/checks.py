@@ -35,7 +35,12 @@ def rates_are_valid(app_configs, **kwargs):
 def hooks_are_registered(app_configs, **kwargs):
     """The apps above the marketplace hand it these when they are ready; without them a
     rental would hold no funds, a transition notify nobody, or a rental not read its datasets."""
-    from marketplace.lifecycle import MISSING_EVENT_RECORDER, event_recorder_registered
+    from marketplace.lifecycle import (
+        MISSING_CHECKPOINT_LOOKUP,
+        MISSING_EVENT_RECORDER,
+        checkpoint_lookup_registered,
+        event_recorder_registered,
+    )
     from marketplace.services.rentals import (
         MISSING_DATASETS_ATTACH,
         MISSING_FUNDS_HOLD,
@@ -50,4 +55,6 @@ def hooks_are_registered(app_configs, **kwargs):
         errors.append(Error(MISSING_EVENT_RECORDER, id="marketplace.E003"))
     if not datasets_attach_registered():
         errors.append(Error(MISSING_DATASETS_ATTACH, id="marketplace.E004"))
+    if not checkpoint_lookup_registered():
+        errors.append(Error(MISSING_CHECKPOINT_LOOKUP, id="marketplace.E005"))
     return errors

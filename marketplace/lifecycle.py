@@ -32,10 +32,20 @@ from django.utils import timezone
 from accounts.models import Team
 from core.errors import Conflict, NotFound
 from core.rows import model_insert
-from marketplace.models import Allocation, Rental, RentalEvent, RentalStatus, User
+from marketplace.models import (
+    Allocation,
+    EndCause,
+    PreemptionPolicy,
+    Rental,
+    RentalCredit,
+    RentalEvent,
+    RentalStatus,
+    User,
+)
 
 S = RentalStatus
 A = RentalEvent.Actor
+C = EndCause
 
 # The one table of allowed transitions; nothing else moves a rental.
 ALLOWED_TRANSITIONS: dict[str, frozenset[str]] = {
@@ -131,12 +141,18 @@ def rental_transition(
     actor_kind: str,
     actor: User | None = None,
     reason: str = "",
+    cause: str = "",
     **fields,
 ) -> Rental:
-    """Move a locked rental along one allowed edge and record the event."""
+    """Move a locked rental along one allowed edge and record the event. An ending or a
+    re-queue records its `cause` (EndCause): whose doing it was (when not given: the
+    customer's for a customer's or billing's move, else the platform's)."""
     _require_transaction()
     if to_status not in ALLOWED_TRANSITIONS[rental.status]:
         raise Conflict(f"a {rental.status} rental cannot become {to_status}")
+    if (to_status in TERMINAL or to_status == S.PENDING) and not cause:
+        # Never NODE by default: only rental_end_for_node_fault blames a node.
+        cause = C.CUSTOMER if actor_kind in (A.CUSTOMER, A.BILLING) else C.PLATFORM
     event = RentalEvent.objects.create(
         rental=rental,
         from_status=rental.status,
@@ -144,9 +160,15 @@ def rental_transition(
         actor_kind=actor_kind,
         actor=actor,
         reason=reason[:500],
+        cause=cause,
     )
     rental.status = to_status
     rental.status_reason = reason[:500]
+    if to_status in TERMINAL:
+        fields["end_cause"] = cause
+    if to_status == S.RUNNING:
+        # Billable time starts at the server's own RUNNING event, whatever the agent reports.
+        fields["started_at"] = event.created_at
     for name, value in fields.items():
         setattr(rental, name, value)
     rental.save(update_fields=["status", "status_reason", "updated_at", *fields])
@@ -318,12 +340,11 @@ def rental_mark_provisioning(*, rental: Rental, hostname: str) -> None:
         )
 
 
-def rental_mark_container_started(
-    *, rental: Rental, hostname: str, started_at: datetime, waiting_for: str = ""
-) -> None:
-    """The agent reports the rental's container ran: the rental is RUNNING from `started_at`.
-    A multi-node rental passes `waiting_for` while some of its members have not started yet:
-    it stays PROVISIONING (unbilled) until the last one runs."""
+def rental_mark_container_started(*, rental: Rental, hostname: str, waiting_for: str = "") -> None:
+    """The agent reports the rental's container ran: the rental is RUNNING from the server's
+    event (the agent's own start time is kept on its container run, as reported). A multi-node
+    rental passes `waiting_for` while some of its members have not started yet: it stays
+    PROVISIONING (unbilled) until the last one runs."""
     if rental.status == S.SCHEDULED:
         rental_transition(
             rental=rental,
@@ -343,8 +364,39 @@ def rental_mark_container_started(
             to_status=S.RUNNING,
             actor_kind=A.AGENT,
             reason=f"container running on {hostname}",
-            started_at=started_at,
         )
+
+
+# What an agent's start error says when the customer's image or command is at fault (the node
+# refuses the image, the registry has no such image, the command cannot be executed), not the
+# node. Matched case-insensitively on the error the agent reports.
+CUSTOMER_START_ERRORS = (
+    "is not allowed on this node",
+    "no such image",
+    "pull access denied",
+    "manifest unknown",
+    "repository does not exist",
+    "invalid reference format",
+    "executable file not found",
+    "exec format error",
+    'exec: "',  # the runtime could not run the customer's (quoted) command: not executable
+)
+
+
+def start_error_cause(error: str) -> str:
+    """Whose fault a start failure is, from what the agent reported: the customer's for their
+    image or command, else the node's."""
+    lowered = error.lower()
+    if any(marker in lowered for marker in CUSTOMER_START_ERRORS):
+        return C.CUSTOMER
+    return C.NODE
+
+
+def _stop_cause(rental: Rental) -> str:
+    """Whose doing a stop was: the scheduler's is a preemption, every other one (the
+    customer, their booked time, funds or budget) the customer's."""
+    stop = rental.events.filter(to_status=S.STOPPING).order_by("-created_at", "-id").first()
+    return C.PREEMPTION if stop is not None and stop.actor_kind == A.SCHEDULER else C.CUSTOMER
 
 
 def rental_mark_container_ended(
@@ -358,17 +410,21 @@ def rental_mark_container_ended(
     at: datetime,
 ) -> None:
     """The agent reports the container gone (exited, failed to start, or missing): the rental
-    ends, its GPUs freed at `at`. How it ends depends on why the container stopped."""
+    ends, its GPUs freed at `at`, the server's end time. How it ends, and whose doing that is,
+    depends on why the container stopped; `ended_at` is the agent's, read only against the
+    booked window."""
     if rental.status in TERMINAL:
         return
+    cause = C.CUSTOMER
     if rental.status == S.STOPPING:
-        to, reason = S.COMPLETED, "stopped"
-    elif rental.scheduled_end is not None and ended_at >= rental.scheduled_end:
+        to, reason, cause = S.COMPLETED, "stopped", _stop_cause(rental)
+    elif rental.scheduled_end is not None and min(ended_at, at) >= rental.scheduled_end:
         # The agent stops a run when its allocation ends, maybe before the booked-time sweep
         # asked for the stop: the customer got what was booked, whatever the exit code.
         to, reason = S.COMPLETED, "booked time ended"
     elif error:
         to, reason = S.FAILED, f"cannot start on {hostname}: {error}"
+        cause = start_error_cause(error)
     elif exit_code == 0:
         to, reason = S.COMPLETED, "finished"
     elif exit_code is not None:
@@ -379,8 +435,14 @@ def rental_mark_container_ended(
         if last:
             reason = f"{reason}: {last}"
     else:
-        to, reason = S.FAILED, "container disappeared from the node"
+        to, reason, cause = S.FAILED, f"container disappeared from {hostname}", C.NODE
     if to not in ALLOWED_TRANSITIONS[rental.status]:
+        return
+    fields = {"exit_code": exit_code, "log_tail": log_tail}
+    if cause == C.NODE:
+        rental_end_for_node_fault(
+            rental=rental, hostname=hostname, reason=reason, at=at, requeue=False, **fields
+        )
         return
     _allocations_release(rental=rental, at=at)
     rental_transition(
@@ -388,9 +450,9 @@ def rental_mark_container_ended(
         to_status=to,
         actor_kind=A.AGENT,
         reason=reason,
-        ended_at=ended_at,
-        exit_code=exit_code,
-        log_tail=log_tail,
+        cause=cause,
+        ended_at=at,
+        **fields,
     )
 
 
@@ -408,34 +470,97 @@ def last_log_line(log_tail: str) -> str:
     return ""
 
 
+# The storage app (which depends on the marketplace) hands in how to read a rental's last
+# synced checkpoint time, when its app is ready.
+CheckpointLookup = Callable[[Rental], "datetime | None"]
+_last_checkpoint_at: CheckpointLookup | None = None
+MISSING_CHECKPOINT_LOOKUP = "no checkpoint lookup is registered: is storage installed?"
+
+
+def last_checkpoint_lookup_register(lookup: CheckpointLookup) -> None:
+    """Called as `lookup(rental)`: when the rental's last checkpoint was synced, or None."""
+    global _last_checkpoint_at
+    _last_checkpoint_at = lookup
+
+
+def checkpoint_lookup_registered() -> bool:
+    return _last_checkpoint_at is not None
+
+
+def rental_end_for_node_fault(
+    *,
+    rental: Rental,
+    hostname: str,
+    reason: str,
+    at: datetime,
+    requeue: bool,
+    actor_kind: str = A.SYSTEM,
+    **fields,
+) -> Rental:
+    """Every ending (or re-queue) that is a node's fault goes through here: the node went
+    silent, could not start the container for a reason of its own, lost it, or its GPU failed.
+    The rental's GPUs are freed at `at`; the GPU time since its last synced checkpoint (the
+    whole run when it never checkpointed) is credited (a RentalCredit the billing pass neither
+    charges nor pays the provider for); then it ends (FAILED, or COMPLETED when it was
+    already stopping) or, with `requeue` and when not stopping, goes back to PENDING to resume
+    from that checkpoint. The cause recorded is NODE, which alone counts against the node's
+    measured reliability."""
+    _require_transaction()
+    if rental.status in TERMINAL:
+        return rental
+    if hostname not in reason:
+        reason = f"{reason} on {hostname}"  # the node blamed is named (reliability reads it)
+    if _last_checkpoint_at is None:
+        raise ImproperlyConfigured(MISSING_CHECKPOINT_LOOKUP)
+    _allocations_release(rental=rental, at=at)
+    if rental.started_at is not None:
+        # No checkpoint: the whole run was lost (an unbounded start; the billing pass credits
+        # only what was billable in it).
+        since = _last_checkpoint_at(rental)
+        if since is None or since < at:
+            RentalCredit.objects.create(
+                rental=rental,
+                hostname=hostname[:255],
+                reason=reason[:500],
+                during=(since, at),
+                created_at=at,
+            )
+    if rental.status == S.STOPPING:
+        return rental_transition(
+            rental=rental, to_status=S.COMPLETED, actor_kind=actor_kind, reason=reason,
+            cause=C.NODE, ended_at=at, **fields,
+        )  # fmt: skip
+    if requeue:
+        _requeue(rental=rental, actor_kind=actor_kind, reason=f"{reason}; re-queued", at=at,
+                 cause=C.NODE)  # fmt: skip
+        return rental
+    return rental_transition(
+        rental=rental, to_status=S.FAILED, actor_kind=actor_kind, reason=reason, cause=C.NODE,
+        ended_at=at, **fields,
+    )  # fmt: skip
+
+
 # Every end or re-queue a node caused starts its reason so ("node <hostname> went silent",
-# "node <hostname> GPU 2 failed: Xid 79"): reliability counts them against the node.
+# "node <hostname> GPU 2 failed: Xid 79").
 NODE_FAULT_REASON = "node {hostname} {fault}"
 
 
 def rental_mark_node_fault(
     *, rental: Rental, hostname: str, fault: str, at: datetime, requeue: bool
 ) -> bool:
-    """The node failed the rental (cause: the node, not the customer): it went silent, or a GPU
-    the rental holds has a fatal fault. Its GPUs are freed at `at`. Not yet started -> back to
-    PENDING; started -> FAILED (its state is on the faulty host) unless `requeue`; stopping ->
-    COMPLETED. The one transition for a node-caused end, so whatever settles one (a credit for
-    the customer) hooks here. Returns False when the rental was already over."""
+    """The node failed the rental: it went silent, or a GPU the rental holds has a fatal fault.
+    Not yet started -> back to PENDING; started -> FAILED (its state is on the faulty host)
+    unless `requeue`; stopping -> COMPLETED; credited and blamed as a node fault
+    (rental_end_for_node_fault). Returns False when the rental was already over."""
     if rental.status in TERMINAL:
         return False
-    reason = NODE_FAULT_REASON.format(hostname=hostname, fault=fault)
-    _allocations_release(rental=rental, at=at)
-    started = rental.status in (S.RUNNING, S.STOPPING)
-    if rental.status == S.STOPPING:
-        rental_transition(
-            rental=rental, to_status=S.COMPLETED, actor_kind=A.SYSTEM, reason=reason, ended_at=at
-        )
-    elif started and not requeue:
-        rental_transition(
-            rental=rental, to_status=S.FAILED, actor_kind=A.SYSTEM, reason=reason, ended_at=at
-        )
-    else:
-        _requeue(rental=rental, actor_kind=A.SYSTEM, reason=f"{reason}; re-queued", at=at)
+    rental_end_for_node_fault(
+        rental=rental,
+        hostname=hostname,
+        reason=NODE_FAULT_REASON.format(hostname=hostname, fault=fault),
+        at=at,
+        requeue=requeue or rental.status not in (S.RUNNING, S.STOPPING),
+    )
     return True
 
 
@@ -446,7 +571,7 @@ def rental_mark_node_lost(*, rental: Rental, hostname: str, at: datetime, requeu
     )
 
 
-def _requeue(*, rental: Rental, actor_kind: str, reason: str, at: datetime) -> None:
+def _requeue(*, rental: Rental, actor_kind: str, reason: str, at: datetime, cause: str) -> None:
     """Back to PENDING to be placed again (on any node; it resumes from its last synced
     checkpoint), with a fresh start window."""
     rental_transition(
@@ -454,6 +579,7 @@ def _requeue(*, rental: Rental, actor_kind: str, reason: str, at: datetime) -> N
         to_status=S.PENDING,
         actor_kind=actor_kind,
         reason=reason,
+        cause=cause,
         scheduled_start=None,
         scheduled_end=None,
         price_per_gpu_hour=None,
@@ -468,14 +594,19 @@ def rental_gang_requeue(*, rental: Rental, reason: str, at: datetime) -> None:
     """A multi-node rental whose members did not all start in time: its GPUs are freed and it
     goes back to the queue (never RUNNING, so never billed) to be placed again."""
     _allocations_release(rental=rental, at=at)
-    _requeue(rental=rental, actor_kind=A.SYSTEM, reason=reason, at=at)
+    _requeue(rental=rental, actor_kind=A.SYSTEM, reason=reason, at=at, cause=C.PLATFORM)
 
 
 def rental_gang_fail(*, rental: Rental, reason: str, at: datetime) -> None:
     """A multi-node rental that could not start on its last try: failed, its GPUs freed."""
     _allocations_release(rental=rental, at=at)
     rental_transition(
-        rental=rental, to_status=S.FAILED, actor_kind=A.SYSTEM, reason=reason, ended_at=at
+        rental=rental,
+        to_status=S.FAILED,
+        actor_kind=A.SYSTEM,
+        reason=reason,
+        cause=C.PLATFORM,
+        ended_at=at,
     )
 
 
@@ -490,19 +621,54 @@ def rental_mark_booked_time_ended(*, rental: Rental) -> bool:
     return True
 
 
-def rental_preempt(*, rental: Rental, reason: str, at: datetime, requeue: bool = False) -> bool:
+def rental_stop_grace_passed(*, rental: Rental, grace: timedelta, now: datetime) -> bool:
+    """A STOPPING rental whose agent has not reported the container gone within the stop
+    grace: its GPUs are freed at the grace's end and it is COMPLETED, whatever the agent
+    reports later (a stop is never billed past its grace either). Returns whether it was."""
+    if rental.status != S.STOPPING:
+        return False
+    stop = rental.events.filter(to_status=S.STOPPING).order_by("-created_at", "-id").first()
+    if stop is None or stop.created_at + grace > now:
+        return False
+    at = stop.created_at + grace
+    _allocations_release(rental=rental, at=at)
+    rental_transition(
+        rental=rental,
+        to_status=S.COMPLETED,
+        actor_kind=A.SYSTEM,
+        reason="stopped: the stop grace passed, GPUs freed",
+        cause=_stop_cause(rental),
+        ended_at=at,
+    )
+    return True
+
+
+def rental_preempt(
+    *, rental: Rental, reason: str, at: datetime, requeue: bool | None = None
+) -> bool:
     """The scheduler takes an interruptible rental's GPUs for a higher bid or priority; they
-    are freed at `at`. It ends PREEMPTED, or with `requeue` (and not already stopping) goes back
-    to PENDING to resume elsewhere from its last synced checkpoint. Returns False when the
-    rental no longer holds GPUs."""
+    are freed at `at`. The rental's own preemption policy, chosen at its create, decides: it
+    ends PREEMPTED, or with REQUEUE (and not already stopping) goes back to PENDING to resume
+    elsewhere from its last synced checkpoint. `requeue` is the scheduler's global setting,
+    which that choice supersedes. Returns False when the rental no longer holds GPUs."""
+    del requeue  # chosen per rental at create, from the same setting
     if rental.status not in HOLDS_GPUS:
         return False
     _allocations_release(rental=rental, at=at)
-    if requeue and S.PENDING in ALLOWED_TRANSITIONS[rental.status]:
-        _requeue(rental=rental, actor_kind=A.SCHEDULER, reason=f"{reason}; re-queued", at=at)
+    if (
+        rental.preemption_policy == PreemptionPolicy.REQUEUE
+        and S.PENDING in ALLOWED_TRANSITIONS[rental.status]
+    ):
+        _requeue(rental=rental, actor_kind=A.SCHEDULER, reason=f"{reason}; re-queued", at=at,
+                 cause=C.PREEMPTION)  # fmt: skip
         return True
     rental_transition(
-        rental=rental, to_status=S.PREEMPTED, actor_kind=A.SCHEDULER, reason=reason, ended_at=at
+        rental=rental,
+        to_status=S.PREEMPTED,
+        actor_kind=A.SCHEDULER,
+        reason=reason,
+        cause=C.PREEMPTION,
+        ended_at=at,
     )
     return True
 
@@ -510,7 +676,12 @@ def rental_preempt(*, rental: Rental, reason: str, at: datetime, requeue: bool =
 def rental_expire(*, rental: Rental, reason: str, at: datetime) -> None:
     """A PENDING rental passed its start deadline without being placed."""
     rental_transition(
-        rental=rental, to_status=S.EXPIRED, actor_kind=A.SCHEDULER, reason=reason, ended_at=at
+        rental=rental,
+        to_status=S.EXPIRED,
+        actor_kind=A.SCHEDULER,
+        reason=reason,
+        cause=C.PLATFORM,
+        ended_at=at,
     )
 
 
@@ -523,6 +694,7 @@ def _cancel(*, rental: Rental, actor_kind: str, actor: User | None, reason: str)
         actor_kind=actor_kind,
         actor=actor,
         reason=reason,
+        cause=C.CUSTOMER,
         ended_at=now,
     )
 

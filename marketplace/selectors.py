@@ -191,6 +191,7 @@ def _rental_detail_prefetches() -> tuple[Prefetch, ...]:
             "dataset_links",
             queryset=Rental.dataset_links.rel.related_model.objects.select_related("dataset"),
         ),
+        "credits",
     )
 
 
@@ -216,6 +217,7 @@ def rental_created_detail(*, rental: Rental) -> Rental:
         ("events", [rental.created_event]),
         ("allocations", []),
         ("dataset_links", rental.created_dataset_links),
+        ("credits", []),
     ):
         _prefetched(rental, name, rows)
     rental.access = []

@@ -19,6 +19,7 @@ def mark_silent_nodes() -> None:
 )
 def end_booked_time() -> None:
     services.rentals_end_booked_time()
+    services.rentals_release_stopped()
 
 
 @shared_task(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from datetime import datetime
 
 from django.db.models import Prefetch, QuerySet, Sum
 from django.db.models.functions import Coalesce
@@ -63,6 +64,16 @@ def latest_checkpoint(artifacts: Iterable[Artifact]) -> Artifact | None:
         if best is None or rank[:2] > best[:2]:
             best = rank
     return best[2] if best else None
+
+
+def rental_last_checkpoint_at(rental: Rental) -> datetime | None:
+    """When the rental's own last checkpoint (the one it would resume from) was synced."""
+    checkpoint = latest_checkpoint(
+        Artifact.objects.filter(rental=rental, path__regex=CHECKPOINT_NAME_SQL).only(
+            "path", "synced_at"
+        )
+    )
+    return checkpoint.synced_at if checkpoint is not None else None
 
 
 def rentals_resume_checkpoints(rentals: Iterable[Rental]) -> dict:

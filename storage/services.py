@@ -22,7 +22,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import PurePosixPath
-from urllib.parse import urlsplit
 
 import requests
 from django.conf import settings
@@ -32,6 +31,7 @@ from django.utils import timezone
 from accounts.models import Team
 from core.errors import Conflict, DomainError, ValidationFailed
 from core.locks import advisory_lock
+from core.untrusted_text import text_check, url_parse
 from marketplace import lifecycle
 from marketplace.models import Rental, User
 from storage import objectstore
@@ -107,7 +107,8 @@ class CommitResult:
 
 def path_check(path: object, *, field_name: str) -> str:
     """A relative POSIX path inside a directory: no absolute path, no `..` or `.` component, no
-    empty component, no NUL or other control character, at most MAX_PATH characters."""
+    empty component, no NUL, control, bidi or invisible character, at most MAX_PATH
+    characters."""
     if not isinstance(path, str) or not path:
         raise ValidationFailed("a path is required", field=field_name)
     if len(path) > MAX_PATH:
@@ -116,6 +117,8 @@ def path_check(path: object, *, field_name: str) -> str:
         raise ValidationFailed(
             "control characters (NUL included) are not allowed", field=field_name
         )
+    # A bidi override shows `exe.txt` as `txt.exe`; invisible characters hide a name's end.
+    text_check(path, field=field_name)
     if path.startswith("/") or "\\" in path:
         raise ValidationFailed("must be relative, with / between names", field=field_name)
     parts = path.split("/")
@@ -311,16 +314,16 @@ def _source_check(url: str) -> tuple[str, int]:
     """The URL's host must not be a private, loopback or link-local address (the server would
     be fetching inside its own network) unless STORAGE["FETCH_ALLOW_PRIVATE"]; the URL must
     answer 2xx with a Content-Length. Returns (file name, size)."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("https", "http") or not parts.hostname:
-        raise ValidationFailed("an http(s) URL is required", field="source_url")
+    parts = url_parse(url, field="source_url")
+    if parts.has_credentials:
+        raise ValidationFailed("no credentials in the URL", field="source_url")
     if not settings.STORAGE.get("FETCH_ALLOW_PRIVATE"):
         try:
-            infos = socket.getaddrinfo(parts.hostname, parts.port or 443, type=socket.SOCK_STREAM)
-        except OSError:
+            infos = socket.getaddrinfo(parts.host, parts.port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError):
             raise ValidationFailed("the host does not resolve", field="source_url") from None
         for info in infos:
-            address = ipaddress.ip_address(info[4][0])
+            address = ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])
             if not address.is_global:
                 raise ValidationFailed("the host is a private or local address", field="source_url")
     try:

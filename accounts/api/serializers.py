@@ -6,7 +6,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from accounts.models import ApiToken, TeamRole
-from core.api.fields import BoundedDateTimeField, refuse_unknown
+from core.api.fields import BoundedDateTimeField, NameField, refuse_unknown
 
 
 class ApiTokenSerializer(serializers.ModelSerializer):
@@ -16,7 +16,7 @@ class ApiTokenSerializer(serializers.ModelSerializer):
 
 
 class ApiTokenCreateSerializer(serializers.Serializer):
-    name = serializers.CharField(max_length=80)
+    name = NameField(max_length=80)
     expires_at = BoundedDateTimeField(required=False, allow_null=True, default=None)
 
 
@@ -45,7 +45,7 @@ class SshKeyCreateSerializer(serializers.Serializer):
     public_key = serializers.CharField(
         max_length=16 * 1024, trim_whitespace=False, help_text="one OpenSSH public key line"
     )
-    name = serializers.CharField(max_length=80, required=False, default="", allow_blank=True)
+    name = NameField(max_length=80, required=False, default="", allow_blank=True)
 
     def validate(self, attrs):
         refuse_unknown(self)
@@ -84,7 +84,7 @@ class MeSerializer(serializers.Serializer):
 
 
 class TeamCreateSerializer(serializers.Serializer):
-    name = serializers.CharField(max_length=80)
+    name = NameField(max_length=80)
 
 
 class MemberSerializer(serializers.Serializer):

@@ -3,7 +3,9 @@
 A key is one OpenSSH public key line, `TYPE BASE64 [COMMENT]`. It is refused, naming the
 `public_key` field, unless its type is one OpenSSH accepts by default, its body is valid base64
 that decodes to exactly the key of that type (RFC 4253 / 5656 wire format, nothing left over),
-and it is strong enough (RSA of at least 2048 bits; DSA is refused). The line nodes receive is
+the key itself loads in the `cryptography` library, which checks its numbers (an RSA exponent
+of at least 3, odd, below the modulus; an ECDSA point on its curve), and it is strong enough
+(RSA of at least 2048 bits; DSA is refused). The line nodes receive is
 rebuilt from the parsed parts (`TYPE BASE64`), so no authorized_keys option or stray byte of the
 input ever reaches a container.
 """
@@ -16,6 +18,9 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.hazmat.primitives.serialization import load_ssh_public_key
 from django.contrib.auth import get_user_model
 from django.db import IntegrityError, transaction
 
@@ -109,6 +114,17 @@ def _bits(key_type: str, blob: bytes) -> int:
     return bits
 
 
+def _load_checked(key_type: str, body: str) -> None:
+    """The key loaded by a kept library, which checks what the wire format cannot: an RSA
+    exponent below 3 (e=0 lets anyone in) or a point that is not on its curve is refused."""
+    try:
+        key = load_ssh_public_key(f"{key_type} {body}".encode())
+    except (ValueError, UnsupportedAlgorithm) as exc:
+        raise ValidationFailed(f"not a valid {key_type} key: {exc}", field=_FIELD) from None
+    if isinstance(key, rsa.RSAPublicKey) and key.public_numbers().e % 2 == 0:
+        raise ValidationFailed("the RSA key's exponent is even", field=_FIELD)
+
+
 def ssh_key_parse(text: str) -> ParsedKey:
     """Parse one OpenSSH public key line; ValidationFailed on `public_key` saying what is
     wrong."""
@@ -150,6 +166,7 @@ def ssh_key_parse(text: str) -> ParsedKey:
             "the comment must be printable, at most 200 characters", field=_FIELD
         )
     bits = _bits(key_type, blob)
+    _load_checked(key_type, body)
     digest = base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
     return ParsedKey(
         key_type=key_type, body=body, comment=comment, bits=bits, fingerprint=f"SHA256:{digest}"

@@ -17,10 +17,11 @@ class EntryKind(models.TextChoices):
     ADJUSTMENT = "adjustment", "Ops credit or debit"
     PAYOUT = "payout", "Provider payout"
     PAYOUT_REVERSAL = "payout_reversal", "Failed or reversed payout returned"
+    FAULT_CREDIT = "fault_credit", "Credit for GPU time a node fault lost"
 
 
 # Postings made by the billing pass: keyed by (meter, posting_seq, kind).
-RATING_KINDS = (EntryKind.USAGE, EntryKind.EARNING, EntryKind.PLATFORM_FEE)
+RATING_KINDS = (EntryKind.USAGE, EntryKind.EARNING, EntryKind.PLATFORM_FEE, EntryKind.FAULT_CREDIT)
 
 
 class LedgerEntry(models.Model):

@@ -80,6 +80,12 @@ class UsageMeter(models.Model):
     posted_charge_micros = models.BigIntegerField(default=0)
     posted_earning_micros = models.BigIntegerField(default=0)
     posted_at = models.DateTimeField(null=True, blank=True)
+    # GPU time a node fault destroyed (marketplace.RentalCredit), kept out of gpu_seconds and
+    # charge_micros: the customer's usage is posted whole and this credited back beside it.
+    credited_gpu_seconds = models.BigIntegerField(default=0, db_default=0)
+    credit_micros = models.BigIntegerField(default=0, db_default=0)
+    posted_credited_gpu_seconds = models.BigIntegerField(default=0, db_default=0)
+    posted_credit_micros = models.BigIntegerField(default=0, db_default=0)
     created_at = models.DateTimeField()
 
     class Meta:

@@ -391,6 +391,10 @@ GPUMARKET = {
     # What the advisor books when the customer names no image: the training harness.
     "HARNESS_IMAGE": env.str("HARNESS_IMAGE", default="gpumarket/harness:dev"),
     # What happens to a started rental whose node goes silent: "fail" or "requeue".
+    # What a preemption does to an interruptible rental, chosen per rental at its create (the
+    # customer may choose): "requeue" (resume from its last checkpoint), "end" (PREEMPTED), or
+    # "auto": requeue for a rental that checkpoints (the harness), end for any other.
+    "PREEMPTION_POLICY": env.str("PREEMPTION_POLICY", default="auto"),
     "NODE_LOST_POLICY": env.str("NODE_LOST_POLICY", default="fail"),
     # The platform's benchmark (provisioning/services/health.py): the harness image (pin it by
     # digest in production) and the command run in it. Nothing on the host changes either.

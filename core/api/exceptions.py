@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 
+from django.core.exceptions import RequestDataTooBig
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import DataError, IntegrityError
 from django.http import JsonResponse
-from django.views.defaults import page_not_found
+from django.views.defaults import bad_request, page_not_found, permission_denied, server_error
 from rest_framework import status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
@@ -19,6 +20,13 @@ log = logging.getLogger(__name__)
 
 
 def exception_handler(exc, context):
+    if isinstance(exc, RequestDataTooBig):
+        # Django's own limit on a body read whole (DATA_UPLOAD_MAX_MEMORY_SIZE): a 413 like the
+        # parser's, in JSON, not Django's HTML 400 page.
+        return Response(
+            {"detail": "the request body is too large", "code": "payload_too_large"},
+            status=status.HTTP_413_REQUEST_ENTITY_TOO_LARGE,
+        )
     if isinstance(exc, DomainError):
         body: dict = {"detail": exc.message, "code": exc.code}
         if exc.field:
@@ -50,6 +58,30 @@ def exception_handler(exc, context):
             status=status.HTTP_409_CONFLICT,
         )
     return drf_exception_handler(exc, context)
+
+
+def _api(request) -> bool:
+    return request.path.startswith("/api/")
+
+
+def bad_request_handler(request, exception):
+    """Django's 400 handler (a body past Django's own limits, a bad host header, a suspicious
+    operation outside a DRF view): JSON under /api/, the HTML page elsewhere."""
+    if _api(request):
+        return JsonResponse({"detail": "bad request", "code": "invalid"}, status=400)
+    return bad_request(request, exception)
+
+
+def permission_denied_handler(request, exception):
+    if _api(request):
+        return JsonResponse({"detail": "forbidden", "code": "forbidden"}, status=403)
+    return permission_denied(request, exception)
+
+
+def server_error_handler(request):
+    if _api(request):
+        return JsonResponse({"detail": "server error", "code": "error"}, status=500)
+    return server_error(request)
 
 
 def not_found(request, exception):

@@ -8,6 +8,8 @@ from datetime import UTC, datetime
 
 from rest_framework import serializers
 
+from core.untrusted_text import unsafe_character
+
 # PostgreSQL's integer column, the narrowest integer this API stores.
 INT32_MAX = 2**31 - 1
 # A date outside these years is a mistake, and near datetime's limits adding a duration to it
@@ -26,6 +28,20 @@ class BoundedDateTimeField(serializers.DateTimeField):
                 f"must be between {EARLIEST:%Y-%m-%d} and {LATEST:%Y-%m-%d}"
             )
         return parsed
+
+
+class NameField(serializers.CharField):
+    """A name a person reads (a rental's, a team's, a key's, a token's, a card's): a control,
+    bidi or invisible character is refused, so a name cannot hide or reorder part of itself."""
+
+    def to_internal_value(self, data):
+        value = super().to_internal_value(data)
+        bad = unsafe_character(value)
+        if bad is not None:
+            raise serializers.ValidationError(
+                f"{bad} (a control, bidi or invisible character) is not allowed"
+            )
+        return value
 
 
 def refuse_unknown(

@@ -167,4 +167,28 @@ class RequestGuardMiddleware:
             if key.startswith("HTTP_") and isinstance(value, str) and NUL in value:
                 return _nul_refusal(key[5:].lower().replace("_", "-"))
         request.META["REMOTE_ADDR"] = client_ip(request)
-        return self.get_response(request)
+        response = self.get_response(request)
+        _unread_body_drain(request)
+        return response
+
+
+# The most of a request body left unread that is read and dropped before the answer: the server
+# (gunicorn) itself drains only 64 KiB and otherwise closes the connection after a keep-alive
+# answer, which a client that sends its next request on it sees as a dropped request.
+DRAIN_MAX_BYTES = 64 << 20
+
+
+def _unread_body_drain(request: HttpRequest) -> None:
+    """Read and drop what the view did not read of the request's body (a 401, 404 or 413 that
+    answered without parsing), so the connection stays in step for the next request."""
+    if hasattr(request, "_body"):
+        return  # read whole already (the parsers read it through `request.body`)
+    left = DRAIN_MAX_BYTES
+    try:
+        while left > 0:
+            chunk = request.read(min(left, 1 << 16))
+            if not chunk:
+                return
+            left -= len(chunk)
+    except (OSError, ValueError):
+        return  # the client went away, or the body was consumed another way

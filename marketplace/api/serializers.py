@@ -8,10 +8,16 @@ from decimal import Decimal
 from rest_framework import serializers
 
 from advisor.engine.presets import PRESETS, decoder_shape
-from core.api.fields import INT32_MAX, BoundedDateTimeField, refuse_unknown
+from core.api.fields import INT32_MAX, BoundedDateTimeField, NameField, refuse_unknown
 from core.api.pagination import MAX_OFFSET
 from core.api.reuse import ReusedPerThread
-from marketplace.models import CLUSTER_GBPS_MAX, GpuModel, Interconnect, RentalStatus
+from marketplace.models import (
+    CLUSTER_GBPS_MAX,
+    GpuModel,
+    Interconnect,
+    PreemptionPolicy,
+    RentalStatus,
+)
 from marketplace.selectors import OFFER_ORDERINGS
 
 
@@ -221,7 +227,7 @@ class RuntimeSerializer(serializers.Serializer):
 class RentalCreateSerializer(ReusedPerThread, serializers.Serializer):
     """A rental request: GPU constraints, placement, timing, pricing and the runtime."""
 
-    name = serializers.CharField(max_length=80, required=False, default="", allow_blank=True)
+    name = NameField(max_length=80, required=False, default="", allow_blank=True)
     gpu_models = serializers.ListField(
         child=serializers.SlugField(max_length=40), required=False, default=list, max_length=20
     )
@@ -248,6 +254,11 @@ class RentalCreateSerializer(ReusedPerThread, serializers.Serializer):
     bid_per_gpu_hour = serializers.DecimalField(
         max_digits=10, decimal_places=4, required=False, allow_null=True, default=None,
         min_value=Decimal("0.0001"),
+    )  # fmt: skip
+    preemption_policy = serializers.ChoiceField(
+        choices=PreemptionPolicy.values, required=False, allow_null=True, default=None,
+        help_text="an interruptible rental preempted: requeue (resume from its last "
+        "checkpoint) or end; by default requeue for a run that checkpoints",
     )  # fmt: skip
     max_charge = serializers.DecimalField(
         max_digits=9, decimal_places=2, required=False, allow_null=True, default=None,
@@ -305,6 +316,7 @@ class RentalEventSerializer(serializers.Serializer):
     to_status = serializers.CharField()
     actor_kind = serializers.CharField()
     reason = serializers.CharField()
+    cause = serializers.CharField(help_text="whose doing an ending or a re-queue was")
 
 
 class AllocationSerializer(serializers.Serializer):
@@ -346,8 +358,14 @@ class RentalSerializer(serializers.Serializer):
     duration_s = serializers.IntegerField()
     scheduled_start = serializers.DateTimeField(allow_null=True)
     scheduled_end = serializers.DateTimeField(allow_null=True)
-    started_at = serializers.DateTimeField(allow_null=True)
-    ended_at = serializers.DateTimeField(allow_null=True)
+    started_at = serializers.DateTimeField(
+        allow_null=True, help_text="the server's RUNNING event: billed time starts here"
+    )
+    ended_at = serializers.DateTimeField(allow_null=True, help_text="the server's end time")
+    end_cause = serializers.CharField(
+        help_text="customer, node, platform or preemption; empty while it has not ended"
+    )
+    preemption_policy = serializers.CharField()
     exit_code = serializers.IntegerField(allow_null=True)
     image = serializers.CharField()
     command = serializers.JSONField()
@@ -369,9 +387,23 @@ class RentalAccessSerializer(serializers.Serializer):
 
 
 # Views render with this thread's instance (`for_instance`, core.api.reuse).
+class RentalCreditSerializer(serializers.Serializer):
+    """GPU time a node fault lost, credited automatically (never billed, never paid out)."""
+
+    node = serializers.CharField(source="hostname")
+    reason = serializers.CharField()
+    start = serializers.DateTimeField(
+        source="during.lower", help_text="the last synced checkpoint (the run's start if none)"
+    )
+    end = serializers.DateTimeField(source="during.upper", help_text="the fault")
+
+
 class RentalDetailSerializer(ReusedPerThread, RentalSerializer):
     events = RentalEventSerializer(many=True)
     allocations = AllocationSerializer(many=True)
+    credits = RentalCreditSerializer(
+        many=True, help_text="GPU time a node fault lost: credited, not billed"
+    )
     log_tail = serializers.CharField()
     access = RentalAccessSerializer(
         many=True, help_text="how to reach the running container (SSH), once its ports listen"

@@ -27,6 +27,23 @@ class RentalKind(models.TextChoices):
     INTERRUPTIBLE = "interruptible", "Interruptible"
 
 
+class EndCause(models.TextChoices):
+    """Whose doing a rental's ending (or a re-queue) was: only NODE counts against the node's
+    measured reliability, and only NODE is credited to the customer."""
+
+    CUSTOMER = "customer", "Customer"
+    NODE = "node", "Node"
+    PLATFORM = "platform", "Platform"
+    PREEMPTION = "preemption", "Preemption"
+
+
+class PreemptionPolicy(models.TextChoices):
+    """What becomes of an interruptible rental whose GPUs are taken for another."""
+
+    REQUEUE = "requeue", "Re-queue and resume from the last checkpoint"
+    END = "end", "End as preempted"
+
+
 class Rental(models.Model):
     """A customer's request for GPUs and, once placed, the booking that runs and is billed."""
 
@@ -63,6 +80,13 @@ class Rental(models.Model):
         max_digits=10, decimal_places=4, null=True, blank=True
     )
     kind = models.CharField(max_length=14, choices=RentalKind.choices, default=RentalKind.ON_DEMAND)
+    # Chosen at create (settings.GPUMARKET["PREEMPTION_POLICY"] unless the customer chose).
+    preemption_policy = models.CharField(
+        max_length=8,
+        choices=PreemptionPolicy.choices,
+        default=PreemptionPolicy.END,
+        db_default=PreemptionPolicy.END,
+    )
     bid_per_gpu_hour = models.DecimalField(max_digits=10, decimal_places=4, null=True, blank=True)
     priority = models.SmallIntegerField(default=0)
     start_at = models.DateTimeField(help_text="earliest start")
@@ -88,8 +112,11 @@ class Rental(models.Model):
     )
     scheduled_start = models.DateTimeField(null=True, blank=True)
     scheduled_end = models.DateTimeField(null=True, blank=True)
+    # The server's own clock: when it recorded the RUNNING event and the end. What the agent
+    # reported is kept on its container run (provisioning.ContainerRun), shown as reported.
     started_at = models.DateTimeField(null=True, blank=True)
     ended_at = models.DateTimeField(null=True, blank=True)
+    end_cause = models.CharField(max_length=10, choices=EndCause.choices, blank=True, db_default="")
     exit_code = models.IntegerField(null=True, blank=True)
     log_tail = models.TextField(blank=True)
     # The advisor's plan when it booked this rental: compared with the run's measured metrics.
@@ -146,6 +173,8 @@ class RentalEvent(models.Model):
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
     )
     reason = models.CharField(max_length=500, blank=True)
+    # Whose doing an ending or a re-queue was; blank for every other move.
+    cause = models.CharField(max_length=10, choices=EndCause.choices, blank=True, db_default="")
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -153,6 +182,25 @@ class RentalEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.rental_id}: {self.from_status or '-'} -> {self.to_status}"
+
+
+class RentalCredit(models.Model):
+    """GPU time a node fault destroyed, credited automatically: the span from the rental's last
+    synced checkpoint (its whole run when it never checkpointed) to the fault. The billing pass
+    bills none of it to the customer and pays none of it to the provider."""
+
+    rental = models.ForeignKey(Rental, on_delete=models.PROTECT, related_name="credits")
+    # The node blamed, by name: what the customer is shown.
+    hostname = models.CharField(max_length=255)
+    reason = models.CharField(max_length=500)
+    during = DateTimeRangeField()
+    created_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["created_at", "id"]
+
+    def __str__(self) -> str:
+        return f"credit {self.rental_id} {self.during}"
 
 
 class Allocation(models.Model):

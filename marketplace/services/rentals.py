@@ -22,7 +22,14 @@ from accounts.models import Membership, Team
 from accounts.selectors import ssh_key_scope
 from core.errors import NotFound, ValidationFailed
 from marketplace.lifecycle import rental_submit
-from marketplace.models import CLUSTER_GBPS_MAX, GpuModel, Rental, RentalKind, User
+from marketplace.models import (
+    CLUSTER_GBPS_MAX,
+    GpuModel,
+    PreemptionPolicy,
+    Rental,
+    RentalKind,
+    User,
+)
 from marketplace.selectors import (
     NodeFilter,
     engine_nodes_cheapest,
@@ -79,6 +86,18 @@ class RentalRequest:
     ssh: bool = False  # an sshd in the container for the account's SSH keys
     # A gang: only a cluster whose interconnect is at least this fast, Gb/s per node (0: any).
     min_interconnect_gbps: int = 0
+    # What a preemption does to it (PreemptionPolicy); None: preemption_policy_default.
+    preemption_policy: str | None = None
+
+
+def preemption_policy_default(*, harness_config: dict | None) -> str:
+    """settings.GPUMARKET["PREEMPTION_POLICY"] when it names a policy; "auto" (the default):
+    REQUEUE for a rental that checkpoints (the harness syncs its checkpoints, so a re-queued
+    run resumes), END for any other, whose work a re-queue would start over."""
+    setting = settings.GPUMARKET.get("PREEMPTION_POLICY", "auto")
+    if setting in PreemptionPolicy.values:
+        return setting
+    return PreemptionPolicy.REQUEUE if harness_config is not None else PreemptionPolicy.END
 
 
 def _harness_config(runtime: RuntimeSpec) -> dict | None:
@@ -324,6 +343,8 @@ def rental_create(
             ssh=request.ssh,
             resume_from=resume_from,
             min_interconnect_gbps=request.min_interconnect_gbps,
+            preemption_policy=request.preemption_policy
+            or preemption_policy_default(harness_config=_harness_config(request.runtime)),
         )
         links = []
         if request.datasets:

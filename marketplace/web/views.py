@@ -151,6 +151,8 @@ def rental_detail(request: HttpRequest, rental_id) -> HttpResponse:
                 ("temp", "Temperature"),
             ],
             "artifacts": rental.artifacts.order_by("path"),
+            # What each run's agent reported, shown as reported: never what is billed.
+            "reported_runs": rental.runs.order_by("id").values("started_at", "finished_at"),
             "retention_days": settings.STORAGE["ARTIFACT_RETENTION_DAYS"],
         },
     )

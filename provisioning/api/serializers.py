@@ -19,6 +19,7 @@ from rest_framework import serializers
 
 from agentprotocol import ContainerStatus
 from agentprotocol.untrusted import text_sanitize
+from core.api.fields import NameField
 from core.api.reuse import ReusedPerThread
 from marketplace.models import CLUSTER_GBPS_MAX, Interconnect
 
@@ -164,7 +165,7 @@ class HostSerializer(serializers.Serializer):
 class ReportedGpuSerializer(serializers.Serializer):
     index = serializers.IntegerField(min_value=0, max_value=255)
     uuid = serializers.CharField(max_length=64)
-    name = serializers.CharField(max_length=120)
+    name = NameField(max_length=120)
     memory_mb = serializers.IntegerField(min_value=1024, max_value=1 << 20)
     topology_group = serializers.CharField(max_length=40, allow_blank=True, default="")
 
@@ -283,7 +284,7 @@ class BenchmarkSerializer(serializers.Serializer):
 
     matmul_tflops = serializers.FloatField(min_value=0, max_value=1e12)
     precision = serializers.CharField(max_length=8, allow_blank=True, default="")
-    device_name = serializers.CharField(max_length=120, allow_blank=True, default="")
+    device_name = NameField(max_length=120, allow_blank=True, default="")
     mem_bandwidth_gbs = serializers.FloatField(
         min_value=0, max_value=1e9, allow_null=True, default=None
     )

@@ -31,7 +31,11 @@ from provisioning.services.join import (
 )
 from provisioning.services.logs import run_logs_expire, run_logs_store
 from provisioning.services.reliability import nodes_reliability_update
-from provisioning.services.sweeps import nodes_mark_silent, rentals_end_booked_time
+from provisioning.services.sweeps import (
+    nodes_mark_silent,
+    rentals_end_booked_time,
+    rentals_release_stopped,
+)
 from provisioning.services.telemetry import (
     TELEMETRY_BUFFER_KEY,
     telemetry_buffer,
@@ -64,6 +68,7 @@ __all__ = [
     "nodes_mark_silent",
     "nodes_reliability_update",
     "rentals_end_booked_time",
+    "rentals_release_stopped",
     "run_id_for",
     "run_logs_expire",
     "run_logs_store",

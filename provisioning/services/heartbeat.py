@@ -248,15 +248,14 @@ def _apply_container(node: Node, report: ContainerReport, now: datetime) -> None
     run.save()
     gang = rental.node_count > 1
     if report.status in (ContainerStatus.RUNNING, ContainerStatus.EXITED):
-        started_at, waiting_for = run.started_at or now, ""
+        waiting_for = ""
         if gang:
             # RUNNING (and billed) from the moment the last member runs.
             state = gang_barrier(rental)
-            started_at = state.started_at or started_at
             if not state.open:
                 waiting_for = f"{state.started} of {state.needed} members running"
         lifecycle.rental_mark_container_started(
-            rental=rental, hostname=node.hostname, started_at=started_at, waiting_for=waiting_for
+            rental=rental, hostname=node.hostname, waiting_for=waiting_for
         )
     if (
         gang

@@ -5,8 +5,9 @@ Three observations per node:
   listed (every status but MAINTENANCE, which the provider announced), from the node's status
   events; an ONLINE node whose last heartbeat is older than the silence timeout is down since;
 - survival = 1 - failed / ran: of the rentals handed to the node in the window, those that
-  ended by the node's fault (it went silent, it could not start the container, the container
-  disappeared from it, a GPU it held failed);
+  ended by the node's fault (it went silent, it could not start the container for a reason of
+  its own, the container disappeared from it, a GPU it held failed): never a customer's image or
+  command that fails, so a customer cannot lower a provider's score;
 - GPU health = 1 - the share of its GPU-time in the window its GPUs spent FAILED (out of
   placement), from their health history (GpuHealthEvent).
 
@@ -25,12 +26,12 @@ from decimal import Decimal
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Count, Exists, OuterRef, Q, Value
-from django.db.models.functions import Concat
+from django.db.models import Count, Exists, OuterRef, Q
 from django.utils import timezone
 
 from marketplace.models import (
     Allocation,
+    EndCause,
     Gpu,
     GpuHealth,
     GpuHealthEvent,
@@ -49,25 +50,19 @@ _LISTED = frozenset(NodeStatus) - {NodeStatus.MAINTENANCE}
 
 def _runs_by_node(*, since: datetime, now: datetime):
     """Per node: the rentals it held in [since, now] once handed over (provisioning), and of
-    those the ones that ended by its fault since `since` (it went silent, could not start the
-    container, or the container disappeared from it)."""
+    those the ones that ended (or were re-queued) by its fault since `since`: an event whose
+    cause is NODE (marketplace.lifecycle.rental_end_for_node_fault), naming the node and
+    recorded when the node's GPUs were freed. A customer's image or command that fails, or a
+    stop, a preemption or an expiry, never counts."""
     minute = timedelta(minutes=1)
     by_the_node = RentalEvent.objects.filter(
-        rental_id=OuterRef("rental_id"), created_at__gte=since
+        rental_id=OuterRef("rental_id"),
+        created_at__gte=since,
+        cause=EndCause.NODE,
+        reason__contains=OuterRef("node__hostname"),
     ).filter(
-        # lifecycle.NODE_FAULT_REASON: it went silent, or a GPU of it failed.
-        Q(reason__startswith=Concat(Value("node "), OuterRef("node__hostname"), Value(" ")))
-        | Q(
-            reason__startswith=Concat(
-                Value("cannot start on "), OuterRef("node__hostname"), Value(":")
-            )
-        )
-        # This reason names no host: the node is the one whose GPUs it freed then.
-        | Q(
-            reason="container disappeared from the node",
-            created_at__gte=OuterRef("released_at") - minute,
-            created_at__lte=OuterRef("released_at") + minute,
-        )
+        created_at__gte=OuterRef("released_at") - minute,
+        created_at__lte=OuterRef("released_at") + minute,
     )
     handed_over = RentalEvent.objects.filter(
         rental_id=OuterRef("rental_id"), to_status=RentalStatus.PROVISIONING

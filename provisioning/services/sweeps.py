@@ -1,5 +1,6 @@
 """Periodic sweeps over nodes and rentals: silent nodes go OFFLINE (their rentals follow the
-node-lost policy), booked time that has ended asks its rentals to stop."""
+node-lost policy), booked time that has ended asks its rentals to stop, and a stop the agent
+has not completed within the stop grace frees the GPUs anyway."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from agentprotocol import DEFAULT_STOP_GRACE_S
 from marketplace import lifecycle
 from marketplace.models import (
     Allocation,
@@ -19,6 +21,7 @@ from marketplace.models import (
     NodeStatus,
     Rental,
     RentalKind,
+    RentalStatus,
 )
 from provisioning.models import ContainerRun
 
@@ -85,3 +88,22 @@ def rentals_end_booked_time(*, now: datetime | None = None) -> int:
             if lifecycle.rental_mark_booked_time_ended(rental=rental):
                 ended += 1
     return ended
+
+
+def rentals_release_stopped(*, now: datetime | None = None) -> int:
+    """STOPPING rentals past the stop grace are COMPLETED and their GPUs freed at the grace's
+    end: an agent that keeps reporting a stopped rental as running holds nothing."""
+    now = now or timezone.now()
+    grace = timedelta(seconds=DEFAULT_STOP_GRACE_S)
+    released = 0
+    ids = list(
+        Rental.objects.filter(status=RentalStatus.STOPPING)
+        .order_by("pk")
+        .values_list("pk", flat=True)
+    )
+    for rental_id in ids:
+        with transaction.atomic():
+            rental = Rental.objects.select_for_update().get(pk=rental_id)
+            if lifecycle.rental_stop_grace_passed(rental=rental, grace=grace, now=now):
+                released += 1
+    return released

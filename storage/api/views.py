@@ -20,7 +20,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.tenancy import request_team
-from core.api.fields import refuse_unknown
+from core.api.fields import NameField, refuse_unknown
 from core.api.pagination import PaginatedListView
 from core.errors import NotFound
 from storage import objectstore, selectors
@@ -34,7 +34,7 @@ class DatasetFileInSerializer(serializers.Serializer):
 
 
 class DatasetCreateSerializer(serializers.Serializer):
-    name = serializers.CharField(max_length=200, trim_whitespace=False)
+    name = NameField(max_length=200, trim_whitespace=False)
     files = DatasetFileInSerializer(many=True, required=False, max_length=10_000)
     source_url = serializers.CharField(
         max_length=2000, required=False, help_text="an https URL (an S3 object: a presigned URL)"

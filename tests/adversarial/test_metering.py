@@ -53,9 +53,7 @@ def _running(rental: Rental) -> list[tuple[datetime, datetime]]:
     for i, event in enumerate(events):
         if event.to_status != S.RUNNING:
             continue
-        start = event.created_at
-        if rental.started_at is not None and events[i - 1].created_at <= rental.started_at:
-            start = min(start, rental.started_at)
+        start = event.created_at  # the server's RUNNING event, never the agent's start
         end = far
         if i + 1 < len(events):
             nxt = events[i + 1]
@@ -301,7 +299,9 @@ def test_after_a_requeue_the_old_nodes_meter_is_capped_at_the_release(make_node,
     assert result.refused["allocation_released"] == 40
     billing_pass_run()
     meter = UsageMeter.objects.get(rental=booked.rental, node_id=old)
-    assert (meter.gpu_seconds, meter.charge_micros) == (600, 166_666)
+    # (all of it credited: the node went silent and the run never checkpointed)
+    assert (meter.gpu_seconds, meter.charge_micros) == (0, 0)
+    assert (meter.credited_gpu_seconds, meter.credit_micros) == (600, 166_666)
     assert meter.gpu_seconds <= _bound(booked.rental.pk, old)
 
 

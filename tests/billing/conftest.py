@@ -201,6 +201,8 @@ def book_many(user, fund):
                         reason="test",
                     )
             RentalEvent.objects.filter(rental=rental).update(created_at=start)
+            Rental.objects.filter(pk=rental.pk).update(started_at=start)
+            rental.started_at = start
             node_ids = sorted(
                 set(Allocation.objects.filter(rental=rental).values_list("node_id", flat=True))
             )

@@ -127,11 +127,15 @@ def test_the_gang_runs_from_its_last_members_start_and_ends_when_all_have_finish
     rental.refresh_from_db()
     assert (rental.status, rental.started_at) == (S.PROVISIONING, None)
     assert "1 of 2 members running" in rental.status_reason
-    # when the second runs, 30 s later, the rental is RUNNING from that moment
+    # when the second runs, 30 s later, the rental is RUNNING from that moment: the server's
+    # RUNNING event, not the start either agent reported (kept on its run, as reported)
     _report(second, run_b, "running", started_at=1.0e9 + 30)
     rental.refresh_from_db()
     assert rental.status == S.RUNNING
-    assert rental.started_at.timestamp() == pytest.approx(1.0e9 + 30)
+    assert rental.started_at == rental.events.get(to_status=S.RUNNING).created_at
+    assert ContainerRun.objects.get(run_id=run_b["run_id"]).started_at.timestamp() == (
+        pytest.approx(1.0e9 + 30)
+    )
     # when one member finishes its part, the rental goes on until the other has too
     _report(second, run_b, "exited", exit_code=0, finished_at=1.0e9 + 90)
     rental.refresh_from_db()

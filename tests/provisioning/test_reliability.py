@@ -33,8 +33,11 @@ def _listed_since(node: Node, days: int) -> None:
     )
 
 
-def _rental_on(node: Node, user, *, failed_because: str | None, days_ago: float) -> None:
-    """A rental handed to the node `days_ago`, that ended by the node's fault or finished."""
+def _rental_on(
+    node: Node, user, *, failed_because: str | None, days_ago: float, cause: str = "node"
+) -> None:
+    """A rental handed to the node `days_ago`, that ended for `failed_because` (by `cause`) or
+    finished."""
     at = timezone.now() - timedelta(days=days_ago)
     rental = Rental.objects.create(
         customer=user, team=personal_team(user),
@@ -52,8 +55,9 @@ def _rental_on(node: Node, user, *, failed_because: str | None, days_ago: float)
          failed_because or "finished"),
     ):  # fmt: skip
         event = RentalEvent.objects.create(
-            rental=rental, to_status=to, actor_kind="agent", reason=reason
-        )
+            rental=rental, to_status=to, actor_kind="agent", reason=reason,
+            cause=(cause if failed_because else "customer") if to != "provisioning" else "",
+        )  # fmt: skip
         RentalEvent.objects.filter(pk=event.pk).update(created_at=at + timedelta(minutes=30))
 
 
@@ -75,13 +79,18 @@ def test_a_node_that_failed_its_rentals_ranks_below_a_clean_one(make_node, user)
     reasons = [
         "node flaky went silent",
         "cannot start on flaky: image pull failed",
-        "container disappeared from the node",
+        "container disappeared from flaky",
     ] * 2
     for i in range(10):
         _rental_on(clean, user, failed_because=None, days_ago=1 + i)
         _rental_on(flaky, user, failed_because=reasons[i] if i < 6 else None, days_ago=1 + i)
     # A failure on another host does not count against the clean node
     _rental_on(clean, user, failed_because="cannot start on elsewhere: x", days_ago=2)
+    # nor a failure of the customer's doing that names it
+    _rental_on(
+        clean, user, failed_because="cannot start on clean: bad image", days_ago=3,
+        cause="customer",
+    )  # fmt: skip
     # When reliability is measured
     assert nodes_reliability_update() == 2
     clean.refresh_from_db()
@@ -150,3 +159,90 @@ def test_time_a_gpu_spent_failed_lowers_its_node_s_reliability(make_node):
     assert float(faulty.reliability) == pytest.approx(
         (1 - weight) * 0.95 + weight * 33 / 40, abs=1e-3
     )
+
+
+def _running_on(node: Node, user) -> Rental:
+    """A rental placed on `node` by the scheduler and running there (server events)."""
+    from django.db import transaction
+
+    from marketplace import lifecycle
+
+    rental = rental_create(
+        customer=user,
+        team=personal_team(user),
+        request=RentalRequest(gpus_per_node=1, duration_s=3600, runtime=RuntimeSpec(image="img")),
+    )
+    scheduler_cycle_run(pool=rental.pool)
+    with transaction.atomic():
+        locked = Rental.objects.select_for_update().get(pk=rental.pk)
+        lifecycle.rental_mark_provisioning(rental=locked, hostname=node.hostname)
+    return locked
+
+
+@pytest.mark.parametrize(
+    ("error", "exit_code"),
+    [
+        ("image 'evil/img' is not allowed on this node (allowed: gpumarket/*)", None),
+        ('404 Client Error: Not Found ("No such image: evil/img:latest")', None),
+        ("pull access denied for evil/img, repository does not exist", None),
+        ('OCI runtime create failed: exec: "nope": executable file not found in $PATH', None),
+        ("", 137),
+        ("", 1),
+    ],
+)
+def test_a_customers_failing_image_or_command_leaves_the_nodes_reliability_unchanged(
+    make_node, user, error, exit_code
+):
+    # Given a node with 10 days of clean history and its measured score
+    from django.db import transaction
+
+    from marketplace import lifecycle
+
+    node = make_node(hostname="victim", reliability="0.9500")
+    _listed_since(node, 10)
+    nodes_reliability_update()
+    node.refresh_from_db()
+    before = node.reliability
+    # When customers' rentals fail on it through their own image or command, ten times
+    for _ in range(10):
+        rental = _running_on(node, user)
+        with transaction.atomic():
+            locked = Rental.objects.select_for_update().get(pk=rental.pk)
+            lifecycle.rental_mark_container_ended(
+                rental=locked, hostname=node.hostname, exit_code=exit_code, error=error,
+                ended_at=timezone.now(), log_tail="", at=timezone.now(),
+            )  # fmt: skip
+        locked.refresh_from_db()
+        assert (locked.status, locked.end_cause) == (RentalStatus.FAILED, "customer")
+    # Then the node's measured reliability is what it was
+    nodes_reliability_update()
+    node.refresh_from_db()
+    assert node.reliability == before
+
+
+def test_a_node_side_start_failure_counts_against_the_node(make_node, user):
+    # Given a node with 10 days of clean history
+    from django.db import transaction
+
+    from marketplace import lifecycle
+
+    node = make_node(hostname="broken", reliability="0.9500")
+    _listed_since(node, 10)
+    nodes_reliability_update()
+    node.refresh_from_db()
+    before = node.reliability
+    # When its runtime cannot start a rental for a reason of its own
+    rental = _running_on(node, user)
+    with transaction.atomic():
+        locked = Rental.objects.select_for_update().get(pk=rental.pk)
+        lifecycle.rental_mark_container_ended(
+            rental=locked, hostname=node.hostname, exit_code=None,
+            error="cannot mount the workspace: mkfs.ext4 failed", ended_at=timezone.now(),
+            log_tail="", at=timezone.now(),
+        )  # fmt: skip
+    locked.refresh_from_db()
+    assert (locked.status, locked.end_cause) == (RentalStatus.FAILED, "node")
+    # Then it counts against the node
+    nodes_reliability_update()
+    node.refresh_from_db()
+    assert node.reliability < before

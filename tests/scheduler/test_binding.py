@@ -104,7 +104,7 @@ def test_backfill_uses_reserved_gpus_only_when_it_ends_before_the_reservation(ma
 def test_on_demand_preempts_the_lowest_bid_interruptible_rental(make_node, rent):
     make_node(hostname="a", price="1.00", min_bid="0.20", gpus=4)
     make_node(hostname="b", price="1.00", min_bid="0.20", gpus=4)
-    low = rent(4, kind="interruptible", bid_per_gpu_hour="0.30")
+    low = rent(4, kind="interruptible", bid_per_gpu_hour="0.30", preemption_policy="end")
     high = rent(4, kind="interruptible", bid_per_gpu_hour="0.60")
     scheduler_cycle_run()
     low_host = next(iter(_gpus(low)))

@@ -1,5 +1,6 @@
-"""Re-queued rentals: a preempted interruptible rental under PREEMPTION_POLICY=requeue, and one
-whose node was lost, wait for GPUs again with a fresh start window and are placed again."""
+"""Re-queued rentals: a preempted interruptible rental whose preemption policy is requeue (the
+default for one that checkpoints), and one whose node was lost, wait for GPUs again with a fresh
+start window and are placed again."""
 
 from __future__ import annotations
 
@@ -44,13 +45,30 @@ def test_a_preempted_interruptible_rental_is_requeued_and_placed_again(make_node
     assert _status(spot) == RentalStatus.SCHEDULED
 
 
-def test_without_the_policy_a_preempted_rental_ends(make_node, rent):
+@pytest.mark.parametrize("how", ["setting", "chosen at create"])
+def test_under_the_end_policy_a_preempted_rental_ends(make_node, rent, settings, how):
     make_node(hostname="a", price="1.00", min_bid="0.20", gpus=4)
-    spot = rent(4, kind="interruptible", bid_per_gpu_hour="0.30")
+    if how == "setting":
+        settings.GPUMARKET = {**settings.GPUMARKET, "PREEMPTION_POLICY": "end"}
+        spot = rent(4, kind="interruptible", bid_per_gpu_hour="0.30")
+    else:
+        spot = rent(4, kind="interruptible", bid_per_gpu_hour="0.30", preemption_policy="end")
     scheduler_cycle_run()
     rent(4)
     scheduler_cycle_run()
     assert _status(spot) == RentalStatus.PREEMPTED
+    assert spot.end_cause == "preemption"
+
+
+def test_by_default_a_preempted_harness_rental_is_requeued(make_node, rent):
+    # The harness checkpoints: by default its rental resumes instead of ending
+    make_node(hostname="a", price="1.00", min_bid="0.20", gpus=4)
+    spot = rent(4, kind="interruptible", bid_per_gpu_hour="0.30")
+    assert spot.preemption_policy == "requeue"
+    scheduler_cycle_run()
+    rent(4)
+    scheduler_cycle_run()
+    assert _status(spot) == RentalStatus.PENDING
 
 
 def test_a_rental_requeued_after_its_first_deadline_is_not_expired(make_node, rent):
