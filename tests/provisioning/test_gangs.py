@@ -14,7 +14,7 @@ from rest_framework.test import APIClient
 from marketplace.models import Allocation, Node, Rental, RentalStatus
 from marketplace.services.rentals import RuntimeSpec
 from provisioning.models import ContainerRun
-from provisioning.services import gangs_start_timeout
+from provisioning.services import gangs_start_timeout, nodes_mark_silent
 from provisioning.services.gangs import master_port
 from scheduler.services import scheduler_cycle_run
 from tests.provisioning.test_agent_api import HOST, _gpus
@@ -187,3 +187,65 @@ def test_a_gang_whose_members_do_not_all_start_is_placed_again_then_failed_unbil
     assert rental.status == S.FAILED and rental.started_at is None
     assert "0 of 2 ran" in rental.status_reason
     assert not Allocation.objects.filter(rental=rental, released_at__isnull=True).exists()
+
+
+def _running_gang(members, rent, **kwargs) -> Rental:
+    rental = _gang(rent, **kwargs)
+    for i, agent in enumerate(members):
+        _report(agent, _run(agent, rental), "running", started_at=1.0e9 + i)
+    rental.refresh_from_db()
+    assert rental.status == S.RUNNING
+    return rental
+
+
+def _silent(agent) -> None:
+    Node.objects.filter(pk=agent.node.pk).update(last_seen_at=timezone.now() - timedelta(hours=1))
+
+
+def test_a_lost_member_node_requeues_an_interruptible_gang_as_a_whole(
+    api, make_join_token, members, rent
+):
+    # given an interruptible 2 x 2 gang running on two nodes, and a third node free
+    spare = _join(api, make_join_token(), "gang-c")
+    rental = _running_gang(members, rent, kind="interruptible", bid_per_gpu_hour="0.50")
+    first, second = members
+    # when the second member's node goes silent
+    _silent(second)
+    assert nodes_mark_silent() == [second.node.pk]
+    rental.refresh_from_db()
+    # then the whole gang goes back to the queue with the node named, every GPU freed, and
+    # the member that still runs is stopped by its desired state
+    assert rental.status == S.PENDING
+    assert rental.status_reason == f"node {second.node.hostname} went silent; re-queued"
+    assert not Allocation.objects.filter(rental=rental, released_at__isnull=True).exists()
+    assert not ContainerRun.objects.filter(rental=rental).exists()
+    assert _beat(first)["desired"] == []
+    # and it is placed again as a whole on live nodes: the survivor and the spare, never the
+    # lost node's GPUs
+    scheduler_cycle_run()
+    rental.refresh_from_db()
+    assert rental.status == S.SCHEDULED
+    held = set(
+        Allocation.objects.filter(rental=rental, released_at__isnull=True).values_list(
+            "node_id", flat=True
+        )
+    )
+    assert held == {first.node.pk, spare.node.pk}
+    # and the survivor gets a new run of the new placement, beside its stopped one
+    [desired] = _beat(first)["desired"]
+    assert desired["env"]["NNODES"] == "2"
+    assert ContainerRun.objects.filter(rental=rental, node=first.node).count() == 1
+
+
+def test_a_lost_member_node_fails_an_on_demand_gang_with_the_reason(members, rent):
+    rental = _running_gang(members, rent)
+    first, second = members
+    _silent(second)
+    nodes_mark_silent()
+    rental.refresh_from_db()
+    assert rental.status == S.FAILED
+    assert rental.status_reason == f"node {second.node.hostname} went silent"
+    assert not Allocation.objects.filter(rental=rental, released_at__isnull=True).exists()
+    assert _beat(first)["desired"] == []
+    # the stopped member's late exit report changes nothing
+    assert not ContainerRun.objects.filter(rental=rental).exists()
