@@ -249,3 +249,36 @@ def test_a_lost_member_node_fails_an_on_demand_gang_with_the_reason(members, ren
     assert _beat(first)["desired"] == []
     # the stopped member's late exit report changes nothing
     assert not ContainerRun.objects.filter(rental=rental).exists()
+
+
+def test_the_rental_shows_each_member_its_node_its_state_and_its_log(
+    members, rent, auth_api, client, user
+):
+    # given a running gang whose rank 0 printed lines and whose other member then failed
+    rental = _running_gang(members, rent)
+    first, second = members
+    run_a = ContainerRun.objects.get(rental=rental, node=first.node)
+    lines = [
+        {"rental_id": str(rental.pk), "run_id": run_a.run_id, "line_no": i, "line": f"step {i}"}
+        for i in range(30)
+    ]
+    _beat(first, logs=lines)
+    run_b = ContainerRun.objects.get(rental=rental, node=second.node)
+    desired_b = {"rental_id": str(rental.pk), "run_id": run_b.run_id}
+    _report(second, desired_b, "exited", exit_code=1, log_tail="rank 3 failed\n")
+    # when the customer reads the rental through the API
+    r = auth_api.get(f"/api/v1/rentals/{rental.pk}/")
+    assert r.status_code == 200
+    # then each member is listed by node rank with its node, its run's state and its log tail
+    [a, b] = r.json()["members"]
+    assert (a["node_rank"], a["node"], a["state"]) == (0, first.node.hostname, "running")
+    assert a["log_tail"].splitlines() == [f"step {i}" for i in range(10, 30)]
+    assert (b["node_rank"], b["node"], b["state"], b["exit_code"]) == (
+        1, second.node.hostname, "exited", 1,
+    )  # fmt: skip
+    assert b["log_tail"] == "rank 3 failed\n"
+    # and the rental's page shows the same
+    client.force_login(user)
+    html = client.get(f"/rentals/{rental.pk}/").content.decode()
+    assert html.count('<tr class="member">') == 2
+    assert second.node.hostname in html and "rank 3 failed" in html and "step 29" in html
