@@ -11,12 +11,14 @@ import pytest
 from django.utils import timezone
 from rest_framework.test import APIClient
 
+from marketplace.lifecycle import rental_stop
 from marketplace.models import Allocation, Node, Rental, RentalStatus
 from marketplace.services.rentals import RuntimeSpec
 from provisioning.models import ContainerRun
 from provisioning.services import gangs_start_timeout, nodes_mark_silent
 from provisioning.services.gangs import master_port
 from scheduler.services import scheduler_cycle_run
+from tests.factories import personal_team
 from tests.provisioning.test_agent_api import HOST, _gpus
 
 pytestmark = pytest.mark.django_db
@@ -282,3 +284,18 @@ def test_the_rental_shows_each_member_its_node_its_state_and_its_log(
     html = client.get(f"/rentals/{rental.pk}/").content.decode()
     assert html.count('<tr class="member">') == 2
     assert second.node.hostname in html and "rank 3 failed" in html and "step 29" in html
+
+
+def test_a_stop_reaches_every_member_and_the_gang_ends_once_stopped(members, rent, user):
+    # given a running gang
+    rental = _running_gang(members, rent)
+    first, second = members
+    # when the customer stops it
+    rental_stop(team=personal_team(user), actor=user, rental_id=rental.pk)
+    # then no member is desired any more: each agent stops (SIGTERM: checkpoint, exit 0)
+    assert _beat(first)["desired"] == [] and _beat(second)["desired"] == []
+    # and the first member's exit ends the rental as stopped, not failed
+    run_a = ContainerRun.objects.get(rental=rental, node=first.node)
+    _report(first, {"rental_id": str(rental.pk), "run_id": run_a.run_id}, "exited", exit_code=0)
+    rental.refresh_from_db()
+    assert (rental.status, rental.status_reason) == (S.COMPLETED, "stopped")
