@@ -3,7 +3,7 @@
     gpumarket --server URL --token TOKEN offers --gpu-family h100 --min-free-gpus 8
     gpumarket advise --model llama2-7b --tokens-b 100 --deadline-hours 48
     gpumarket book --model llama2-7b --tokens-b 100 --plan h100-sxm5-80gb:2x8
-    gpumarket rent --gpus 4 --gpu-family a100 --region eu --hours 12 --image IMAGE -- CMD ...
+    gpumarket rent --gpus-per-node 4 --nodes 2 --gpu-family a100 --hours 12 --image IMAGE -- CMD
     gpumarket rentals | show ID | metrics ID | logs [-f] ID | stop ID | cancel ID
     gpumarket budget [--monthly 500 --warn-percent 80 --max-gpus 16 --max-rentals-per-minute 10]
     gpumarket data push PATH [--name NAME] | data ls | data rm NAME

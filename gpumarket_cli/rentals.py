@@ -26,9 +26,13 @@ FINAL_STATUSES = frozenset({"completed", "failed", "cancelled", "expired", "pree
 
 def add_rent_parser(sub: argparse._SubParsersAction) -> None:
     rent = sub.add_parser("rent", help="rent GPUs for an image and command")
-    rent.add_argument("--gpus", type=int, required=True, help="GPUs per node")
+    rent.add_argument(
+        "--gpus-per-node", "--gpus", dest="gpus", type=int, required=True, help="GPUs per node"
+    )
     rent.add_argument("--name", help="a name to know the rental by (up to 80 characters)")
-    rent.add_argument("--nodes", type=int, default=1)
+    rent.add_argument(
+        "--nodes", type=int, default=1, help="nodes: more than one runs one job across them"
+    )
     rent.add_argument("--gpu-family")
     rent.add_argument("--region")
     rent.add_argument("--max-price")
@@ -149,6 +153,14 @@ def rental_summary(rental: dict) -> str:
     lines += ["", "events"]
     lines += [f"  {when(e['created_at'])}  {e['to_status']:<12} {e['reason']}"
               for e in rental["events"]]  # fmt: skip
+    members = rental.get("members", []) if rental["node_count"] > 1 else []
+    if members:
+        lines += ["", "members"]
+        for m in members:
+            state = m["state"] + (f" (exit code {m['exit_code']})" if m["exit_code"] is not None
+                                  else "")  # fmt: skip
+            lines.append(f"  node {m['node_rank']}  {m['node']:<20} {state}")
+            lines += [f"    {t}" for t in m["log_tail"].rstrip("\n").splitlines()[-3:]]
     tail = rental["log_tail"].rstrip("\n").splitlines()[-5:]
     if tail:
         lines += ["", "log (last lines; `gpumarket logs ID` for all)", *(f"  {t}" for t in tail)]

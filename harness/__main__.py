@@ -80,17 +80,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _configure_logging() -> None:
     rank = os.environ.get("RANK", "0")
+    # Each node's first rank tells its node's story (a job across nodes has one per node).
+    leader = os.environ.get("LOCAL_RANK", rank) == "0"
     logging.basicConfig(
         stream=sys.stderr,
-        level=logging.INFO if rank == "0" else logging.WARNING,
+        level=logging.INFO if leader else logging.WARNING,
         format=f"%(asctime)s %(levelname)s harness[rank {rank}]: %(message)s",
     )
 
 
 def _log_to_output(output: Path) -> None:
-    """Also write rank 0's human log into the output directory, which is synced out with the
-    checkpoints (stderr reaches the rental's log view, but only its tail is kept)."""
-    if os.environ.get("RANK", "0") != "0":
+    """Also write the human log of each node's first rank (rank 0 alone on one node) into the
+    output directory, which is synced out with the checkpoints (stderr reaches the rental's log
+    view, but only its tail is kept). In a job across nodes each node's output directory is its
+    own, and the platform stores each node's logs under a prefix of its own."""
+    if os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) != "0":
         return
     path = output / LOG_SUBDIR / HUMAN_LOG
     try:

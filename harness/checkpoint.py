@@ -110,10 +110,13 @@ def load_checkpoint(path: Path, map_location: torch.device | str = "cpu") -> dic
 
 
 def load_latest(
-    directory: Path, map_location: torch.device | str = "cpu"
+    directory: Path, map_location: torch.device | str = "cpu", among: set[int] | None = None
 ) -> tuple[dict[str, Any], Path] | None:
-    """The newest readable checkpoint, skipping (with a warning) any that fail to load."""
-    for _, path in reversed(list_checkpoints(directory)):
+    """The newest readable checkpoint, skipping (with a warning) any that fail to load; of the
+    steps `among` when given (those every rank has)."""
+    for step, path in reversed(list_checkpoints(directory)):
+        if among is not None and step not in among:
+            continue
         try:
             return load_checkpoint(path, map_location), path
         except Exception as exc:  # a truncated or foreign file must not block resuming

@@ -13,6 +13,14 @@ Completeness works as for file checkpoints (harness.checkpoint): every rank writ
 ``.step_<N>.tmp/``; DCP returns on all ranks once rank 0 has written ``.metadata``; rank 0 then
 adds ``harness.pt`` and renames the directory to ``step_<N>/`` (atomic), so a reader sees a whole
 step or none, and a temporary directory left by a killed job is removed at the next start.
+
+Across nodes without a shared file system each node holds only its own ranks' shards. Once rank
+0 has completed the step, the first rank of every other node renames its node's temporary
+directory to ``step_<N>/`` too (``finish_node_part``) and keeps its newest ``keep`` parts: each
+node's output then holds its part of one checkpoint under one step, the files named by global
+rank, so the parts synced out of every node make up the whole step and none overwrites another.
+Such a part alone is no complete step here (no ``.metadata``, no ``harness.pt``); a resumed job
+gets every file of the step on every node.
 """
 
 from __future__ import annotations
@@ -98,9 +106,38 @@ def save_sharded(
         torch.save({"format_version": FORMAT_VERSION, **extra}, handle)
         handle.flush()
         os.fsync(handle.fileno())
-    os.replace(temporary, final)
+    _replace_directory(temporary, final)
     _fsync_directory(directory)
     for _, old in list_steps(directory)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _replace_directory(temporary: Path, final: Path) -> None:
+    """Rename `temporary` to `final`; a directory already there (a part an earlier placement of
+    a resumed job wrote for the same step) is replaced, not merged."""
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(temporary, final)
+
+
+def finish_node_part(*, directory: Path, step: int, keep: int) -> Path | None:
+    """On the first rank of a node other than rank 0's, once rank 0 has completed the step:
+    move this node's shards of it from the temporary directory to the step's, and keep the
+    newest ``keep`` step directories here. None when there is no temporary directory (a file
+    system shared with rank 0's node, where rank 0 renamed it already)."""
+    temporary = directory / f".step_{step:09d}.tmp"
+    if not temporary.is_dir():
+        return None
+    final = step_dir(directory, step)
+    _replace_directory(temporary, final)
+    _fsync_directory(directory)
+    parts = sorted(
+        (int(match.group(1)), entry)
+        for entry in directory.iterdir()
+        if (match := _NAME.match(entry.name)) and entry.is_dir()
+    )
+    for _, old in parts[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -112,9 +149,12 @@ def load_extra(path: Path) -> dict[str, Any]:
     return state
 
 
-def latest_readable(directory: Path) -> Path | None:
-    """The newest complete step directory whose ``harness.pt`` loads (rank 0 decides)."""
-    for _, path in reversed(list_steps(directory)):
+def latest_readable(directory: Path, among: set[int] | None = None) -> Path | None:
+    """The newest complete step directory whose ``harness.pt`` loads (rank 0 decides), of the
+    steps `among` when given (those every rank has)."""
+    for step, path in reversed(list_steps(directory)):
+        if among is not None and step not in among:
+            continue
         try:
             load_extra(path)
         except Exception as exc:  # a damaged step must not block resuming from an older one

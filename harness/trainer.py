@@ -41,6 +41,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from harness import sharded_checkpoint
 from harness.benchmark import cpu_matmul_tflops
 from harness.checkpoint import (
+    list_checkpoints,
     load_checkpoint,
     load_latest,
     remove_stale_temporaries,
@@ -178,6 +179,10 @@ class Trainer:
     def emit(self, ctx: DistContext, event: dict[str, Any]) -> None:
         if ctx.is_primary:
             self._emit(event)
+
+    def emit_local(self, event: dict[str, Any]) -> None:
+        """An event of this rank's node alone (a node's part of a sharded checkpoint)."""
+        self._emit(event)
 
     @property
     def stop_reason(self) -> str | None:
@@ -370,7 +375,9 @@ class _Run:
         chosen: str | None = None
         if self.ctx.is_primary:
             remove_stale_temporaries(self.ckpt_dir)
-            found = load_latest(self.ckpt_dir) if self.ckpt_cfg.resume else None
+        everywhere = self._steps_on_every_rank([s for s, _ in list_checkpoints(self.ckpt_dir)])
+        if self.ctx.is_primary:
+            found = load_latest(self.ckpt_dir, among=everywhere) if self.ckpt_cfg.resume else None
             if found is not None:
                 state, chosen = found[0], str(found[1])
         # Rank 0 picks the file so that every rank resumes from the same one.
@@ -388,10 +395,16 @@ class _Run:
         if not self.ckpt_cfg.enabled:
             return
         chosen: str | None = None
-        if self.ctx.is_primary:
+        if self.ctx.is_primary or self.node_leader:
             sharded_checkpoint.remove_stale_temporaries(self.ckpt_dir)
+        everywhere = self._steps_on_every_rank(
+            [s for s, _ in sharded_checkpoint.list_steps(self.ckpt_dir)]
+        )
+        if self.ctx.is_primary:
             found = (
-                sharded_checkpoint.latest_readable(self.ckpt_dir) if self.ckpt_cfg.resume else None
+                sharded_checkpoint.latest_readable(self.ckpt_dir, among=everywhere)
+                if self.ckpt_cfg.resume
+                else None
             )
             chosen = str(found) if found is not None else None
         # Rank 0 picks the step so that every rank resumes from the same one.
@@ -403,6 +416,28 @@ class _Run:
         self._check_saved_model(state, chosen)
         sharded_checkpoint.load_sharded(path, self.model, self.optimizer)
         self._restore_common(state, chosen)
+
+    @property
+    def node_leader(self) -> bool:
+        """The first rank of a node other than rank 0's, in a job across nodes."""
+        return self.multi_node and self.ctx.local_rank == 0 and not self.ctx.is_primary
+
+    @property
+    def multi_node(self) -> bool:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.ctx.world_size))
+        return local < self.ctx.world_size
+
+    def _steps_on_every_rank(self, steps: list[int]) -> set[int] | None:
+        """On rank 0: the checkpoint steps every rank finds in its checkpoint directory (one
+        job's nodes may hold different ones: a node of a resumed job keeps what it wrote in an
+        earlier placement, which the others never had); None elsewhere. Collective."""
+        gathered = gather_to_primary(self.ctx, steps)
+        if gathered is None:
+            return None
+        common = set(gathered[0])
+        for other in gathered[1:]:
+            common &= set(other)
+        return common
 
     def _check_saved_model(self, state: dict[str, Any], chosen: str) -> None:
         saved_model = state["config"]["model"]
@@ -800,6 +835,25 @@ class _Run:
         if self.ctx.is_primary:
             size = sharded_checkpoint.directory_bytes(path)
             self._emit_checkpoint(step, path, size, started)
+        if self.multi_node:
+            # Rank 0 has completed the step (on a shared file system that renamed every
+            # node's shards); each other node now completes its own part.
+            dist.barrier(group=self.ctx.control_group)
+            if self.node_leader:
+                part = sharded_checkpoint.finish_node_part(
+                    directory=self.ckpt_dir, step=step, keep=self.ckpt_cfg.keep
+                )
+                if part is not None:
+                    # Announced on this node's output, so that its agent syncs the part now.
+                    self.trainer.emit_local(
+                        {
+                            "event": "checkpoint",
+                            "step": step,
+                            "path": str(part),
+                            "bytes": sharded_checkpoint.directory_bytes(part),
+                            "part": True,
+                        }
+                    )
         return str(path)
 
     def _emit_checkpoint(self, step: int, path: Path, size: int, started: float) -> None:

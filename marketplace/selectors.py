@@ -206,7 +206,38 @@ def rental_get(*, team: Team, rental_id) -> Rental | None:
     )
     if rental is not None:
         rental.access = rental_access(rental)
+        rental.members = rental_members(rental)
     return rental
+
+
+# The live log lines shown per member of a rental (the whole log: `gpumarket logs`).
+MEMBER_LOG_LINES = 20
+
+
+def rental_members(rental: Rental) -> list[dict]:
+    """Each member of the rental's current (else last) placement: its node rank (None on one
+    node), its node, its run's state as the agent last reported it, and the tail of its log
+    (what it printed last; the exit's tail once it has ended). Read through the reverse
+    relations of provisioning's runs and log lines: no import of that app."""
+    members = []
+    runs = rental.runs.select_related("node").order_by("node_rank", "node_id")
+    for run in runs:
+        tail = run.log_tail
+        if not tail:
+            lines = rental.log_lines.filter(run_id=run.run_id).order_by("-line_no")
+            tail = "\n".join(reversed(lines.values_list("line", flat=True)[:MEMBER_LOG_LINES]))
+        members.append(
+            {
+                "node_rank": run.node_rank,
+                "node": run.node.hostname,
+                "state": run.status,
+                "exit_code": run.exit_code,
+                "started_at": run.started_at,
+                "finished_at": run.finished_at,
+                "log_tail": tail,
+            }
+        )
+    return members
 
 
 def rental_created_detail(*, rental: Rental) -> Rental:
@@ -221,6 +252,7 @@ def rental_created_detail(*, rental: Rental) -> Rental:
     ):
         _prefetched(rental, name, rows)
     rental.access = []
+    rental.members = []
     return rental
 
 

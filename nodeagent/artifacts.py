@@ -4,8 +4,9 @@ logs) copied to object storage while it runs and once more after it ends.
 One sync of a run (`ArtifactSyncer.sync`):
 
 1. walk the output directory: regular files only (no links), the harness's half-written
-   temporaries (`.*.tmp`) and the agent's own (`.*.seed`) left out; a file whose size and
-   mtime are those of the last sync keeps its sha256 (big checkpoints are hashed once);
+   temporaries (`.*.tmp`, files or directories) and the agent's own (`.*.seed`) left out; a
+   file whose size and mtime are those of the last sync keeps its sha256 (big checkpoints are
+   hashed once);
 2. ask the server for presigned uploads (ARTIFACT_UPLOADS_PATH) for every file not committed
    as it is now; a file the server already stores with that sha256 comes back `skip`;
 3. PUT the bytes, streamed from disk: one request for a small file, the parts of a multipart
@@ -311,8 +312,13 @@ class ArtifactSyncer:
             return changed
         for parent, dirs, files in os.walk(output_dir):
             relative_parent = os.path.relpath(parent, output_dir)
-            # lost+found: the quota image's own; nothing of the run's is in it.
-            dirs[:] = sorted(d for d in dirs if not (relative_parent == "." and d == "lost+found"))
+            # lost+found: the quota image's own; nothing of the run's is in it. A `.*.tmp`
+            # directory is a sharded checkpoint being written (renamed once it is whole).
+            dirs[:] = sorted(
+                d
+                for d in dirs
+                if not (relative_parent == "." and d == "lost+found") and not _skipped_name(d)
+            )
             for name in sorted(files):
                 if _skipped_name(name):
                     continue

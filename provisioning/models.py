@@ -79,6 +79,8 @@ class ContainerRun(models.Model):
     rental = models.ForeignKey("marketplace.Rental", on_delete=models.CASCADE, related_name="runs")
     node = models.ForeignKey("marketplace.Node", on_delete=models.CASCADE, related_name="runs")
     run_id = models.CharField(max_length=128, unique=True)
+    # A member of a multi-node rental: its node rank (NODE_RANK) in its placement; None alone.
+    node_rank = models.PositiveSmallIntegerField(null=True, blank=True)
     status = models.CharField(max_length=10, choices=Status.choices, default=Status.REQUESTED)
     exit_code = models.IntegerField(null=True, blank=True)
     started_at = models.DateTimeField(null=True, blank=True)

@@ -386,6 +386,22 @@ class RentalAccessSerializer(serializers.Serializer):
     command = serializers.CharField(help_text="for SSH: the command that logs in; else empty")
 
 
+class RentalMemberSerializer(serializers.Serializer):
+    """One member of the rental: its node and its run there (a multi-node rental has one per
+    node, by node rank)."""
+
+    node_rank = serializers.IntegerField(allow_null=True, help_text="NODE_RANK; null on one node")
+    node = serializers.CharField(help_text="the node's hostname")
+    state = serializers.CharField(
+        help_text="its run as the agent last reported it: requested, created, running, exited, "
+        "missing"
+    )
+    exit_code = serializers.IntegerField(allow_null=True)
+    started_at = serializers.DateTimeField(allow_null=True)
+    finished_at = serializers.DateTimeField(allow_null=True)
+    log_tail = serializers.CharField(help_text="its last output lines")
+
+
 # Views render with this thread's instance (`for_instance`, core.api.reuse).
 class RentalCreditSerializer(serializers.Serializer):
     """GPU time a node fault lost, credited automatically (never billed, never paid out)."""
@@ -409,6 +425,9 @@ class RentalDetailSerializer(ReusedPerThread, RentalSerializer):
         many=True, help_text="how to reach the running container (SSH), once its ports listen"
     )
     datasets = serializers.SerializerMethodField(help_text="the datasets the rental reads")
+    members = RentalMemberSerializer(
+        many=True, help_text="each node the rental runs on (its current placement)"
+    )
 
     def get_datasets(self, rental) -> list[str]:
         return [link.dataset.name for link in rental.dataset_links.all()]

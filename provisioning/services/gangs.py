@@ -13,6 +13,12 @@ together.
   reason, and failed with it after `GANG_START_ATTEMPTS` placements.
 - **One end.** A member that fails (or whose node is lost) ends the rental, which stops every
   member; a member that exits 0 waits for the others, and the rental completes when all have.
+  A lost node re-queues an interruptible gang as a whole (every member's run dropped, so the
+  survivors are stopped), to resume from its last complete checkpoint on live nodes.
+- **One result.** The members' output directories are stored as one (`member_output_path`):
+  the checkpoint directory is one tree (rank 0's files, or each rank's shard of one sharded
+  checkpoint under its step), member 0's other output as it is, and each member's logs under
+  `nodes/<node rank>/`. A path another member of the same placement stored is refused.
 """
 
 from __future__ import annotations
@@ -36,6 +42,10 @@ S = RentalStatus
 # ports services commonly use and below the ephemeral range.
 PORT_BASE, PORT_SPAN = 20000, 10000
 REQUEUE_REASON = "not every member started"
+# The output subdirectory the platform points the harness's checkpoints at (HARNESS_CHECKPOINT_DIR
+# in the agent's runs; harness.paths.CHECKPOINT_SUBDIR): the one every member writes into.
+CHECKPOINT_SUBDIR = "checkpoints"
+MEMBER_SUBDIR = "nodes"
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +75,24 @@ def members_of(rental_ids) -> dict:
     for rental_id, node_id, hostname, address in rows:
         members.setdefault(rental_id, []).append(Member(node_id, hostname, address or hostname))
     return members
+
+
+def member_output_path(path: str, node_rank: int) -> str:
+    """Where a member's output file is stored, so that the members' output directories make
+    one result and none overwrites another's: files under the checkpoint directory as they are
+    (each rank's files have names of their own), member 0's other files as they are, except
+    its `logs/` (and `nodes/`); every other file under `nodes/<node rank>/`."""
+    top = path.split("/", 1)[0]
+    if top == CHECKPOINT_SUBDIR or (node_rank == 0 and top not in ("logs", MEMBER_SUBDIR)):
+        return path
+    return f"{MEMBER_SUBDIR}/{node_rank}/{path}"
+
+
+def same_placement(run_id: str, other_run_id: str) -> bool:
+    """Whether two runs belong to one placement of a rental (heartbeat.run_id_for)."""
+    return run_id.rsplit("-p", 1)[-1] == other_run_id.rsplit("-p", 1)[-1] and (
+        run_id.split("-n", 1)[0] == other_run_id.split("-n", 1)[0]
+    )
 
 
 def master_port(rental: Rental) -> int:

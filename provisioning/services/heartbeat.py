@@ -207,13 +207,16 @@ def _staging(rentals) -> dict:
                 for dataset, files in mounts
             )
         if checkpoint := checkpoints.get(rental.pk):
-            fields["resume_files"] = (
+            # Every file of it, to every member of a gang: each rank reads the shards it needs
+            # (a resumed job's ranks may sit on other nodes than those that wrote them).
+            fields["resume_files"] = tuple(
                 StagedFile(
-                    path=checkpoint.path,
-                    url=objectstore.presign_get(checkpoint.key),
-                    sha256=checkpoint.sha256,
-                    size_bytes=checkpoint.size_bytes,
-                ),
+                    path=f.path,
+                    url=objectstore.presign_get(f.key),
+                    sha256=f.sha256,
+                    size_bytes=f.size_bytes,
+                )
+                for f in checkpoint.files
             )
         if fields:
             staging[rental.pk] = fields
@@ -528,13 +531,18 @@ def _runs_request(*, node: Node, desired: list[DesiredRun]) -> None:
     for entry in desired:
         try:
             with transaction.atomic():
-                _, created = ContainerRun.objects.get_or_create(
+                run, created = ContainerRun.objects.get_or_create(
                     run_id=entry.run_id,
                     defaults={"rental_id": entry.rental_id, "node": node},
                 )
                 if not created:
                     continue
                 rental = Rental.objects.select_for_update().get(pk=entry.rental_id)
+                if rental.node_count > 1:
+                    # The rank the server gave this member (rendezvous_env), which names where
+                    # its output is stored.
+                    run.node_rank = int(entry.env["NODE_RANK"])
+                    run.save(update_fields=["node_rank"])
                 lifecycle.rental_mark_provisioning(rental=rental, hostname=node.hostname)
         except IntegrityError:
             continue  # a concurrent heartbeat recorded it first

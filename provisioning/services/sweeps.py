@@ -70,7 +70,11 @@ def _node_lost(rental: Rental, node: Node, now: datetime, policy: str) -> None:
     if lifecycle.rental_mark_node_lost(
         rental=rental, hostname=node.hostname, at=now, requeue=requeue
     ):
-        ContainerRun.objects.filter(rental=rental, node=node).delete()
+        # A gang ends (or re-queues) as one: every member's run goes, not only the lost one's,
+        # so a member still running is stopped by its next desired state, its late reports are
+        # no longer taken for the rental's, and a new placement on the same node gets a new run.
+        runs = ContainerRun.objects.filter(rental=rental)
+        (runs if rental.node_count > 1 else runs.filter(node=node)).delete()
 
 
 def rentals_end_booked_time(*, now: datetime | None = None) -> int:

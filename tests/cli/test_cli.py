@@ -292,6 +292,34 @@ def test_show_summarises_a_finished_rental():
     assert out.splitlines()[-1] == "  line 19" and "line 14" not in out
 
 
+def test_show_lists_each_member_of_a_multi_node_rental():
+    from gpumarket_cli.rentals import rental_summary
+
+    rental = {
+        "id": "c1035768-842c-4909-8d69-194d4eafe81c", "name": "", "status": "running",
+        "status_reason": "container running on gang-b", "exit_code": None, "kind": "on_demand",
+        "gpus_per_node": 2, "node_count": 2, "price_per_gpu_hour": "0.5000",
+        "max_price_per_gpu_hour": None, "image": "img", "command": ["train"],
+        "scheduled_start": None, "scheduled_end": None, "started_at": None, "ended_at": None,
+        "allocations": [], "events": [], "log_tail": "",
+        "members": [
+            {"node_rank": 0, "node": "gang-a", "state": "running", "exit_code": None,
+             "log_tail": "step 10\nstep 11\n"},
+            {"node_rank": 1, "node": "gang-b", "state": "exited", "exit_code": 1,
+             "log_tail": "rank 3 failed\n"},
+        ],
+    }  # fmt: skip
+    lines = rental_summary(rental).splitlines()
+    at = lines.index("members")
+    assert lines[at + 1 :] == [
+        "  node 0  gang-a               running",
+        "    step 10",
+        "    step 11",
+        "  node 1  gang-b               exited (exit code 1)",
+        "    rank 3 failed",
+    ]
+
+
 def test_book_runs_the_plan_on_the_named_dataset(cli, user, make_node):
     from storage.models import Dataset, DatasetStatus
 

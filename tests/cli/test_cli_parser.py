@@ -124,3 +124,14 @@ def test_json_after_the_double_dash_is_the_rentals_command_not_the_flag():
         ["rent", "--gpus", "1", "--image", "img", "--json", "--", "train", "--json"]
     )
     assert (args.json, args.cmd) == (True, ["train", "--json"])
+
+
+def test_rent_takes_the_gpus_per_node_and_the_nodes_of_a_multi_node_rental():
+    from gpumarket_cli.rentals import _rent_body
+
+    parser = cli.build_parser()
+    long = parser.parse_args(["rent", "--gpus-per-node", "2", "--nodes", "3", "--image", "i"])
+    short = parser.parse_args(["rent", "--gpus", "2", "--nodes", "3", "--image", "i"])
+    for args in (long, short):
+        body = _rent_body(args)
+        assert (body["gpus_per_node"], body["node_count"]) == (2, 3)

@@ -11,12 +11,14 @@ import pytest
 from django.utils import timezone
 from rest_framework.test import APIClient
 
+from marketplace.lifecycle import rental_stop
 from marketplace.models import Allocation, Node, Rental, RentalStatus
 from marketplace.services.rentals import RuntimeSpec
 from provisioning.models import ContainerRun
-from provisioning.services import gangs_start_timeout
+from provisioning.services import gangs_start_timeout, nodes_mark_silent
 from provisioning.services.gangs import master_port
 from scheduler.services import scheduler_cycle_run
+from tests.factories import personal_team
 from tests.provisioning.test_agent_api import HOST, _gpus
 
 pytestmark = pytest.mark.django_db
@@ -193,3 +195,113 @@ def test_a_gang_whose_members_do_not_all_start_is_placed_again_then_failed_unbil
     assert rental.status == S.FAILED and rental.started_at is None
     assert "0 of 2 ran" in rental.status_reason
     assert not Allocation.objects.filter(rental=rental, released_at__isnull=True).exists()
+
+
+def _running_gang(members, rent, **kwargs) -> Rental:
+    rental = _gang(rent, **kwargs)
+    for i, agent in enumerate(members):
+        _report(agent, _run(agent, rental), "running", started_at=1.0e9 + i)
+    rental.refresh_from_db()
+    assert rental.status == S.RUNNING
+    return rental
+
+
+def _silent(agent) -> None:
+    Node.objects.filter(pk=agent.node.pk).update(last_seen_at=timezone.now() - timedelta(hours=1))
+
+
+def test_a_lost_member_node_requeues_an_interruptible_gang_as_a_whole(
+    api, make_join_token, members, rent
+):
+    # given an interruptible 2 x 2 gang running on two nodes, and a third node free
+    spare = _join(api, make_join_token(), "gang-c")
+    rental = _running_gang(members, rent, kind="interruptible", bid_per_gpu_hour="0.50")
+    first, second = members
+    # when the second member's node goes silent
+    _silent(second)
+    assert nodes_mark_silent() == [second.node.pk]
+    rental.refresh_from_db()
+    # then the whole gang goes back to the queue with the node named, every GPU freed, and
+    # the member that still runs is stopped by its desired state
+    assert rental.status == S.PENDING
+    assert rental.status_reason == f"node {second.node.hostname} went silent; re-queued"
+    assert not Allocation.objects.filter(rental=rental, released_at__isnull=True).exists()
+    assert not ContainerRun.objects.filter(rental=rental).exists()
+    assert _beat(first)["desired"] == []
+    # and it is placed again as a whole on live nodes: the survivor and the spare, never the
+    # lost node's GPUs
+    scheduler_cycle_run()
+    rental.refresh_from_db()
+    assert rental.status == S.SCHEDULED
+    held = set(
+        Allocation.objects.filter(rental=rental, released_at__isnull=True).values_list(
+            "node_id", flat=True
+        )
+    )
+    assert held == {first.node.pk, spare.node.pk}
+    # and the survivor gets a new run of the new placement, beside its stopped one
+    [desired] = _beat(first)["desired"]
+    assert desired["env"]["NNODES"] == "2"
+    assert ContainerRun.objects.filter(rental=rental, node=first.node).count() == 1
+
+
+def test_a_lost_member_node_fails_an_on_demand_gang_with_the_reason(members, rent):
+    rental = _running_gang(members, rent)
+    first, second = members
+    _silent(second)
+    nodes_mark_silent()
+    rental.refresh_from_db()
+    assert rental.status == S.FAILED
+    assert rental.status_reason == f"node {second.node.hostname} went silent"
+    assert not Allocation.objects.filter(rental=rental, released_at__isnull=True).exists()
+    assert _beat(first)["desired"] == []
+    # the stopped member's late exit report changes nothing
+    assert not ContainerRun.objects.filter(rental=rental).exists()
+
+
+def test_the_rental_shows_each_member_its_node_its_state_and_its_log(
+    members, rent, auth_api, client, user
+):
+    # given a running gang whose rank 0 printed lines and whose other member then failed
+    rental = _running_gang(members, rent)
+    first, second = members
+    run_a = ContainerRun.objects.get(rental=rental, node=first.node)
+    lines = [
+        {"rental_id": str(rental.pk), "run_id": run_a.run_id, "line_no": i, "line": f"step {i}"}
+        for i in range(30)
+    ]
+    _beat(first, logs=lines)
+    run_b = ContainerRun.objects.get(rental=rental, node=second.node)
+    desired_b = {"rental_id": str(rental.pk), "run_id": run_b.run_id}
+    _report(second, desired_b, "exited", exit_code=1, log_tail="rank 3 failed\n")
+    # when the customer reads the rental through the API
+    r = auth_api.get(f"/api/v1/rentals/{rental.pk}/")
+    assert r.status_code == 200
+    # then each member is listed by node rank with its node, its run's state and its log tail
+    [a, b] = r.json()["members"]
+    assert (a["node_rank"], a["node"], a["state"]) == (0, first.node.hostname, "running")
+    assert a["log_tail"].splitlines() == [f"step {i}" for i in range(10, 30)]
+    assert (b["node_rank"], b["node"], b["state"], b["exit_code"]) == (
+        1, second.node.hostname, "exited", 1,
+    )  # fmt: skip
+    assert b["log_tail"] == "rank 3 failed\n"
+    # and the rental's page shows the same
+    client.force_login(user)
+    html = client.get(f"/rentals/{rental.pk}/").content.decode()
+    assert html.count('<tr class="member">') == 2
+    assert second.node.hostname in html and "rank 3 failed" in html and "step 29" in html
+
+
+def test_a_stop_reaches_every_member_and_the_gang_ends_once_stopped(members, rent, user):
+    # given a running gang
+    rental = _running_gang(members, rent)
+    first, second = members
+    # when the customer stops it
+    rental_stop(team=personal_team(user), actor=user, rental_id=rental.pk)
+    # then no member is desired any more: each agent stops (SIGTERM: checkpoint, exit 0)
+    assert _beat(first)["desired"] == [] and _beat(second)["desired"] == []
+    # and the first member's exit ends the rental as stopped, not failed
+    run_a = ContainerRun.objects.get(rental=rental, node=first.node)
+    _report(first, {"rental_id": str(rental.pk), "run_id": run_a.run_id}, "exited", exit_code=0)
+    rental.refresh_from_db()
+    assert (rental.status, rental.status_reason) == (S.COMPLETED, "stopped")
