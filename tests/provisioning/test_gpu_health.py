@@ -338,9 +338,11 @@ def test_what_each_signal_means(signals, verdict):
 
 @pytest.fixture
 def members(api, make_join_token):
-    """Two 2-GPU nodes of one provider, as tests/provisioning/test_gangs.py joins them."""
-    first = _join(api, make_join_token(), "gang-a")
-    second = _join(api, make_join_token(), "gang-b")
+    """Two 2-GPU nodes of one provider in one cluster, as tests/provisioning/test_gangs.py
+    joins them."""
+    fabric = {"cluster": "gang", "interconnect": "ethernet", "interconnect_gbps": 25}
+    first = _join(api, make_join_token(), "gang-a", **fabric)
+    second = _join(api, make_join_token(), "gang-b", cluster="gang")
     return sorted([first, second], key=lambda agent: agent.node.pk)
 
 
