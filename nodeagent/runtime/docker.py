@@ -18,7 +18,9 @@ Tenant isolation (nothing a rental's container does reaches another rental, the 
   the driver installs, idempotently, rules dropping everything from `gpm-*` bridges to private,
   link-local, metadata and multicast ranges and to the host itself; where it cannot (no root, no
   iptables, an engine without DOCKER-USER), starts are refused, saying why. IPv6 is switched off
-  inside every container (the private IPv6 ranges are thus unreachable too).
+  inside every container (the private IPv6 ranges are thus unreachable too). A gang member's
+  rental network is also the gang's private network across hosts: a VXLAN overlay between the
+  members on the same bridge, filtered to them (nodeagent/runtime/gangnet.py).
 - disk: the root filesystem is read-only with a size-limited tmpfs /tmp (charged to the memory
   limit), logs are rotated, and with `disk_quota_mb` the rental's workspace is an ext4 image of
   that size loop-mounted by the agent (root only), so a full disk is the rental's own ENOSPC.
@@ -913,6 +915,11 @@ class DockerDriver:
             # The gang's private network: this member at its rank's overlay address, and the
             # rendezvous variables naming overlay addresses (the server only knows fabric ones).
             kwargs["environment"].update(gang.overlay_env())
+            # The overlay is the container's one interface besides loopback: gloo and NCCL
+            # bind there unless the customer says otherwise (gloo resolves the hostname
+            # otherwise, and falls back to loopback where that fails).
+            for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+                kwargs["environment"].setdefault(name, gangnet.CONTAINER_IFNAME)
             del kwargs["network_mode"]
             kwargs["network"] = network_mode
             kwargs["networking_config"] = {

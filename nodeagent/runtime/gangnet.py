@@ -51,6 +51,7 @@ OVERLAY_SPACE = ipaddress.ip_network("100.64.0.0/10")
 OVERLAY_PREFIX = 24
 FILTER_CHAIN = "GPUMARKET-VXLAN"
 RDMA_DIR = "/dev/infiniband"
+CONTAINER_IFNAME = "eth0"  # a container's interface on its (only) network
 _TIMEOUT_S = 30.0
 
 

@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -83,7 +84,7 @@ dist.destroy_process_group()
 TORCHRUN_COMMAND = [
     "sh", "-c",
     "cat > /tmp/job.py <<'EOF'\n" + TORCHRUN_JOB + "EOF\n"
-    'exec torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" '
+    'exec python3 -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" '
     '--nproc-per-node "$NPROC_PER_NODE" --master-addr "$MASTER_ADDR" '
     '--master-port "$MASTER_PORT" /tmp/job.py',
 ]  # fmt: skip
@@ -300,6 +301,11 @@ def docker_gang_stack(
             ids = engine.docker("ps", "-aq", check=False).stdout.split()
             if ids:
                 engine.docker("rm", "-f", *[i.decode() for i in ids], check=False)
+        # and their quota workspaces, still mounted
+        with open("/proc/mounts") as mounts:
+            points = [line.split()[1] for line in mounts if str(tmp_path) in line.split()[1]]
+        for point in points:
+            subprocess.run(["umount", "-l", point], check=False, capture_output=True)
 
 
 def _local_losses(config: dict, tmp_path: Path) -> list[float]:
@@ -419,6 +425,24 @@ def test_a_docker_gang_trains_one_job_over_its_private_network(
         )  # fmt: skip
 
 
+REDUCED = re.compile(
+    r'"event": "allreduce", "rank": (\d+), "world_size": (\d+), "sum": ([0-9.]+), '
+    r'"master": "([0-9.]+)"'
+)
+
+
+def _reduced(rental: Rental, by_name: dict) -> list[tuple[int, int, float, str]]:
+    """The all_reduce lines the members' containers printed so far (their own logs)."""
+    rental.refresh_from_db()
+    assert rental.status not in (RentalStatus.FAILED, RentalStatus.COMPLETED), rental.log_tail
+    found = []
+    for run in ContainerRun.objects.filter(rental=rental).select_related("node"):
+        engine = by_name[run.node.hostname][2]
+        logs = engine.docker("logs", container_name(run.run_id), check=False).stdout.decode()
+        found += [(int(r), int(w), float(v), m) for r, w, v, m in REDUCED.findall(logs)]
+    return found
+
+
 def test_a_customer_torchrun_spans_the_gang_and_nothing_else_reaches_it(
     docker_gang_stack, engines, user
 ):
@@ -436,19 +460,16 @@ def test_a_customer_torchrun_spans_the_gang_and_nothing_else_reaches_it(
     rental = _rent(user, node_count=2, gpus=2,
                    runtime=RuntimeSpec(image=HARNESS_IMAGE, command=TORCHRUN_COMMAND))  # fmt: skip
     try:
-        wait_for(
-            lambda: RunMetric.objects.filter(rental=rental, data__event="allreduce").count() == 4,
-            300, "the 4 ranks' all_reduce",
-        )  # fmt: skip
+        wait_for(lambda: len(_reduced(rental, by_name)) == 4, 300, "the 4 ranks' all_reduce")
     except AssertionError:
         for host, _, _ in engines:
             print(stack.log(f"agent-{host.hostname}")[-4000:])
         raise
     # then its 4 ranks formed one job across the hosts, on the gang's overlay addresses
-    reduced = [m.data for m in RunMetric.objects.filter(rental=rental, data__event="allreduce")]
-    assert sorted(m["rank"] for m in reduced) == [0, 1, 2, 3]
-    assert {(m["world_size"], m["sum"]) for m in reduced} == {(4, 6.0)}
-    [master] = {m["master"] for m in reduced}
+    reduced = _reduced(rental, by_name)
+    assert sorted(rank for rank, _, _, _ in reduced) == [0, 1, 2, 3]
+    assert {(world, total) for _, world, total, _ in reduced} == {(4, 6.0)}
+    [master] = {m for _, _, _, m in reduced}
     assert master == str(
         Gang.of(
             str(rental.pk), {"NNODES": "2", "NODE_RANK": "0", "GPUMARKET_GANG_ADDRS": "a,b"}
