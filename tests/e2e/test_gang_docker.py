@@ -179,7 +179,8 @@ class LoopbackForward:
                 return
             try:
                 outer = socket.create_connection(("127.0.0.1", self.port), timeout=10)
-            except OSError:
+            except OSError as exc:
+                print(f"store forward to 127.0.0.1:{self.port}: {exc}", file=sys.stderr)
                 inner.close()
                 continue
             outer.settimeout(None)
@@ -347,22 +348,9 @@ def _wait_end(stack: Stack, engines, rental: Rental, what: str) -> Rental:
         raise
     rental.refresh_from_db()
     if rental.status != RentalStatus.COMPLETED:
+        # What each member printed: the rental's own tail is the last failing member's only.
         for run in ContainerRun.objects.filter(rental=rental):
-            print(run.node_id, run.exit_code, run.log_tail if hasattr(run, "log_tail") else "")
-        print(rental.log_tail)
-        for _, _, engine in engines:
-            for cid in engine.docker("ps", "-aq", check=False).stdout.split():
-                cid = cid.decode()
-                print(
-                    engine.docker(
-                        "inspect",
-                        "-f",
-                        "{{.Name}} {{.State.ExitCode}} {{.State.OOMKilled}}",
-                        cid,
-                        check=False,
-                    ).stdout
-                )
-                print(engine.docker("logs", "--tail", "40", cid, check=False).stderr[-3000:])
+            print(f"node {run.node_id} exit {run.exit_code}:\n{run.log_tail}")
     return rental
 
 
