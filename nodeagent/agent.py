@@ -83,7 +83,7 @@ from nodeagent.client import (
 from nodeagent.config import AgentConfig, ConfigError
 from nodeagent.publish import Publisher, wanted_ports
 from nodeagent.reconcile import plan_reconcile
-from nodeagent.runtime import create_driver
+from nodeagent.runtime import create_driver, gangnet
 from nodeagent.runtime.base import (
     ContainerSpec,
     ContainerState,
@@ -527,6 +527,9 @@ class Agent:
             "runtime": self.config.runtime,
             # An sshd in the rental needs a container and a published port.
             "ssh": self.config.runtime == "docker" and self.config.publish is not None,
+            # Whether its gang members get a private network across hosts (Docker: a VXLAN
+            # overlay per gang, nodeagent/runtime/gangnet.py); the host network otherwise.
+            "gang_network": self.config.runtime == "docker" and gangnet.capable(),
             # Where the other nodes of a multi-node rental reach this one's runs.
             "fabric_address": self.config.fabric_address
             or hostinfo.source_address(self.config.server_url),

@@ -18,7 +18,9 @@ Tenant isolation (nothing a rental's container does reaches another rental, the 
   the driver installs, idempotently, rules dropping everything from `gpm-*` bridges to private,
   link-local, metadata and multicast ranges and to the host itself; where it cannot (no root, no
   iptables, an engine without DOCKER-USER), starts are refused, saying why. IPv6 is switched off
-  inside every container (the private IPv6 ranges are thus unreachable too).
+  inside every container (the private IPv6 ranges are thus unreachable too). A gang member's
+  rental network is also the gang's private network across hosts: a VXLAN overlay between the
+  members on the same bridge, filtered to them (nodeagent/runtime/gangnet.py).
 - disk: the root filesystem is read-only with a size-limited tmpfs /tmp (charged to the memory
   limit), logs are rotated, and with `disk_quota_mb` the rental's workspace is an ext4 image of
   that size loop-mounted by the agent (root only), so a full disk is the rental's own ENOSPC.
@@ -54,10 +56,11 @@ import docker
 import docker.errors
 import requests.exceptions
 from docker.models.containers import Container
-from docker.types import DeviceRequest, LogConfig, Mount, Ulimit
+from docker.types import DeviceRequest, IPAMConfig, IPAMPool, LogConfig, Mount, Ulimit
 from docker.utils import parse_repository_tag
 
 from agentprotocol import ContainerStatus
+from nodeagent.runtime import gangnet
 from nodeagent.runtime.base import (
     LABEL_MANAGED,
     LABEL_NODE,
@@ -108,6 +111,7 @@ _PERMANENT_5XX_FRAGMENTS = (
 LABEL_VOLUME = "gpumarket.volume"  # on a rental network: the workspace mounted for the rental
 NETWORK_POLICIES = ("internal", "egress")
 BRIDGE_PREFIX = "gpm-"
+BRIDGE_OPTION = "com.docker.network.bridge.name"
 EGRESS_CHAIN = "GPUMARKET-EGRESS"  # forwarded traffic leaving a rental bridge
 HOST_CHAIN = "GPUMARKET-HOST"  # traffic from a rental bridge to the host itself
 # Never reachable from a rental with egress: private networks (the LAN, other tenants' bridges),
@@ -445,7 +449,7 @@ class DockerDriver:
         state = self._reload_state(container)
         logger.info(
             "container started",
-            extra={**log_extra, "image": spec.image, "network_mode": kwargs["network_mode"]},
+            extra={**log_extra, "image": spec.image, "network": network_name(spec.rental_id)},
         )
         return state
 
@@ -485,10 +489,23 @@ class DockerDriver:
         if self.config.node_id is not None:
             filters.append(f"{LABEL_NODE}={self.config.node_id}")
         wanted = [*filters, f"{LABEL_RENTAL}={rental_id}"] if rental_id else filters
+        every_rental = rental_id is None
         with self._rental_lock:
             networks = self._call(
                 "networks", lambda: self._client().networks.list(filters={"label": wanted})
             )
+            if every_rental:
+                # Gang devices and filter rules whose network is gone (a crash between the
+                # two removals). Any node's networks count as live: agents sharing an engine
+                # (tests, several simulated nodes) must not take each other's.
+                live = self._call(
+                    "networks",
+                    lambda: self._client().networks.list(filters={"label": [f"{LABEL_MANAGED}=1"]}),
+                )
+                gangnet.sweep(
+                    {(n.attrs.get("Options") or {}).get(BRIDGE_OPTION, "") for n in live},
+                    iptables=self.config.iptables,
+                )
             for network in networks:
                 rental_id = network.attrs.get("Labels", {}).get(LABEL_RENTAL, "")
                 users = self._call(
@@ -504,6 +521,9 @@ class DockerDriver:
                 volume_dir = network.attrs.get("Labels", {}).get(LABEL_VOLUME, "")
                 if volume_dir and os.path.ismount(volume_dir):
                     self._unmount(volume_dir)
+                bridge = (network.attrs.get("Options") or {}).get(BRIDGE_OPTION, "")
+                if bridge:
+                    gangnet.remove(bridge, iptables=self.config.iptables)
                 try:
                     self._call("network remove", network.remove)
                 except RunNotFoundError:
@@ -704,10 +724,15 @@ class DockerDriver:
             labels = network.attrs.get("Labels") or {}
             if labels.get(LABEL_MANAGED) != "1" or labels.get(LABEL_RENTAL) != spec.rental_id:
                 raise PermanentRuntimeError(f"network {name} exists but is not managed by us")
-            return name
         internal = self.config.network_policy == "internal"
+        bridge = bridge_name(self.config.node_id, spec.rental_id)
+        gang = gangnet.Gang.of(spec.rental_id, spec.env)
+        if network is not None:
+            if gang is not None:
+                gangnet.ensure(gang, bridge, iptables=self.config.iptables)
+            return name
         options = {
-            "com.docker.network.bridge.name": bridge_name(self.config.node_id, spec.rental_id),
+            BRIDGE_OPTION: bridge,
             # No address of the host on the bridge: with nothing to route to, an internal
             # network cannot reach the host even where the engine installs no iptables rules.
             "com.docker.network.bridge.inhibit_ipv4": "true" if internal else "false",
@@ -719,6 +744,15 @@ class DockerDriver:
             LABEL_NODE: spec.node_id,
             LABEL_VOLUME: spec.volume_dir,
         }
+        ipam = None
+        if gang is not None:
+            # The same subnet on every member's host, each container at its rank's address;
+            # frames cross hosts inside VXLAN, hence the smaller MTU.
+            gangnet.check_filter_possible(self.config.iptables)
+            options["com.docker.network.driver.mtu"] = str(gangnet.overlay_mtu(gang))
+            ipam = IPAMConfig(
+                pool_configs=[IPAMPool(subnet=str(gang.subnet), gateway=gang.gateway)]
+            )
         try:
             self._call(
                 "network create",
@@ -728,12 +762,19 @@ class DockerDriver:
                     internal=internal,
                     enable_ipv6=False,
                     options=options,
+                    ipam=ipam,
                     labels=labels,
                     check_duplicate=True,
                 ),
             )
         except PermanentRuntimeError as exc:
             if not _is_conflict(exc):
+                raise
+        if gang is not None:
+            try:
+                gangnet.ensure(gang, bridge, iptables=self.config.iptables)
+            except RuntimeDriverError:
+                self.release_unused_rentals(spec.rental_id)
                 raise
         logger.info(
             "rental network created",
@@ -869,6 +910,26 @@ class DockerDriver:
             ),
             "detach": True,
         }
+        gang = gangnet.Gang.of(spec.rental_id, spec.env)
+        if gang is not None:
+            # The gang's private network: this member at its rank's overlay address, and the
+            # rendezvous variables naming overlay addresses (the server only knows fabric ones).
+            kwargs["environment"].update(gang.overlay_env())
+            # The overlay is the container's one interface besides loopback: gloo and NCCL
+            # bind there unless the customer says otherwise (gloo resolves the hostname
+            # otherwise, and falls back to loopback where that fails).
+            for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+                kwargs["environment"].setdefault(name, gangnet.CONTAINER_IFNAME)
+            del kwargs["network_mode"]
+            kwargs["network"] = network_mode
+            kwargs["networking_config"] = {
+                network_mode: self._client().api.create_endpoint_config(
+                    ipv4_address=gang.address(gang.node_rank)
+                )
+            }
+            # NCCL's RDMA transport (InfiniBand/RoCE), where the host has it.
+            if devices := gangnet.rdma_devices():
+                kwargs["devices"] = devices
         if spec.data_dir:
             kwargs["mounts"].append(
                 Mount(target=DATA, source=spec.data_dir, type="bind", read_only=True)
