@@ -283,6 +283,8 @@ def docker_gang_stack(
             "nsenter", f"--net=/var/run/netns/{host.ns}", "env", f"DOCKER_HOST={engine.url}",
             *command,
             "--server", server, "--join-token", token, "--fabric-address", address,
+            # One cluster, as a gang needs: the first agent to join creates it.
+            "--cluster", "dgang-fabric", "--interconnect", "ethernet", "--interconnect-gbps", "10",
         ]  # fmt: skip
     try:
         stack.start()

@@ -137,6 +137,8 @@ def lost_host_stack(stack_env, object_store, object_store_env, provider, tmp_pat
         stack.agents[f"agent-{host.hostname}"] = [
             "ip", "netns", "exec", host.ns, *command, "--server", server, "--join-token", token,
             "--fabric-address", address,
+            # One cluster, as a gang needs: the first agent to join creates it.
+            "--cluster", "lost-fabric", "--interconnect", "ethernet", "--interconnect-gbps", "10",
         ]  # fmt: skip
     try:
         yield stack.start()
