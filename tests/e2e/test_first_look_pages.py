@@ -208,7 +208,7 @@ def test_the_offers_table_fits_a_1400_pixel_window_with_its_rent_links(
     )
     assert browser.execute_script("return document.documentElement.scrollWidth") <= width
     headers = browser.find_elements(By.CSS_SELECTOR, "#offers thead th")
-    assert len(headers) == 12
+    assert len(headers) == 13  # the interconnect column included
     for element in headers + browser.find_elements(By.CSS_SELECTOR, "#offers a.rent"):
         box = _rect(browser, element)
         assert box["left"] >= 0 and box["right"] <= width, (element.text, box)
