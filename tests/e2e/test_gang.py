@@ -184,6 +184,8 @@ def test_a_two_host_rental_trains_one_job_with_a_pipeline_stage_per_host(
     steps = sorted((m["step"], m["loss"]) for m in metrics if m.get("event") == "step")
     assert [s for s, _ in steps] == list(range(1, STEPS + 1))
     assert [loss for _, loss in steps] == pytest.approx(_one_host_losses(tmp_path), rel=1e-5)
-    # and it was billed from the moment its last member ran, not before
+    # and it was billed from the moment its last member ran (the server's RUNNING event, after
+    # every member's reported start), not before
     started = [r.started_at for r in runs]
-    assert rental.started_at == max(started)
+    running = rental.events.get(to_status=RentalStatus.RUNNING)
+    assert rental.started_at == running.created_at >= max(started)
