@@ -24,8 +24,10 @@ pytestmark = pytest.mark.django_db
 
 @pytest.fixture
 def members(api, make_join_token):
-    """Two 2-GPU nodes of one provider, by node id (node rank order)."""
-    agents = [_join(api, make_join_token(), name) for name in ("gang-a", "gang-b")]
+    """Two 2-GPU nodes of one provider in one cluster, by node id (node rank order)."""
+    fabric = {"cluster": "gang", "interconnect": "ethernet", "interconnect_gbps": 25}
+    agents = [_join(api, make_join_token(), "gang-a", **fabric)]
+    agents.append(_join(api, make_join_token(), "gang-b", cluster="gang"))
     return sorted(agents, key=lambda agent: agent.node.pk)
 
 
@@ -111,7 +113,7 @@ def test_a_requeued_gang_stages_its_whole_last_complete_checkpoint_on_every_memb
 ):
     # given an interruptible gang that synced a whole sharded step 10, and of step 20 only
     # rank 0's node's part (the other node was lost before it synced its part)
-    spare = _join(api, make_join_token(), "gang-c")
+    spare = _join(api, make_join_token(), "gang-c", cluster="gang")
     rental = _running_gang(members, rent, kind="interruptible", bid_per_gpu_hour="0.50")
     first, second = members
     runs = {r.node_rank: r.run_id for r in ContainerRun.objects.filter(rental=rental)}

@@ -214,7 +214,7 @@ def test_a_lost_member_node_requeues_an_interruptible_gang_as_a_whole(
     api, make_join_token, members, rent
 ):
     # given an interruptible 2 x 2 gang running on two nodes, and a third node free
-    spare = _join(api, make_join_token(), "gang-c")
+    spare = _join(api, make_join_token(), "gang-c", cluster="gang")
     rental = _running_gang(members, rent, kind="interruptible", bid_per_gpu_hour="0.50")
     first, second = members
     # when the second member's node goes silent
