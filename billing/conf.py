@@ -28,6 +28,12 @@ def posting_interval_s() -> int:
     return int(_get("BILLING_POSTING_INTERVAL_S", 3600))
 
 
+def chunk_timeout_ms() -> int:
+    """The longest one chunk of the billing pass may run (a statement timeout, below the
+    connection's own): a chunk that runs out is rolled back and rated again in halves."""
+    return int(_get("BILLING_CHUNK_TIMEOUT_MS", 20_000))
+
+
 def low_balance_hours() -> int:
     """Warn when the available balance covers less than this many hours of running rentals."""
     return int(_get("BILLING_LOW_BALANCE_HOURS", 1))

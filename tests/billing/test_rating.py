@@ -7,7 +7,7 @@ from datetime import timedelta
 from decimal import ROUND_FLOOR, Decimal
 
 import pytest
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import Sum
 from django.utils import timezone
 
@@ -305,3 +305,36 @@ def test_a_rental_without_funds_is_refused_with_402_and_nothing_is_stored(
     assert not Rental.objects.exists()
     fund(user, "3.00")
     assert auth_api.post("/api/v1/rentals/", body, format="json").status_code == 201
+
+
+def test_a_pass_over_more_meters_than_one_statement_can_rate_in_time_still_bills_them_all(
+    make_node, book_many, settings, caplog
+):
+    # Given 64 running rentals whose meters each take 20 ms to write (a trigger that sleeps, so
+    # one statement over all of them needs 1.3 s), and a chunk timeout of 1 s
+    for i in range(8):
+        make_node(price="1.2345", gpus=8, hostname=f"slow{i}")
+    rentals = book_many([{"gpus": 1, "hours": 2, "hours_ago": 3} for _ in range(64)])
+    for seq, booked in enumerate(rentals, start=1):
+        booked.report(seq=seq, confirmed_s=600)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "CREATE FUNCTION slow_meter() RETURNS trigger LANGUAGE plpgsql AS"
+            " $$ BEGIN PERFORM pg_sleep(0.02); RETURN NEW; END $$"
+        )
+        cursor.execute(
+            "CREATE TRIGGER slow_meter BEFORE UPDATE ON billing_usagemeter"
+            " FOR EACH ROW EXECUTE FUNCTION slow_meter()"
+        )
+    settings.BILLING_CHUNK_TIMEOUT_MS = 1000
+    # When one pass runs with every meter in one chunk
+    with caplog.at_level("WARNING", logger="billing.services.rating"):
+        result = billing_pass_run(now=rentals[0].at(3 * 3600))
+    # Then the chunk ran out of time and was rated again in halves, and every meter is billed
+    assert "rating them in halves" in caplog.text
+    assert result.meters_rated == 64 and result.meters_posted == 64
+    for booked in rentals:
+        expected = _expected_charge(600, booked.rental.price_per_gpu_hour)
+        assert -_sum(kind=EntryKind.USAGE, rental=booked.rental) == expected
+    assert _sum(meter__isnull=False) == 0
+    _assert_balances_match_the_ledger()
