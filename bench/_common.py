@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import os
@@ -98,6 +99,20 @@ def bench_database(name: str):
         with psycopg.connect(admin_url, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         services.stop()
+
+
+def parse_args(parser: argparse.ArgumentParser, **quick) -> argparse.Namespace:
+    """The bench's arguments, with `--quick`: the sizes given here instead of the defaults, so
+    the test command runs every bench to its JSON line in seconds (figures not checked: only
+    that the bench still runs)."""
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny sizes: that it runs, not what it measures"
+    )
+    args = parser.parse_args()
+    if args.quick:
+        for name, value in quick.items():
+            setattr(args, name, value)
+    return args
 
 
 def emit(figures: dict) -> None:

@@ -32,7 +32,7 @@ import time
 from decimal import Decimal
 from pathlib import Path
 
-from _common import ROOT, bench_database, emit, gunicorn, percentile
+from _common import ROOT, bench_database, emit, gunicorn, parse_args, percentile
 
 BIN = Path(sys.executable).parent
 
@@ -270,7 +270,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between heartbeats")
     parser.add_argument("--workers", type=int, help="gunicorn processes (default: 2 per core)")
-    args = parser.parse_args()
+    args = parse_args(parser, agents=4, seconds=3.0)
     with bench_database("gpumarket_bench_agents"):
         tokens = join_tokens(args.agents)
         extra = {"AGENT_THROTTLE_RATE": "100000/min", "LOG_LEVEL": "WARNING"}

@@ -216,7 +216,11 @@ def main() -> None:
         "thread is far less disturbed by other load on a shared machine than a team of threads)",
     )
     parser.add_argument("--cuda", action="store_true", help="fail if CUDA is not available")
+    # bench/_common.py's --quick, by hand: bench/ is off sys.path here (see above).
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: that it runs")
     args = parser.parse_args()
+    if args.quick:
+        args.reps, args.steps = 1, 2
     torch.set_num_threads(args.threads)
     if not pin_glibc_malloc():
         print("note: not glibc, allocator thresholds left as they are")

@@ -13,7 +13,7 @@ import argparse
 import sys
 import time
 
-from _common import bench_database, build_inventory, emit, gunicorn, percentile
+from _common import bench_database, build_inventory, emit, gunicorn, parse_args, percentile
 
 QUERY = {
     "min_memory_gb": "40",
@@ -74,7 +74,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--nodes", type=int, default=10_000)
     parser.add_argument("--requests", type=int, default=300)
-    args = parser.parse_args()
+    args = parse_args(parser, nodes=40, requests=10)
     with bench_database("gpumarket_bench_offers") as url:
         t0 = time.perf_counter()
         gpus = build_inventory(url, args.nodes, busy_node_fraction=0.5)

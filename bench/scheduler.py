@@ -41,6 +41,7 @@ from _common import (
     emit,
     gunicorn,
     median,
+    parse_args,
     percentile,
 )
 
@@ -446,7 +447,7 @@ def main() -> None:
         "--parts", nargs="+", choices=PARTS, default=list(PARTS),
         help="cycle: engine and one end-to-end cycle; stream: the streaming mode; api: creates",
     )  # fmt: skip
-    args = parser.parse_args()
+    args = parse_args(parser, nodes=40, pending=60, rates=[10.0], seconds=2.0)
     figures: dict = {"nodes": args.nodes}
     with bench_database("gpumarket_bench_scheduler") as url:
         # Half the nodes run work on half their GPUs: the fragmentation packing has to handle.
