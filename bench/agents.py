@@ -4,15 +4,20 @@ The server is one gunicorn instance in the production layout (config/gunicorn.py
 processes per core, two threads each; `--workers` to change) on the same PostgreSQL and Redis a
 deployment would use. The agents are protocol clients in one asyncio
 process (a real agent per simulated host would need 200 processes): each joins with its own
-one-time token, then sends a heartbeat every second carrying telemetry for its 2 GPUs, exactly
+one-time token, then sends a heartbeat every second carrying telemetry for its 8 GPUs, exactly
 the payload shape the real agent sends. Printed beside the figures: the offered rate, and the
 server's own CPU time per heartbeat (psutil on the gunicorn processes).
+
+Two phases: idle hosts, then busy ones. For the busy phase `--busy` rentals of 2 GPUs per host
+are booked and placed through the real services; each host learns its runs from the heartbeat
+answers, as the real agent does, and from then on every heartbeat carries, per run, a container
+report, a usage report, a harness step line and two log lines.
 
 Then one real agent (`python -m nodeagent`, Docker runtime when an engine answers,
 else the local-process runtime) gets a rental, and the time from SCHEDULED to RUNNING is read
 from the rental's event rows.
 
-    python bench/agents.py [--agents 200] [--seconds 20] [--interval 1]
+    python bench/agents.py [--agents 200] [--seconds 20] [--interval 1] [--busy 4]
 
 `--interval 5` is the agents' real heartbeat interval (the server's HEARTBEAT_INTERVAL_S): with
 `--agents 1000` it offers the same 200 heartbeats a second from five times the hosts, each
@@ -35,6 +40,7 @@ from pathlib import Path
 from _common import ROOT, bench_database, emit, gunicorn, parse_args, percentile
 
 BIN = Path(sys.executable).parent
+GPUS_PER_HOST = 8
 
 
 def server_cpu_seconds(server: subprocess.Popen) -> float:
@@ -88,7 +94,7 @@ async def join_agents(base: str, tokens: list[str]) -> list[str]:
                         "memory_mb": 24564,
                         "topology_group": "",
                     }
-                    for g in range(2)
+                    for g in range(GPUS_PER_HOST)
                 ],
                 "simulated": True,
             }
@@ -98,12 +104,104 @@ async def join_agents(base: str, tokens: list[str]) -> list[str]:
     return node_tokens
 
 
+class Host:
+    """One simulated host's side of the protocol: the runs the server gave it (from each
+    heartbeat's answer) and what it reports about them, as the real agent does."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self.runs: dict[str, tuple[str, int, float]] = {}  # run -> (rental, gpus, started)
+        self.seq = 0
+        self.line_no = 0
+        self.step = 0
+
+    def learn(self, answer: dict) -> None:
+        wanted = {entry["run_id"]: entry for entry in answer.get("desired", ())}
+        for run_id in list(self.runs):
+            if run_id not in wanted:
+                del self.runs[run_id]
+        for run_id, entry in wanted.items():
+            if run_id not in self.runs:
+                self.runs[run_id] = (entry["rental_id"], len(entry["gpu_indices"]), time.time())
+
+    def body(self, rng: random.Random) -> dict:
+        """A heartbeat: telemetry for every GPU, and for each run its container report, a usage
+        report, a harness step line and two log lines (what a training run sends a second)."""
+        import json
+
+        from agentprotocol import (
+            ContainerReport,
+            ContainerStatus,
+            GpuSample,
+            Heartbeat,
+            LogLine,
+            MetricLine,
+            UsageReport,
+        )
+
+        now = time.time()
+        containers, usage, metrics, logs = [], [], [], []
+        self.step += 1
+        for run_id, (rental_id, gpus, started) in self.runs.items():
+            self.seq += 1
+            containers.append(
+                ContainerReport(
+                    rental_id=rental_id,
+                    run_id=run_id,
+                    status=ContainerStatus.RUNNING,
+                    started_at=started,
+                )
+            )
+            usage.append(
+                UsageReport(
+                    seq=self.seq,
+                    rental_id=rental_id,
+                    run_id=run_id,
+                    gpu_count=gpus,
+                    started_at=started,
+                    confirmed_at=now,
+                )
+            )
+            line = {"event": "step", "step": self.step, "loss": round(rng.uniform(2, 4), 4),
+                    "samples_per_s": round(rng.uniform(90, 110), 1), "ts": now}  # fmt: skip
+            metrics.append(MetricLine(rental_id=rental_id, run_id=run_id, line=json.dumps(line)))
+            for _ in range(2):
+                self.line_no += 1
+                logs.append(
+                    LogLine(
+                        rental_id=rental_id,
+                        run_id=run_id,
+                        line_no=self.line_no,
+                        line=f"step {self.step} loss {line['loss']} rank 0",
+                    )
+                )
+        return Heartbeat(
+            agent_version="bench",
+            sent_at=now,
+            telemetry=tuple(
+                GpuSample(
+                    gpu_index=g,
+                    ts=now,
+                    util_pct=rng.uniform(0, 100),
+                    mem_used_mb=rng.randint(0, 24000),
+                    power_w=rng.uniform(50, 450),
+                    temp_c=rng.uniform(30, 80),
+                )
+                for g in range(GPUS_PER_HOST)
+            ),
+            containers=tuple(containers),
+            usage=tuple(usage),
+            metrics=tuple(metrics),
+            logs=tuple(logs),
+        ).to_payload()
+
+
 async def run_agents(
-    base: str, node_tokens: list[str], seconds: float, interval: float = 1.0
+    base: str, hosts: list[Host], seconds: float, interval: float = 1.0
 ) -> tuple[list[float], int]:
     import aiohttp
 
-    from agentprotocol import HEARTBEAT_PATH, GpuSample, Heartbeat
+    from agentprotocol import HEARTBEAT_PATH
 
     latencies: list[float] = []
     errors = 0
@@ -111,45 +209,86 @@ async def run_agents(
     async with aiohttp.ClientSession(timeout=timeout) as session:
         deadline = time.monotonic() + seconds
 
-        async def agent(token: str, offset: float) -> None:
+        async def agent(host: Host, offset: float) -> None:
             nonlocal errors
-            headers = {"Authorization": f"Bearer {token}"}
+            headers = {"Authorization": f"Bearer {host.token}"}
             await asyncio.sleep(offset)
             next_at = time.monotonic()
-            rng = random.Random(token)
+            rng = random.Random(host.token)
             while time.monotonic() < deadline:
-                now = time.time()
-                body = Heartbeat(
-                    agent_version="bench",
-                    sent_at=now,
-                    telemetry=tuple(
-                        GpuSample(
-                            gpu_index=g,
-                            ts=now,
-                            util_pct=rng.uniform(0, 100),
-                            mem_used_mb=rng.randint(0, 24000),
-                            power_w=rng.uniform(50, 450),
-                            temp_c=rng.uniform(30, 80),
-                        )
-                        for g in range(2)
-                    ),
-                ).to_payload()
+                body = host.body(rng)
                 t0 = time.perf_counter()
                 try:
                     async with session.post(base + HEARTBEAT_PATH, json=body, headers=headers) as r:
-                        await r.read()
+                        answer = await r.json(content_type=None)
                         if r.status != 200:
                             errors += 1
-                except (aiohttp.ClientError, TimeoutError):
+                        else:
+                            host.learn(answer)
+                except (aiohttp.ClientError, TimeoutError, ValueError):
                     errors += 1
                 latencies.append((time.perf_counter() - t0) * 1000)
                 next_at += interval
                 await asyncio.sleep(max(0.0, next_at - time.monotonic()))
 
-        await asyncio.gather(
-            *(agent(t, i * interval / len(node_tokens)) for i, t in enumerate(node_tokens))
-        )
+        await asyncio.gather(*(agent(h, i * interval / len(hosts)) for i, h in enumerate(hosts)))
     return latencies, errors
+
+
+def book_busy(per_host: int, hosts: int) -> int:
+    """`per_host` rentals of 2 GPUs on every simulated host, booked and placed through the real
+    services (rental_create, the scheduler cycle). Returns how many were placed."""
+    from accounts.services import team_personal_ensure, user_create
+    from billing.services.ledger import account_adjust, account_for_team
+    from marketplace.models import Rental, RentalStatus
+    from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
+    from scheduler.services import scheduler_cycle_run
+
+    customer = user_create(username="busy", email="busy@example.invalid", password="x")
+    team = team_personal_ensure(user=customer)
+    account_adjust(
+        account_id=account_for_team(team=team).pk,
+        amount_micros=10**12,
+        reason="benchmark credit",
+        actor=None,
+    )
+    for _ in range(per_host * hosts):
+        rental_create(
+            customer=customer,
+            team=team,
+            request=RentalRequest(
+                gpus_per_node=2,
+                duration_s=3600,
+                region="bench",
+                runtime=RuntimeSpec(image="gpumarket/harness:dev", command=["python", "train.py"]),
+            ),
+        )
+    for _ in range(10):
+        scheduler_cycle_run()
+        if not Rental.objects.filter(team=team, status=RentalStatus.PENDING).exists():
+            break
+    return Rental.objects.filter(team=team, status=RentalStatus.SCHEDULED).count()
+
+
+def running_count() -> int:
+    from marketplace.models import Rental, RentalStatus
+
+    return Rental.objects.filter(customer__username="busy", status=RentalStatus.RUNNING).count()
+
+
+def measure(server, hosts: list[Host], seconds: float, interval: float) -> dict:
+    """Heartbeats for `seconds`: handled rate, latencies, and the server's CPU per heartbeat."""
+    cpu0 = server_cpu_seconds(server)
+    latencies, errors = asyncio.run(run_agents(server.base_url, hosts, seconds, interval))
+    cpu = server_cpu_seconds(server) - cpu0
+    return {
+        "handled_per_s": (len(latencies) - errors) / seconds,
+        "errors": errors,
+        "p50": percentile(latencies, 50),
+        "p99": percentile(latencies, 99),
+        "cpu_ms": cpu * 1000 / max(1, len(latencies)),
+        "cpu_s": cpu,
+    }
 
 
 def cpu_per_request(server: subprocess.Popen, url: str, n: int = 2000) -> float:
@@ -270,52 +409,74 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between heartbeats")
     parser.add_argument("--workers", type=int, help="gunicorn processes (default: 2 per core)")
-    args = parse_args(parser, agents=4, seconds=3.0)
+    parser.add_argument(
+        "--busy", type=int, default=4, help="rentals of 2 GPUs per host in the busy phase (0: none)"
+    )
+    args = parse_args(parser, agents=4, seconds=3.0, busy=2)
     with bench_database("gpumarket_bench_agents"):
         tokens = join_tokens(args.agents)
         extra = {"AGENT_THROTTLE_RATE": "100000/min", "LOG_LEVEL": "WARNING"}
         with gunicorn(workers=args.workers, extra_env=extra) as server:
-            node_tokens = asyncio.run(join_agents(server.base_url, tokens))
-            cpu0 = server_cpu_seconds(server)
-            t0 = time.perf_counter()
-            latencies, errors = asyncio.run(
-                run_agents(server.base_url, node_tokens, args.seconds, args.interval)
-            )
-            wall = time.perf_counter() - t0
-            cpu = server_cpu_seconds(server) - cpu0
+            hosts = [Host(t) for t in asyncio.run(join_agents(server.base_url, tokens))]
+            idle = measure(server, hosts, args.seconds, args.interval)
+            busy = None
+            if args.busy:
+                placed = book_busy(args.busy, args.agents)
+                # The hosts learn their runs and report them running (not measured: a start
+                # is a one-off), then every heartbeat carries its runs' reports.
+                deadline = time.monotonic() + 120
+                while running_count() < placed and time.monotonic() < deadline:
+                    asyncio.run(
+                        run_agents(server.base_url, hosts, 2 * args.interval, args.interval)
+                    )
+                busy = measure(server, hosts, args.seconds, args.interval)
+                busy["runs"] = sum(len(h.runs) for h in hosts)
+                busy["running"] = running_count()
             health_ms = cpu_per_request(server, server.base_url + "/healthz")
             to_running, runtime = scheduled_to_running(server.base_url)
-    handled = len(latencies) - errors
-    rate = handled / args.seconds
-    p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
-    cpu_ms = cpu * 1000 / max(1, len(latencies))
     offered = args.agents / args.interval
     print(
-        f"{args.agents} agents x 1 heartbeat every {args.interval:g} s = {offered:g}/s offered"
-        f" for {args.seconds:.0f} s"
+        f"{args.agents} agents of {GPUS_PER_HOST} GPUs x 1 heartbeat every {args.interval:g} s"
+        f" = {offered:g}/s offered for {args.seconds:.0f} s per phase"
     )
-    print(f"handled {rate:,.1f} heartbeats/s ({errors} errors), p50 {p50:.1f} ms, p99 {p99:.1f} ms")
-    print(
-        f"server CPU {cpu_ms:.2f} ms per heartbeat ({cpu:.1f} s over {wall:.1f} s; joins before"
-        f" it), {cpu_ms / health_ms:.1f}x the {health_ms:.2f} ms of a /healthz through the server"
-    )
+    phases = [("idle", idle)] + ([("busy", busy)] if busy else [])
+    for name, phase in phases:
+        what = "" if name == "idle" else (
+            f" ({phase['running']} rentals running, {args.busy} per host: a container report,"
+            " a usage report, a step line and two log lines each)"
+        )  # fmt: skip
+        print(
+            f"{name}{what}: handled {phase['handled_per_s']:,.1f} heartbeats/s"
+            f" ({phase['errors']} errors), p50 {phase['p50']:.1f} ms, p99 {phase['p99']:.1f} ms;"
+            f" server CPU {phase['cpu_ms']:.2f} ms per heartbeat,"
+            f" {phase['cpu_ms'] / health_ms:.1f}x the {health_ms:.2f} ms of a /healthz"
+        )
     print(f"SCHEDULED -> RUNNING with a real agent ({runtime} runtime): {to_running:.2f} s")
-    emit(
-        {
-            "agents": args.agents,
-            "heartbeats_per_s": round(rate, 1),
-            "heartbeat_p99_ms": round(p99, 1),
-            "server_cpu_ms_per_heartbeat": round(cpu_ms, 2),
-            "server_cpu_ms_per_healthz": round(health_ms, 2),
-            "heartbeat_cpu_to_healthz": round(cpu_ms / health_ms, 2),
-            "scheduled_to_running_s": round(to_running, 2),
-            "offered_heartbeats_per_s": round(offered, 1),
-            "interval_s": args.interval,
-            "heartbeat_p50_ms": round(p50, 1),
-            "errors": errors,
-            "runtime": runtime,
-        }
-    )
+    figures = {
+        "agents": args.agents,
+        "heartbeats_per_s": round(idle["handled_per_s"], 1),
+        "heartbeat_p99_ms": round(idle["p99"], 1),
+        "server_cpu_ms_per_heartbeat": round(idle["cpu_ms"], 2),
+        "server_cpu_ms_per_healthz": round(health_ms, 2),
+        "heartbeat_cpu_to_healthz": round(idle["cpu_ms"] / health_ms, 2),
+        "scheduled_to_running_s": round(to_running, 2),
+        "offered_heartbeats_per_s": round(offered, 1),
+        "interval_s": args.interval,
+        "heartbeat_p50_ms": round(idle["p50"], 1),
+        "errors": idle["errors"],
+        "runtime": runtime,
+    }
+    if busy:
+        figures.update(
+            busy_rentals_per_host=args.busy,
+            busy_running=busy["running"],
+            busy_heartbeats_per_s=round(busy["handled_per_s"], 1),
+            busy_heartbeat_p99_ms=round(busy["p99"], 1),
+            busy_server_cpu_ms_per_heartbeat=round(busy["cpu_ms"], 2),
+            busy_to_healthz=round(busy["cpu_ms"] / health_ms, 2),
+            busy_errors=busy["errors"],
+        )
+    emit(figures)
 
 
 if __name__ == "__main__":
