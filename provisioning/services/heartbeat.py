@@ -223,6 +223,41 @@ def _staging(rentals) -> dict:
     return staging
 
 
+def _steady_reports(*, node: Node, reports: Sequence[ContainerReport]) -> set[str]:
+    """The reported runs a report changes nothing of but its time: running, as their row says,
+    for a RUNNING rental, with the same ports shown. Most reports of a busy node are these;
+    they are marked in one statement instead of being locked and folded one by one."""
+    running = {
+        r.run_id: r
+        for r in reports
+        if r.status == ContainerStatus.RUNNING
+        and r.exit_code is None
+        and r.finished_at is None
+        and not r.log_tail
+        and not r.error
+    }
+    if not running:
+        return set()
+    rows = ContainerRun.objects.filter(
+        node=node,
+        run_id__in=running,
+        status=ContainerStatus.RUNNING,
+        exit_code__isnull=True,
+        started_at__isnull=False,
+        finished_at__isnull=True,
+        rental__status=RentalStatus.RUNNING,
+    ).values_list("run_id", "published", "rental__ports", "rental__ssh")
+    steady = set()
+    for run_id, published, ports, ssh in rows:
+        wanted = {*ports, SSH_PORT} if ssh else set(ports)
+        shown = [
+            port.to_payload() for port in running[run_id].published if port.container_port in wanted
+        ]
+        if shown == published:
+            steady.add(run_id)
+    return steady
+
+
 def _apply_container(node: Node, report: ContainerReport, now: datetime) -> None:
     """Fold one reported container into its run row and the rental's state machine."""
     run = (
@@ -448,7 +483,12 @@ def node_heartbeat(*, node: Node, reports: HeartbeatReports) -> HeartbeatAnswer:
         _node_seen(node=node, now=now)
         if gpus_health_apply(node=node, verdicts=verdicts, now=now):
             run_benchmark = True  # the check of the GPUs that failed
+        steady = _steady_reports(node=node, reports=reports.containers)
+        if steady:
+            ContainerRun.objects.filter(node=node, run_id__in=steady).update(last_report_at=now)
         for report in sorted(reports.containers, key=lambda c: c.run_id):
+            if report.run_id in steady:
+                continue
             try:
                 with transaction.atomic():
                     _apply_container(node, report, now)
@@ -527,8 +567,16 @@ def _node_seen(*, node: Node, now: datetime) -> None:
 
 
 def _runs_request(*, node: Node, desired: list[DesiredRun]) -> None:
-    """Record the runs handed to the agent; the first hand-over moves SCHEDULED->PROVISIONING."""
+    """Record the runs handed to the agent; the first hand-over moves SCHEDULED->PROVISIONING.
+    The runs recorded before (every heartbeat hands them over again) are read in one go."""
+    known = set(
+        ContainerRun.objects.filter(run_id__in=[e.run_id for e in desired]).values_list(
+            "run_id", flat=True
+        )
+    )
     for entry in desired:
+        if entry.run_id in known:
+            continue
         try:
             with transaction.atomic():
                 run, created = ContainerRun.objects.get_or_create(
