@@ -16,6 +16,7 @@ from marketplace.models import (
     GpuModel,
     Interconnect,
     PreemptionPolicy,
+    RentalNetwork,
     RentalStatus,
 )
 from marketplace.selectors import OFFER_ORDERINGS
@@ -273,6 +274,13 @@ class RentalCreateSerializer(ReusedPerThread, serializers.Serializer):
     ssh = serializers.BooleanField(
         required=False, default=False, help_text="an sshd in the container for your SSH keys"
     )
+    network = serializers.ChoiceField(
+        choices=RentalNetwork.values,
+        required=False,
+        default=RentalNetwork.INTERNET,
+        help_text="internet: the public internet and nothing else (not the host, the "
+        "provider's LAN, metadata addresses or other rentals); internal: no network at all",
+    )
     min_interconnect_gbps = serializers.IntegerField(
         required=False,
         default=0,
@@ -373,6 +381,7 @@ class RentalSerializer(serializers.Serializer):
     ports = serializers.ListField(child=serializers.IntegerField())
     resume_from = serializers.UUIDField(source="resume_from_id", allow_null=True)
     ssh = serializers.BooleanField()
+    network = serializers.CharField(help_text="internet or internal")
     min_interconnect_gbps = serializers.IntegerField()
     created_at = serializers.DateTimeField()
 
@@ -556,6 +565,9 @@ class TemplateWriteSerializer(RuntimeSerializer):
         child=serializers.CharField(max_length=80), required=False, default=list, max_length=16
     )
     ssh = serializers.BooleanField(required=False, default=False)
+    network = serializers.ChoiceField(
+        choices=RentalNetwork.values, required=False, default=RentalNetwork.INTERNET
+    )
 
     def validate(self, attrs):
         refuse_unknown(self)
@@ -572,6 +584,7 @@ class TemplateSerializer(serializers.Serializer):
     datasets = serializers.ListField(child=serializers.CharField())
     harness_config = serializers.JSONField(allow_null=True)
     ssh = serializers.BooleanField()
+    network = serializers.CharField()
     created_by = serializers.CharField(source="created_by.username", allow_null=True)
     created_at = serializers.DateTimeField()
     updated_at = serializers.DateTimeField()

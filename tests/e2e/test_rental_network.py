@@ -193,12 +193,13 @@ def filtering_host(tmp_path_factory):
         _ip("link", "set", inner, "up", ns=host.ns)
         _ip("route", "add", "default", "via", LAN_GATEWAY, ns=host.ns)
         for place, ports in ((world, (PORT, METADATA_PORT)), (host, (PORT,))):
+            argv = ["ip", "netns", "exec", place.ns, sys.executable, "-c", ECHO_SERVER]
             servers.append(
                 subprocess.Popen(
-                    ["ip", "netns", "exec", place.ns, sys.executable, "-c", ECHO_SERVER,
-                     *map(str, ports)],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                )  # fmt: skip
+                    [*argv, *map(str, ports)],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
             )
         engine.start()
         engine.load(HARNESS_IMAGE)
@@ -232,8 +233,8 @@ TARGETS = [
 ]
 
 
-def test_an_internet_rental_reaches_the_internet_and_nothing_else(filtering_host, tmp_path):
-    host, engine, world = filtering_host
+def test_an_internet_rental_reaches_the_internet_and_nothing_else(filtering_host):
+    host, engine, _ = filtering_host
     volumes = Path(f"/tmp/gpmnet-vol-{os.getpid()}")
     volumes.mkdir(mode=0o711, exist_ok=True)
     try:
@@ -261,13 +262,10 @@ def test_an_internet_rental_reaches_the_internet_and_nothing_else(filtering_host
     # and the host reaches the neighbour rental: it is up
     [neighbour] = [e for e in events if "neighbour" in e]
     assert neighbour["from_host"] == neighbour["neighbour"]
-    results = {
-        (e["network"], e["target"]): e for e in events if "network" in e and "target" in e
-    }
+    results = {(e["network"], e["target"]): e for e in events if "network" in e and "target" in e}
     names = [name for name, _, _ in TARGETS] + [
         "neighbour rental", "neighbour bridge gateway", "own bridge gateway"
     ]  # fmt: skip
-    print(json.dumps(list(results.values()), indent=1))
     reached = {
         network: sorted(name for name in names if results[network, name]["ok"])
         for network in ("internet", "internal")
