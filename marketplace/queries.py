@@ -74,7 +74,8 @@ OFFER_ORDERINGS = {
 _OFFERS = """
 SELECT n.{node.id} AS node_id, n.{node.hostname}, p.{provider.name} AS provider,
        n.{node.region}, n.{node.nvlink}, n.{node.simulated}, n.{node.reliability},
-       n.{node.price_per_gpu_hour}, n.{node.min_bid_per_gpu_hour}, n.{node.cpu_cores},
+       n.{node.internet_capable} AS internet, n.{node.price_per_gpu_hour},
+       n.{node.min_bid_per_gpu_hour}, n.{node.cpu_cores},
        n.{node.ram_gb}, n.{node.disk_gb}, n.{node.cuda_version}, n.{node.gpu_count},
        m.{gpu_model.slug} AS gpu_model, m.{gpu_model.name} AS gpu_name,
        m.{gpu_model.memory_gb}, m.{gpu_model.tensor_tflops},

@@ -143,6 +143,10 @@ class OfferSerializer(serializers.Serializer):
     )
     reliability = serializers.DecimalField(max_digits=5, decimal_places=4)
     simulated = serializers.BooleanField()
+    internet = serializers.BooleanField(
+        help_text="a rental with network internet may run here (the node filters it to public "
+        "addresses); any node takes an internal one"
+    )
     cpu_cores = serializers.IntegerField()
     ram_gb = serializers.IntegerField()
     disk_gb = serializers.IntegerField()
@@ -481,6 +485,12 @@ class ProviderNodeSerializer(serializers.Serializer):
         many=True, help_text="GPUs not OK; a FAILED one rents no more"
     )
     simulated = serializers.BooleanField()
+    internet_filtered = serializers.BooleanField(
+        help_text="its agent filters a rental's internet to public addresses (said at join)"
+    )
+    internet_capable = serializers.BooleanField(
+        help_text="rentals with network internet are placed here"
+    )
     last_seen_at = serializers.DateTimeField(allow_null=True)
     driver_version = serializers.CharField()
     cuda_version = serializers.CharField()

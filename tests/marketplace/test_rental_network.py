@@ -109,3 +109,13 @@ def test_a_template_carries_the_network(auth_api, make_node):
         "/api/v1/rentals/", {**body, "template": "offline", "network": "internet"}, format="json"
     )
     assert r.json()["network"] == "internet"
+
+
+def test_offers_say_where_a_rental_may_have_the_internet(api, make_node):
+    _unfiltered(make_node(card="a100-sxm4-80gb", hostname="open-1"))
+    make_node(card="a100-sxm4-80gb", hostname="filtered-1")
+    offers = api.get("/api/v1/offers/").json()["results"]
+    assert {o["hostname"]: o["internet"] for o in offers} == {
+        "open-1": False,
+        "filtered-1": True,
+    }
