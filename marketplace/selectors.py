@@ -442,6 +442,12 @@ def engine_nodes(nodes: QuerySet[Node] | Iterable[Node]) -> list[engine.Node]:
     return [_engine_node(r, by_node[r["id"]]) for r in rows]
 
 
+def nodes_internet_capable(node_ids: Iterable[int]) -> bool:
+    """Whether every one of these nodes may host a rental with the internet."""
+    wanted = set(node_ids)
+    return Node.objects.filter(pk__in=wanted, internet_capable=True).count() == len(wanted)
+
+
 def rental_owned(*, team: Team, rental_id) -> Rental:
     """One of the team's rentals (NotFound for another team's)."""
     rental = Rental.objects.filter(pk=rental_id, team=team).first()

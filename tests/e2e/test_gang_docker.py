@@ -335,7 +335,7 @@ def _rent(user, *, node_count: int, gpus: int, runtime: RuntimeSpec) -> Rental:
         team=personal_team(user),
         request=RentalRequest(
             gpus_per_node=gpus, node_count=node_count, duration_s=3600, region="dgang",
-            runtime=runtime,
+            runtime=runtime, network="internal",  # the engines run without iptables
         ),
     )  # fmt: skip
 
