@@ -10,8 +10,12 @@ same server answers at 10.77.0.1 and 192.168.77.1 (the provider's LAN) and at 16
 Then: the agent's probe says the host can filter; a rental with `internet` reaches the internet
 server and nothing else (not the host on its LAN address or its rental bridges' gateways, not
 the private ranges, not the metadata address, not another rental's container on the same
-host), while the host itself reaches every one of them (they are up: what stops the rental is
-the filter); a rental with `internal` reaches nothing at all.
+host), while the host itself reaches every one of them (they are up), and a container on the
+same kind of network reaches them once the agent's rules are taken away (what stops the rental
+is the filter, not the engine's defaults); a rental with `internal` reaches nothing at all.
+The driver runs in a subprocess entering the host's namespace (its iptables are the ones the
+driver must manage), as the agent would run there; the server and the agent's reconcile loop
+are not in it (tests/e2e/test_gang_docker.py drives those against per-namespace engines).
 
 Needs root (network namespaces, a Docker Engine per namespace); the engine and namespaces are
 removed even when the test fails. Names start with `gpmnet`.
@@ -143,6 +147,16 @@ for network, s in probes.items():
         time.sleep(0.2)
     for line in lines:
         print(json.dumps({"network": network.value, **json.loads(line)}), flush=True)
+# The control: without the agent's two jumps, a container on an internet network reaches the
+# LAN, the metadata address and the host (the engine's own rules let it): the filter stops them.
+import subprocess
+for parent, chain in (("DOCKER-USER", "GPUMARKET-EGRESS"), ("INPUT", "GPUMARKET-HOST")):
+    subprocess.run(["iptables", "-w", "5", "-D", parent, "-i", "gpm-+", "-j", chain], check=True)
+control = client.containers.run(
+    image, ["python3", "-c", probe], network=network_name(neighbour.rental_id), remove=True,
+    user="1000:1000", environment={"TARGETS": json.dumps(targets[:5])})
+for line in control.decode().splitlines():
+    print(json.dumps({"network": "unfiltered", **json.loads(line)}), flush=True)
 for s in (*probes.values(), neighbour):
     driver.remove(s.run_id)
 """
@@ -276,6 +290,10 @@ def test_an_internet_rental_reaches_the_internet_and_nothing_else(filtering_host
     # the blocked ones are dropped (a timeout), not refused by a listener nobody runs
     for name in names[1:]:
         assert "timed out" in results["internet", name]["error"], results["internet", name]
+    # while with the agent's rules taken away the same network reaches all of them
+    unfiltered = {name for (network, name), e in results.items() if network == "unfiltered"}
+    assert unfiltered == {name for name, _, _ in TARGETS}
+    assert all(results["unfiltered", name]["ok"] for name in unfiltered)
     # the internal rental reaches nothing at all
     assert reached["internal"] == []
     assert {name for network, name in results if network == "internal"} == set(names)
