@@ -32,11 +32,12 @@ from marketplace.models import (
     Rental,
     RentalEvent,
     RentalKind,
+    RentalNetwork,
     RentalStatus,
     User,
     interconnect_label,
 )
-from marketplace.selectors import OfferFilters, offer_list
+from marketplace.selectors import OfferFilters, nodes_internet_capable, offer_list
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 
 # Preemption rate of a pool with little history: one per 50 node-hours, worth 10 node-hours of
@@ -194,11 +195,16 @@ def plan_book(
     runtime: dict | None,
     series: bool = False,
     resume_from: uuid.UUID | None = None,
+    network: str | None = None,
 ) -> Rental:
     """Book a plan in one step: its card and gang size (`card:NODESxGPUS`) re-priced against the
     offers free now, or the cheapest plan of a card when only the card is named. A plan longer
     than one booking is refused unless ``series`` asks for the next booking of its series: the
-    longest booking, resuming from ``resume_from``'s checkpoint when given."""
+    longest booking, resuming from ``resume_from``'s checkpoint when given.
+
+    The rental has ``network`` when given; otherwise the internet where every node the plan was
+    priced on can filter it, else an internal network: the plan stays bookable as offered, and
+    the harness needs none (the agent stages its data)."""
     if plan_id:
         chosen = _price_gang(query, plan_id)
     else:
@@ -251,6 +257,12 @@ def plan_book(
                 ),
                 datasets=(query.dataset,) if query.dataset else (),
                 resume_from=resume_from,
+                network=network
+                or (
+                    RentalNetwork.INTERNET
+                    if nodes_internet_capable(o.node_id for o in placement.offers)
+                    else RentalNetwork.INTERNAL
+                ),
             ),
         )
         Rental.objects.filter(pk=rental.pk).update(advisor_estimate=plan_estimate(chosen))

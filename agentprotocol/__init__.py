@@ -52,6 +52,15 @@ class ProtocolError(ValueError):
         self.why = why
 
 
+class Network(enum.StrEnum):
+    """What a rental's network reaches: the public internet only (NAT, with every private,
+    link-local and metadata range and the host dropped by the node's packet filter), or
+    nothing outside the rental."""
+
+    INTERNET = "internet"
+    INTERNAL = "internal"
+
+
 class ContainerStatus(enum.StrEnum):
     """A run's state as the runtime sees it and the agent reports it."""
 
@@ -419,6 +428,8 @@ class DesiredRun(Message):
     sync_artifacts: bool = False
     # Public keys (OpenSSH format) allowed into the run's sshd, when the rental asked for SSH.
     ssh_authorized_keys: tuple[str, ...] = dataclasses.field(default=(), metadata=OMIT_EMPTY)
+    # The rental's network. A server that predates it names none: no egress, the safe reading.
+    network: Network = Network.INTERNAL
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -588,6 +599,7 @@ __all__ = [
     "LogLine",
     "Message",
     "MetricLine",
+    "Network",
     "ProtocolError",
     "PublishedPort",
     "StagedFile",

@@ -18,9 +18,10 @@
 #
 # --iptables=false / --bridge=none: sandboxes and CI VMs often lack the netfilter modules, and the
 # training harness needs no network. Consequence: no default bridge and no NAT; the runtime driver
-# gives each rental a user-defined internal network with no address of the host on its bridge
-# (network_policy "internal"), publishes no ports, and refuses "egress", which needs the engine's
-# iptables (DOCKER-USER) for NAT and for the rules keeping rentals off private ranges.
+# gives each rental a user-defined internal network with no address of the host on its bridge,
+# and the agent declares at join that it cannot filter a rental's internet (which needs the
+# engine's iptables, DOCKER-USER, for NAT and for the rules keeping rentals off private ranges):
+# such a node is given rentals with network "internal" only.
 #
 # Settings (environment):
 #   GPUMARKET_DOCKER_ROOT     data root            (default /var/lib/gpumarket-docker)

@@ -55,6 +55,12 @@ def add_rent_parser(sub: argparse._SubParsersAction) -> None:
     rent.add_argument("--resume-from", help="a rental: start from its last synced checkpoint")
     rent.add_argument("cmd", nargs="*", help="the command (after --)")
     rent.add_argument("--ssh", action="store_true", help="an sshd for your SSH keys")
+    rent.add_argument(
+        "--network",
+        choices=["internet", "internal"],
+        help="internet (the default): the public internet and nothing else, not the host, "
+        "its LAN or other rentals; internal: no network at all",
+    )
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -105,7 +111,15 @@ def _rent_body(args: argparse.Namespace) -> dict:
         body["resume_from"] = args.resume_from
     if args.ssh:
         body["ssh"] = True
+    if args.network:
+        body["network"] = args.network
     return body
+
+
+_NETWORK_LABELS = {
+    "internet": "internet (public addresses only)",
+    "internal": "internal (no network)",
+}
 
 
 def rental_summary(rental: dict) -> str:
@@ -141,6 +155,7 @@ def rental_summary(rental: dict) -> str:
         ),
         ("on", "; ".join(f"{node} GPU {','.join(gpus)}" for node, gpus in held.items()) or "-"),
         ("image", " ".join([rental["image"], *map(str, rental["command"] or [])])),
+        ("network", _NETWORK_LABELS.get(rental.get("network", ""), rental.get("network", "-"))),
         ("booked", span(rental["scheduled_start"], rental["scheduled_end"])),
         ("ran", span(rental["started_at"], rental["ended_at"])),
     ]

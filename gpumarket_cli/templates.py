@@ -71,6 +71,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     save.add_argument("--description", default="")
     save.add_argument("--data", action="append", default=[], help="a dataset (repeatable)")
     save.add_argument("--ssh", action="store_true", help="an sshd for your SSH keys")
+    save.add_argument(
+        "--network", choices=["internet", "internal"], default="internet",
+        help="the rental's network: internet (public addresses only) or internal (none)",
+    )  # fmt: skip
     save.add_argument("--replace", action="store_true", help="replace a template of this name")
     add_runtime_flags(save)
     save.add_argument("cmd", nargs="*", help="the command (after --)")
@@ -87,6 +91,7 @@ def run(args: argparse.Namespace, api: Api) -> str:
             "description": args.description,
             "datasets": args.data,
             "ssh": args.ssh,
+            "network": args.network,
         }
         if args.replace:
             saved = api.call("PUT", f"/api/v1/templates/{args.name}/", json=body)
@@ -114,6 +119,7 @@ def run(args: argparse.Namespace, api: Api) -> str:
 
             lines.append(f"harness  {json.dumps(t['harness_config'], sort_keys=True)}")
         lines.append(f"ssh      {'yes' if t['ssh'] else 'no'}")
+        lines.append(f"network  {t.get('network', 'internet')}")
         return "\n".join(lines)
     api.call("DELETE", f"/api/v1/templates/{args.name}/")
     return f"removed {args.name}"

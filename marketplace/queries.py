@@ -74,7 +74,8 @@ OFFER_ORDERINGS = {
 _OFFERS = """
 SELECT n.{node.id} AS node_id, n.{node.hostname}, p.{provider.name} AS provider,
        n.{node.region}, n.{node.nvlink}, n.{node.simulated}, n.{node.reliability},
-       n.{node.price_per_gpu_hour}, n.{node.min_bid_per_gpu_hour}, n.{node.cpu_cores},
+       n.{node.internet_capable} AS internet, n.{node.price_per_gpu_hour},
+       n.{node.min_bid_per_gpu_hour}, n.{node.cpu_cores},
        n.{node.ram_gb}, n.{node.disk_gb}, n.{node.cuda_version}, n.{node.gpu_count},
        m.{gpu_model.slug} AS gpu_model, m.{gpu_model.name} AS gpu_name,
        m.{gpu_model.memory_gb}, m.{gpu_model.tensor_tflops},
@@ -215,6 +216,7 @@ NODE_COLUMNS = (
     "reliability",
     "nvlink",
     "ssh_capable",
+    "internet_capable",
     "cluster",
 )
 MODEL_COLUMNS = ("slug", "family", "memory_gb", "tensor_tflops")
@@ -245,6 +247,7 @@ def _cheapest_nodes_sql() -> str:
         " AND (%(bid)s::numeric IS NULL OR n.{node.min_bid_per_gpu_hour} <= %(bid)s::numeric)"
         " AND (%(price)s::numeric IS NULL OR n.{node.price_per_gpu_hour} <= %(price)s::numeric)"
         " AND (NOT %(ssh)s OR n.{node.ssh_capable})"
+        " AND (NOT %(internet)s OR n.{node.internet_capable})"
         " AND (NOT %(clustered)s OR c.{cluster.bandwidth_gbps} >= %(gbps)s)"
         " ORDER BY n.{node.price_per_gpu_hour}, n.{node.id} LIMIT %(limit)s",
         **_TABLES,
@@ -253,8 +256,8 @@ def _cheapest_nodes_sql() -> str:
 
 def nodes_cheapest(*, params: dict) -> list[tuple]:
     """The `limit` cheapest nodes of the pool that meet `params` (region or its zones, models,
-    families, memory, tflops, GPUs, bid, price, ssh, clustered with at least gbps), whatever
-    their state: the NODE_COLUMNS, their cluster's bandwidth (None: no cluster), the
+    families, memory, tflops, GPUs, bid, price, ssh, internet, clustered with at least gbps),
+    whatever their state: the NODE_COLUMNS, their cluster's bandwidth (None: no cluster), the
     MODEL_COLUMNS of their card, then their GPUs' ids, indexes and groups as arrays."""
     return _all(_cheapest_nodes_sql(), params)
 

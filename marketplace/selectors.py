@@ -332,6 +332,7 @@ _ENGINE_NODE_FIELDS = (
     "reliability",
     "nvlink",
     "ssh_capable",
+    "internet_capable",
     "cluster_id",
     "cluster__bandwidth_gbps",
     "gpu_model__slug",
@@ -356,6 +357,7 @@ class NodeFilter:
     max_min_bid: Decimal | None = None  # nodes whose minimum bid is at most this
     max_price: Decimal | None = None  # nodes whose price is at most this
     ssh: bool = False  # only nodes whose agent can give a rental SSH (Node.ssh_capable)
+    internet: bool = False  # only nodes where a rental may have the internet (internet_capable)
     clustered: bool = False  # only nodes in a cluster (what a gang's members need)
     min_interconnect_gbps: int = 0  # with clustered: only clusters at least this fast
 
@@ -376,6 +378,7 @@ def engine_nodes_cheapest(nodes: NodeFilter, *, limit: int) -> list[engine.Node]
         "bid": nodes.max_min_bid,
         "price": nodes.max_price,
         "ssh": nodes.ssh,
+        "internet": nodes.internet,
         "clustered": nodes.clustered,
         "gbps": nodes.min_interconnect_gbps,
         "limit": limit,
@@ -415,6 +418,7 @@ def _engine_node(r: dict, gpus: list[engine.Gpu]) -> engine.Node:
         gpus=tuple(gpus),
         pool=r["pool"],
         ssh_capable=r["ssh_capable"],
+        internet_capable=r["internet_capable"],
         cluster=r["cluster_id"],
         interconnect_gbps=r["cluster__bandwidth_gbps"] or 0,
     )
@@ -436,6 +440,12 @@ def engine_nodes(nodes: QuerySet[Node] | Iterable[Node]) -> list[engine.Node]:
     ):
         by_node[node_id].append(_engine_gpu(info[node_id], gpu_id, index, group))
     return [_engine_node(r, by_node[r["id"]]) for r in rows]
+
+
+def nodes_internet_capable(node_ids: Iterable[int]) -> bool:
+    """Whether every one of these nodes may host a rental with the internet."""
+    wanted = set(node_ids)
+    return Node.objects.filter(pk__in=wanted, internet_capable=True).count() == len(wanted)
 
 
 def rental_owned(*, team: Team, rental_id) -> Rental:

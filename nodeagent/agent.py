@@ -527,6 +527,9 @@ class Agent:
             "runtime": self.config.runtime,
             # An sshd in the rental needs a container and a published port.
             "ssh": self.config.runtime == "docker" and self.config.publish is not None,
+            # Whether a rental with the internet can run here, filtered to the public internet
+            # (the server places none where not).
+            "internet_filtered": self.internet_filtered(),
             # Whether its gang members get a private network across hosts (Docker: a VXLAN
             # overlay per gang, nodeagent/runtime/gangnet.py); the host network otherwise.
             "gang_network": self.config.runtime == "docker" and gangnet.capable(),
@@ -545,6 +548,21 @@ class Agent:
             ),
         }
 
+    def internet_filtered(self) -> bool:
+        """Whether this node can give a rental the internet and nothing else: the Docker
+        runtime on an engine whose packets the agent filters (nodeagent/runtime/docker.py),
+        unless the operator allows internal networks only. The process runtime filters
+        nothing: a run there has the host's own network (see nodeagent/runtime/process.py)."""
+        if self.config.runtime != "docker" or self.config.network_policy != "internet":
+            return False
+        # Imported here: hosts using the process driver need not have the docker SDK.
+        from nodeagent.runtime.docker import internet_filter_unavailable
+
+        reason = internet_filter_unavailable()
+        if reason is not None:
+            logger.warning("rentals with internet are not offered here", extra={"why": reason})
+        return reason is None
+
     def _create_driver(self, node_id: int) -> RuntimeDriver:
         if self.config.runtime == "process":
             return create_driver(
@@ -558,7 +576,7 @@ class Agent:
             gpu_mode=self.config.gpu_mode,
             node_id=str(node_id),
             image_allow=self.config.image_allow,
-            network_policy=self.config.network_policy,
+            internet_allowed=self.config.network_policy == "internet",
             disk_quota_mb=self.config.disk_quota_mb,
             container_user=self.config.container_user,
         )

@@ -40,7 +40,7 @@ _OPTIONS: dict[str, tuple[str, str | None]] = {
     "log_level": ("GPUMARKET_LOG_LEVEL", "info"),
     # Docker runtime isolation (see nodeagent/runtime/docker.py)
     "image_allow": ("GPUMARKET_IMAGE_ALLOW", "gpumarket/harness:*"),
-    "network_policy": ("GPUMARKET_NETWORK_POLICY", "internal"),
+    "network_policy": ("GPUMARKET_NETWORK_POLICY", "internet"),
     "disk_quota_gb": ("GPUMARKET_DISK_QUOTA_GB", "50"),
     "container_user": ("GPUMARKET_CONTAINER_USER", "1000:1000"),
     "log_format": ("GPUMARKET_LOG_FORMAT", "logfmt"),
@@ -86,7 +86,9 @@ class AgentConfig:
     log_level: str
     once: bool = False
     image_allow: tuple[str, ...] = ("gpumarket/harness:*",)  # PATTERN or PATTERN=USER
-    network_policy: str = "internal"  # "internal" | "egress"
+    # "internet": rentals may ask for the filtered internet where the engine can enforce it
+    # (declared at join); "internal": this node offers internal networks only.
+    network_policy: str = "internet"
     disk_quota_mb: int | None = 50 * 1024  # per rental workspace; None: no quota
     container_user: str = "1000:1000"
     log_format: str = "logfmt"  # "logfmt" | "json"
@@ -136,9 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--network-policy",
-        choices=["internal", "egress"],
-        help="a rental's network: no egress, or internet without private ranges (needs the "
-        "engine's iptables) [GPUMARKET_NETWORK_POLICY] (internal)",
+        choices=["internet", "internal", "egress"],
+        help="internet: rentals may have the public internet (private ranges, metadata and the "
+        "host filtered; needs root and an engine managing iptables); internal: no rental "
+        "reaches anything; egress: the old name of internet [GPUMARKET_NETWORK_POLICY] "
+        "(internet)",
     )
     add("--disk-quota-gb", help="workspace size per rental, 0: none [GPUMARKET_DISK_QUOTA_GB] (50)")
     add("--container-user", help="UID:GID rentals run as [GPUMARKET_CONTAINER_USER] (1000:1000)")
@@ -217,9 +221,9 @@ def load_config(
         raise ConfigError(
             "the process runtime isolates nothing: it runs simulated GPUs only (--gpu-mode none)"
         )
-    network_policy = get("network_policy")
-    if network_policy not in ("internal", "egress"):
-        raise ConfigError(f"network policy must be internal or egress, not {network_policy!r}")
+    network_policy = {"egress": "internet"}.get(get("network_policy"), get("network_policy"))
+    if network_policy not in ("internet", "internal"):
+        raise ConfigError(f"network policy must be internet or internal, not {network_policy!r}")
     image_allow = tuple(p.strip() for p in (get("image_allow") or "").split(",") if p.strip())
     simulate_gpus = get("simulate_gpus")
     if telemetry == "simulated" and not simulate_gpus:

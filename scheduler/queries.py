@@ -75,6 +75,7 @@ PENDING_FIELDS = (
     "kind",
     "bid_per_gpu_hour",
     "ssh",
+    "network",
     "min_interconnect_gbps",
 )
 _EPOCH_FIELDS = frozenset({"created_at", "start_at", "start_deadline"})
@@ -113,7 +114,7 @@ _DIGEST = """
 SELECT count(*), md5(string_agg(concat_ws(
            ':', n.{node.id}, n.{node.region}, n.{node.price_per_gpu_hour},
            n.{node.min_bid_per_gpu_hour}, n.{node.reliability}, n.{node.nvlink},
-           n.{node.ssh_capable}, coalesce(n.{node.cluster}, 0),
+           n.{node.ssh_capable}, n.{node.internet_capable}, coalesce(n.{node.cluster}, 0),
            coalesce(c.{cluster.bandwidth_gbps}, 0), m.{gpu_model.slug},
            m.{gpu_model.family}, m.{gpu_model.memory_gb}, m.{gpu_model.tensor_tflops}, g.gpus),
        ',' ORDER BY n.{node.id}))
@@ -172,6 +173,7 @@ WHERE n.{node.pool} = %(pool)s AND n.{node.status} = %(online)s
   AND (%(max_price)s::numeric IS NULL
        OR n.{node.price_per_gpu_hour} <= %(max_price)s::numeric)
   AND (NOT %(ssh)s OR n.{node.ssh_capable})
+  AND (NOT %(internet)s OR n.{node.internet_capable})
   AND n.{node.gpu_count} - coalesce(b.held, 0) >= %(k)s
 ORDER BY n.{node.gpu_count} - coalesce(b.held, 0), n.{node.price_per_gpu_hour}, n.{node.id}
 LIMIT %(limit)s
@@ -185,7 +187,8 @@ def _candidates_sql() -> str:
 
 def candidate_nodes(*, params: dict) -> list[int]:
     """The ids of the candidate nodes for one request shape (`params`: pool, online, start,
-    end, region, models, families, memory, tflops, max_price, k, ssh, limit), best fit first."""
+    end, region, models, families, memory, tflops, max_price, k, ssh, internet, limit), best
+    fit first."""
     with connection.cursor() as cursor:
         cursor.execute(_candidates_sql(), params)
         return [row[0] for row in cursor.fetchall()]

@@ -21,7 +21,7 @@ from django.utils import timezone
 from core.locks import advisory_lock
 from core.metrics import scheduler_cycle_observe
 from marketplace import lifecycle
-from marketplace.models import Node, NodeStatus, Rental, RentalKind, RentalStatus
+from marketplace.models import Node, NodeStatus, Rental, RentalKind, RentalNetwork, RentalStatus
 from marketplace.selectors import engine_nodes
 from scheduler import queries
 from scheduler.engine import planner
@@ -73,6 +73,7 @@ def engine_request(row: dict) -> engine.Request:
         interruptible=row["kind"] == RentalKind.INTERRUPTIBLE,
         bid=row["bid_per_gpu_hour"],
         ssh=row["ssh"],
+        internet=row["network"] == RentalNetwork.INTERNET,
         min_interconnect_gbps=row["min_interconnect_gbps"],
     )
 
@@ -335,11 +336,12 @@ def _fast_round(
             req.max_price,
             req.gpus_per_node,
             req.ssh,
+            req.internet,
         )
         shapes[shape] = shapes.get(shape, 0) + 1
     node_ids: set[int] = set()
     for shape, count in shapes.items():
-        start, end, region, models, families, memory, tflops, max_price, k, ssh = shape
+        start, end, region, models, families, memory, tflops, max_price, k, ssh, internet = shape
         found = queries.candidate_nodes(
             params={
                 "pool": pool,
@@ -354,6 +356,7 @@ def _fast_round(
                 "max_price": max_price,
                 "k": k,
                 "ssh": ssh,
+                "internet": internet,
                 "limit": FAST_PATH_NODES + count,
             },
         )

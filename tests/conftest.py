@@ -137,6 +137,7 @@ def make_node(provider):
             reliability=Decimal(reliability),
             pool=pool,
             cluster=fabric,
+            internet_filtered=True,  # as the agent of a host whose engine filters says
         )
 
     return make

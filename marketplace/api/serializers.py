@@ -16,6 +16,7 @@ from marketplace.models import (
     GpuModel,
     Interconnect,
     PreemptionPolicy,
+    RentalNetwork,
     RentalStatus,
 )
 from marketplace.selectors import OFFER_ORDERINGS
@@ -142,6 +143,10 @@ class OfferSerializer(serializers.Serializer):
     )
     reliability = serializers.DecimalField(max_digits=5, decimal_places=4)
     simulated = serializers.BooleanField()
+    internet = serializers.BooleanField(
+        help_text="a rental with network internet may run here (the node filters it to public "
+        "addresses); any node takes an internal one"
+    )
     cpu_cores = serializers.IntegerField()
     ram_gb = serializers.IntegerField()
     disk_gb = serializers.IntegerField()
@@ -273,6 +278,13 @@ class RentalCreateSerializer(ReusedPerThread, serializers.Serializer):
     ssh = serializers.BooleanField(
         required=False, default=False, help_text="an sshd in the container for your SSH keys"
     )
+    network = serializers.ChoiceField(
+        choices=RentalNetwork.values,
+        required=False,
+        default=RentalNetwork.INTERNET,
+        help_text="internet: the public internet and nothing else (not the host, the "
+        "provider's LAN, metadata addresses or other rentals); internal: no network at all",
+    )
     min_interconnect_gbps = serializers.IntegerField(
         required=False,
         default=0,
@@ -373,6 +385,7 @@ class RentalSerializer(serializers.Serializer):
     ports = serializers.ListField(child=serializers.IntegerField())
     resume_from = serializers.UUIDField(source="resume_from_id", allow_null=True)
     ssh = serializers.BooleanField()
+    network = serializers.CharField(help_text="internet or internal")
     min_interconnect_gbps = serializers.IntegerField()
     created_at = serializers.DateTimeField()
 
@@ -472,6 +485,12 @@ class ProviderNodeSerializer(serializers.Serializer):
         many=True, help_text="GPUs not OK; a FAILED one rents no more"
     )
     simulated = serializers.BooleanField()
+    internet_filtered = serializers.BooleanField(
+        help_text="its agent filters a rental's internet to public addresses (said at join)"
+    )
+    internet_capable = serializers.BooleanField(
+        help_text="rentals with network internet are placed here"
+    )
     last_seen_at = serializers.DateTimeField(allow_null=True)
     driver_version = serializers.CharField()
     cuda_version = serializers.CharField()
@@ -556,6 +575,9 @@ class TemplateWriteSerializer(RuntimeSerializer):
         child=serializers.CharField(max_length=80), required=False, default=list, max_length=16
     )
     ssh = serializers.BooleanField(required=False, default=False)
+    network = serializers.ChoiceField(
+        choices=RentalNetwork.values, required=False, default=RentalNetwork.INTERNET
+    )
 
     def validate(self, attrs):
         refuse_unknown(self)
@@ -572,6 +594,7 @@ class TemplateSerializer(serializers.Serializer):
     datasets = serializers.ListField(child=serializers.CharField())
     harness_config = serializers.JSONField(allow_null=True)
     ssh = serializers.BooleanField()
+    network = serializers.CharField()
     created_by = serializers.CharField(source="created_by.username", allow_null=True)
     created_at = serializers.DateTimeField()
     updated_at = serializers.DateTimeField()

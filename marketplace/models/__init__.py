@@ -22,6 +22,7 @@ from marketplace.models.rentals import (
     RentalCredit,
     RentalEvent,
     RentalKind,
+    RentalNetwork,
     RentalStatus,
 )
 from marketplace.models.templates import RentalTemplate
@@ -46,6 +47,7 @@ __all__ = [
     "RentalCredit",
     "RentalEvent",
     "RentalKind",
+    "RentalNetwork",
     "RentalStatus",
     "RentalTemplate",
     "User",

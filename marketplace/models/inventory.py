@@ -130,6 +130,19 @@ class Node(models.Model):
     ssh_capable = models.BooleanField(
         default=True, help_text="the agent can run an sshd in a rental and publish its port"
     )
+    # Whether a rental with the internet may be placed here (Rental.network), derived at each
+    # (re)join by `node_register` / `node_join` from what the agent said: its packet filter
+    # keeps rentals to the public internet (`internet_filtered`), or it is a simulated node on
+    # the local-process runtime, a development runtime on the host's own network with no
+    # isolation at all (docs/manual: Networking). Nodes that never said are not capable.
+    internet_filtered = models.BooleanField(
+        default=False,
+        db_default=False,
+        help_text="the agent filters a rental's internet to public addresses",
+    )
+    internet_capable = models.BooleanField(
+        default=False, db_default=False, help_text="rentals with internet may be placed here"
+    )
     # Where the other members of a multi-node rental reach this node's runs (the rendezvous
     # store, gloo/NCCL): declared by the agent at join, else the address the join came from.
     fabric_address = models.GenericIPAddressField(

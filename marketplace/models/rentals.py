@@ -27,6 +27,15 @@ class RentalKind(models.TextChoices):
     INTERRUPTIBLE = "interruptible", "Interruptible"
 
 
+class RentalNetwork(models.TextChoices):
+    """What a rental's containers reach: the public internet and nothing else (NAT, the LAN,
+    private ranges, metadata addresses, the host and other tenants filtered by the node), or
+    nothing outside the rental. The wire's agentprotocol.Network, with labels."""
+
+    INTERNET = "internet", "Internet"
+    INTERNAL = "internal", "Internal (no network)"
+
+
 class EndCause(models.TextChoices):
     """Whose doing a rental's ending (or a re-queue) was: only NODE counts against the node's
     measured reliability, and only NODE is credited to the customer."""
@@ -105,6 +114,13 @@ class Rental(models.Model):
     )
     # An sshd in the container for the customer's SSH keys (accounts.models.sshkeys).
     ssh = models.BooleanField(default=False)
+    # Placed only on nodes that can enforce it (Node.internet_capable) when INTERNET.
+    network = models.CharField(
+        max_length=10,
+        choices=RentalNetwork.choices,
+        default=RentalNetwork.INTERNET,
+        db_default=RentalNetwork.INTERNET,
+    )
 
     # What happened.
     price_per_gpu_hour = models.DecimalField(
@@ -139,6 +155,9 @@ class Rental(models.Model):
                 condition=Q(start_deadline__gte=models.F("start_at")), name="rental_deadline"
             ),
             models.CheckConstraint(condition=Q(duration_s__gt=0), name="rental_duration"),
+            models.CheckConstraint(
+                condition=Q(network__in=RentalNetwork.values), name="rental_network_known"
+            ),
         ]
         indexes = [
             models.Index(fields=["status", "pool", "created_at"], name="rental_queue"),

@@ -1,10 +1,12 @@
 """A team's saved rental runtimes: what runs (image, command, env, ports, datasets, harness config,
-SSH), by name, so a rental starts from one instead of restating it."""
+SSH, network), by name, so a rental starts from one instead of restating it."""
 
 from __future__ import annotations
 
 from django.conf import settings
 from django.db import models
+
+from marketplace.models.rentals import RentalNetwork
 
 
 class RentalTemplate(models.Model):
@@ -18,6 +20,9 @@ class RentalTemplate(models.Model):
     datasets = models.JSONField(default=list, blank=True)
     harness_config = models.JSONField(null=True, blank=True)
     ssh = models.BooleanField(default=False)
+    network = models.CharField(
+        max_length=10, choices=RentalNetwork.choices, default=RentalNetwork.INTERNET
+    )
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="+"
     )
@@ -34,9 +39,14 @@ class RentalTemplate(models.Model):
         return f"{self.team_id}/{self.name}"
 
     def runtime(self) -> dict:
-        """The template as a rental request's `runtime`, `datasets` and `ssh`."""
+        """The template as a rental request's `runtime`, `datasets`, `ssh` and `network`."""
         runtime: dict = {"image": self.image, "command": list(self.command), "env": dict(self.env)}
         runtime["ports"] = list(self.ports)
         if self.harness_config is not None:
             runtime["harness_config"] = self.harness_config
-        return {"runtime": runtime, "datasets": list(self.datasets), "ssh": self.ssh}
+        return {
+            "runtime": runtime,
+            "datasets": list(self.datasets),
+            "ssh": self.ssh,
+            "network": self.network,
+        }

@@ -107,6 +107,15 @@ class GpuSpec:
     topology_group: str = ""
 
 
+def node_internet_capable(*, internet_filtered: bool, simulated: bool, runtime: str) -> bool:
+    """Whether rentals with the internet may be placed on a node (Node.internet_capable): its
+    agent filters their traffic to the public internet, or the node is simulated and runs the
+    local-process runtime, the development runtime, whose runs have the host's own network
+    unfiltered (as everything else there: it isolates nothing). A real host never gets an
+    unfiltered rental."""
+    return internet_filtered or (simulated and runtime == "process")
+
+
 def node_register(
     *,
     provider: Provider,
@@ -129,6 +138,7 @@ def node_register(
     pool: str = "default",
     runtime: str = "",
     ssh_capable: bool = True,
+    internet_filtered: bool = False,
     fabric_address: str | None = None,
     cluster: Cluster | None = None,
 ) -> Node:
@@ -171,6 +181,10 @@ def node_register(
             simulated=simulated,
             runtime=runtime,
             ssh_capable=ssh_capable,
+            internet_filtered=internet_filtered,
+            internet_capable=node_internet_capable(
+                internet_filtered=internet_filtered, simulated=simulated, runtime=runtime
+            ),
             fabric_address=fabric_address,
             cluster=cluster,
             price_per_gpu_hour=price_per_gpu_hour,

@@ -28,6 +28,7 @@ from marketplace.models import (
     PreemptionPolicy,
     Rental,
     RentalKind,
+    RentalNetwork,
     User,
 )
 from marketplace.selectors import (
@@ -84,6 +85,8 @@ class RentalRequest:
     # An earlier rental of the customer's whose last synced checkpoint the run starts from.
     resume_from: uuid.UUID | None = None
     ssh: bool = False  # an sshd in the container for the account's SSH keys
+    # The public internet (filtered by the node) or no network at all (RentalNetwork).
+    network: str = RentalNetwork.INTERNET
     # A gang: only a cluster whose interconnect is at least this fast, Gb/s per node (0: any).
     min_interconnect_gbps: int = 0
     # What a preemption does to it (PreemptionPolicy); None: preemption_policy_default.
@@ -133,6 +136,7 @@ def _engine_request(req: RentalRequest, start: datetime, deadline: datetime) -> 
         interruptible=req.kind == RentalKind.INTERRUPTIBLE,
         bid=req.bid_per_gpu_hour,
         ssh=req.ssh,
+        internet=req.network == RentalNetwork.INTERNET,
         min_interconnect_gbps=req.min_interconnect_gbps,
     )
 
@@ -152,9 +156,10 @@ def _never_fits(req: RentalRequest, start: datetime, deadline: datetime) -> _Fit
 
     The cheapest few nodes that meet every static constraint usually prove it fits (a cheap
     check on every create). Otherwise the candidate set widens one constraint at a time
-    (SSH, price, size, hardware, location), cheapest first, so the reason names the first
-    constraint no node meets; the engine judges SSH last, so a refusal for SSH means that
-    nodes meeting everything else are listed and none of them can give SSH: `ssh` is named.
+    (network and SSH, price, size, hardware, location), cheapest first, so the reason names
+    the first constraint no node meets; the engine judges the network and SSH last, so a
+    refusal for either means that nodes meeting everything else are listed and none of them
+    can give it: `network` or `ssh` is named.
     """
     located = NodeFilter(pool=req.pool, region=req.region or "")
     hardware = replace(
@@ -175,6 +180,7 @@ def _never_fits(req: RentalRequest, start: datetime, deadline: datetime) -> _Fit
     capable = replace(
         priced,
         ssh=req.ssh,
+        internet=req.network == RentalNetwork.INTERNET,
         clustered=req.node_count > 1,
         min_interconnect_gbps=req.min_interconnect_gbps,
     )
@@ -201,7 +207,15 @@ def _never_fits(req: RentalRequest, start: datetime, deadline: datetime) -> _Fit
 
 
 def _refusal(request: engine.Request, nodes: list[engine.Node], reason: str | None) -> _Fit:
-    """A refusal names `ssh` when the same nodes would take the request without SSH."""
+    """A refusal names `network` when the same nodes would take the request without the
+    internet, `ssh` when they would without SSH."""
+    without_internet = replace(request, internet=False)
+    if (
+        reason is not None
+        and request.internet
+        and feasibility.never_fits(without_internet, nodes) is None
+    ):
+        return _Fit(reason, field="network")
     without_ssh = replace(request, ssh=False)
     if reason is not None and request.ssh and feasibility.never_fits(without_ssh, nodes) is None:
         return _Fit(reason, field="ssh")
@@ -304,6 +318,10 @@ def rental_create(
         raise ValidationFailed(
             "only a multi-node rental crosses an interconnect", field="min_interconnect_gbps"
         )
+    if request.network not in RentalNetwork.values:
+        raise ValidationFailed(
+            f"network must be one of {', '.join(RentalNetwork.values)}", field="network"
+        )
     if request.ssh and not ssh_key_scope(team=team).exists():
         raise ValidationFailed("add an SSH public key to your team first", field="ssh")
     resume_from = (
@@ -341,6 +359,7 @@ def rental_create(
             env=request.runtime.env,
             ports=request.runtime.ports,
             ssh=request.ssh,
+            network=request.network,
             resume_from=resume_from,
             min_interconnect_gbps=request.min_interconnect_gbps,
             preemption_policy=request.preemption_policy

@@ -11,7 +11,7 @@ from accounts.models import Team
 from core.errors import Conflict, NotFound, ValidationFailed
 from marketplace.models import RentalTemplate, User
 
-# What a template holds: the rental request's runtime, datasets and SSH.
+# What a template holds: the rental request's runtime, datasets, SSH and network.
 TEMPLATE_FIELDS = ("description", "image", "command", "env", "ports", "datasets", "harness_config")
 MAX_TEMPLATES_PER_TEAM = 200
 
@@ -20,14 +20,14 @@ def template_save(
     *, team: Team, actor: User, name: str, values: Mapping[str, Any], replace: bool
 ) -> RentalTemplate:
     """Create the team's template `name` (409 when it exists), or replace it (`replace`: PUT)."""
-    fields = {key: values[key] for key in (*TEMPLATE_FIELDS, "ssh") if key in values}
+    fields = {key: values[key] for key in (*TEMPLATE_FIELDS, "ssh", "network") if key in values}
     with transaction.atomic():
         existing = RentalTemplate.objects.select_for_update().filter(team=team, name=name).first()
         if existing is not None:
             if not replace:
                 raise Conflict(f"the team has a template named {name!r}", field="name")
             defaults = RentalTemplate(team=team, name=name)
-            for key in (*TEMPLATE_FIELDS, "ssh"):
+            for key in (*TEMPLATE_FIELDS, "ssh", "network"):
                 setattr(existing, key, fields.get(key, getattr(defaults, key)))
             existing.save()
             return existing
@@ -51,8 +51,8 @@ def template_delete(*, team: Team, name: str) -> None:
 
 
 def rental_body_from_template(*, team: Team, body: Mapping[str, Any]) -> dict:
-    """A rental request body that names a `template`: the template's runtime, datasets and SSH
-    under what the body gives (runtime keys given win; `env` is merged, the body's names
+    """A rental request body that names a `template`: the template's runtime, datasets, SSH
+    and network under what the body gives (runtime keys given win; `env` is merged, the body's names
     winning). A name the team has no template of is a 400 naming `template`."""
     data = dict(body)
     name = data.pop("template")
@@ -76,4 +76,5 @@ def rental_body_from_template(*, team: Team, body: Mapping[str, Any]) -> dict:
     data["runtime"] = runtime
     data.setdefault("datasets", base["datasets"])
     data.setdefault("ssh", base["ssh"])
+    data.setdefault("network", base["network"])
     return data

@@ -7,20 +7,29 @@ Tenant isolation (nothing a rental's container does reaches another rental, the 
 
 - network: each rental gets its own user-defined bridge network (`gpumarket-net-<rental>`,
   labelled like the containers, bridge interface `gpm-<hash>`), created at its first start and
-  removed with its last container. `network_policy="internal"` (the default) gives no egress at
-  all and no address of the host on the bridge (`inhibit_ipv4`), which holds even on engines
-  without iptables (`dockerd --iptables=false`, deploy/docker-engine.sh): the container's only
-  route leads to an address nobody has. The engine cannot publish ports of such a network (a
-  port needs a route to the host, which is exactly what is taken away): the agent publishes
-  them itself, entering the container's network namespace from the host side
-  (nodeagent/publish.py), under either policy. `network_policy="egress"` gives
-  internet access with NAT, and needs the engine's iptables (DOCKER-USER):
-  the driver installs, idempotently, rules dropping everything from `gpm-*` bridges to private,
-  link-local, metadata and multicast ranges and to the host itself; where it cannot (no root, no
-  iptables, an engine without DOCKER-USER), starts are refused, saying why. IPv6 is switched off
-  inside every container (the private IPv6 ranges are thus unreachable too). A gang member's
-  rental network is also the gang's private network across hosts: a VXLAN overlay between the
-  members on the same bridge, filtered to them (nodeagent/runtime/gangnet.py).
+  removed with its last container, shaped by the rental's own choice (`ContainerSpec.network`):
+  - `internet` (the default of a rental): the public internet and nothing else. The engine
+    NATs the bridge, and the driver installs, idempotently and before every network it makes,
+    iptables rules in the engine's DOCKER-USER chain and in INPUT dropping everything from
+    `gpm-*` bridges to private, carrier-grade NAT, loopback, link-local (169.254.169.254:
+    cloud metadata), multicast and reserved ranges (the LAN, other rentals' bridges) and to
+    the host itself (any of its addresses, the bridge's gateway included). This needs root,
+    iptables with iptables-restore, and an engine that manages iptables (a DOCKER-USER chain);
+    `internet_filter_unavailable` says why a host cannot, the agent declares the answer at
+    join (`internet_filtered`), the server then places no internet rental there, and a start
+    that still asks for it is refused, saying why. An agent configured with
+    `internet_allowed=False` refuses internet runs whatever its engine can.
+    tests/e2e/test_rental_network.py shows it on an engine that filters for real.
+  - `internal`: no egress at all and no address of the host on the bridge (`inhibit_ipv4`),
+    which holds even on engines without iptables (`dockerd --iptables=false`,
+    deploy/docker-engine.sh): the container's only route leads to an address nobody has.
+  The engine cannot publish ports of an internal network (a port needs a route to the host,
+  which is exactly what is taken away): the agent publishes them itself, entering the
+  container's network namespace from the host side (nodeagent/publish.py), for either kind.
+  IPv6 is switched off inside every container (the private IPv6 ranges are thus unreachable
+  too). A gang member's rental network is also the gang's private network across hosts: a
+  VXLAN overlay between the members on the same bridge, filtered to them
+  (nodeagent/runtime/gangnet.py).
 - disk: the root filesystem is read-only with a size-limited tmpfs /tmp (charged to the memory
   limit), logs are rotated, and with `disk_quota_mb` the rental's workspace is an ext4 image of
   that size loop-mounted by the agent (root only), so a full disk is the rental's own ENOSPC.
@@ -59,7 +68,7 @@ from docker.models.containers import Container
 from docker.types import DeviceRequest, IPAMConfig, IPAMPool, LogConfig, Mount, Ulimit
 from docker.utils import parse_repository_tag
 
-from agentprotocol import ContainerStatus
+from agentprotocol import ContainerStatus, Network
 from nodeagent.runtime import gangnet
 from nodeagent.runtime.base import (
     LABEL_MANAGED,
@@ -109,12 +118,12 @@ _PERMANENT_5XX_FRAGMENTS = (
 
 
 LABEL_VOLUME = "gpumarket.volume"  # on a rental network: the workspace mounted for the rental
-NETWORK_POLICIES = ("internal", "egress")
+LABEL_NETWORK = "gpumarket.network"  # on a rental network: internet or internal
 BRIDGE_PREFIX = "gpm-"
 BRIDGE_OPTION = "com.docker.network.bridge.name"
 EGRESS_CHAIN = "GPUMARKET-EGRESS"  # forwarded traffic leaving a rental bridge
 HOST_CHAIN = "GPUMARKET-HOST"  # traffic from a rental bridge to the host itself
-# Never reachable from a rental with egress: private networks (the LAN, other tenants' bridges),
+# Never reachable from a rental with internet: private networks (the LAN, other tenants' bridges),
 # carrier-grade NAT, loopback, link-local (169.254.169.254: cloud metadata), multicast, reserved.
 BLOCKED_RANGES_V4 = (
     "0.0.0.0/8",
@@ -170,10 +179,10 @@ class DockerDriverConfig:
     timeout_s: float = 30.0  # per HTTP request (docker stop/wait add their own grace)
     # "nvidia": GPUs through device requests (NVIDIA Container Toolkit); "none": simulated GPUs.
     gpu_mode: str = "nvidia"
-    # "internal": a network of its own per rental, no egress; "egress": the same with internet
-    # access, private ranges dropped by iptables.
-    network_policy: str = "internal"
-    iptables: str = "iptables"  # the binary that manages the engine's rules (egress only)
+    # Whether runs may have the internet (filtered, see the module docstring); False: the
+    # operator allows internal networks only, and an internet run is refused.
+    internet_allowed: bool = True
+    iptables: str = "iptables"  # the binary that manages the engine's rules (internet, gangs)
     node_id: str | None = None  # when set, list_managed only returns this node's containers
     pids_limit: int = 8192
     shm_size_mb: int | None = None  # None: half the memory limit (DataLoader workers, NCCL)
@@ -198,8 +207,6 @@ class DockerDriverConfig:
     def __post_init__(self) -> None:
         if self.gpu_mode not in ("nvidia", "none"):
             raise ValueError("gpu_mode must be 'nvidia' or 'none'")
-        if self.network_policy not in NETWORK_POLICIES:
-            raise ValueError(f"network_policy must be one of {', '.join(NETWORK_POLICIES)}")
         if self.disk_quota_mb is not None and self.disk_quota_mb < 16:
             raise ValueError("disk_quota_mb must be at least 16 (ext4 needs room for itself)")
         object.__setattr__(
@@ -257,22 +264,35 @@ def egress_rules(bridge_prefix: str = BRIDGE_PREFIX) -> str:
     return "\n".join(lines)
 
 
-def ensure_egress_rules(iptables: str = "iptables", bridge_prefix: str = BRIDGE_PREFIX) -> None:
-    """Install (idempotently) the rules keeping rentals with egress off private ranges and the
-    host; PermanentRuntimeError saying why when this host cannot have them."""
+def internet_filter_unavailable(iptables: str = "iptables") -> str | None:
+    """Why this host cannot filter a rental's internet traffic (see `ensure_egress_rules`), or
+    None when it can: the agent runs as root, has iptables and iptables-restore, and the engine
+    manages iptables (its DOCKER-USER chain exists). Changes nothing."""
     if os.geteuid() != 0:
-        raise PermanentRuntimeError("network_policy egress needs the agent to run as root")
-    binary = shutil.which(iptables)
-    restore = shutil.which(f"{iptables}-restore")
-    if binary is None or restore is None:
-        raise PermanentRuntimeError(f"network_policy egress needs {iptables} and its -restore")
-    probe = _run_command([binary, "-w", "5", "-n", "-L", "DOCKER-USER"])
+        return "the agent does not run as root"
+    if shutil.which(iptables) is None or shutil.which(f"{iptables}-restore") is None:
+        return f"{iptables} or {iptables}-restore is missing"
+    try:
+        probe = _run_command([iptables, "-w", "5", "-n", "-L", "DOCKER-USER"])
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{iptables} failed: {exc}"
     if probe.returncode != 0:
-        raise PermanentRuntimeError(
-            "network_policy egress needs an engine that manages iptables (no DOCKER-USER "
-            "chain: dockerd runs with --iptables=false, so it gives no NAT and no place for "
-            f"our rules); use network_policy internal. {iptables}: {probe.stderr.strip()}"
+        return (
+            "the engine does not manage iptables (no DOCKER-USER chain: dockerd runs with "
+            f"--iptables=false, so it gives no NAT and no place for our rules); {iptables}: "
+            f"{probe.stderr.strip()}"
         )
+    return None
+
+
+def ensure_egress_rules(iptables: str = "iptables", bridge_prefix: str = BRIDGE_PREFIX) -> None:
+    """Install (idempotently) the rules keeping rentals with internet off private ranges and
+    the host; PermanentRuntimeError saying why when this host cannot have them."""
+    reason = internet_filter_unavailable(iptables)
+    if reason is not None:
+        raise PermanentRuntimeError(f"a rental with internet needs a packet filter: {reason}")
+    binary = shutil.which(iptables) or iptables
+    restore = shutil.which(f"{iptables}-restore") or f"{iptables}-restore"
     applied = _run_command([restore, "-w", "5", "--noflush"], stdin=egress_rules(bridge_prefix))
     if applied.returncode != 0:
         raise PermanentRuntimeError(f"cannot install egress rules: {applied.stderr.strip()}")
@@ -714,7 +734,13 @@ class DockerDriver:
     def ensure_network(self, spec: ContainerSpec) -> str:
         """The rental's own network, created on its first start and adopted afterwards."""
         name = network_name(spec.rental_id)
-        if self.config.network_policy == "egress":
+        internal = spec.network == Network.INTERNAL
+        if not internal:
+            if not self.config.internet_allowed:
+                raise PermanentRuntimeError(
+                    "this node's operator allows internal networks only (network_policy "
+                    "internal); a rental with internet cannot run here"
+                )
             ensure_egress_rules(self.config.iptables)  # again each time: rules can be flushed
         try:
             network = self._call("network", lambda: self._client().networks.get(name))
@@ -724,7 +750,6 @@ class DockerDriver:
             labels = network.attrs.get("Labels") or {}
             if labels.get(LABEL_MANAGED) != "1" or labels.get(LABEL_RENTAL) != spec.rental_id:
                 raise PermanentRuntimeError(f"network {name} exists but is not managed by us")
-        internal = self.config.network_policy == "internal"
         bridge = bridge_name(self.config.node_id, spec.rental_id)
         gang = gangnet.Gang.of(spec.rental_id, spec.env)
         if network is not None:
@@ -743,6 +768,7 @@ class DockerDriver:
             LABEL_RENTAL: spec.rental_id,
             LABEL_NODE: spec.node_id,
             LABEL_VOLUME: spec.volume_dir,
+            LABEL_NETWORK: str(spec.network),
         }
         ipam = None
         if gang is not None:
@@ -778,7 +804,7 @@ class DockerDriver:
                 raise
         logger.info(
             "rental network created",
-            extra={"rental_id": spec.rental_id, "policy": self.config.network_policy},
+            extra={"rental_id": spec.rental_id, "network": str(spec.network)},
         )
         return name
 
@@ -956,7 +982,7 @@ class DockerDriver:
                 Ulimit(name="stack", soft=64 * 1024 * 1024, hard=64 * 1024 * 1024),
             ]
         # The ports are published by the agent (nodeagent/publish.py) into the container's
-        # network namespace, whatever the network policy: the engine's own publishing needs a
+        # network namespace, whatever the rental's network: the engine's own publishing needs a
         # route to the host, which an internal network does not have.
         return kwargs
 

@@ -35,6 +35,13 @@ for real GPUs is refused. The command gets a scrubbed environment (a few variabl
 agent's), and when the agent runs as root it runs as an unprivileged uid (`run_as_uid`), which
 cannot read the agent's state dir (the node token: 0600, in a 0700 directory) nor the run
 records; as a non-root agent it shares the agent's uid, as any local development process does.
+
+Network: a run is a host process on the host's own network, whatever its spec's `network` asks
+(`internet` or `internal`): nothing is filtered and nothing is cut off. The agent therefore
+declares at join that it does not filter (`internet_filtered` false), and the server accepts
+rentals with the internet on such a node only when it is simulated (the demo hosts of
+`dev.py up`), so the demo books the default rental while a real host never gets an unfiltered
+one (marketplace.services.node_internet_capable; docs/usage.md, Networking).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from typing import Any
 
 from rest_framework import serializers
 
-from agentprotocol import ContainerStatus
+from agentprotocol import ContainerStatus, Network
 from agentprotocol.untrusted import text_sanitize
 from core.api.fields import NameField
 from core.api.reuse import ReusedPerThread
@@ -182,6 +182,9 @@ class JoinSerializer(serializers.Serializer):
     # What the agent can run (agents that predate these said nothing: docker, with SSH).
     runtime = serializers.ChoiceField(choices=["docker", "process"], required=False, default="")
     ssh = serializers.BooleanField(required=False, default=True)
+    # Whether its packet filter keeps a rental with internet to the public internet (agents
+    # that predate it said nothing: unable).
+    internet_filtered = serializers.BooleanField(required=False, default=False)
     # The address the other members of a multi-node rental reach this node on; the address the
     # join came from when absent.
     fabric_address = serializers.IPAddressField(required=False, default=None, allow_null=True)
@@ -380,6 +383,10 @@ class DesiredRunSerializer(serializers.Serializer):
         child=serializers.CharField(),
         required=False,
         help_text="OpenSSH public key lines, when SSH was asked for",
+    )
+    network = serializers.ChoiceField(
+        choices=[network.value for network in Network],
+        help_text="internet: NAT, filtered to public addresses; internal: no egress",
     )
 
 

@@ -202,6 +202,7 @@ class JoinView(APIView):
                 simulated=data["simulated"],
                 runtime=data["runtime"],
                 ssh_capable=data["ssh"] and data["runtime"] != "process",
+                internet_filtered=data["internet_filtered"] and data["runtime"] != "process",
                 fabric_address=data["fabric_address"] or _address_or_none(client_ip(request)),
                 cluster=data["cluster"],
                 interconnect=data["interconnect"],

@@ -26,6 +26,7 @@ from agentprotocol import (
     DatasetMount,
     DesiredRun,
     HeartbeatAnswer,
+    Network,
     ProtocolError,
     StagedFile,
     UsageReport,
@@ -167,6 +168,7 @@ def _desired_from(*, node: Node, held: list[tuple]) -> list[DesiredRun]:
                 if rental.ssh
                 else tuple(rental.ports),
                 ssh_authorized_keys=ssh_keys.get(rental.pk, ()),
+                network=Network(rental.network),
                 # Every container has an output directory (/workspace); it is synced out when
                 # there is object storage to sync it to (none configured: it stays on the node).
                 sync_artifacts=sync,

@@ -27,7 +27,7 @@ from marketplace.models import (
     Provider,
     User,
 )
-from marketplace.services import GpuSpec, cluster_for_join, node_register
+from marketplace.services import GpuSpec, cluster_for_join, node_internet_capable, node_register
 from provisioning import queries
 from provisioning.models import JoinToken, NodeCredential
 
@@ -114,6 +114,9 @@ class HostFacts:
     simulated: bool = False
     runtime: str = ""  # "docker" | "process"; "" from agents that predate saying it
     ssh_capable: bool = True
+    # The agent keeps a rental with internet to the public internet (its packet filter works);
+    # agents that predate saying it are taken as unable.
+    internet_filtered: bool = False
     # Where the other members of a multi-node rental reach this node (None: not known).
     fabric_address: str | None = None
     # The provider's cluster the node joins (by name; None: the agent named none), and what its
@@ -206,6 +209,7 @@ def node_join(
                 cuda_version=host.cuda_version,
                 runtime=host.runtime,
                 ssh_capable=host.ssh_capable,
+                internet_filtered=host.internet_filtered,
                 fabric_address=host.fabric_address,
                 cluster=cluster,
             )
@@ -291,6 +295,10 @@ def _node_rekey(
         cuda_version=host.cuda_version,
         runtime=host.runtime,
         ssh_capable=host.ssh_capable,
+        internet_filtered=host.internet_filtered,
+        internet_capable=node_internet_capable(
+            internet_filtered=host.internet_filtered, simulated=node.simulated, runtime=host.runtime
+        ),
         fabric_address=host.fabric_address,
     )
     log.info("node rejoined node=%s provider=%s", node.pk, token.provider_id)

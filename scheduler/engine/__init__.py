@@ -8,7 +8,8 @@ GPU-hour):
   in which case it is a group of its own.
 - `Node`: a GPU server with its on-demand `price_per_gpu_hour`, the `min_bid` interruptible
   rentals must reach, `reliability` in [0, 1], its `gpus`, scheduler `pool`, whether its agent
-  can give a rental SSH (`ssh_capable`) and its `cluster` (nodes of one provider on one fabric;
+  can give a rental SSH (`ssh_capable`), whether a rental may have the internet there
+  (`internet_capable`) and its `cluster` (nodes of one provider on one fabric;
   None for a node on its own).
 - `Busy`: an allocation already bound, one per GPU, [start, end); only those ending after `now`
   matter. `interruptible` ones may be preempted; `price` is their locked price or bid.
@@ -16,7 +17,8 @@ GPU-hour):
   (`gpu_models`, `gpu_families`, `min_memory_gb`, `min_tensor_tflops`); a node matches when it
   is in the request's `pool` and `region` (None: any; "eu" also covers "eu-west") and its
   price suits: on-demand needs `price_per_gpu_hour <= max_price`, interruptible needs
-  `min_bid <= bid <= max_price`; a request with `ssh` needs an `ssh_capable` node. The request
+  `min_bid <= bid <= max_price`; a request with `ssh` needs an `ssh_capable` node, one with
+  `internet` an `internet_capable` node. The request
   needs `gpus_per_node` matching GPUs on each of `node_count` distinct nodes (a gang: all or
   none, all its nodes in one cluster, none on a node without one), all in one topology group
   per node when `same_group`, for [start, start + duration)

@@ -453,6 +453,7 @@ class CapacityIndex:
                 node.pool,
                 node.region,
                 node.ssh_capable,
+                node.internet_capable,
                 shape.kinds,
                 len(gpus),
                 shape.max_group,
@@ -660,14 +661,15 @@ class CapacityIndex:
         among the cluster classes, anything else's among the plain ones."""
         gang = req.node_count > 1
         kinds_key = (req.gpu_models, req.gpu_families, req.min_memory_gb, req.min_tensor_tflops)
-        key = (*kinds_key, req.region, req.pool, req.ssh, req.gpus_per_node, req.same_group, gang)
+        runtime = (req.ssh, req.internet)
+        key = (*kinds_key, req.region, req.pool, runtime, req.gpus_per_node, req.same_group, gang)
         match = self.matches.get(key)
         if match is None:
             kinds = self.kinds_cache.get(kinds_key)
             if kinds is None:
                 kinds = frozenset(i for i, g in enumerate(self.kind_gpus) if gpu_matches(req, g))
                 self.kinds_cache[kinds_key] = kinds
-            located = self.located.get((req.region, req.pool, req.ssh, gang))
+            located = self.located.get((req.region, req.pool, runtime, gang))
             if located is None:
                 located = [
                     cls
@@ -676,7 +678,7 @@ class CapacityIndex:
                     and location_ok(req, cls.example)
                     and runtime_ok(req, cls.example)
                 ]
-                self.located[req.region, req.pool, req.ssh, gang] = located
+                self.located[req.region, req.pool, runtime, gang] = located
             k = req.gpus_per_node
             classes = [
                 (cls, cls.kinds <= kinds)

@@ -46,8 +46,8 @@ def price_ok(request: Request, node: Node) -> bool:
 
 def runtime_ok(request: Request, node: Node) -> bool:
     """Whether the node's agent can give the rental what it asks of the runtime: an sshd whose
-    port it publishes, for a rental with SSH."""
-    return node.ssh_capable or not request.ssh
+    port it publishes, for a rental with SSH; the filtered internet, for a rental with it."""
+    return (node.ssh_capable or not request.ssh) and (node.internet_capable or not request.internet)
 
 
 def node_capacity(request: Request, node: Node) -> int:
@@ -121,8 +121,14 @@ def never_fits(request: Request, nodes: Iterable[Node]) -> str | None:
         return f"price: cheapest matching node is ${cheapest:.2f} > max ${request.max_price:.2f}"
     if len(priced) < m:
         return f"only {len(priced)} matching nodes, the request needs {m}"
-    # Last, so that a refusal naming SSH means that SSH alone stands in the way.
-    capable = [node for node in priced if runtime_ok(request, node)]
+    # Last, so that a refusal naming the network or SSH means that it alone stands in the way.
+    networked = [node for node in priced if node.internet_capable or not request.internet]
+    if len(networked) < m:
+        return (
+            f"network: only {len(networked)} matching nodes can keep a rental's internet to "
+            f"public addresses, the request needs {m}; network internal runs anywhere"
+        )
+    capable = [node for node in networked if runtime_ok(request, node)]
     if not capable:
         return "ssh: no matching node can run an sshd with a published port"
     if len(capable) < m:

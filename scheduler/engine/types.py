@@ -44,6 +44,10 @@ class Node:
     `ssh_capable`: its agent can run an sshd in a rental and publish its port (a container
     runtime with published ports); a rental that asks for SSH is never placed where it is not.
 
+    `internet_capable`: a rental with the internet may run there (its agent filters that
+    traffic to public addresses, or it is a simulated development node); a rental asking for
+    the internet is never placed where it is not.
+
     `cluster`: the fabric it shares with other nodes (any hashable key, the same for every node
     of one cluster), or None for a node on its own. The members of a gang (`node_count > 1`)
     are all placed in one cluster; a node without one hosts single-node rentals only.
@@ -57,6 +61,7 @@ class Node:
     gpus: tuple[Gpu, ...]
     pool: str = "default"
     ssh_capable: bool = True
+    internet_capable: bool = True
     cluster: int | str | None = None
     interconnect_gbps: int = 0
 
@@ -97,6 +102,7 @@ class Request:
     interruptible: bool = False
     bid: Decimal | None = None
     ssh: bool = False  # an sshd in the container: only an ssh_capable node can host it
+    internet: bool = False  # the public internet: only an internet_capable node can host it
     # A gang: only a cluster whose interconnect is at least this fast, in Gb/s per node (a
     # single-node rental crosses none, so it is not checked there).
     min_interconnect_gbps: int = 0

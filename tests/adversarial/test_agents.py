@@ -64,7 +64,7 @@ def _join(provider, *, gpus=None, hostname="adv-1", host=HOST):
     return APIClient().post(
         JOIN,
         {"join_token": _token(provider), "hostname": hostname, "host": host,
-         "gpus": gpus or _gpus()},
+         "internet_filtered": True, "gpus": gpus or _gpus()},
         format="json",
     )  # fmt: skip
 

@@ -162,7 +162,8 @@ def test_a_provider_forging_every_report_for_60_s_bills_only_what_the_server_all
         joined = requests.post(
             stack.url + "/api/agent/v1/join/",
             json={"join_token": join, "hostname": "forger",
-                  "host": {"cpu_cores": 32, "ram_gb": 256, "disk_gb": 2000}, "gpus": gpus},
+                  "host": {"cpu_cores": 32, "ram_gb": 256, "disk_gb": 2000}, "gpus": gpus,
+                  "internet_filtered": True},
             timeout=30,
         )  # fmt: skip
         assert joined.status_code == 201, joined.content

@@ -319,7 +319,13 @@ def test_a_forging_agent_through_the_api_bills_only_what_ran(api, make_join_toke
     host = {"cpu_cores": 32, "ram_gb": 256, "disk_gb": 2000}
     joined = api.post(
         "/api/agent/v1/join/",
-        {"join_token": raw, "hostname": "forger", "host": host, "gpus": gpus},
+        {
+            "join_token": raw,
+            "hostname": "forger",
+            "host": host,
+            "internet_filtered": True,
+            "gpus": gpus,
+        },
         format="json",
     )
     assert joined.status_code == 201, joined.content

@@ -5,7 +5,7 @@ from decimal import Decimal
 
 import pytest
 
-from marketplace.models import Rental, RentalStatus
+from marketplace.models import Node, Rental, RentalStatus
 
 pytestmark = pytest.mark.django_db
 
@@ -148,6 +148,18 @@ def test_a_plan_is_booked_in_one_step_with_its_estimate(auth_api, eight_nodes):
     assert rental.advisor_estimate["hours"] == pytest.approx(plan["hours"])
     # Booked time: the estimate plus a fifth, in whole minutes.
     assert rental.duration_s == min(30 * 86400, -(-plan["hours"] * 3600 * 1.2 // 60) * 60)
+
+
+def test_a_plan_has_the_internet_where_its_nodes_filter_it_else_no_network(auth_api, eight_nodes):
+    plans = auth_api.post("/api/v1/advisor/", NEEDS_17, format="json").json()["plans"]
+    plan = next(p for p in plans if p["gpus"] == 24)
+    r = auth_api.post("/api/v1/advisor/book/", {**NEEDS_17, "plan": plan["id"]}, format="json")
+    assert r.status_code == 201 and r.json()["network"] == "internet"
+    # the same plan once the nodes' engines cannot filter: still bookable, with no network
+    Node.objects.update(internet_filtered=False, internet_capable=False)
+    r = auth_api.post("/api/v1/advisor/book/", {**NEEDS_17, "plan": plan["id"]}, format="json")
+    assert r.status_code == 201, r.content
+    assert r.json()["network"] == "internal"
 
 
 def test_booking_a_gang_no_longer_free_is_409_and_stores_nothing(auth_api, eight_nodes):

@@ -66,6 +66,22 @@ def test_offers_advise_rent_show_and_cancel(cli, make_node):
     assert code == 0 and out.split()[1] == "cancelled"
 
 
+def test_rent_asks_for_the_network_and_show_says_it(cli, make_node):
+    make_node(card="h100-sxm5-80gb", price="2.50")
+    code, out, _ = cli("rent", "--gpus", "1", "--image", "img")
+    assert code == 0
+    internet = Rental.objects.get()
+    code, out, _ = cli("rent", "--gpus", "1", "--image", "img", "--network", "internal")
+    assert code == 0
+    internal = Rental.objects.exclude(pk=internet.pk).get()
+    assert (internet.network, internal.network) == ("internet", "internal")
+    code, out, _ = cli("show", str(internal.pk))
+    assert code == 0 and "network   internal (no network)" in out.splitlines()
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        cli("rent", "--gpus", "1", "--image", "img", "--network", "egress")
+    assert Rental.objects.count() == 2
+
+
 def test_errors_are_shown_with_the_field_and_a_non_zero_exit(cli):
     code, _, err = cli("rent", "--gpus", "0", "--image", "img")
     assert code == 1 and "gpus_per_node" in err
@@ -274,7 +290,7 @@ def test_show_summarises_a_finished_rental():
         # placed twice on the same node (requeued), both placements ended
         "allocations": [{"node": "local-sim-01", "gpu_index": i, "released_at": "2026-12-06"}
                         for i in (0, 1, 0, 1)],
-        "datasets": ["shakespeare"],
+        "datasets": ["shakespeare"], "network": "internet",
         "access": [{"command": "ssh -p 2222 root@gpu.example", "host": "gpu.example",
                     "host_port": 2222}],
         "events": [{"created_at": "2026-12-06T03:10:39.066007Z", "to_status": "pending",
@@ -288,6 +304,7 @@ def test_show_summarises_a_finished_rental():
     assert "booked    2026-12-06 03:10:39 to 03:20:39 (10 min)" in out
     assert "ran       2026-12-06 03:10:40 to 03:13:28 (2.8 min)" in out
     assert "datasets  shakespeare" in out and "access    ssh -p 2222 root@gpu.example" in out
+    assert "network   internet (public addresses only)" in out
     assert "  2026-12-06 03:10:39  pending      created" in out
     assert out.splitlines()[-1] == "  line 19" and "line 14" not in out
 

@@ -49,6 +49,18 @@ def test_a_template_saved_listed_used_replaced_and_removed(cli, make_node, tmp_p
     assert code == 1 and "template" in err and Rental.objects.count() == 1
 
 
+def test_a_template_keeps_the_network_and_rent_may_override_it(cli, make_node):  # noqa: F811
+    make_node(card="a100-sxm4-80gb")
+    code, _, err = cli("template", "save", "offline", "--image", "img", "--network", "internal")
+    assert code == 0, err
+    code, out, _ = cli("template", "show", "offline")
+    assert "network  internal" in out.splitlines()
+    assert cli("rent", "--gpus", "1", "--template", "offline")[0] == 0
+    assert cli("rent", "--gpus", "1", "--template", "offline", "--network", "internet")[0] == 0
+    networks = list(Rental.objects.order_by("created_at").values_list("network", flat=True))
+    assert networks == ["internal", "internet"]
+
+
 def test_rent_needs_an_image_or_a_template_and_good_flags(cli):  # noqa: F811
     code, _, err = cli("rent", "--gpus", "1")
     assert code == 1 and "--image" in err

@@ -142,7 +142,7 @@ def test_an_interruptible_rental_resumes_on_another_host_from_its_synced_checkpo
         {
             "gpus_per_node": 1, "region": "e2e", "duration_s": 3600,
             "kind": "interruptible", "bid_per_gpu_hour": "0.50",
-            "datasets": ["corpus"],
+            "datasets": ["corpus"], "network": "internal",  # an engine without iptables
             "runtime": {"image": HARNESS_IMAGE, "harness_config": CONFIG},
         },
         format="json",

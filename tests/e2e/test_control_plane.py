@@ -129,6 +129,8 @@ def _create(stack: Stack, token: str, n: int, pause: float = 0.0) -> list[str]:
         "region": "e2e",
         "duration_s": 3600,
         "runtime": {"image": HARNESS_IMAGE, "command": ["sleep", "3600"]},
+        # the host's engine runs without iptables: no filtered internet there
+        "network": "internal",
     }
     headers = {"Authorization": f"Bearer {token}"}
     ids = []

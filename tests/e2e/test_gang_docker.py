@@ -92,13 +92,15 @@ TORCHRUN_COMMAND = [
 
 class Engine:
     """A Docker Engine of its own in a host's network namespace (its own data root, exec root,
-    pidfile and socket; no iptables, no default bridge, as deploy/docker-engine.sh runs one).
-    It keeps the test's mount namespace (nsenter --net, not `ip netns exec`), where the
-    cgroup hierarchy it needs is mounted."""
+    pidfile and socket; no iptables, no default bridge, as deploy/docker-engine.sh runs one,
+    unless `iptables`: then the engine manages the namespace's packet filter and NAT, as a
+    stock dockerd does). It keeps the test's mount namespace (nsenter --net, not `ip netns
+    exec`), where the cgroup hierarchy it needs is mounted. `host` needs `ns` and `hostname`."""
 
-    def __init__(self, host: Host, root: Path):
+    def __init__(self, host: Host, root: Path, *, iptables: bool = False):
         self.host = host
         self.root = root
+        self.iptables = iptables
         self.socket = root / "docker.sock"
         self.url = f"unix://{self.socket}"
         self.proc: subprocess.Popen | None = None
@@ -108,7 +110,8 @@ class Engine:
         log = (self.root / "dockerd.log").open("wb")
         self.proc = subprocess.Popen(
             ["nsenter", f"--net=/var/run/netns/{self.host.ns}", "dockerd",
-             "--iptables=false", "--ip-masq=false", "--bridge=none",
+             f"--iptables={str(self.iptables).lower()}",
+             f"--ip-masq={str(self.iptables).lower()}", "--bridge=none",
              f"--data-root={self.root / 'data'}", f"--exec-root={self.root / 'exec'}",
              f"--pidfile={self.root / 'dockerd.pid'}", f"--host={self.url}"],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -332,7 +335,7 @@ def _rent(user, *, node_count: int, gpus: int, runtime: RuntimeSpec) -> Rental:
         team=personal_team(user),
         request=RentalRequest(
             gpus_per_node=gpus, node_count=node_count, duration_s=3600, region="dgang",
-            runtime=runtime,
+            runtime=runtime, network="internal",  # the engines run without iptables
         ),
     )  # fmt: skip
 

@@ -36,6 +36,7 @@ def _rent(auth_api, **runtime) -> str:
         "region": "e2e",
         "duration_s": 3600,
         "runtime": {"image": HARNESS_IMAGE, **runtime},
+        "network": "internal",  # the host's engine runs without iptables: no internet there
     }
     r = auth_api.post("/api/v1/rentals/", body, format="json")
     assert r.status_code == 201, r.content

@@ -100,6 +100,7 @@ def test_nodes_cheapest_are_the_orm_s_matching_nodes_cheapest_first(market):
         "bid": None,
         "price": Decimal("0.95"),
         "ssh": False,
+        "internet": True,
         "clustered": False,
         "gbps": 0,
         "limit": 10,

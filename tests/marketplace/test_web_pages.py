@@ -90,6 +90,17 @@ def test_a_rental_page_shows_its_history_and_another_customers_id_is_404(
     assert Rental.objects.count() == 2
 
 
+def test_the_rental_page_says_its_network_and_the_form_asks_for_it(browser_client, make_node, rent):
+    make_node(gpus=8)
+    internet, internal = rent(1, name="online"), rent(1, name="offline", network="internal")
+    html = browser_client.get(f"/rentals/{internet.pk}/").content.decode()
+    assert '<dd id="network">internet <span class="muted">(public addresses only' in html
+    html = browser_client.get(f"/rentals/{internal.pk}/").content.decode()
+    assert '<dd id="network">internal <span class="muted">(no network)' in html
+    form = browser_client.get("/rentals/new/").content.decode()
+    assert '<select id="r-network">' in form and '<option value="internal">' in form
+
+
 def test_the_tokens_page_lists_only_your_tokens_and_never_a_secret(browser_client, user):
     _, mine = api_token_create(user=user, team=personal_team(user), name="laptop")
     _, theirs = api_token_create(

@@ -476,8 +476,12 @@ def test_a_join_whose_answer_is_lost_is_repeated_with_the_hosts_own_key(server, 
     assert first == second
     assert len(first["host_key"]) >= 32
     assert (dirs["state"] / "host_key").read_text().strip() == first["host_key"]
-    # and said what it can run: local processes, so no SSH
-    assert (first["runtime"], first["ssh"]) == ("process", False)
+    # and said what it can run: local processes, so no SSH and no filtered internet
+    assert (first["runtime"], first["ssh"], first["internet_filtered"]) == (
+        "process",
+        False,
+        False,
+    )
     assert json.loads((dirs["state"] / "node_token.json").read_text())["node_id"] == NODE_ID
 
 

@@ -23,9 +23,10 @@ def test_defaults_for_a_real_gpu_host():
     assert config.benchmark_command == ("python", "-m", "harness", "benchmark", "--quick")
     assert config.once is False
     assert config.hostname  # this host's name
-    # isolation: the harness image only, no egress, a 50 GiB workspace, never root
+    # isolation: the harness image only, the filtered internet offered, a 50 GiB workspace,
+    # never root
     assert config.image_allow == ("gpumarket/harness:*",)
-    assert config.network_policy == "internal"
+    assert config.network_policy == "internet"
     assert config.disk_quota_mb == 50 * 1024
     assert config.container_user == "1000:1000"
     # the cache of staged datasets and checkpoints: 100 GiB
@@ -39,14 +40,19 @@ def test_isolation_settings_from_flags_and_environment():
         "GPUMARKET_CACHE_GB": "2.5",
     }
     config = load_config(
-        ["--server", "http://s", "--network-policy", "egress", "--container-user", "2000:2000"],
+        ["--server", "http://s", "--network-policy", "internal", "--container-user", "2000:2000"],
         environ=environ,
     )
     assert config.image_allow == ("gpumarket/harness:*", "nvcr.io/nvidia/pytorch:24.*=0:0")
-    assert config.network_policy == "egress"
+    assert config.network_policy == "internal"
     assert config.disk_quota_mb is None  # 0: no quota
     assert config.container_user == "2000:2000"
     assert config.cache_max_bytes == int(2.5 * 1024**3)
+
+
+def test_egress_is_the_old_name_of_internet():
+    config = load_config(["--server", "http://s"], environ={"GPUMARKET_NETWORK_POLICY": "egress"})
+    assert config.network_policy == "internet"
 
 
 def test_environment_fills_in_and_flags_win():

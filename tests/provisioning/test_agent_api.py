@@ -30,7 +30,13 @@ def _gpus(n=4, name="NVIDIA A100-SXM4-80GB", memory_mb=81920):
 def agent(api, join_token):
     r = api.post(
         "/api/agent/v1/join/",
-        {"join_token": join_token, "hostname": "gpu-host-1", "host": HOST, "gpus": _gpus()},
+        {
+            "join_token": join_token,
+            "hostname": "gpu-host-1",
+            "host": HOST,
+            "internet_filtered": True,
+            "gpus": _gpus(),
+        },
         format="json",
     )
     assert r.status_code == 201, r.content
@@ -79,7 +85,13 @@ def test_nvml_names_match_catalog_cards(db, name, memory_mb, slug):
 def test_a_used_join_token_is_refused_and_changes_nothing(api, agent, join_token):
     r = api.post(
         "/api/agent/v1/join/",
-        {"join_token": join_token, "hostname": "gpu-host-2", "host": HOST, "gpus": _gpus()},
+        {
+            "join_token": join_token,
+            "hostname": "gpu-host-2",
+            "host": HOST,
+            "internet_filtered": True,
+            "gpus": _gpus(),
+        },
         format="json",
     )
     assert r.status_code == 400 and "join_token" in r.json()
@@ -97,7 +109,13 @@ def test_an_unknown_gpu_is_refused_and_the_token_stays_usable(api, join_token):
     assert Node.objects.count() == 0
     ok = api.post(
         "/api/agent/v1/join/",
-        {"join_token": join_token, "hostname": "h", "host": HOST, "gpus": _gpus()},
+        {
+            "join_token": join_token,
+            "hostname": "h",
+            "host": HOST,
+            "internet_filtered": True,
+            "gpus": _gpus(),
+        },
         format="json",
     )
     assert ok.status_code == 201
@@ -519,7 +537,7 @@ def test_a_node_over_its_rate_gets_429_with_retry_after_and_nothing_applied(
     )  # fmt: skip
     r = api.post(
         "/api/agent/v1/join/",
-        {"join_token": raw, "hostname": "gpu-host-2", "host": HOST,
+        {"join_token": raw, "hostname": "gpu-host-2", "host": HOST, "internet_filtered": True,
          "gpus": [{**g, "uuid": f"{g['uuid']}-2"} for g in _gpus()]},
         format="json",
     )  # fmt: skip

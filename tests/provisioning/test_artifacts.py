@@ -56,7 +56,13 @@ def join_agent(make_join_token):
         ]  # fmt: skip
         r = APIClient().post(
             "/api/agent/v1/join/",
-            {"join_token": raw, "hostname": hostname, "host": HOST, "gpus": gpus},
+            {
+                "join_token": raw,
+                "hostname": hostname,
+                "host": HOST,
+                "internet_filtered": True,
+                "gpus": gpus,
+            },
             format="json",
         )
         assert r.status_code == 201, r.content

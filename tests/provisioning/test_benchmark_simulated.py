@@ -21,7 +21,13 @@ def _join(api, make_join_token, *, hostname: str, gpu_name: str, simulated: bool
          "topology_group": "nvl0"}
         for i in range(2)
     ]  # fmt: skip
-    body = {"join_token": make_join_token(), "hostname": hostname, "host": HOST, "gpus": gpus}
+    body = {
+        "join_token": make_join_token(),
+        "hostname": hostname,
+        "host": HOST,
+        "internet_filtered": True,
+        "gpus": gpus,
+    }
     r = api.post("/api/agent/v1/join/", {**body, "simulated": simulated}, format="json")
     assert r.status_code == 201, r.content
     client = APIClient()

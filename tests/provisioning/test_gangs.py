@@ -28,7 +28,14 @@ S = RentalStatus
 
 def _join(api, token: str, hostname: str, **extra) -> APIClient:
     gpus = [{**gpu, "uuid": f"{gpu['uuid']}-{hostname}"} for gpu in _gpus(2)]
-    body = {"join_token": token, "hostname": hostname, "host": HOST, "gpus": gpus, **extra}
+    body = {
+        "join_token": token,
+        "hostname": hostname,
+        "host": HOST,
+        "internet_filtered": True,
+        "gpus": gpus,
+        **extra,
+    }
     r = api.post("/api/agent/v1/join/", body, format="json", REMOTE_ADDR="192.0.2.77")
     assert r.status_code == 201, r.content
     client = APIClient()

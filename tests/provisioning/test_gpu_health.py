@@ -50,7 +50,13 @@ class Host:
         self.nvml = FakeNvml(gpus=4).install(monkeypatch)
         self.source = NvmlSource()
         gpus = [g.to_payload() for g in self.source.discover().gpus]
-        body = {"join_token": join_token, "hostname": "gpu-host-7", "host": HOST, "gpus": gpus}
+        body = {
+            "join_token": join_token,
+            "hostname": "gpu-host-7",
+            "host": HOST,
+            "internet_filtered": True,
+            "gpus": gpus,
+        }
         r = api.post("/api/agent/v1/join/", body, format="json")
         assert r.status_code == 201, r.content
         self.client = APIClient()

@@ -17,7 +17,14 @@ pytestmark = pytest.mark.django_db
 
 def _join(api, token: str, hostname: str, **extra):
     gpus = [{**gpu, "uuid": f"{gpu['uuid']}-{hostname}"} for gpu in _gpus(2)]
-    body = {"join_token": token, "hostname": hostname, "host": HOST, "gpus": gpus, **extra}
+    body = {
+        "join_token": token,
+        "hostname": hostname,
+        "host": HOST,
+        "internet_filtered": True,
+        "gpus": gpus,
+        **extra,
+    }
     return api.post("/api/agent/v1/join/", body, format="json")
 
 

@@ -124,3 +124,33 @@ def test_a_malformed_host_key_is_a_400_naming_it(api, join_token, key):
     assert r.status_code == 400 and "host_key" in r.json()
     assert Node.objects.count() == 0
     assert JoinToken.objects.get().used_at is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "filtered", "capable"),
+    [
+        ({"runtime": "docker", "internet_filtered": True}, True, True),
+        ({"runtime": "docker", "internet_filtered": False}, False, False),
+        ({"runtime": "docker", "simulated": True}, False, False),  # simulated is no filter
+        # the development runtime: the host's own network, accepted for simulated nodes only
+        ({"runtime": "process", "simulated": True}, False, True),
+        ({"runtime": "process", "internet_filtered": True}, False, False),
+        ({}, False, False),  # an agent that predates saying it: unable
+    ],
+)
+def test_the_node_records_whether_it_may_host_rentals_with_internet(
+    api, join_token, extra, filtered, capable
+):
+    assert _join(api, join_token, **extra).status_code == 201
+    node = Node.objects.get()
+    assert (node.internet_filtered, node.internet_capable) == (filtered, capable)
+
+
+def test_a_rejoin_says_again_whether_the_node_filters(api, make_join_token):
+    # given a node whose engine could not filter when it joined
+    assert _join(api, make_join_token(), internet_filtered=False).status_code == 201
+    # when its agent rejoins (a new join token, the same GPUs) on an engine that can
+    assert _join(api, make_join_token(), internet_filtered=True).status_code == 201
+    # then the same node is now offered rentals with internet
+    node = Node.objects.get()
+    assert (node.internet_filtered, node.internet_capable) == (True, True)

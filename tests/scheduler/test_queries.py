@@ -97,7 +97,8 @@ def _orm_digest(pool: str) -> tuple[int, str | None]:
         )
         values = (
             node.id, node.region, node.price_per_gpu_hour, node.min_bid_per_gpu_hour,
-            node.reliability, node.nvlink, node.ssh_capable, node.cluster_id or 0,
+            node.reliability, node.nvlink, node.ssh_capable, node.internet_capable,
+            node.cluster_id or 0,
             node.cluster.bandwidth_gbps if node.cluster else 0, model.slug, model.family,
             model.memory_gb, model.tensor_tflops, gpus,
         )  # fmt: skip
@@ -143,6 +144,7 @@ def test_candidate_nodes_are_the_orm_s_fitting_nodes_fullest_then_cheapest(make_
         "max_price": None,
         "k": 3,
         "ssh": False,
+        "internet": True,
         "limit": 10,
     }
 

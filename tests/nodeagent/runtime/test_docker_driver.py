@@ -9,6 +9,7 @@ import sys
 import docker
 import pytest
 
+from agentprotocol import Network
 from nodeagent.runtime.base import (
     LABEL_RUN,
     ImageNotFoundError,
@@ -20,6 +21,7 @@ from nodeagent.runtime.docker import (
     DockerDriverConfig,
     classify_docker_error,
     container_name,
+    internet_filter_unavailable,
     network_name,
     parse_docker_time_ns,
 )
@@ -93,17 +95,32 @@ def test_container_is_unprivileged_and_limited(docker_driver, docker_client, mak
     assert os.stat(spec.volume_dir).st_uid == 1000
 
 
-def test_egress_is_refused_where_the_engine_does_not_manage_iptables(
-    harness_image, docker_client, make_spec, node_id
+def test_internet_is_refused_where_the_engine_does_not_manage_iptables(
+    docker_driver, docker_client, make_spec
 ):
     # given an engine started with --iptables=false (deploy/docker-engine.sh): no DOCKER-USER
-    driver = DockerDriver(
-        DockerDriverConfig(gpu_mode="none", node_id=node_id, network_policy="egress")
-    )
-    spec = make_spec("import time; time.sleep(600)", ports=(8888,))
+    # (tests/e2e/test_rental_network.py runs one that has it)
+    assert "DOCKER-USER" in (internet_filter_unavailable() or "")
+    spec = make_spec("import time; time.sleep(600)", ports=(8888,), network=Network.INTERNET)
 
-    # when a rental with egress is started: refused for good, saying why, and nothing was made
+    # when a rental with internet is started: refused for good, saying why, nothing was made
     with pytest.raises(PermanentRuntimeError, match="DOCKER-USER"):
+        docker_driver.start(spec)
+    assert containers_of_run(spec.run_id) == []
+    assert docker_client.networks.list(names=[network_name(spec.rental_id)]) == []
+
+
+def test_internet_is_refused_where_the_operator_allows_internal_only(
+    harness_image, docker_client, make_spec, node_id
+):
+    # given an agent configured with network_policy internal
+    driver = DockerDriver(
+        DockerDriverConfig(gpu_mode="none", node_id=node_id, internet_allowed=False)
+    )
+    spec = make_spec("import time; time.sleep(600)", network=Network.INTERNET)
+
+    # when a rental with internet is started: refused for good, nothing was made
+    with pytest.raises(PermanentRuntimeError, match="internal networks only"):
         driver.start(spec)
     assert containers_of_run(spec.run_id) == []
     assert docker_client.networks.list(names=[network_name(spec.rental_id)]) == []

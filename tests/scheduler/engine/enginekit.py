@@ -37,6 +37,7 @@ def make_node(
     region: str = "eu-west",
     pool: str = "default",
     ssh_capable: bool = True,
+    internet_capable: bool = True,
     cluster: int | str | None = "fabric",
     gbps: int = 200,
 ) -> Node:
@@ -51,6 +52,7 @@ def make_node(
         reliability=reliability,
         pool=pool,
         ssh_capable=ssh_capable,
+        internet_capable=internet_capable,
         cluster=cluster,
         interconnect_gbps=gbps if cluster is not None else 0,
         gpus=tuple(
@@ -237,6 +239,8 @@ def _placement_violations(req, p, nodes, gpus, now, policy) -> list[str]:
             errors.append(f"{req.rental_id}: node {node_id} in the wrong pool or region")
         if req.ssh and not node.ssh_capable:
             errors.append(f"{req.rental_id}: SSH asked for on node {node_id}, which has none")
+        if req.internet and not node.internet_capable:
+            errors.append(f"{req.rental_id}: internet asked for on node {node_id}, unfiltered")
         for g in gpu_ids:
             owner, gpu = gpus[g]
             if owner.node_id != node_id:

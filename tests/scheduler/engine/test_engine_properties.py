@@ -61,6 +61,7 @@ def nodes_strategy(draw) -> tuple[Node, ...]:
                 min_bid=price / 2,
                 reliability=draw(st.sampled_from([0.9, 0.99])),
                 ssh_capable=draw(st.sampled_from([True, True, False])),
+                internet_capable=draw(st.sampled_from([True, True, False])),
                 cluster=(cluster := draw(st.sampled_from([None, "a", "a", "b"]))),
                 interconnect_gbps=CLUSTER_GBPS.get(cluster, 0),
                 gpus=tuple(
@@ -149,6 +150,7 @@ def request_strategy(draw, rental_id: int) -> Request:
         if interruptible
         else None,
         ssh=draw(st.sampled_from([False, False, True])),
+        internet=draw(st.sampled_from([False, True, True])),
         min_interconnect_gbps=draw(st.sampled_from([0, 0, 0, 200])),
     )
 
@@ -200,6 +202,7 @@ def fits(snap: Snapshot, req: Request, held) -> bool:
         if location_ok(req, n)
         and price_ok(req, n)
         and (n.ssh_capable or not req.ssh)
+        and (n.internet_capable or not req.internet)
         and node_can_host(n, req, held, t0, t0 + req.duration)
     ]
     if req.node_count == 1:
