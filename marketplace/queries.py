@@ -215,6 +215,8 @@ NODE_COLUMNS = (
     "reliability",
     "nvlink",
     "ssh_capable",
+    "image_allow",
+    "images",
     "cluster",
 )
 MODEL_COLUMNS = ("slug", "family", "memory_gb", "tensor_tflops")

@@ -103,6 +103,10 @@ def catalog_match(name: str, memory_mb: int) -> GpuModel | None:
     return best[1]
 
 
+def _allow_list(patterns: tuple[str, ...] | None) -> list[str] | None:
+    return None if patterns is None else list(patterns)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HostFacts:
     hostname: str
@@ -114,6 +118,8 @@ class HostFacts:
     simulated: bool = False
     runtime: str = ""  # "docker" | "process"; "" from agents that predate saying it
     ssh_capable: bool = True
+    # The image patterns its agent accepts (None: it did not say, any image).
+    image_allow: tuple[str, ...] | None = None
     # Where the other members of a multi-node rental reach this node (None: not known).
     fabric_address: str | None = None
     # The provider's cluster the node joins (by name; None: the agent named none), and what its
@@ -206,6 +212,7 @@ def node_join(
                 cuda_version=host.cuda_version,
                 runtime=host.runtime,
                 ssh_capable=host.ssh_capable,
+                image_allow=_allow_list(host.image_allow),
                 fabric_address=host.fabric_address,
                 cluster=cluster,
             )
@@ -291,6 +298,7 @@ def _node_rekey(
         cuda_version=host.cuda_version,
         runtime=host.runtime,
         ssh_capable=host.ssh_capable,
+        image_allow=_allow_list(host.image_allow),
         fabric_address=host.fabric_address,
     )
     log.info("node rejoined node=%s provider=%s", node.pk, token.provider_id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
+from agentprotocol.images import image_allowed
 from scheduler.engine.types import Gpu, Node, Request
 
 
@@ -47,7 +48,13 @@ def price_ok(request: Request, node: Node) -> bool:
 def runtime_ok(request: Request, node: Node) -> bool:
     """Whether the node's agent can give the rental what it asks of the runtime: an sshd whose
     port it publishes, for a rental with SSH."""
-    return node.ssh_capable or not request.ssh
+    return (node.ssh_capable or not request.ssh) and image_ok(request, node)
+
+
+def image_ok(request: Request, node: Node) -> bool:
+    """Whether the node's agent accepts the request's image (its allow-list, as it reported
+    it; a node that never reported one accepts any)."""
+    return not request.image or image_allowed(node.image_allow, request.image)
 
 
 def node_capacity(request: Request, node: Node) -> int:
@@ -122,11 +129,20 @@ def never_fits(request: Request, nodes: Iterable[Node]) -> str | None:
     if len(priced) < m:
         return f"only {len(priced)} matching nodes, the request needs {m}"
     # Last, so that a refusal naming SSH means that SSH alone stands in the way.
-    capable = [node for node in priced if runtime_ok(request, node)]
+    capable = [node for node in priced if node.ssh_capable or not request.ssh]
     if not capable:
         return "ssh: no matching node can run an sshd with a published port"
     if len(capable) < m:
         return f"ssh: only {len(capable)} matching nodes can run an sshd, the request needs {m}"
+    accepting = [node for node in capable if image_ok(request, node)]
+    if not accepting:
+        return f"image: no matching node accepts the image {request.image!r}"
+    if len(accepting) < m:
+        return (
+            f"image: only {len(accepting)} matching nodes accept the image {request.image!r}, "
+            f"the request needs {m}"
+        )
+    capable = accepting
     if m > 1:
         return _no_cluster(request, capable)
     return None
