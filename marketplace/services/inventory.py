@@ -129,6 +129,7 @@ def node_register(
     pool: str = "default",
     runtime: str = "",
     ssh_capable: bool = True,
+    image_allow: list[str] | None = None,
     fabric_address: str | None = None,
     cluster: Cluster | None = None,
 ) -> Node:
@@ -171,6 +172,7 @@ def node_register(
             simulated=simulated,
             runtime=runtime,
             ssh_capable=ssh_capable,
+            image_allow=image_allow,
             fabric_address=fabric_address,
             cluster=cluster,
             price_per_gpu_hour=price_per_gpu_hour,
