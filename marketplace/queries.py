@@ -216,7 +216,6 @@ NODE_COLUMNS = (
     "nvlink",
     "ssh_capable",
     "image_allow",
-    "images",
     "cluster",
 )
 MODEL_COLUMNS = ("slug", "family", "memory_gb", "tensor_tflops")

@@ -358,7 +358,6 @@ _ENGINE_NODE_FIELDS = (
     "nvlink",
     "ssh_capable",
     "image_allow",
-    "images",
     "cluster_id",
     "cluster__bandwidth_gbps",
     "gpu_model__slug",
@@ -445,7 +444,7 @@ def _engine_node(r: dict, gpus: list[engine.Gpu]) -> engine.Node:
         cluster=r["cluster_id"],
         interconnect_gbps=r["cluster__bandwidth_gbps"] or 0,
         image_allow=None if r["image_allow"] is None else tuple(r["image_allow"]),
-        images=node_image_refs(r["images"]),
+        images=node_image_refs(r.get("images")),
     )
 
 
@@ -462,7 +461,10 @@ def node_image_refs(images: object) -> frozenset[str]:
 
 def engine_nodes(nodes: QuerySet[Node] | Iterable[Node]) -> list[engine.Node]:
     """Map node rows (with their GPUs) to the engine's value types, in two queries."""
-    rows = list(nodes.values(*_ENGINE_NODE_FIELDS) if isinstance(nodes, QuerySet) else nodes)
+    # With the images they hold: what the scheduler ranks by (the create-time check needs not).
+    rows = list(
+        nodes.values(*_ENGINE_NODE_FIELDS, "images") if isinstance(nodes, QuerySet) else nodes
+    )
     by_node: dict[int, list[engine.Gpu]] = {r["id"]: [] for r in rows}
     info = {r["id"]: r for r in rows}
     # A FAILED GPU is out of placement until a check passes (provisioning's health).

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from rest_framework.test import APIClient
 
+from gpumarket_cli.rentals import rental_summary
 from marketplace.lifecycle import start_error_cause
 from marketplace.models import EndCause, Node, Rental, RentalStatus
 from provisioning.models import ContainerRun
@@ -90,6 +91,9 @@ def test_pull_progress_is_kept_on_the_run_and_shown_while_provisioning(api, join
         "total_bytes": 8_100_000_000,
         "text": "pulling 3.2 of 8.1 GB",
     }
+    [status_line] = [x for x in rental_summary(shown).splitlines() if x.startswith("status ")]
+    assert status_line.startswith("status    provisioning")
+    assert status_line.endswith("(pulling 3.2 of 8.1 GB)")
     owner.force_login(user)
     page = owner.get(f"/rentals/{rental.pk}/")
     assert "pulling 3.2 of 8.1 GB" in page.content.decode()
