@@ -5,7 +5,7 @@ from decimal import Decimal
 from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
 from django.db import models
-from django.db.models import F, Q
+from django.db.models import F, Q, Value
 
 
 class NodeStatus(models.TextChoices):
@@ -143,7 +143,10 @@ class Node(models.Model):
     # The images the agent holds in its cache, as it last reported them (only when they change):
     # [{"ref": "repo:tag", "digest": "sha256:..", "size_bytes": n}]. A node holding a rental's
     # image is preferred among otherwise equal ones: no pull before the start.
-    images = models.JSONField(default=list, blank=True)
+    # Defaults in the database too: bulk loaders (bench/, COPY) that name older columns only.
+    images = models.JSONField(
+        default=list, db_default=Value([], output_field=models.JSONField()), blank=True
+    )
     # Where the other members of a multi-node rental reach this node's runs (the rendezvous
     # store, gloo/NCCL): declared by the agent at join, else the address the join came from.
     fabric_address = models.GenericIPAddressField(
