@@ -1,13 +1,15 @@
 """End to end: a rental of an image that only a registry has. The real agent (Docker runtime)
 pulls it from a real registry (Debian's docker-registry, behind a throttled link so that the
 pull lasts a while), reports the pull's progress, and the server shows it while the rental
-provisions; then the node reports the image among those it holds."""
+provisions; then the node reports the image among those it holds, and its image cache prunes it
+once the rental has ended."""
 
 from __future__ import annotations
 
 import contextlib
 import uuid
 
+import docker
 import pytest
 
 from marketplace.models import Node, Rental, RentalStatus
@@ -27,6 +29,14 @@ def registry(tmp_path, docker_client):
     server.stop()
 
 
+def _present(client, ref: str) -> bool:
+    try:
+        client.images.get(ref)
+    except docker.errors.ImageNotFound:
+        return False
+    return True
+
+
 @pytest.fixture(autouse=True)
 def _funded_customer(settings, user):
     settings.BILLING_FUNDS_CHECK = True
@@ -43,9 +53,10 @@ def test_the_pull_of_a_rentals_image_is_shown_while_it_provisions(
     push_only(docker_client, tag)
     proxy = ThrottledProxy(registry.port, bytes_per_s=6 * 1024 * 1024)
     image = tag.replace(registry.host, proxy.host)
-    # and an agent that accepts images of that registry
+    # and an agent that accepts images of that registry, with an image cache of 1 MB
     stack_env["GPUMARKET_IMAGE_ALLOW"] = f"gpumarket/harness:*,{proxy.host}/img-e2e/*"
-    start_agent()
+    stack_env["GPUMARKET_IMAGE_CACHE_GB"] = "0.001"
+    agent = start_agent()
     node = wait_for(lambda: Node.objects.filter(region="e2e").first(), 90, "the agent to join")
     assert f"{proxy.host}/img-e2e/*" in node.image_allow
     try:
@@ -92,6 +103,25 @@ def test_the_pull_of_a_rentals_image_is_shown_while_it_provisions(
             60,
             "the node to report the image it holds",
         )
+        # and the cache, far over its budget, keeps the image while its container runs, and
+        # prunes it (its pass runs every minute) once the rental has ended
+        assert docker_client.images.get(image)
+        assert auth_api.post(f"/api/v1/rentals/{rental_id}/stop/").status_code == 200
+        wait_for(
+            lambda: Rental.objects.get(pk=rental_id).status == RentalStatus.COMPLETED,
+            240,
+            "the rental to complete",
+        )
+        wait_for(lambda: not _present(docker_client, image), 150, "the image to be pruned")
+        wait_for(
+            lambda: image not in {i["ref"] for i in Node.objects.get(pk=node.pk).images},
+            60,
+            "the node to report the image gone",
+        )
+        assert docker_client.images.get(HARNESS_IMAGE)  # never the agent's to prune
+    except AssertionError:
+        print(agent.log()[-20000:])  # what the agent did, shown with the failure
+        raise
     finally:
         remove_managed(docker_client)
         proxy.close()
