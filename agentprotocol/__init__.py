@@ -356,6 +356,32 @@ class LogLine(Message):
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class PullProgress(Message):
+    """A run whose image is being pulled before its start (the `pulls` items): bytes of its
+    layers downloaded so far and in all, as the registry announced them (the total grows while
+    layers are still being discovered)."""
+
+    wire_name: ClassVar[str] = "pull progress"
+
+    rental_id: str
+    run_id: str
+    done_bytes: int
+    total_bytes: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class CachedImage(Message):
+    """An image the node holds in its cache (the `images` items): its normalized reference
+    (agentprotocol.images), the engine's id and its size."""
+
+    wire_name: ClassVar[str] = "cached image"
+
+    ref: str
+    digest: str = ""
+    size_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Heartbeat(Message):
     """What the agent sends every round: its runs' actual state and what they used."""
 
@@ -370,6 +396,12 @@ class Heartbeat(Message):
     logs: tuple[LogLine, ...] = dataclasses.field(default=(), metadata=OMIT_EMPTY)
     # A finished benchmark's result (the harness's benchmark mode prints it).
     benchmark: Mapping[str, Any] | None = dataclasses.field(default=None, metadata=OMIT_EMPTY)
+    # Images being pulled for runs about to start.
+    pulls: tuple[PullProgress, ...] = dataclasses.field(default=(), metadata=OMIT_EMPTY)
+    # Sent only when they changed since the server last took them (None: unchanged): the
+    # images the agent accepts (allow-list patterns) and the images it holds.
+    image_allow: tuple[str, ...] | None = dataclasses.field(default=None, metadata=OMIT_DEFAULT)
+    images: tuple[CachedImage, ...] | None = dataclasses.field(default=None, metadata=OMIT_DEFAULT)
 
 
 # -- heartbeat: server to agent ------------------------------------------------------------------
@@ -586,6 +618,7 @@ __all__ = [
     "ArtifactUploadAnswer",
     "ArtifactUploadRequest",
     "BenchmarkSpec",
+    "CachedImage",
     "CommittedFile",
     "ContainerReport",
     "ContainerStatus",
@@ -602,6 +635,7 @@ __all__ = [
     "Network",
     "ProtocolError",
     "PublishedPort",
+    "PullProgress",
     "StagedFile",
     "UsageReport",
     "simulated_gpu_uuid",

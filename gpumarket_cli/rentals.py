@@ -138,6 +138,8 @@ def rental_summary(rental: dict) -> str:
     status = rental["status"]
     if rental["status_reason"]:
         status += f": {rental['status_reason']}"
+    if rental.get("pull_progress"):
+        status += f" ({rental['pull_progress']['text']})"
     if rental["exit_code"] is not None:
         status += f" (exit code {rental['exit_code']})"
     price = rental["price_per_gpu_hour"] or rental["max_price_per_gpu_hour"]

@@ -372,6 +372,7 @@ def rental_mark_container_started(*, rental: Rental, hostname: str, waiting_for:
 # node. Matched case-insensitively on the error the agent reports.
 CUSTOMER_START_ERRORS = (
     "is not allowed on this node",
+    "is too large for this node",
     "no such image",
     "pull access denied",
     "manifest unknown",

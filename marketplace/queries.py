@@ -217,6 +217,7 @@ NODE_COLUMNS = (
     "nvlink",
     "ssh_capable",
     "internet_capable",
+    "image_allow",
     "cluster",
 )
 MODEL_COLUMNS = ("slug", "family", "memory_gb", "tensor_tflops")

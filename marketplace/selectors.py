@@ -20,6 +20,7 @@ from accounts.models import SshKey, Team
 from advisor.engine.compute import Card, Topology
 from advisor.engine.layouts import Run, fewest_fitting
 from advisor.engine.presets import ModelShape, with_run
+from agentprotocol.images import image_normalize
 from core.errors import NotFound
 from marketplace import queries
 from marketplace.lifecycle import ACTIVE
@@ -33,6 +34,7 @@ from marketplace.models import (
     Provider,
     Rental,
     RentalEvent,
+    RentalStatus,
     RentalTemplate,
     User,
 )
@@ -207,6 +209,7 @@ def rental_get(*, team: Team, rental_id) -> Rental | None:
     if rental is not None:
         rental.access = rental_access(rental)
         rental.members = rental_members(rental)
+        rental.pull_progress = rental_pull_progress(rental, rental.members)
     return rental
 
 
@@ -235,9 +238,30 @@ def rental_members(rental: Rental) -> list[dict]:
                 "started_at": run.started_at,
                 "finished_at": run.finished_at,
                 "log_tail": tail,
+                "pull_progress": run.pull_progress if run.status == "requested" else None,
             }
         )
     return members
+
+
+def rental_pull_progress(rental: Rental, members: list[dict]) -> dict | None:
+    """While the rental is provisioning and its image is pulled: bytes pulled and in all over
+    its members that have not started, and the line shown for it ("pulling 3.2 of 8.1 GB")."""
+    if rental.status not in (RentalStatus.SCHEDULED, RentalStatus.PROVISIONING):
+        return None
+    pulls = [m["pull_progress"] for m in members if m.get("pull_progress")]
+    if not pulls:
+        return None
+    done = sum(int(p.get("done_bytes", 0)) for p in pulls)
+    total = max(done, sum(int(p.get("total_bytes", 0)) for p in pulls))
+    return {"done_bytes": done, "total_bytes": total, "text": pull_text(done, total)}
+
+
+def pull_text(done: int, total: int) -> str:
+    """`pulling 3.2 of 8.1 GB` (MB below a gigabyte; decimal units, as registries count)."""
+    if total >= 10**9:
+        return f"pulling {done / 1e9:.1f} of {total / 1e9:.1f} GB"
+    return f"pulling {done / 1e6:.0f} of {total / 1e6:.0f} MB"
 
 
 def rental_created_detail(*, rental: Rental) -> Rental:
@@ -253,6 +277,7 @@ def rental_created_detail(*, rental: Rental) -> Rental:
         _prefetched(rental, name, rows)
     rental.access = []
     rental.members = []
+    rental.pull_progress = None
     return rental
 
 
@@ -333,6 +358,7 @@ _ENGINE_NODE_FIELDS = (
     "nvlink",
     "ssh_capable",
     "internet_capable",
+    "image_allow",
     "cluster_id",
     "cluster__bandwidth_gbps",
     "gpu_model__slug",
@@ -421,12 +447,28 @@ def _engine_node(r: dict, gpus: list[engine.Gpu]) -> engine.Node:
         internet_capable=r["internet_capable"],
         cluster=r["cluster_id"],
         interconnect_gbps=r["cluster__bandwidth_gbps"] or 0,
+        image_allow=None if r["image_allow"] is None else tuple(r["image_allow"]),
+        images=node_image_refs(r.get("images")),
+    )
+
+
+def node_image_refs(images: object) -> frozenset[str]:
+    """The normalized references of a node's reported images (Node.images)."""
+    if not isinstance(images, list):
+        return frozenset()
+    return frozenset(
+        image_normalize(item["ref"])
+        for item in images
+        if isinstance(item, dict) and isinstance(item.get("ref"), str)
     )
 
 
 def engine_nodes(nodes: QuerySet[Node] | Iterable[Node]) -> list[engine.Node]:
     """Map node rows (with their GPUs) to the engine's value types, in two queries."""
-    rows = list(nodes.values(*_ENGINE_NODE_FIELDS) if isinstance(nodes, QuerySet) else nodes)
+    # With the images they hold: what the scheduler ranks by (the create-time check needs not).
+    rows = list(
+        nodes.values(*_ENGINE_NODE_FIELDS, "images") if isinstance(nodes, QuerySet) else nodes
+    )
     by_node: dict[int, list[engine.Gpu]] = {r["id"]: [] for r in rows}
     info = {r["id"]: r for r in rows}
     # A FAILED GPU is out of placement until a check passes (provisioning's health).

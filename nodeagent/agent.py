@@ -55,6 +55,7 @@ from typing import Any
 import structlog
 
 from agentprotocol import (
+    CachedImage,
     ContainerReport,
     ContainerStatus,
     DesiredRun,
@@ -65,8 +66,10 @@ from agentprotocol import (
     LogLine,
     MetricLine,
     ProtocolError,
+    PullProgress,
     UsageReport,
 )
+from agentprotocol.images import allow_patterns, image_allowed
 from agentprotocol.untrusted import metric_line_parse, text_sanitize
 from nodeagent import hostinfo
 from nodeagent import metrics as metrics_module
@@ -81,6 +84,7 @@ from nodeagent.client import (
     backoff_delay,
 )
 from nodeagent.config import AgentConfig, ConfigError
+from nodeagent.imagecache import ImageCache
 from nodeagent.publish import Publisher, wanted_ports
 from nodeagent.reconcile import plan_reconcile
 from nodeagent.runtime import create_driver, gangnet
@@ -143,6 +147,12 @@ MAX_RETRY_DELAY_S = 60.0
 START_RETRY_BASE_S, START_RETRY_MAX_S = 10.0, 300.0
 TELEMETRY_TIMEOUT_S = 5.0
 OP_WORKERS = 16
+# While an image is pulled, its progress goes out at most this often (a heartbeat is sent early
+# for it); the cached images are listed and pruned to their budget this often besides after
+# each start.
+PULL_REPORT_S = 2.0
+IMAGE_PASS_S = 60.0
+MAX_REPORTED_IMAGES = 1000
 
 # Rental ids name the volume directory: no separators, no "..".
 _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -364,6 +374,23 @@ class Agent:
             request_timeout_s=config.request_timeout_s,
         )
         self._publisher = Publisher(config.publish)
+        self._image_cache = ImageCache(
+            config.state_dir,
+            budget_bytes=config.image_cache_bytes,
+            pinned=config.pinned_images,
+            clock=clock,
+        )
+        # Pulls in progress: run id -> (bytes done, bytes in all); images of starts in flight
+        # (kept from pruning between their pull and their container's creation).
+        self._pull_lock = threading.Lock()
+        self._pulls: dict[str, tuple[int, int]] = {}
+        self._pull_woken_at = 0.0
+        self._starting: dict[str, str] = {}
+        # What the server has taken of the allow-list and the images held (sent when changed).
+        self._allow_sent = False
+        self._images: tuple[CachedImage, ...] | None = None
+        self._images_sent: tuple[CachedImage, ...] | None = None
+        self._images_pass_at = -IMAGE_PASS_S
 
     # -- the program ---------------------------------------------------------------------------
 
@@ -525,6 +552,7 @@ class Agent:
             "simulated": self._telemetry.simulated,
             "host_key": host_key(self.config.state_dir),
             "runtime": self.config.runtime,
+            **self._allow_field(),
             # An sshd in the rental needs a container and a published port.
             "ssh": self.config.runtime == "docker" and self.config.publish is not None,
             # Whether a rental with the internet can run here, filtered to the public internet
@@ -571,7 +599,7 @@ class Agent:
                 gpu_mode=self.config.gpu_mode,
                 node_id=str(node_id),
             )
-        return create_driver(
+        driver = create_driver(
             "docker",
             gpu_mode=self.config.gpu_mode,
             node_id=str(node_id),
@@ -579,7 +607,11 @@ class Agent:
             internet_allowed=self.config.network_policy == "internet",
             disk_quota_mb=self.config.disk_quota_mb,
             container_user=self.config.container_user,
+            max_image_bytes=self.config.max_image_bytes,
         )
+        driver.on_pull_progress = self._pull_progress  # type: ignore[attr-defined]
+        driver.on_image_pulled = self._image_cache.pulled  # type: ignore[attr-defined]
+        return driver
 
     # -- one round -----------------------------------------------------------------------------
 
@@ -602,6 +634,10 @@ class Agent:
         metrics, taken = self._take_metrics()
         logs, logs_taken = self._take_logs()
         benchmark = self._benchmark.result()
+        if now - self._images_pass_at >= IMAGE_PASS_S:
+            self._images_pass(now)
+        image_allow = None if self._allow_sent else self._allow_field().get("image_allow")
+        images = self._images if self._images != self._images_sent else None
         heartbeat = Heartbeat(
             agent_version=AGENT_VERSION,
             sent_at=self._clock(),
@@ -613,6 +649,9 @@ class Agent:
             metrics=tuple(metrics),
             logs=tuple(logs),
             benchmark=benchmark,
+            pulls=tuple(self._pull_reports()),
+            image_allow=image_allow,
+            images=images,
         )
         payload = self._client.heartbeat(heartbeat.to_payload(), token=self._credentials.node_token)
         try:
@@ -630,6 +669,9 @@ class Agent:
             if run_id in self.ledger:
                 self.ledger.update(run_id, log_sent=live.log_sent)
         self._after_delivery(answer, actual, taken, benchmark_sent=benchmark is not None)
+        self._allow_sent = True
+        if images is not None:
+            self._images_sent = images
         desired = answer.desired
         self._remember(desired)
         self._forget(desired, actual)
@@ -960,10 +1002,86 @@ class Agent:
         """Stage the run's files, then start it (in a worker thread); the state and when it
         was seen so. Staging is provisioning: nothing runs, nothing is billed until it is done."""
         self.spec_for(entry)  # a run that cannot be placed downloads nothing
-        staged = stage_run(entry, cache=self._cache, stage_root=self._stage_root)
-        state = driver.start(self.spec_for(entry, staged=staged))
+        with self._pull_lock:
+            self._starting[entry.run_id] = entry.image
+        try:
+            staged = stage_run(entry, cache=self._cache, stage_root=self._stage_root)
+            state = driver.start(self.spec_for(entry, staged=staged))
+        finally:
+            with self._pull_lock:
+                self._starting.pop(entry.run_id, None)
+                self._pulls.pop(entry.run_id, None)
         self._wake.set()
+        self._image_cache.used(entry.image)
+        self._images_pass(self._clock())  # what it pulled counts against the budget now
         return state, self._clock()
+
+    # -- images --------------------------------------------------------------------------------
+
+    def _allow_field(self) -> dict[str, Any]:
+        """The allow-list the agent reports (the scheduler places only images it admits); the
+        process runtime runs no image and says nothing (any image)."""
+        if self.config.runtime != "docker":
+            return {}
+        return {"image_allow": list(allow_patterns(self.config.image_allow))}
+
+    def _pull_progress(self, run_id: str, done: int, total: int) -> None:
+        """From a start's worker thread: keep the pull's progress, and send it early (at most
+        every PULL_REPORT_S)."""
+        with self._pull_lock:
+            self._pulls[run_id] = (done, total)
+            now = time.monotonic()
+            if now - self._pull_woken_at < PULL_REPORT_S:
+                return
+            self._pull_woken_at = now
+        self._wake.set()
+
+    def _pull_reports(self) -> list[PullProgress]:
+        with self._pull_lock:
+            pulls = dict(self._pulls)
+        return [
+            PullProgress(
+                rental_id=self._live[run_id].rental_id,
+                run_id=run_id,
+                done_bytes=done,
+                total_bytes=max(done, total),
+            )
+            for run_id, (done, total) in sorted(pulls.items())
+            if run_id in self._live and self._live[run_id].rental_id
+        ]
+
+    def _images_pass(self, now: float) -> None:
+        """Prune the images the agent pulled to their budget, then list what the node holds
+        (the images its allow-list admits) for the next heartbeat."""
+        driver = self._driver
+        if driver is None or not hasattr(driver, "images_held"):
+            return
+        self._images_pass_at = now
+        try:
+            held = driver.images_held()
+            with self._pull_lock:
+                starting = set(self._starting.values())
+            if self._image_cache.prune(
+                held=held,
+                in_use=driver.images_in_use() | starting,
+                remove=driver.image_remove,
+            ):
+                held = driver.images_held()
+        except RuntimeDriverError as exc:
+            logger.warning("image cache pass failed", extra={"error": str(exc)})
+            return
+        patterns = allow_patterns(self.config.image_allow)
+        images = sorted(
+            {
+                (ref, image.image_id, image.size_bytes)
+                for image in held
+                for ref in image.refs
+                if image_allowed(patterns, ref)
+            }
+        )[:MAX_REPORTED_IMAGES]
+        self._images = tuple(
+            CachedImage(ref=ref, digest=digest, size_bytes=size) for ref, digest, size in images
+        )
 
     def spec_for(self, entry: DesiredRun, *, staged: StagedRun | None = None) -> ContainerSpec:
         """The ContainerSpec of a desired run (ValueError if the entry cannot be run)."""

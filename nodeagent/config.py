@@ -47,6 +47,10 @@ _OPTIONS: dict[str, tuple[str, str | None]] = {
     "metrics_port": ("GPUMARKET_METRICS_PORT", "0"),
     "metrics_address": ("GPUMARKET_METRICS_ADDRESS", "127.0.0.1"),
     "cache_gb": ("GPUMARKET_CACHE_GB", "100"),
+    # The images the agent pulls (see nodeagent/imagecache.py); 0: no budget / no limit.
+    "image_cache_gb": ("GPUMARKET_IMAGE_CACHE_GB", "200"),
+    "max_image_gb": ("GPUMARKET_MAX_IMAGE_GB", "0"),
+    "pinned_images": ("GPUMARKET_PINNED_IMAGES", "gpumarket/harness:*"),
     # Published ports of rentals (SSH): see nodeagent/publish.py
     "publish_ports": ("GPUMARKET_PUBLISH_PORTS", "42000-42999"),
     "publish_address": ("GPUMARKET_PUBLISH_ADDRESS", "0.0.0.0"),
@@ -96,6 +100,11 @@ class AgentConfig:
     metrics_address: str = "127.0.0.1"
     # The node's cache of staged files (datasets, resume checkpoints), least recently used out.
     cache_max_bytes: int = 100 * 1024**3
+    # The images the agent pulled, least recently used out past this (None: kept forever),
+    # and the largest image it pulls at all (None: no limit).
+    image_cache_bytes: int | None = 200 * 10**9
+    max_image_bytes: int | None = None
+    pinned_images: tuple[str, ...] = ("gpumarket/harness:*",)  # patterns never pruned
     publish: PublishConfig | None = None  # None: no port of a rental is published
     # The address the other members of a multi-node rental reach this node on; None: the
     # source address of the agent's route to the server.
@@ -153,6 +162,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--cache-gb",
         help="size of the node's cache of staged datasets and checkpoints "
         "[GPUMARKET_CACHE_GB] (100)",
+    )
+    add(
+        "--image-cache-gb",
+        help="disk budget of the images the agent pulled, least recently used removed past it; "
+        "0: no pruning [GPUMARKET_IMAGE_CACHE_GB] (200)",
+    )
+    add(
+        "--pinned-images",
+        help="comma-separated image patterns the image cache never prunes (the platform's "
+        "harness and benchmark image) [GPUMARKET_PINNED_IMAGES] (gpumarket/harness:*)",
+    )
+    add(
+        "--max-image-gb",
+        help="the largest image this node pulls (unpacked); 0: no limit "
+        "[GPUMARKET_MAX_IMAGE_GB] (0)",
     )
     add(
         "--publish-ports",
@@ -239,6 +263,8 @@ def load_config(
         benchmark_timeout = float(get("benchmark_timeout") or 0)
         disk_quota_gb = float(get("disk_quota_gb") or 0)
         cache_gb = float(get("cache_gb") or 0)
+        image_cache_gb = float(get("image_cache_gb") or 0)
+        max_image_gb = float(get("max_image_gb") or 0)
     except ValueError as exc:
         raise ConfigError(f"not a number: {exc}") from None
     try:
@@ -256,6 +282,8 @@ def load_config(
         raise ConfigError("the disk quota is 0 (none) or at least 16 MiB")
     if cache_gb <= 0:
         raise ConfigError("--cache-gb must be positive")
+    if image_cache_gb < 0 or max_image_gb < 0:
+        raise ConfigError("--image-cache-gb and --max-image-gb are 0 (none) or positive")
     hostname = get("hostname") or socket.gethostname()
     publish = _publish_config(
         get("publish_ports") or "off",
@@ -301,6 +329,11 @@ def load_config(
         metrics_port=metrics_port,
         metrics_address=get("metrics_address") or "127.0.0.1",
         cache_max_bytes=int(cache_gb * 1024**3),
+        image_cache_bytes=int(image_cache_gb * 1e9) or None,
+        max_image_bytes=int(max_image_gb * 1e9) or None,
+        pinned_images=tuple(
+            p.strip() for p in (get("pinned_images") or "").split(",") if p.strip()
+        ),
         publish=publish,
         fabric_address=fabric_address,
         cluster=cluster,

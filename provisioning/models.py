@@ -88,6 +88,9 @@ class ContainerRun(models.Model):
     log_tail = models.TextField(blank=True)
     # The ports the agent publishes while the run runs: [{container_port, host, host_port}].
     published = models.JSONField(default=list, blank=True)
+    # While its image is pulled before the start: {"done_bytes", "total_bytes", "at"} (epoch
+    # seconds of the report), as the agent last reported it; null when no pull was reported.
+    pull_progress = models.JSONField(null=True, blank=True)
     last_report_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 

@@ -77,6 +77,7 @@ PENDING_FIELDS = (
     "ssh",
     "network",
     "min_interconnect_gbps",
+    "image",
 )
 _EPOCH_FIELDS = frozenset({"created_at", "start_at", "start_deadline"})
 
@@ -115,6 +116,7 @@ SELECT count(*), md5(string_agg(concat_ws(
            ':', n.{node.id}, n.{node.region}, n.{node.price_per_gpu_hour},
            n.{node.min_bid_per_gpu_hour}, n.{node.reliability}, n.{node.nvlink},
            n.{node.ssh_capable}, n.{node.internet_capable}, coalesce(n.{node.cluster}, 0),
+           coalesce(array_to_string(n.{node.image_allow}, ' '), '*unset*'), n.{node.images},
            coalesce(c.{cluster.bandwidth_gbps}, 0), m.{gpu_model.slug},
            m.{gpu_model.family}, m.{gpu_model.memory_gb}, m.{gpu_model.tensor_tflops}, g.gpus),
        ',' ORDER BY n.{node.id}))

@@ -18,6 +18,7 @@ from django.core.cache import cache
 from django.db import IntegrityError, OperationalError, connection, transaction
 from django.utils import timezone
 
+from agentprotocol.images import image_normalize
 from core.locks import advisory_lock
 from core.metrics import scheduler_cycle_observe
 from marketplace import lifecycle
@@ -75,6 +76,7 @@ def engine_request(row: dict) -> engine.Request:
         ssh=row["ssh"],
         internet=row["network"] == RentalNetwork.INTERNET,
         min_interconnect_gbps=row["min_interconnect_gbps"],
+        image=image_normalize(row["image"]) if row["image"] else "",
     )
 
 

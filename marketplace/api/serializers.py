@@ -415,6 +415,14 @@ class RentalMemberSerializer(serializers.Serializer):
     log_tail = serializers.CharField(help_text="its last output lines")
 
 
+class PullProgressSerializer(serializers.Serializer):
+    """The rental's image being pulled before its start, summed over its nodes."""
+
+    done_bytes = serializers.IntegerField()
+    total_bytes = serializers.IntegerField(help_text="as far as the registry announced it")
+    text = serializers.CharField(help_text='e.g. "pulling 3.2 of 8.1 GB"')
+
+
 # Views render with this thread's instance (`for_instance`, core.api.reuse).
 class RentalCreditSerializer(serializers.Serializer):
     """GPU time a node fault lost, credited automatically (never billed, never paid out)."""
@@ -438,6 +446,10 @@ class RentalDetailSerializer(ReusedPerThread, RentalSerializer):
         many=True, help_text="how to reach the running container (SSH), once its ports listen"
     )
     datasets = serializers.SerializerMethodField(help_text="the datasets the rental reads")
+    pull_progress = PullProgressSerializer(
+        allow_null=True,
+        help_text="while provisioning: its image being pulled on its node(s); else null",
+    )
     members = RentalMemberSerializer(
         many=True, help_text="each node the rental runs on (its current placement)"
     )

@@ -3,8 +3,9 @@
 from decimal import Decimal
 
 from django.conf import settings
+from django.contrib.postgres.fields import ArrayField
 from django.db import models
-from django.db.models import F, Q
+from django.db.models import F, Q, Value
 
 
 class NodeStatus(models.TextChoices):
@@ -142,6 +143,22 @@ class Node(models.Model):
     )
     internet_capable = models.BooleanField(
         default=False, db_default=False, help_text="rentals with internet may be placed here"
+    )
+    # The images its agent accepts (allow-list patterns, agentprotocol.images), as the agent said
+    # at join or in a heartbeat; None: never said (agents that predate it), any image. The
+    # scheduler never places a rental whose image the node would refuse.
+    image_allow = ArrayField(
+        models.CharField(max_length=255),
+        null=True,
+        blank=True,
+        help_text="image patterns the agent accepts; empty: none, unset: any",
+    )
+    # The images the agent holds in its cache, as it last reported them (only when they change):
+    # [{"ref": "repo:tag", "digest": "sha256:..", "size_bytes": n}]. A node holding a rental's
+    # image is preferred among otherwise equal ones: no pull before the start.
+    # Defaults in the database too: bulk loaders (bench/, COPY) that name older columns only.
+    images = models.JSONField(
+        default=list, db_default=Value([], output_field=models.JSONField()), blank=True
     )
     # Where the other members of a multi-node rental reach this node's runs (the rendezvous
     # store, gloo/NCCL): declared by the agent at join, else the address the join came from.

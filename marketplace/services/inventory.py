@@ -139,6 +139,7 @@ def node_register(
     runtime: str = "",
     ssh_capable: bool = True,
     internet_filtered: bool = False,
+    image_allow: list[str] | None = None,
     fabric_address: str | None = None,
     cluster: Cluster | None = None,
 ) -> Node:
@@ -185,6 +186,7 @@ def node_register(
             internet_capable=node_internet_capable(
                 internet_filtered=internet_filtered, simulated=simulated, runtime=runtime
             ),
+            image_allow=image_allow,
             fabric_address=fabric_address,
             cluster=cluster,
             price_per_gpu_hour=price_per_gpu_hour,

@@ -20,6 +20,7 @@ from django.utils import timezone
 
 from accounts.models import Membership, Team
 from accounts.selectors import ssh_key_scope
+from agentprotocol.images import image_normalize
 from core.errors import NotFound, ValidationFailed
 from marketplace.lifecycle import rental_submit
 from marketplace.models import (
@@ -138,6 +139,7 @@ def _engine_request(req: RentalRequest, start: datetime, deadline: datetime) -> 
         ssh=req.ssh,
         internet=req.network == RentalNetwork.INTERNET,
         min_interconnect_gbps=req.min_interconnect_gbps,
+        image=image_normalize(req.runtime.image) if req.runtime.image else "",
     )
 
 
@@ -219,7 +221,7 @@ def _refusal(request: engine.Request, nodes: list[engine.Node], reason: str | No
     without_ssh = replace(request, ssh=False)
     if reason is not None and request.ssh and feasibility.never_fits(without_ssh, nodes) is None:
         return _Fit(reason, field="ssh")
-    for named in ("node_count", "min_interconnect_gbps"):
+    for named in ("node_count", "min_interconnect_gbps", "image"):
         if reason is not None and reason.startswith(f"{named}:"):
             return _Fit(reason, field=named)
     return _Fit(reason)

@@ -46,7 +46,7 @@ image outside the allow-list) surface at once as PermanentRuntimeError.
 from __future__ import annotations
 
 import calendar
-import fnmatch
+import contextlib
 import hashlib
 import logging
 import math
@@ -69,6 +69,8 @@ from docker.types import DeviceRequest, IPAMConfig, IPAMPool, LogConfig, Mount, 
 from docker.utils import parse_repository_tag
 
 from agentprotocol import ContainerStatus, Network
+from agentprotocol.images import image_normalize, image_pattern_matches
+from nodeagent.imagecache import HeldImage
 from nodeagent.runtime import gangnet
 from nodeagent.runtime.base import (
     LABEL_MANAGED,
@@ -159,15 +161,8 @@ class ImageRule:
         return cls(pattern=pattern, user=user or None)
 
     def matches(self, image: str) -> bool:
-        return fnmatch.fnmatchcase(normalize_image(image), self.pattern)
-
-
-def normalize_image(image: str) -> str:
-    """The image reference with Docker's implicit ":latest" made explicit."""
-    if "@" in image:
-        return image
-    repository, tag = parse_repository_tag(image)
-    return f"{repository}:{tag or 'latest'}"
+        # The scheduler judges with the same function (agentprotocol.images).
+        return image_pattern_matches(self.pattern, image)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +192,10 @@ class DockerDriverConfig:
     image_allow: tuple[str, ...] = ("gpumarket/harness:*",)
     image_rules: tuple[ImageRule, ...] = field(init=False, default=())
     pull_policy: str = "if_missing"  # "if_missing" | "never"
+    pull_timeout_s: float = 3600.0  # a whole pull, all its layers
+    # The largest image this node pulls (its unpacked size; a pull whose layers already add
+    # up past it is abandoned); None: no limit.
+    max_image_bytes: int | None = None
     init: bool = True  # tini as PID 1: signals reach the program, zombies are reaped
     retry_attempts: int = 4
     retry_base_s: float = 0.5
@@ -331,6 +330,94 @@ def classify_docker_error(exc: BaseException) -> RuntimeDriverError:
     return RetryableRuntimeError(str(exc))
 
 
+class ImageTooLargeError(PermanentRuntimeError):
+    """The image is larger than this node takes (`max_image_bytes`)."""
+
+
+def image_too_large(image: str, size: int, limit: int, *, unpacked: bool = False) -> str:
+    """The refusal's text; marketplace.lifecycle reads "too large for this node" as the
+    customer's doing."""
+    what = "unpacked" if unpacked else "its layers add up to"
+    return (
+        f"image {image!r} is too large for this node ({what} {size / 1e9:.1f} GB; "
+        f"this node takes at most {limit / 1e9:.1f} GB)"
+    )
+
+
+# What a registry answers for an image that is not there or not the caller's to pull: the
+# customer's doing, never worth a retry.
+_PULL_REFUSED = (
+    "not found",
+    "manifest unknown",
+    "pull access denied",
+    "repository does not exist",
+    "unauthorized",
+    "authentication required",
+    "denied",
+    "invalid reference format",
+)
+
+
+def classify_pull_error(image: str, message: str) -> RuntimeDriverError:
+    """An error event in a pull's stream as our typed error."""
+    if any(marker in message.lower() for marker in _PULL_REFUSED):
+        # "no such image": marketplace.lifecycle reads it as the customer's doing.
+        return ImageNotFoundError(f"no such image {image!r} (or no access to it): {message}")
+    return RetryableRuntimeError(f"cannot pull {image}: {message}")
+
+
+def _pull_error(image: str, exc: BaseException) -> RuntimeDriverError:
+    """A pull's failure as our typed error: the engine's refusal to start it (a 4xx: the
+    registry has no such image, or refuses the caller) is read like an error in its stream."""
+    if isinstance(exc, RuntimeDriverError):
+        return exc
+    if isinstance(exc, docker.errors.APIError) and exc.status_code and exc.status_code < 500:
+        return classify_pull_error(image, str(exc.explanation or exc))
+    return classify_docker_error(exc)
+
+
+class PullLayers:
+    """The per-layer progress of one pull's stream, summed: each layer's `progressDetail`
+    current and total while it downloads, all of it once it is complete or already there."""
+
+    __slots__ = ("layers",)
+
+    _COMPLETE = ("Download complete", "Pull complete", "Already exists", "Extracting")
+
+    def __init__(self) -> None:
+        self.layers: dict[str, list[int]] = {}  # layer id -> [done, total]
+
+    def update(self, event: dict[str, Any]) -> bool:
+        """Fold one event in; whether the sums changed."""
+        layer = event.get("id")
+        status = str(event.get("status") or "")
+        if not isinstance(layer, str) or not layer:
+            return False
+        before = self.layers.get(layer)
+        state = list(before) if before else [0, 0]
+        detail = event.get("progressDetail") or {}
+        if status == "Downloading" and isinstance(detail, dict):
+            current, total = detail.get("current"), detail.get("total")
+            if isinstance(total, int) and total > 0:
+                state[1] = total
+            if isinstance(current, int) and current >= 0:
+                state[0] = min(current, state[1]) if state[1] else current
+        elif status.startswith(self._COMPLETE):
+            state[0] = state[1]
+        elif before is None and status not in ("Pulling fs layer", "Waiting"):
+            return False  # "Pulling from", "Digest", "Status": not a layer
+        self.layers[layer] = state
+        return state != (before or [0, 0])
+
+    @property
+    def done(self) -> int:
+        return sum(done for done, _ in self.layers.values())
+
+    @property
+    def total(self) -> int:
+        return sum(total for _, total in self.layers.values())
+
+
 def _is_conflict(exc: BaseException) -> bool:
     cause = exc.__cause__
     return isinstance(cause, docker.errors.APIError) and cause.status_code == 409
@@ -404,6 +491,10 @@ class DockerDriver:
         self._engine_cpus: int | None = None
         self._lock = threading.Lock()
         self._rental_lock = threading.RLock()
+        # (run id, bytes done, bytes in all) while a run's image is pulled before its start.
+        self.on_pull_progress: Callable[[str, int, int], None] | None = None
+        # (image) after each image a start pulled: the agent's image cache accounts for it.
+        self.on_image_pulled: Callable[[str], None] | None = None
         if self.config.disk_quota_mb is not None and not self.enforces_disk_quota:
             logger.warning(
                 "disk quota asked for but not enforceable here (needs root and mkfs.ext4): "
@@ -412,10 +503,15 @@ class DockerDriver:
 
     # -- the RuntimeDriver interface ---------------------------------------------------------
 
-    def list_managed(self) -> list[ContainerState]:
+    def _managed_filters(self) -> list[str]:
+        """The label filters of this node's containers."""
         filters = [f"{LABEL_MANAGED}=1"]
         if self.config.node_id is not None:
             filters.append(f"{LABEL_NODE}={self.config.node_id}")
+        return filters
+
+    def list_managed(self) -> list[ContainerState]:
+        filters = self._managed_filters()
         containers = self._call(
             "list",
             lambda: self._client().containers.list(
@@ -446,7 +542,7 @@ class DockerDriver:
             return self._reload_state(container)
 
         self.image_rule(spec.image)  # refused before anything is pulled or made
-        self._ensure_image(spec.image)
+        self._ensure_image(spec.image, run_id=spec.run_id)
         # Under the lock: a removal of another run of this rental must not take its network or
         # workspace away between their preparation here and the container's creation.
         with self._rental_lock:
@@ -566,6 +662,32 @@ class DockerDriver:
             f"image {image!r} is not allowed on this node (allowed: "
             f"{', '.join(self.config.image_allow) or 'none'})"
         )
+
+    def images_held(self) -> list[HeldImage]:
+        """The tagged images the engine holds: references (normalized), id and size."""
+        images = self._call("images", lambda: self._client().api.images())
+        held = []
+        for item in images:
+            refs = tuple(
+                image_normalize(tag) for tag in item.get("RepoTags") or () if tag != "<none>:<none>"
+            )
+            if refs:
+                held.append(HeldImage(refs, str(item.get("Id", "")), int(item.get("Size") or 0)))
+        return held
+
+    def images_in_use(self) -> set[str]:
+        """The images of every container this agent manages, in any state."""
+        filters = self._managed_filters()
+        containers = self._call(
+            "list",
+            lambda: self._client().api.containers(all=True, filters={"label": filters}),
+        )
+        return {image_normalize(c["Image"]) for c in containers if c.get("Image")}
+
+    def image_remove(self, ref: str) -> None:
+        """Untag an image (its data goes with its last tag); never forced: an image a
+        container still uses is refused by the engine."""
+        self._call("image remove", lambda: self._client().images.remove(ref, noprune=False))
 
     @property
     def enforces_disk_quota(self) -> bool:
@@ -720,16 +842,117 @@ class DockerDriver:
             return
         logger.info("sshd started", extra={"run_id": spec.run_id})
 
-    def _ensure_image(self, image: str) -> None:
+    def _ensure_image(self, image: str, *, run_id: str = "") -> None:
         try:
             self._call("image", lambda: self._client().images.get(image))
             return
         except ImageNotFoundError:
             if self.config.pull_policy == "never":
                 raise
+        on_progress = self.on_pull_progress
+        self.pull(
+            image,
+            progress=(lambda done, total: on_progress(run_id, done, total))
+            if on_progress is not None and run_id
+            else None,
+        )
+        if self.on_image_pulled is not None:
+            self.on_image_pulled(image)
+
+    def pull(
+        self,
+        image: str,
+        *,
+        auth_config: dict[str, str] | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """Pull the image through the engine's streaming API, handing `progress` the bytes of
+        its layers downloaded so far and in all (as far as the registry has announced them).
+
+        One policy with the other engine calls: a stream broken by the transport (engine
+        restarted, connection reset, no event for `timeout_s`) is retried with backoff up to
+        `retry_attempts` times, the engine keeping the layers it finished; what the registry
+        refuses (no such image, access denied) is permanent. With `max_image_bytes`, a pull
+        whose layers add up past it is abandoned, and an image whose unpacked size passes it is
+        removed: both refused as too large for this node (the customer's image, not the node)."""
         repository, tag = parse_repository_tag(image)
+        tag = tag or "latest"
+        cfg = self.config
         logger.info("pulling image", extra={"image": image})
-        self._call("pull", lambda: self._client().images.pull(repository, tag=tag or "latest"))
+        deadline = time.monotonic() + cfg.pull_timeout_s
+        for attempt in range(1, cfg.retry_attempts + 1):
+            try:
+                self._pull_stream(repository, tag, image, auth_config, progress, deadline)
+                break
+            except (
+                docker.errors.DockerException,
+                requests.exceptions.RequestException,
+                RuntimeDriverError,
+            ) as exc:
+                error = _pull_error(image, exc)
+                if (
+                    isinstance(error, RetryableRuntimeError)
+                    and attempt < cfg.retry_attempts
+                    and time.monotonic() < deadline
+                ):
+                    delay = min(cfg.retry_max_s, cfg.retry_base_s * 2 ** (attempt - 1))
+                    logger.warning(
+                        "pull failed, retrying",
+                        extra={"image": image, "attempt": attempt, "error": str(exc)},
+                    )
+                    time.sleep(delay * (0.5 + random.random() / 2))
+                    continue
+                logger.error("pull failed", extra={"image": image, "error": str(error)})
+                if error is exc:
+                    raise
+                raise error from exc
+        limit = cfg.max_image_bytes
+        if limit is not None:
+            pulled = self._call("image", lambda: self._client().images.get(image))
+            size = int(pulled.attrs.get("Size") or 0)
+            if size > limit:
+                with contextlib.suppress(RuntimeDriverError):
+                    self._call("image remove", lambda: self._client().images.remove(image))
+                raise ImageTooLargeError(image_too_large(image, size, limit, unpacked=True))
+        logger.info("image pulled", extra={"image": image})
+
+    def _pull_stream(
+        self,
+        repository: str,
+        tag: str,
+        image: str,
+        auth_config: dict[str, str] | None,
+        progress: Callable[[int, int], None] | None,
+        deadline: float,
+    ) -> None:
+        layers = PullLayers()
+        stream = self._client().api.pull(
+            repository, tag=tag, stream=True, decode=True, auth_config=auth_config
+        )
+        try:
+            for event in stream:
+                if not isinstance(event, dict):
+                    continue
+                if event.get("error"):
+                    message = str(event.get("error"))
+                    raise classify_pull_error(image, message)
+                if layers.update(event) and progress is not None:
+                    progress(layers.done, layers.total)
+                limit = self.config.max_image_bytes
+                if limit is not None and layers.total > limit:
+                    raise ImageTooLargeError(image_too_large(image, layers.total, limit))
+                if time.monotonic() > deadline:
+                    raise RetryableRuntimeError(
+                        f"pulling {image} took more than {self.config.pull_timeout_s:g} s"
+                    )
+        finally:
+            # Leaving early (too large, too slow) closes the connection: the engine cancels
+            # the pull.
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()
+        if progress is not None and layers.total:
+            progress(layers.total, layers.total)
 
     def ensure_network(self, spec: ContainerSpec) -> str:
         """The rental's own network, created on its first start and adopted afterwards."""

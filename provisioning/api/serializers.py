@@ -71,6 +71,18 @@ class DroppingListSerializer(serializers.ListSerializer):
         return kept
 
 
+MAX_CACHED_IMAGES = 1000
+
+
+class ImageAllowField(serializers.ListField):
+    """An agent's image allow-list: its patterns (agentprotocol.images)."""
+
+    child = serializers.CharField(max_length=255)
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(max_length=64, **kwargs)
+
+
 class ElementSerializer(serializers.Serializer):
     """One heartbeat element kind; as a list, its bad elements are dropped and counted."""
 
@@ -199,6 +211,8 @@ class JoinSerializer(serializers.Serializer):
     interconnect_gbps = serializers.IntegerField(
         min_value=1, max_value=CLUSTER_GBPS_MAX, required=False, default=None, allow_null=True
     )
+    # The image patterns the agent accepts (agents that predate it send none: any image).
+    image_allow = ImageAllowField(required=False, default=None, allow_null=True)
 
 
 class PublishedPortSerializer(serializers.Serializer):
@@ -223,6 +237,19 @@ class ContainerReportSerializer(ElementSerializer):
     published = PublishedPortSerializer(many=True, max_length=16, required=False, default=list)
     # Why the agent could not start the run at all (bad image, a runtime that cannot run it).
     error = ContainerTextField(max_length=500, allow_blank=True, required=False, default="")
+
+
+class PullProgressSerializer(ElementSerializer):
+    rental_id = serializers.UUIDField()
+    run_id = serializers.CharField(max_length=128)
+    done_bytes = serializers.IntegerField(min_value=0, max_value=1 << 50)
+    total_bytes = serializers.IntegerField(min_value=0, max_value=1 << 50)
+
+
+class CachedImageSerializer(ElementSerializer):
+    ref = serializers.CharField(max_length=255)
+    digest = serializers.CharField(max_length=100, allow_blank=True, required=False, default="")
+    size_bytes = serializers.IntegerField(min_value=0, max_value=1 << 50, required=False, default=0)
 
 
 class UsageReportSerializer(ElementSerializer):
@@ -330,9 +357,17 @@ class HeartbeatSerializer(ReusedPerThread, serializers.Serializer):
     metrics = MetricLineSerializer(many=True, max_length=500, required=False, default=list)
     logs = LogLineSerializer(many=True, max_length=1000, required=False, default=list)
     benchmark = BenchmarkSerializer(required=False, allow_null=True, default=None)
+    pulls = PullProgressSerializer(many=True, max_length=256, required=False, default=list)
+    # Only when changed (null or absent: unchanged).
+    image_allow = ImageAllowField(required=False, default=None, allow_null=True)
+    images = CachedImageSerializer(
+        many=True, max_length=MAX_CACHED_IMAGES, required=False, default=None, allow_null=True
+    )
 
     # The element fields whose bad elements are dropped and counted.
-    ELEMENTS = ("telemetry", "containers", "usage", "metrics", "logs", "benchmark")
+    ELEMENTS = (
+        "telemetry", "containers", "usage", "metrics", "logs", "benchmark", "pulls", "images",
+    )  # fmt: skip
 
     def forget(self) -> None:
         for name in self.ELEMENTS:

@@ -25,10 +25,12 @@ from agentprotocol import (
     ArtifactCommitAnswer,
     ArtifactUpload,
     ArtifactUploadAnswer,
+    CachedImage,
     ContainerReport,
     GpuInfo,
     JoinAnswer,
     Message,
+    PullProgress,
     UsageReport,
 )
 from agentprotocol.untrusted import json_loads_bounded
@@ -203,6 +205,7 @@ class JoinView(APIView):
                 runtime=data["runtime"],
                 ssh_capable=data["ssh"] and data["runtime"] != "process",
                 internet_filtered=data["internet_filtered"] and data["runtime"] != "process",
+                image_allow=_patterns(data["image_allow"]),
                 fabric_address=data["fabric_address"] or _address_or_none(client_ip(request)),
                 cluster=data["cluster"],
                 interconnect=data["interconnect"],
@@ -216,6 +219,10 @@ class JoinView(APIView):
             node_id=node.pk, node_token=raw, heartbeat_interval_s=services.heartbeat_interval_s()
         )
         return Response(answer.to_payload(), status=status.HTTP_201_CREATED)
+
+
+def _patterns(value: list[str] | None) -> tuple[str, ...] | None:
+    return None if value is None else tuple(value)
 
 
 def _address_or_none(text: str) -> str | None:
@@ -280,6 +287,11 @@ class HeartbeatView(APIView):
                 logs=[(m["run_id"], m["line_no"], m["line"]) for m in data["logs"]],
                 benchmark=data["benchmark"],
                 telemetry=data["telemetry"],
+                pulls=[_message(PullProgress, p) for p in data["pulls"]],
+                image_allow=_patterns(data["image_allow"]),
+                images=None
+                if data["images"] is None
+                else [_message(CachedImage, i) for i in data["images"]],
                 dropped=body.dropped(),
             ),
         )

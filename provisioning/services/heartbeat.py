@@ -21,6 +21,7 @@ from django.utils import timezone
 from accounts.services import token_hash
 from agentprotocol import (
     BenchmarkSpec,
+    CachedImage,
     ContainerReport,
     ContainerStatus,
     DatasetMount,
@@ -28,6 +29,7 @@ from agentprotocol import (
     HeartbeatAnswer,
     Network,
     ProtocolError,
+    PullProgress,
     StagedFile,
     UsageReport,
 )
@@ -430,14 +432,25 @@ class HeartbeatReports:
     logs: list[tuple[str, int, str]] = field(default_factory=list)
     benchmark: Mapping[str, Any] | None = None
     telemetry: list[dict] = field(default_factory=list)
+    pulls: list[PullProgress] = field(default_factory=list)
+    # Sent only when changed; None: unchanged (an empty list is news: nothing accepted / held).
+    image_allow: tuple[str, ...] | None = None
+    images: list[CachedImage] | None = None
     dropped: Mapping[str, int] = field(default_factory=dict)
 
     def idle(self) -> bool:
         """Nothing to apply but telemetry: every other report kind (a field added later
         included) is empty."""
         return not any(
-            getattr(self, f.name) for f in fields(self) if f.name not in ("telemetry", "dropped")
+            getattr(self, f.name) is not None
+            if f.name in _SENT_WHEN_CHANGED
+            else getattr(self, f.name)
+            for f in fields(self)
+            if f.name not in ("telemetry", "dropped")
         )
+
+
+_SENT_WHEN_CHANGED = frozenset({"image_allow", "images"})
 
 
 def node_heartbeat_by_token(
@@ -503,6 +516,10 @@ def node_heartbeat(*, node: Node, reports: HeartbeatReports) -> HeartbeatAnswer:
         if reports.usage:
             ack, refused = _usage_apply(node=node, usage=reports.usage)
             counts["usage"] += refused
+        if reports.pulls:
+            _pulls_apply(node=node, pulls=reports.pulls, now=now)
+        if reports.image_allow is not None or reports.images is not None:
+            _node_images_apply(node=node, image_allow=reports.image_allow, images=reports.images)
         if reports.metrics:
             counts["metrics"] += metrics_store(node=node, lines=reports.metrics)
         if reports.logs:
@@ -565,6 +582,35 @@ def _node_seen(*, node: Node, now: datetime) -> None:
             reason="agent heartbeat",
         )
         update["status"] = NodeStatus.ONLINE
+    Node.objects.filter(pk=node.pk).update(**update)
+
+
+def _pulls_apply(*, node: Node, pulls: list[PullProgress], now: datetime) -> None:
+    """Keep each pull's progress on its run (shown while the rental is provisioning). Only a
+    run of this node that has not started takes it: a late report never overwrites a start."""
+    for pull in pulls:
+        ContainerRun.objects.filter(
+            node=node, run_id=pull.run_id, status=ContainerRun.Status.REQUESTED
+        ).update(
+            pull_progress={
+                "done_bytes": pull.done_bytes,
+                "total_bytes": max(pull.total_bytes, pull.done_bytes),
+                "at": now.timestamp(),
+            }
+        )
+
+
+def _node_images_apply(
+    *, node: Node, image_allow: tuple[str, ...] | None, images: list[CachedImage] | None
+) -> None:
+    """What the agent accepts and holds, for the scheduler (sent only when it changed)."""
+    update: dict[str, Any] = {}
+    if image_allow is not None:
+        update["image_allow"] = sorted(set(image_allow))
+    if images is not None:
+        update["images"] = sorted(
+            (image.to_payload() for image in images), key=lambda item: item["ref"]
+        )
     Node.objects.filter(pk=node.pk).update(**update)
 
 

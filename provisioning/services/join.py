@@ -103,6 +103,10 @@ def catalog_match(name: str, memory_mb: int) -> GpuModel | None:
     return best[1]
 
 
+def _allow_list(patterns: tuple[str, ...] | None) -> list[str] | None:
+    return None if patterns is None else list(patterns)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HostFacts:
     hostname: str
@@ -117,6 +121,8 @@ class HostFacts:
     # The agent keeps a rental with internet to the public internet (its packet filter works);
     # agents that predate saying it are taken as unable.
     internet_filtered: bool = False
+    # The image patterns its agent accepts (None: it did not say, any image).
+    image_allow: tuple[str, ...] | None = None
     # Where the other members of a multi-node rental reach this node (None: not known).
     fabric_address: str | None = None
     # The provider's cluster the node joins (by name; None: the agent named none), and what its
@@ -210,6 +216,7 @@ def node_join(
                 runtime=host.runtime,
                 ssh_capable=host.ssh_capable,
                 internet_filtered=host.internet_filtered,
+                image_allow=_allow_list(host.image_allow),
                 fabric_address=host.fabric_address,
                 cluster=cluster,
             )
@@ -299,6 +306,7 @@ def _node_rekey(
         internet_capable=node_internet_capable(
             internet_filtered=host.internet_filtered, simulated=node.simulated, runtime=host.runtime
         ),
+        image_allow=_allow_list(host.image_allow),
         fabric_address=host.fabric_address,
     )
     log.info("node rejoined node=%s provider=%s", node.pk, token.provider_id)

@@ -9,8 +9,9 @@ GPU-hour):
 - `Node`: a GPU server with its on-demand `price_per_gpu_hour`, the `min_bid` interruptible
   rentals must reach, `reliability` in [0, 1], its `gpus`, scheduler `pool`, whether its agent
   can give a rental SSH (`ssh_capable`), whether a rental may have the internet there
-  (`internet_capable`) and its `cluster` (nodes of one provider on one fabric;
-  None for a node on its own).
+  (`internet_capable`), its `cluster` (nodes of one provider on one fabric; None for a node on
+  its own), the image patterns its agent accepts (`image_allow`, None: any) and the images it
+  holds (`images`).
 - `Busy`: an allocation already bound, one per GPU, [start, end); only those ending after `now`
   matter. `interruptible` ones may be preempted; `price` is their locked price or bid.
 - `Request`: a pending rental. A GPU matches when it satisfies every constraint given
@@ -18,7 +19,8 @@ GPU-hour):
   is in the request's `pool` and `region` (None: any; "eu" also covers "eu-west") and its
   price suits: on-demand needs `price_per_gpu_hour <= max_price`, interruptible needs
   `min_bid <= bid <= max_price`; a request with `ssh` needs an `ssh_capable` node, one with
-  `internet` an `internet_capable` node. The request
+  `internet` an `internet_capable` node, one with an `image` a node whose allow-list admits it
+  (agentprotocol.images). The request
   needs `gpus_per_node` matching GPUs on each of `node_count` distinct nodes (a gang: all or
   none, all its nodes in one cluster, none on a node without one), all in one topology group
   per node when `same_group`, for [start, start + duration)
@@ -46,7 +48,9 @@ Policies, in the order they apply:
    fit, so whole nodes stay free for big requests),
    `topology_weight` per extra topology group spanned (one group preferred even when not
    required), `price_weight` per cent of the on-demand price, `reliability_weight` per 0.1 % of
-   unreliability. `first_fit` drops all scoring: the lowest node id that fits, lowest GPU indices.
+   unreliability, `cold_weight` on a node that does not hold the request's image (it pulls it
+   first; the default 1 point only breaks ties). `first_fit` drops all scoring: the lowest node
+   id that fits, lowest GPU indices.
 4. Time: every GPU holds a list of intervals, so a request may start in the future (placed on the
    window [start, start + duration) if it is free then, within `horizon`) and a short request may
    use GPUs reserved later if it ends before the reservation starts (backfill).

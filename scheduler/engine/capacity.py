@@ -15,6 +15,9 @@ bid form a tier, and a request's price constraint admits tiers (cheapest first, 
 a `Ladder`). A class some of whose tiers are priced out is still visited, and its nodes are
 checked one by one against the admitted tiers.
 
+A node's image allow-list is part of its class too (a request's image admits whole classes);
+the images it holds are not: they only add to a node's score (`CapacityIndex.cold`).
+
 Within a class each node sits in a bucket by the number of its GPUs idle now, sorted by its
 static score (price, reliability), and each GPU count keeps the set of classes with a non-empty
 bucket. A second bucket index counts GPUs that preemption could free, sorted by the cheapest
@@ -400,6 +403,7 @@ class CapacityIndex:
         # Scoring weights in effect: first fit drops all scoring.
         self.pack = policy.pack_weight if self.best_fit else 0
         self.topo = policy.topology_weight if self.best_fit else 0
+        self.cold_weight = policy.cold_weight if self.best_fit else 0
         self.kind_ids: dict[tuple[str, str, int, float], int] = {}
         self.kind_gpus: list[Gpu] = []
         self.nodes: dict[int, NodeState] = {}
@@ -410,7 +414,7 @@ class CapacityIndex:
         # Request constraints repeat, so what they admit is cached at three levels: GPU kinds,
         # classes by location, and classes by both (each match keeps its views by price cap).
         self.kinds_cache: dict[tuple, frozenset[int]] = {}
-        self.located: dict[tuple[str | None, str, bool, bool], list[NodeClass]] = {}
+        self.located: dict[tuple[str | None, str, bool, str, bool], list[NodeClass]] = {}
         self.matches: dict[tuple, Match] = {}
         self.max_level = 0
         # Per GPU count, the ids of the classes with a non-empty (reclaimable) bucket of it.
@@ -454,6 +458,7 @@ class CapacityIndex:
                 node.region,
                 node.ssh_capable,
                 node.internet_capable,
+                node.image_allow,
                 shape.kinds,
                 len(gpus),
                 shape.max_group,
@@ -656,20 +661,25 @@ class CapacityIndex:
 
     # -- matching requests ----------------------------------------------------------------------
 
+    def cold(self, ask: Ask, ns: NodeState) -> int:
+        """The score a node adds for not holding the request's image (it pulls it first)."""
+        image = ask.req.image
+        return self.cold_weight if image and image not in ns.node.images else 0
+
     def match(self, req: Request) -> Match:
         """The classes the request's hardware and location constraints admit (cached): a gang's
         among the cluster classes, anything else's among the plain ones."""
         gang = req.node_count > 1
         kinds_key = (req.gpu_models, req.gpu_families, req.min_memory_gb, req.min_tensor_tflops)
-        runtime = (req.ssh, req.internet)
-        key = (*kinds_key, req.region, req.pool, runtime, req.gpus_per_node, req.same_group, gang)
+        where = (req.region, req.pool, req.ssh, req.internet, req.image, gang)
+        key = (*kinds_key, *where, req.gpus_per_node, req.same_group)
         match = self.matches.get(key)
         if match is None:
             kinds = self.kinds_cache.get(kinds_key)
             if kinds is None:
                 kinds = frozenset(i for i, g in enumerate(self.kind_gpus) if gpu_matches(req, g))
                 self.kinds_cache[kinds_key] = kinds
-            located = self.located.get((req.region, req.pool, runtime, gang))
+            located = self.located.get(where)
             if located is None:
                 located = [
                     cls
@@ -678,7 +688,7 @@ class CapacityIndex:
                     and location_ok(req, cls.example)
                     and runtime_ok(req, cls.example)
                 ]
-                self.located[req.region, req.pool, runtime, gang] = located
+                self.located[where] = located
             k = req.gpus_per_node
             classes = [
                 (cls, cls.kinds <= kinds)

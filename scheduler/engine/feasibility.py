@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
+from agentprotocol.images import image_allowed
 from scheduler.engine.types import Gpu, Node, Request
 
 
@@ -46,8 +47,19 @@ def price_ok(request: Request, node: Node) -> bool:
 
 def runtime_ok(request: Request, node: Node) -> bool:
     """Whether the node's agent can give the rental what it asks of the runtime: an sshd whose
-    port it publishes, for a rental with SSH; the filtered internet, for a rental with it."""
-    return (node.ssh_capable or not request.ssh) and (node.internet_capable or not request.internet)
+    port it publishes, for a rental with SSH; the filtered internet, for a rental with it; and
+    its image."""
+    return (
+        (node.ssh_capable or not request.ssh)
+        and (node.internet_capable or not request.internet)
+        and image_ok(request, node)
+    )
+
+
+def image_ok(request: Request, node: Node) -> bool:
+    """Whether the node's agent accepts the request's image (its allow-list, as it reported
+    it; a node that never reported one accepts any)."""
+    return not request.image or image_allowed(node.image_allow, request.image)
 
 
 def node_capacity(request: Request, node: Node) -> int:
@@ -121,18 +133,28 @@ def never_fits(request: Request, nodes: Iterable[Node]) -> str | None:
         return f"price: cheapest matching node is ${cheapest:.2f} > max ${request.max_price:.2f}"
     if len(priced) < m:
         return f"only {len(priced)} matching nodes, the request needs {m}"
-    # Last, so that a refusal naming the network or SSH means that it alone stands in the way.
+    # Last, so that a refusal naming the network, SSH or the image means that it alone stands
+    # in the way.
     networked = [node for node in priced if node.internet_capable or not request.internet]
     if len(networked) < m:
         return (
             f"network: only {len(networked)} matching nodes can keep a rental's internet to "
             f"public addresses, the request needs {m}; network internal runs anywhere"
         )
-    capable = [node for node in networked if runtime_ok(request, node)]
+    capable = [node for node in networked if node.ssh_capable or not request.ssh]
     if not capable:
         return "ssh: no matching node can run an sshd with a published port"
     if len(capable) < m:
         return f"ssh: only {len(capable)} matching nodes can run an sshd, the request needs {m}"
+    accepting = [node for node in capable if image_ok(request, node)]
+    if not accepting:
+        return f"image: no matching node accepts the image {request.image!r}"
+    if len(accepting) < m:
+        return (
+            f"image: only {len(accepting)} matching nodes accept the image {request.image!r}, "
+            f"the request needs {m}"
+        )
+    capable = accepting
     if m > 1:
         return _no_cluster(request, capable)
     return None

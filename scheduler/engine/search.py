@@ -77,6 +77,8 @@ def search_now(index: CapacityIndex, ask: Ask, t1: float) -> list[Choice]:
                     if picked is None:
                         continue
                     score = base + static + topo * (picked.spans - 1)
+                # Never negative: the bounds above, which leave it out, stay lower bounds.
+                score += index.cold(ask, ns)
                 insort(best, (score, node_id, ns, full))
                 if len(best) > m:
                     best.pop()
@@ -125,7 +127,7 @@ def search_future(index: CapacityIndex, ask: Ask, t0: float, t1: float) -> list[
             picked = pick(ns.group, free, k, same_group, best_fit)
             if picked is None:
                 continue
-            score = pack * (spare - k) + static + topo * (picked.spans - 1)
+            score = pack * (spare - k) + static + topo * (picked.spans - 1) + index.cold(ask, ns)
             insort(best, Choice(score, node_id, ns, picked.positions))
             if len(best) > m:
                 best.pop()

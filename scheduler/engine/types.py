@@ -51,7 +51,12 @@ class Node:
     `cluster`: the fabric it shares with other nodes (any hashable key, the same for every node
     of one cluster), or None for a node on its own. The members of a gang (`node_count > 1`)
     are all placed in one cluster; a node without one hosts single-node rentals only.
-    `interconnect_gbps`: its cluster's bandwidth per node (0 without a cluster)."""
+    `interconnect_gbps`: its cluster's bandwidth per node (0 without a cluster).
+
+    `image_allow`: the image patterns its agent accepts (agentprotocol.images), None when it
+    never said (any image: the agent judges); a rental is never placed on a node that refuses
+    its image. `images`: the normalized references of the images it holds; among otherwise
+    equal nodes one holding the rental's image is preferred (no pull before the start)."""
 
     node_id: int
     region: str
@@ -64,6 +69,8 @@ class Node:
     internet_capable: bool = True
     cluster: int | str | None = None
     interconnect_gbps: int = 0
+    image_allow: tuple[str, ...] | None = None
+    images: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,6 +113,9 @@ class Request:
     # A gang: only a cluster whose interconnect is at least this fast, in Gb/s per node (a
     # single-node rental crosses none, so it is not checked there).
     min_interconnect_gbps: int = 0
+    # The container image, normalized (agentprotocol.images.image_normalize); "" for none
+    # (any node's allow-list admits it: callers that do not place containers).
+    image: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -126,7 +136,9 @@ class Policy:
     `pack_weight` per GPU of the node left free (idle now, for a request starting now; free over
     the whole window, for a later one), `topology_weight` per extra topology group
     spanned, `price_weight` per cent of the on-demand price, `reliability_weight` per 0.1 % of
-    unreliability. The defaults make packing dominate, then topology, then price and reliability.
+    unreliability, `cold_weight` on a node that does not hold the request's image (it pulls it
+    before the start). The defaults make packing dominate, then topology, then price and
+    reliability; a held image then breaks ties.
 
     `horizon` bounds how far ahead future windows and backfill reservations are searched;
     `reserve_depth` is how many blocked requests per cycle get a backfill reservation;
@@ -139,6 +151,7 @@ class Policy:
     topology_weight: int = 1500
     price_weight: int = 1
     reliability_weight: int = 2
+    cold_weight: int = 1
     first_fit: bool = False
     preemption: bool = True
     horizon: float = 48 * 3600.0

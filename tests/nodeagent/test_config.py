@@ -88,11 +88,24 @@ def test_environment_fills_in_and_flags_win():
         (["--server", "http://s", "--disk-quota-gb", "0.001"], "at least 16 MiB"),
         (["--server", "http://s", "--disk-quota-gb", "-1"], "at least 16 MiB"),
         (["--server", "http://s", "--cache-gb", "0"], "--cache-gb must be positive"),
+        (["--server", "http://s", "--max-image-gb", "-1"], "0 \\(none\\) or positive"),
     ],
 )
 def test_unusable_configurations_are_refused(argv, message):
     with pytest.raises(ConfigError, match=message):
         load_config(argv, environ={})
+
+
+def test_the_image_cache_and_size_limit_from_flags_or_environment():
+    default = load_config(["--server", "http://s"], environ={})
+    assert (default.image_cache_bytes, default.max_image_bytes) == (200 * 10**9, None)
+    assert default.pinned_images == ("gpumarket/harness:*",)
+    config = load_config(
+        ["--server", "http://s", "--max-image-gb", "20", "--pinned-images", "a/*, b:1"],
+        environ={"GPUMARKET_IMAGE_CACHE_GB": "0"},
+    )
+    assert (config.image_cache_bytes, config.max_image_bytes) == (None, 20 * 10**9)
+    assert config.pinned_images == ("a/*", "b:1")
 
 
 def test_benchmark_command_is_split_like_a_shell(tmp_path):

@@ -4,6 +4,7 @@ the ORM, on rows made by the real services."""
 from __future__ import annotations
 
 import hashlib
+import json
 from datetime import timedelta
 
 import pytest
@@ -99,6 +100,8 @@ def _orm_digest(pool: str) -> tuple[int, str | None]:
             node.id, node.region, node.price_per_gpu_hour, node.min_bid_per_gpu_hour,
             node.reliability, node.nvlink, node.ssh_capable, node.internet_capable,
             node.cluster_id or 0,
+            "*unset*" if node.image_allow is None else " ".join(node.image_allow),
+            json.dumps(node.images),
             node.cluster.bandwidth_gbps if node.cluster else 0, model.slug, model.family,
             model.memory_gb, model.tensor_tflops, gpus,
         )  # fmt: skip
@@ -110,7 +113,8 @@ def _orm_digest(pool: str) -> tuple[int, str | None]:
 
 def test_the_inventory_digest_is_the_md5_of_what_the_orm_reads(make_node):
     make_node(gpus=4, group_size=2, nvlink=True)
-    make_node(gpus=2, price="1.50", region="us-east", cluster=None)
+    accepting = make_node(gpus=2, price="1.50", region="us-east", cluster=None)
+    Node.objects.filter(pk=accepting.pk).update(image_allow=["a/*", "b:1"])
     make_node(gpus=2, status=NodeStatus.OFFLINE)
     make_node(gpus=2, pool="other")
     assert queries.inventory_digest(pool="default", online=NodeStatus.ONLINE) == _orm_digest(

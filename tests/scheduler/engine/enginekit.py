@@ -10,6 +10,7 @@ from collections import defaultdict
 from decimal import Decimal
 from itertools import pairwise
 
+from agentprotocol.images import image_allowed
 from scheduler.engine import DEFAULT_POLICY, Busy, Gpu, Node, Plan, Policy, Request, Snapshot, plan
 from scheduler.engine.feasibility import gpu_matches, location_ok
 
@@ -40,6 +41,8 @@ def make_node(
     internet_capable: bool = True,
     cluster: int | str | None = "fabric",
     gbps: int = 200,
+    image_allow: tuple[str, ...] | None = None,
+    images: frozenset[str] = frozenset(),
 ) -> Node:
     """A node whose GPUs all share group "nvl" unless `groups` gives one label per GPU; nodes
     share the cluster "fabric" (so may host one gang together) unless `cluster` says otherwise."""
@@ -55,6 +58,8 @@ def make_node(
         internet_capable=internet_capable,
         cluster=cluster,
         interconnect_gbps=gbps if cluster is not None else 0,
+        image_allow=image_allow,
+        images=images,
         gpus=tuple(
             Gpu(
                 gpu_id=gpu_id(node_id, i),
@@ -241,6 +246,8 @@ def _placement_violations(req, p, nodes, gpus, now, policy) -> list[str]:
             errors.append(f"{req.rental_id}: SSH asked for on node {node_id}, which has none")
         if req.internet and not node.internet_capable:
             errors.append(f"{req.rental_id}: internet asked for on node {node_id}, unfiltered")
+        if req.image and not image_allowed(node.image_allow, req.image):
+            errors.append(f"{req.rental_id}: node {node_id} refuses its image {req.image}")
         for g in gpu_ids:
             owner, gpu = gpus[g]
             if owner.node_id != node_id:

@@ -13,6 +13,7 @@ from enginekit import HOUR, NOW, overlaps, plan_violations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from agentprotocol.images import image_allowed
 from scheduler.engine import (
     Busy,
     Gpu,
@@ -34,6 +35,9 @@ PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[Heal
 
 # Each cluster's bandwidth, as the database gives every node of one cluster the same.
 CLUSTER_GBPS = {"a": 100, "b": 400}
+# What agents accept (None: never said, any) and hold, drawn per node.
+IMAGE_ALLOW = [None, None, ("gpumarket/harness:*",), ("*",), ()]
+HELD_IMAGES = [frozenset(), frozenset({"gpumarket/harness:dev"})]
 
 
 @st.composite
@@ -62,6 +66,8 @@ def nodes_strategy(draw) -> tuple[Node, ...]:
                 reliability=draw(st.sampled_from([0.9, 0.99])),
                 ssh_capable=draw(st.sampled_from([True, True, False])),
                 internet_capable=draw(st.sampled_from([True, True, False])),
+                image_allow=draw(st.sampled_from(IMAGE_ALLOW)),
+                images=draw(st.sampled_from(HELD_IMAGES)),
                 cluster=(cluster := draw(st.sampled_from([None, "a", "a", "b"]))),
                 interconnect_gbps=CLUSTER_GBPS.get(cluster, 0),
                 gpus=tuple(
@@ -152,6 +158,7 @@ def request_strategy(draw, rental_id: int) -> Request:
         ssh=draw(st.sampled_from([False, False, True])),
         internet=draw(st.sampled_from([False, True, True])),
         min_interconnect_gbps=draw(st.sampled_from([0, 0, 0, 200])),
+        image=draw(st.sampled_from(["", "gpumarket/harness:dev", "ghcr.io/team/train:1"])),
     )
 
 
@@ -203,6 +210,7 @@ def fits(snap: Snapshot, req: Request, held) -> bool:
         and price_ok(req, n)
         and (n.ssh_capable or not req.ssh)
         and (n.internet_capable or not req.internet)
+        and (not req.image or image_allowed(n.image_allow, req.image))
         and node_can_host(n, req, held, t0, t0 + req.duration)
     ]
     if req.node_count == 1:
