@@ -373,8 +373,9 @@ def rental_mark_container_started(*, rental: Rental, hostname: str, waiting_for:
 CUSTOMER_START_ERRORS = (
     "is not allowed on this node",
     "no such image",
-    "pull access denied",
+    "pull access denied",  # the registry refused the credentials, or asked for some
     "manifest unknown",
+    "image not found",
     "repository does not exist",
     "invalid reference format",
     "executable file not found",

@@ -67,7 +67,7 @@ from agentprotocol import (
     ProtocolError,
     UsageReport,
 )
-from agentprotocol.untrusted import metric_line_parse, text_sanitize
+from agentprotocol.untrusted import mask_terms, metric_line_parse, secrets_mask, text_sanitize
 from nodeagent import hostinfo
 from nodeagent import metrics as metrics_module
 from nodeagent.artifacts import ArtifactSyncer
@@ -279,6 +279,9 @@ class _Live:
     next_line: int = 0
     log_dropped: int = 0
     log_sent: int = -1  # the highest line number delivered (persisted: a restart skips them)
+    # Its secrets' values, blanked out of every line, tail and error before they are sent
+    # (the server masks again); known from its desired entry, kept in memory only.
+    mask: tuple[str, ...] = ()
 
 
 class _Operations:
@@ -689,6 +692,8 @@ class Agent:
                     "cannot read output", extra={"run_id": state.run_id, "error": str(exc)}
                 )
                 continue
+            if live.mask:
+                lines = [secrets_mask(line, live.mask) for line in lines]
             metrics, refused = metric_lines(lines)
             if refused:
                 live.refused_lines += refused
@@ -818,7 +823,7 @@ class Agent:
                 if live.log_tail is None:
                     try:
                         tail = self._driver.logs_tail(state.run_id, LOG_TAIL_LINES)
-                        live.log_tail = trim_log_tail(tail)
+                        live.log_tail = trim_log_tail(secrets_mask(tail, live.mask))
                     except RuntimeDriverError as exc:
                         logger.warning(
                             "no log tail", extra={"run_id": state.run_id, "error": str(exc)}
@@ -891,7 +896,12 @@ class Agent:
                 self.ledger.update(entry.run_id, **known)
             else:
                 self.ledger.put(entry.run_id, RunRecord(**known))
-            self._live.setdefault(entry.run_id, _Live()).rental_id = entry.rental_id
+            live = self._live.setdefault(entry.run_id, _Live())
+            live.rental_id = entry.rental_id
+            values = [secret.value for secret in entry.secrets]
+            if entry.registry_auth is not None:
+                values.append(entry.registry_auth.password)
+            live.mask = mask_terms(values)
 
     def _forget(self, desired: Sequence[DesiredRun], actual: Sequence[ContainerState]) -> None:
         """Drop what we know of runs that are gone for good: not desired, not in the runtime."""
@@ -980,7 +990,10 @@ class Agent:
                     if state.status == ContainerStatus.RUNNING:
                         live.last_seen_running = seen_at
                 continue
-            logger.error(f"{kind} failed", extra={"run_id": run_id, "error": repr(error)})
+            logger.error(
+                f"{kind} failed",
+                extra={"run_id": run_id, "error": secrets_mask(repr(error), live.mask)},
+            )
             if kind == "start":
                 delay = backoff_delay(
                     live.start_failures, base_s=START_RETRY_BASE_S, max_s=START_RETRY_MAX_S
@@ -988,7 +1001,7 @@ class Agent:
                 live.start_failures += 1
                 live.next_start_at = now + delay
                 if isinstance(error, PermanentRuntimeError | ValueError):
-                    live.start_error = str(error)
+                    live.start_error = secrets_mask(str(error), live.mask)
 
     def _set_interval(self, value: Any) -> None:
         with contextlib.suppress(TypeError, ValueError):

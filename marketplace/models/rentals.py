@@ -105,6 +105,11 @@ class Rental(models.Model):
     )
     # An sshd in the container for the customer's SSH keys (accounts.models.sshkeys).
     ssh = models.BooleanField(default=False)
+    # The team secrets the run gets, by name only ([{"name", "env", "file"}]: the values stay
+    # encrypted in accounts.TeamSecret until the spec for the node is built).
+    secrets = models.JSONField(default=list, blank=True)
+    # A team secret holding the credentials the image is pulled with ("": none).
+    registry_secret = models.CharField(max_length=64, blank=True, default="", db_default="")
 
     # What happened.
     price_per_gpu_hour = models.DecimalField(

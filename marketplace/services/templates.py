@@ -12,7 +12,10 @@ from core.errors import Conflict, NotFound, ValidationFailed
 from marketplace.models import RentalTemplate, User
 
 # What a template holds: the rental request's runtime, datasets and SSH.
-TEMPLATE_FIELDS = ("description", "image", "command", "env", "ports", "datasets", "harness_config")
+TEMPLATE_FIELDS = (
+    "description", "image", "command", "env", "ports", "datasets", "harness_config", "secrets",
+    "registry_secret",
+)  # fmt: skip
 MAX_TEMPLATES_PER_TEAM = 200
 
 
@@ -76,4 +79,6 @@ def rental_body_from_template(*, team: Team, body: Mapping[str, Any]) -> dict:
     data["runtime"] = runtime
     data.setdefault("datasets", base["datasets"])
     data.setdefault("ssh", base["ssh"])
+    data.setdefault("secrets", base["secrets"])
+    data.setdefault("registry_secret", base["registry_secret"])
     return data

@@ -59,9 +59,10 @@ from docker.models.containers import Container
 from docker.types import DeviceRequest, IPAMConfig, IPAMPool, LogConfig, Mount, Ulimit
 from docker.utils import parse_repository_tag
 
-from agentprotocol import ContainerStatus
+from agentprotocol import ContainerStatus, RegistryAuth
 from nodeagent.runtime import gangnet
 from nodeagent.runtime.base import (
+    CONTAINER_SECRETS,
     LABEL_MANAGED,
     LABEL_NODE,
     LABEL_RENTAL,
@@ -74,6 +75,8 @@ from nodeagent.runtime.base import (
     RunNotFoundError,
     RuntimeDriverError,
     run_env,
+    secret_files_remove,
+    secret_files_write,
 )
 from nodeagent.runtime.sshd import LAUNCH_SCRIPT, SSH_PORT, launch_environment
 from nodeagent.staging import workspace_seed
@@ -109,6 +112,7 @@ _PERMANENT_5XX_FRAGMENTS = (
 
 
 LABEL_VOLUME = "gpumarket.volume"  # on a rental network: the workspace mounted for the rental
+LABEL_SECRETS = "gpumarket.secrets"  # on a container: its secret files' host directory
 NETWORK_POLICIES = ("internal", "egress")
 BRIDGE_PREFIX = "gpm-"
 BRIDGE_OPTION = "com.docker.network.bridge.name"
@@ -311,6 +315,39 @@ def classify_docker_error(exc: BaseException) -> RuntimeDriverError:
     return RetryableRuntimeError(str(exc))
 
 
+# What a registry answers when the image's name is wrong or the credentials are (the engine
+# passes its words on: 401/403/404, "manifest unknown", "pull access denied", "unauthorized").
+_REFUSED_FRAGMENTS = (
+    "unauthorized",
+    "authentication required",
+    "no basic auth credentials",
+    "denied",
+    "forbidden",
+    "incorrect username or password",
+)
+_UNKNOWN_FRAGMENTS = ("manifest unknown", "not found", "repository does not exist", "404")
+
+
+def pull_error(
+    image: str, auth: RegistryAuth | None, exc: RuntimeDriverError
+) -> RuntimeDriverError:
+    """A failed pull said plainly: the registry refused the credentials (or asked for some),
+    or has no such image, both permanent and the customer's (the server reads "pull access
+    denied" and "manifest unknown" as such); anything else stays as it was classified."""
+    message = str(exc).lower()
+    cause = exc.__cause__
+    status = cause.status_code if isinstance(cause, docker.errors.APIError) else None
+    if any(f in message for f in _REFUSED_FRAGMENTS) or status in (401, 403):
+        if auth is not None:
+            why = f"the registry refused the credentials in secret {auth.secret}"
+        else:
+            why = "the registry asked for credentials: name a registry_secret"
+        return PermanentRuntimeError(f"pull access denied for {image}: {why} ({exc})")
+    if any(f in message for f in _UNKNOWN_FRAGMENTS) or status == 404:
+        return ImageNotFoundError(f"image not found: {image}: manifest unknown ({exc})")
+    return exc
+
+
 def _is_conflict(exc: BaseException) -> bool:
     cause = exc.__cause__
     return isinstance(cause, docker.errors.APIError) and cause.status_code == 409
@@ -420,18 +457,20 @@ class DockerDriver:
                 with self._rental_lock:
                     self.ensure_network(spec)
                     self._prepare_volume(spec)
+                    self._write_secrets(spec)
                     self._start_container(container, spec.run_id)
                 self._start_sshd(container, spec)
             logger.info("container exists, adopting it", extra=log_extra)
             return self._reload_state(container)
 
         self.image_rule(spec.image)  # refused before anything is pulled or made
-        self._ensure_image(spec.image)
+        self._ensure_image(spec.image, spec.registry_auth)
         # Under the lock: a removal of another run of this rental must not take its network or
         # workspace away between their preparation here and the container's creation.
         with self._rental_lock:
             self.ensure_network(spec)
             self._prepare_volume(spec)
+            self._write_secrets(spec)
             kwargs = self.create_options(spec)
             try:
                 container = self._call("create", lambda: self._client().containers.create(**kwargs))
@@ -469,6 +508,7 @@ class DockerDriver:
     def remove(self, run_id: str) -> None:
         container = self._find(run_id)
         if container is not None:
+            secrets_dir = container.labels.get(LABEL_SECRETS, "")
             try:
                 # v=True: anonymous volumes declared by the image go too; the bind-mounted
                 # workspace is a host directory and stays.
@@ -479,6 +519,8 @@ class DockerDriver:
             except PermanentRuntimeError as exc:
                 if "already in progress" not in str(exc):
                     raise
+            if secrets_dir:
+                secret_files_remove(secrets_dir)
         # Also after a crash between a container's removal and its rental's cleanup.
         self.release_unused_rentals()
 
@@ -700,7 +742,7 @@ class DockerDriver:
             return
         logger.info("sshd started", extra={"run_id": spec.run_id})
 
-    def _ensure_image(self, image: str) -> None:
+    def _ensure_image(self, image: str, auth: RegistryAuth | None = None) -> None:
         try:
             self._call("image", lambda: self._client().images.get(image))
             return
@@ -708,8 +750,22 @@ class DockerDriver:
             if self.config.pull_policy == "never":
                 raise
         repository, tag = parse_repository_tag(image)
-        logger.info("pulling image", extra={"image": image})
-        self._call("pull", lambda: self._client().images.pull(repository, tag=tag or "latest"))
+        logger.info("pulling image", extra={"image": image, "with_credentials": auth is not None})
+        auth_config = {"username": auth.username, "password": auth.password} if auth else None
+        try:
+            self._call(
+                "pull",
+                lambda: self._client().images.pull(
+                    repository, tag=tag or "latest", auth_config=auth_config
+                ),
+            )
+        except RuntimeDriverError as exc:
+            raise pull_error(image, auth, exc) from exc
+
+    def _write_secrets(self, spec: ContainerSpec) -> None:
+        root = os.geteuid() == 0
+        owner = self._workspace_owner(spec.image) if root else None
+        secret_files_write(spec, owner=owner, readable_by_all=not root)
 
     def ensure_network(self, spec: ContainerSpec) -> str:
         """The rental's own network, created on its first start and adopted afterwards."""
@@ -934,6 +990,18 @@ class DockerDriver:
             kwargs["mounts"].append(
                 Mount(target=DATA, source=spec.data_dir, type="bind", read_only=True)
             )
+        if any(secret.file for secret in spec.secrets):
+            # The run's secret files, read-only, from a directory beside its workspace (never
+            # in the image, nor in the synced workspace); removed with the container.
+            kwargs["mounts"].append(
+                Mount(
+                    target=CONTAINER_SECRETS,
+                    source=spec.secrets_dir(),
+                    type="bind",
+                    read_only=True,
+                )
+            )
+            kwargs["labels"][LABEL_SECRETS] = spec.secrets_dir()
         if spec.ssh_authorized_keys and SSH_PORT in spec.ports:
             # The container's user binds sshd's port 22 in its own network namespace (newer
             # engines set this by default; older ones do not).

@@ -360,6 +360,19 @@ class DatasetMountSerializer(serializers.Serializer):
     files = StagedFileSerializer(many=True)
 
 
+class SecretValueSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    value = serializers.CharField(help_text="decrypted for the node that runs the rental only")
+    env = serializers.CharField(required=False)
+    file = serializers.CharField(required=False)
+
+
+class RegistryAuthSerializer(serializers.Serializer):
+    secret = serializers.CharField(help_text="the team secret the credentials come from")
+    username = serializers.CharField()
+    password = serializers.CharField()
+
+
 class DesiredRunSerializer(serializers.Serializer):
     rental_id = serializers.UUIDField()
     run_id = serializers.CharField()
@@ -380,6 +393,12 @@ class DesiredRunSerializer(serializers.Serializer):
         child=serializers.CharField(),
         required=False,
         help_text="OpenSSH public key lines, when SSH was asked for",
+    )
+    secrets = SecretValueSerializer(
+        many=True, required=False, help_text="the team secrets the run gets, with their values"
+    )
+    registry_auth = RegistryAuthSerializer(
+        required=False, help_text="credentials the image is pulled with"
     )
 
 
