@@ -108,6 +108,9 @@ _PERMANENT_5XX_FRAGMENTS = (
     "operation not permitted",
     "invalid argument",
     "oci runtime create failed",
+    # A registry refusing a pull (missing or wrong credentials) answers the same every time.
+    "no basic auth credentials",
+    "unauthorized",
 )
 
 
