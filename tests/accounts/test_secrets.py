@@ -94,6 +94,14 @@ def test_a_secret_is_stored_encrypted_and_no_endpoint_returns_its_value(
     assert "HF_TOKEN" in body
     assert VALUE not in body
     assert Rental.objects.get(pk=rental_id).env == {}
+    # and a rental started from the template gets the secret by name
+    r = auth_api.post(
+        "/api/v1/rentals/",
+        {"gpus_per_node": 1, "duration_s": 3600, "template": "t1"},
+        format="json",
+    )
+    assert r.status_code == 201, r.content
+    assert r.json()["secrets"] == [{"name": "HF_TOKEN", "env": "HF_TOKEN", "file": ""}]
 
 
 def test_bad_names_and_values_are_refused_naming_the_field_and_nothing_is_stored(auth_api):
