@@ -280,8 +280,9 @@ class _Live:
     log_dropped: int = 0
     log_sent: int = -1  # the highest line number delivered (persisted: a restart skips them)
     # Its secrets' values, blanked out of every line, tail and error before they are sent
-    # (the server masks again); known from its desired entry, kept in memory only.
-    mask: tuple[str, ...] = ()
+    # (the server masks again); known from its desired entry, kept in memory only. None: not
+    # known yet (this agent has not had an answer since it started).
+    mask: tuple[str, ...] | None = None
 
 
 class _Operations:
@@ -617,6 +618,10 @@ class Agent:
         self._after_delivery(answer, actual, taken, benchmark_sent=benchmark is not None)
         desired = answer.desired
         self._remember(desired)
+        for live in self._live.values():
+            # A run no longer desired is not said again: the server masks what it prints.
+            if live.mask is None:
+                live.mask = ()
         self._forget(desired, actual)
         self.ledger.flush()
         self._reconcile(desired, actual, now)
@@ -679,6 +684,9 @@ class Agent:
                 continue
             first_read = live.read_cursor is None
             record = self.ledger.get(state.run_id)
+            if live.mask is None and record is not None and record.secrets:
+                continue  # read once the server has said its secrets again
+
             if first_read and record is not None:
                 live.base_cursor, live.base_skip = record.cursor, record.skip
                 live.base_line, live.log_sent = record.line, record.log_sent
@@ -694,6 +702,7 @@ class Agent:
                 continue
             if live.mask:
                 lines = [secrets_mask(line, live.mask) for line in lines]
+
             metrics, refused = metric_lines(lines)
             if refused:
                 live.refused_lines += refused
@@ -810,6 +819,10 @@ class Agent:
             if self._awaits_final_sync(state):
                 continue
             live = self._live[state.run_id]
+            record = self.ledger.get(state.run_id)
+            if live.mask is None and record is not None and record.secrets:
+                continue  # its tail is read once its secrets are known again
+
             report = ContainerReport(
                 rental_id=state.rental_id,
                 run_id=state.run_id,
@@ -823,7 +836,7 @@ class Agent:
                 if live.log_tail is None:
                     try:
                         tail = self._driver.logs_tail(state.run_id, LOG_TAIL_LINES)
-                        live.log_tail = trim_log_tail(secrets_mask(tail, live.mask))
+                        live.log_tail = trim_log_tail(secrets_mask(tail, live.mask or ()))
                     except RuntimeDriverError as exc:
                         logger.warning(
                             "no log tail", extra={"run_id": state.run_id, "error": str(exc)}
@@ -886,11 +899,15 @@ class Agent:
 
     def _remember(self, desired: Sequence[DesiredRun]) -> None:
         for entry in desired:
+            values = [secret.value for secret in entry.secrets]
+            if entry.registry_auth is not None:
+                values.append(entry.registry_auth.password)
             known = {
                 "rental_id": entry.rental_id,
                 "gpu_indices": entry.gpu_indices,
                 "stop_grace_s": entry.stop_grace_s,
                 "sync_artifacts": entry.sync_artifacts,
+                "secrets": bool(values),
             }
             if entry.run_id in self.ledger:
                 self.ledger.update(entry.run_id, **known)
@@ -898,9 +915,6 @@ class Agent:
                 self.ledger.put(entry.run_id, RunRecord(**known))
             live = self._live.setdefault(entry.run_id, _Live())
             live.rental_id = entry.rental_id
-            values = [secret.value for secret in entry.secrets]
-            if entry.registry_auth is not None:
-                values.append(entry.registry_auth.password)
             live.mask = mask_terms(values)
 
     def _forget(self, desired: Sequence[DesiredRun], actual: Sequence[ContainerState]) -> None:
@@ -992,7 +1006,7 @@ class Agent:
                 continue
             logger.error(
                 f"{kind} failed",
-                extra={"run_id": run_id, "error": secrets_mask(repr(error), live.mask)},
+                extra={"run_id": run_id, "error": secrets_mask(repr(error), live.mask or ())},
             )
             if kind == "start":
                 delay = backoff_delay(
@@ -1001,7 +1015,7 @@ class Agent:
                 live.start_failures += 1
                 live.next_start_at = now + delay
                 if isinstance(error, PermanentRuntimeError | ValueError):
-                    live.start_error = secrets_mask(str(error), live.mask)
+                    live.start_error = secrets_mask(str(error), live.mask or ())
 
     def _set_interval(self, value: Any) -> None:
         with contextlib.suppress(TypeError, ValueError):
