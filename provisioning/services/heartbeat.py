@@ -227,10 +227,9 @@ def _secrets(rentals) -> dict:
     return fields
 
 
-def rentals_mask_terms(rental_ids) -> dict:
+def rentals_mask_terms(rentals) -> dict:
     """rental id -> what to mask out of its runs' output (agentprotocol.untrusted.mask_terms):
     the values of its team secrets and its registry password; rentals with none are absent."""
-    rentals = Rental.objects.filter(pk__in=set(rental_ids)).exclude(secrets=[], registry_secret="")
     terms: dict = {}
     for rental_id, entry in _secrets(rentals).items():
         values = [s.value for s in entry["secrets"]]
@@ -291,15 +290,17 @@ def _staging(rentals) -> dict:
 def _masks(*, node: Node, reports: HeartbeatReports) -> dict:
     """rental id -> the terms to mask out of what its runs on this node printed (their secret
     values): the agent is a third party, trusted to have masked nothing."""
-    run_ids = {c.run_id for c in reports.containers}
+    # A running container's report carries no text: only tails, errors, lines and metrics.
+    run_ids = {c.run_id for c in reports.containers if c.log_tail or c.error}
     run_ids |= {run_id for _, run_id, _ in reports.metrics}
     run_ids |= {run_id for run_id, _, _ in reports.logs}
     if not run_ids:
         return {}
-    rental_ids = ContainerRun.objects.filter(node=node, run_id__in=run_ids).values_list(
-        "rental_id", flat=True
+    return rentals_mask_terms(
+        Rental.objects.filter(runs__node=node, runs__run_id__in=run_ids)
+        .exclude(secrets=[], registry_secret="")
+        .distinct()
     )
-    return rentals_mask_terms(set(rental_ids))
 
 
 def _apply_container(
