@@ -746,12 +746,21 @@ class DockerDriver:
         logger.info("sshd started", extra={"run_id": spec.run_id})
 
     def _ensure_image(self, image: str, auth: RegistryAuth | None = None) -> None:
+        """The image present, pulled with the run's credentials when missing. An image this
+        engine pulled from a registry (it has a repository digest) is asked for again before
+        each start, with the run's credentials or none: a private image another team's
+        credentials brought here is then refused to a run without them, as the registry would
+        refuse it. Where the registry cannot be reached, the copy here is used."""
         try:
-            self._call("image", lambda: self._client().images.get(image))
-            return
+            present = self._call("image", lambda: self._client().images.get(image))
         except ImageNotFoundError:
             if self.config.pull_policy == "never":
                 raise
+            present = None
+        if present is not None and (
+            self.config.pull_policy == "never" or not present.attrs.get("RepoDigests")
+        ):
+            return  # made on this host: no registry to ask
         repository, tag = parse_repository_tag(image)
         logger.info("pulling image", extra={"image": image, "with_credentials": auth is not None})
         auth_config = {"username": auth.username, "password": auth.password} if auth else None
@@ -763,7 +772,14 @@ class DockerDriver:
                 ),
             )
         except RuntimeDriverError as exc:
-            raise pull_error(image, auth, exc) from exc
+            error = pull_error(image, auth, exc)
+            refused = "pull access denied" in str(error) or isinstance(error, ImageNotFoundError)
+            if present is None or refused:
+                raise error from exc
+            logger.warning(
+                "image not checked with its registry, the copy here is used",
+                extra={"image": image, "error": str(error)},
+            )
 
     def _write_secrets(self, spec: ContainerSpec) -> None:
         root = os.geteuid() == 0

@@ -3,9 +3,9 @@ private registry (Debian's `docker-registry`, basic auth through an htpasswd fil
 
 A secret set through the API is readable inside the container (as a variable and as a file),
 masked in every log line the platform stores and shows, and gone from the host with the run.
-An image of the private registry is pulled with the team's registry secret; without it, with
-wrong credentials or under a name the registry does not have, the rental fails as the
-customer's doing, saying why.
+An image of the private registry is pulled with the team's registry secret; without it (even once
+the image is on the node), with wrong credentials or under a name the registry does not have,
+the rental fails as the customer's doing, saying why.
 """
 
 from __future__ import annotations
@@ -231,3 +231,9 @@ def test_a_private_image_is_pulled_with_the_registry_secret_and_refused_without_
     assert "pulled-ok" in rental.log_tail and "token=****" in rental.log_tail
     assert TOKEN not in rental.log_tail
     assert docker_client.images.get(f"{registry}:1")
+
+    # when the image is on the node now, a rental without the credentials is still refused:
+    # the node asks the registry again
+    rental = _ended(_rent(auth_api, f"{registry}:1", command))
+    assert rental.status == RentalStatus.FAILED and rental.end_cause == EndCause.CUSTOMER
+    assert "the registry asked for credentials" in rental.status_reason, rental.status_reason
