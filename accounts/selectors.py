@@ -7,7 +7,7 @@ from django.db.models import QuerySet
 from django.utils import timezone
 
 from accounts import queries
-from accounts.models import ApiToken, Invitation, Membership, SshKey, Team
+from accounts.models import ApiToken, Invitation, Membership, SshKey, Team, TeamSecret
 
 User = get_user_model()
 
@@ -87,3 +87,13 @@ def ssh_key_scope(*, team: Team) -> QuerySet[SshKey]:
 def ssh_key_list(*, team: Team) -> QuerySet[SshKey]:
     """The team's keys with who added each."""
     return ssh_key_scope(team=team).select_related("owner").order_by("-created_at", "-id")
+
+
+def secret_list(*, team: Team) -> QuerySet[TeamSecret]:
+    """The team's secrets by name, with who created each; their ciphertext is not even read."""
+    return (
+        TeamSecret.objects.filter(team=team)
+        .select_related("created_by")
+        .defer("ciphertext")
+        .order_by("name")
+    )

@@ -1,4 +1,4 @@
-"""Account pages: API tokens, SSH keys, the current team with its members and invitations,
+"""Account pages: API tokens, SSH keys, secrets, the current team with its members and invitations,
 the team switcher and an invitation's link. Reads go through the selectors; every action is a
 call from the page to the REST API with the session, as the marketplace's pages do."""
 
@@ -37,6 +37,18 @@ def tokens(request: HttpRequest) -> HttpResponse:
 def ssh_keys(request: HttpRequest) -> HttpResponse:
     keys = selectors.ssh_key_list(team=request_team(request))
     return render(request, "accounts/ssh_keys.html", {"keys": keys})
+
+
+@require_GET
+@login_required
+@team_page
+def secrets(request: HttpRequest) -> HttpResponse:
+    """The team's secrets by name; set and delete go through the API (values never shown)."""
+    return render(
+        request,
+        "accounts/secrets.html",
+        {"secrets": selectors.secret_list(team=request_team(request))},
+    )
 
 
 @require_GET

@@ -434,6 +434,32 @@ class DatasetMount(Message):
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class SecretValue(Message):
+    """A team secret the run uses, decrypted for the node that runs it: as the environment
+    variable `env`, or as the read-only file `file` (an absolute path under /run/secrets), or
+    both. Never written into the image, never logged; what the run prints is masked with it."""
+
+    wire_name: ClassVar[str] = "secret"
+
+    name: str
+    value: str = dataclasses.field(repr=False)
+    env: str = dataclasses.field(default="", metadata=OMIT_EMPTY)
+    file: str = dataclasses.field(default="", metadata=OMIT_EMPTY)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RegistryAuth(Message):
+    """Credentials for pulling the run's image, from the team secret named `secret` (named in
+    the reason when the registry refuses them)."""
+
+    wire_name: ClassVar[str] = "registry auth"
+
+    secret: str
+    username: str
+    password: str = dataclasses.field(repr=False)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class DesiredRun(Message):
     """A run the server wants on the node now: the rental's container on its allocated GPUs."""
 
@@ -462,6 +488,10 @@ class DesiredRun(Message):
     ssh_authorized_keys: tuple[str, ...] = dataclasses.field(default=(), metadata=OMIT_EMPTY)
     # The rental's network. A server that predates it names none: no egress, the safe reading.
     network: Network = Network.INTERNAL
+    # The team secrets the rental names, with their values (only in the answer to the node
+    # that runs it), and the credentials its image is pulled with.
+    secrets: tuple[SecretValue, ...] = dataclasses.field(default=(), metadata=OMIT_EMPTY)
+    registry_auth: RegistryAuth | None = dataclasses.field(default=None, metadata=OMIT_EMPTY)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -636,6 +666,8 @@ __all__ = [
     "ProtocolError",
     "PublishedPort",
     "PullProgress",
+    "RegistryAuth",
+    "SecretValue",
     "StagedFile",
     "UsageReport",
     "simulated_gpu_uuid",

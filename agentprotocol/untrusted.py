@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from agentprotocol import ProtocolError
@@ -150,3 +151,29 @@ def metric_line_parse(line: str) -> dict[str, Any]:
         if isinstance(value, bool) or not isinstance(value, wanted) or not low <= value <= high:
             raise ProtocolError("metric line", name, f"must be a number from {low:g} to {high:g}")
     return data
+
+
+# Secret values are blanked out of what a run prints before it is forwarded (the agent) and
+# again before it is stored (the server, which does not trust the agent to have done it).
+MASK = "****"
+# A value shorter than this is not masked: it would blank ordinary words and digits.
+MIN_MASKED_CHARS = 4
+
+
+def mask_terms(values: Iterable[str]) -> tuple[str, ...]:
+    """What to blank out of a run's output for these secret values: each value, each of its
+    lines (a key printed line by line) and its JSON-escaped form (a value inside a printed JSON
+    document), longest first so that a value is never half masked by a shorter one."""
+    terms: set[str] = set()
+    for value in values:
+        candidates = {value, *value.splitlines(), json.dumps(value)[1:-1]}
+        terms.update(t for t in (c.strip() for c in candidates) if len(t) >= MIN_MASKED_CHARS)
+    return tuple(sorted(terms, key=lambda t: (-len(t), t)))
+
+
+def secrets_mask(text: str, terms: Sequence[str]) -> str:
+    """`text` with every term (mask_terms) replaced by MASK."""
+    for term in terms:
+        if term in text:
+            text = text.replace(term, MASK)
+    return text

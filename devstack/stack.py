@@ -10,6 +10,7 @@ S3_ENDPOINT_URL when set).
 from __future__ import annotations
 
 import argparse
+import base64
 import logging
 import os
 import secrets
@@ -133,7 +134,9 @@ def deploy_checks() -> list[tuple[str, list[str]]]:
     manifests = sorted(str(p) for p in (deploy / "k8s").glob("*.yaml"))
     check_deploy = [
         "env", "DJANGO_SETTINGS_MODULE=config.settings.production", "DEBUG=0",
-        f"SECRET_KEY={secrets.token_urlsafe(50)}", sys.executable, "manage.py", "check",
+        f"SECRET_KEY={secrets.token_urlsafe(50)}",
+        f"SECRETS_ENCRYPTION_KEYS={base64.urlsafe_b64encode(secrets.token_bytes(32)).decode()}",
+        sys.executable, "manage.py", "check",
         "--deploy", "--fail-level", "WARNING",
     ]  # fmt: skip
     return [
@@ -201,6 +204,16 @@ def _secret_key() -> str:
     return path.read_text().strip()
 
 
+def _secrets_key() -> str:
+    """The Fernet key team secrets are encrypted with, kept with the dev stack's data."""
+    path = VAR / "dev" / "secrets_key"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        path.write_text(base64.urlsafe_b64encode(secrets.token_bytes(32)).decode())
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -248,6 +261,7 @@ def cmd_up(port: int) -> int:
         REDIS_URL=services.redis_url,
         DJANGO_SETTINGS_MODULE="config.settings.base",
         SECRET_KEY=env.get("SECRET_KEY") or _secret_key(),
+        SECRETS_ENCRYPTION_KEYS=env.get("SECRETS_ENCRYPTION_KEYS") or _secrets_key(),
         SECURE_COOKIES="0",
         ALLOWED_HOSTS=env.get("ALLOWED_HOSTS", "localhost,127.0.0.1"),
         GPUMARKET_SERVER_URL=f"http://127.0.0.1:{port}",

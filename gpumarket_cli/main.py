@@ -37,6 +37,7 @@ from gpumarket_cli import (
     offers,
     providers,
     rentals,
+    secrets,
     ssh,
     storage,
     templates,
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any
 
-GROUPS = (offers, advisor, rentals, templates, ssh, storage, billing, notify, providers)
+GROUPS = (offers, advisor, rentals, templates, ssh, secrets, storage, billing, notify, providers)
 HANDLERS: dict[str, Callable[[argparse.Namespace, Api], str | None]] = {
     command: group.run for group in GROUPS for command in group.COMMANDS
 }
@@ -138,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     advisor.add_parsers(sub)
     rentals.add_rent_parser(sub)
     ssh.add_parsers(sub)
+    secrets.add_parsers(sub)
     rentals.add_parsers(sub)
     storage.add_parsers(sub)
     templates.add_parsers(sub)

@@ -10,7 +10,7 @@ import time
 
 from gpumarket_cli.api import CliError
 from gpumarket_cli.output import duration, table, when
-from gpumarket_cli.templates import add_runtime_flags, runtime_from_flags
+from gpumarket_cli.templates import add_runtime_flags, runtime_from_flags, secrets_from_flags
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -113,6 +113,7 @@ def _rent_body(args: argparse.Namespace) -> dict:
         body["ssh"] = True
     if args.network:
         body["network"] = args.network
+    body.update(secrets_from_flags(args))
     return body
 
 
@@ -163,6 +164,8 @@ def rental_summary(rental: dict) -> str:
     ]
     if rental.get("datasets"):
         fields.append(("datasets", ", ".join(rental["datasets"])))
+    if rental.get("secrets"):
+        fields.append(("secrets", ", ".join(use["name"] for use in rental["secrets"])))
     fields += [("access", a["command"] or f"{a['host']}:{a['host_port']}")
                for a in rental.get("access", [])]  # fmt: skip
     lines = [f"{rental['id']}  {rental['name']}".rstrip()]

@@ -28,6 +28,32 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--harness-config", metavar="FILE", help="a JSON file: the training harness's config"
     )
+    parser.add_argument(
+        "--secret",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a team secret the run gets as $NAME (repeatable; NAME=file: as /run/secrets/NAME)",
+    )
+    parser.add_argument(
+        "--registry-secret", metavar="NAME", help="the team secret the image is pulled with"
+    )
+
+
+def secrets_from_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The request's `secrets` and `registry_secret`, as the flags give them (none unused)."""
+    body: dict[str, Any] = {}
+    if args.secret:
+        uses: dict[str, Any] = {}
+        for item in args.secret:
+            name, _, how = item.partition("=")
+            if how not in ("", "file"):
+                raise CliError(f"--secret {item!r}: give NAME or NAME=file")
+            uses[name] = {"file": True} if how == "file" else {}
+        body["secrets"] = uses
+    if args.registry_secret:
+        body["registry_secret"] = args.registry_secret
+    return body
 
 
 def runtime_from_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -92,6 +118,7 @@ def run(args: argparse.Namespace, api: Api) -> str:
             "datasets": args.data,
             "ssh": args.ssh,
             "network": args.network,
+            **secrets_from_flags(args),
         }
         if args.replace:
             saved = api.call("PUT", f"/api/v1/templates/{args.name}/", json=body)
@@ -120,6 +147,10 @@ def run(args: argparse.Namespace, api: Api) -> str:
             lines.append(f"harness  {json.dumps(t['harness_config'], sort_keys=True)}")
         lines.append(f"ssh      {'yes' if t['ssh'] else 'no'}")
         lines.append(f"network  {t.get('network', 'internet')}")
+        if t.get("secrets"):
+            lines.append(f"secrets  {', '.join(use['name'] for use in t['secrets'])}")
+        if t.get("registry_secret"):
+            lines.append(f"registry {t['registry_secret']}")
         return "\n".join(lines)
     api.call("DELETE", f"/api/v1/templates/{args.name}/")
     return f"removed {args.name}"

@@ -374,8 +374,9 @@ CUSTOMER_START_ERRORS = (
     "is not allowed on this node",
     "is too large for this node",
     "no such image",
-    "pull access denied",
+    "pull access denied",  # the registry refused the credentials, or asked for some
     "manifest unknown",
+    "image not found",
     "repository does not exist",
     "invalid reference format",
     "executable file not found",

@@ -70,7 +70,7 @@ from agentprotocol import (
     UsageReport,
 )
 from agentprotocol.images import allow_patterns, image_allowed
-from agentprotocol.untrusted import metric_line_parse, text_sanitize
+from agentprotocol.untrusted import mask_terms, metric_line_parse, secrets_mask, text_sanitize
 from nodeagent import hostinfo
 from nodeagent import metrics as metrics_module
 from nodeagent.artifacts import ArtifactSyncer
@@ -289,6 +289,10 @@ class _Live:
     next_line: int = 0
     log_dropped: int = 0
     log_sent: int = -1  # the highest line number delivered (persisted: a restart skips them)
+    # Its secrets' values, blanked out of every line, tail and error before they are sent
+    # (the server masks again); known from its desired entry, kept in memory only. None: not
+    # known yet (this agent has not had an answer since it started).
+    mask: tuple[str, ...] | None = None
 
 
 class _Operations:
@@ -674,6 +678,10 @@ class Agent:
             self._images_sent = images
         desired = answer.desired
         self._remember(desired)
+        for live in self._live.values():
+            # A run no longer desired is not said again: the server masks what it prints.
+            if live.mask is None:
+                live.mask = ()
         self._forget(desired, actual)
         self.ledger.flush()
         self._reconcile(desired, actual, now)
@@ -736,6 +744,9 @@ class Agent:
                 continue
             first_read = live.read_cursor is None
             record = self.ledger.get(state.run_id)
+            if live.mask is None and record is not None and record.secrets:
+                continue  # read once the server has said its secrets again
+
             if first_read and record is not None:
                 live.base_cursor, live.base_skip = record.cursor, record.skip
                 live.base_line, live.log_sent = record.line, record.log_sent
@@ -749,6 +760,9 @@ class Agent:
                     "cannot read output", extra={"run_id": state.run_id, "error": str(exc)}
                 )
                 continue
+            if live.mask:
+                lines = [secrets_mask(line, live.mask) for line in lines]
+
             metrics, refused = metric_lines(lines)
             if refused:
                 live.refused_lines += refused
@@ -865,6 +879,10 @@ class Agent:
             if self._awaits_final_sync(state):
                 continue
             live = self._live[state.run_id]
+            record = self.ledger.get(state.run_id)
+            if live.mask is None and record is not None and record.secrets:
+                continue  # its tail is read once its secrets are known again
+
             report = ContainerReport(
                 rental_id=state.rental_id,
                 run_id=state.run_id,
@@ -878,7 +896,7 @@ class Agent:
                 if live.log_tail is None:
                     try:
                         tail = self._driver.logs_tail(state.run_id, LOG_TAIL_LINES)
-                        live.log_tail = trim_log_tail(tail)
+                        live.log_tail = trim_log_tail(secrets_mask(tail, live.mask or ()))
                     except RuntimeDriverError as exc:
                         logger.warning(
                             "no log tail", extra={"run_id": state.run_id, "error": str(exc)}
@@ -941,17 +959,23 @@ class Agent:
 
     def _remember(self, desired: Sequence[DesiredRun]) -> None:
         for entry in desired:
+            values = [secret.value for secret in entry.secrets]
+            if entry.registry_auth is not None:
+                values.append(entry.registry_auth.password)
             known = {
                 "rental_id": entry.rental_id,
                 "gpu_indices": entry.gpu_indices,
                 "stop_grace_s": entry.stop_grace_s,
                 "sync_artifacts": entry.sync_artifacts,
+                "secrets": bool(values),
             }
             if entry.run_id in self.ledger:
                 self.ledger.update(entry.run_id, **known)
             else:
                 self.ledger.put(entry.run_id, RunRecord(**known))
-            self._live.setdefault(entry.run_id, _Live()).rental_id = entry.rental_id
+            live = self._live.setdefault(entry.run_id, _Live())
+            live.rental_id = entry.rental_id
+            live.mask = mask_terms(values)
 
     def _forget(self, desired: Sequence[DesiredRun], actual: Sequence[ContainerState]) -> None:
         """Drop what we know of runs that are gone for good: not desired, not in the runtime."""
@@ -1116,7 +1140,10 @@ class Agent:
                     if state.status == ContainerStatus.RUNNING:
                         live.last_seen_running = seen_at
                 continue
-            logger.error(f"{kind} failed", extra={"run_id": run_id, "error": repr(error)})
+            logger.error(
+                f"{kind} failed",
+                extra={"run_id": run_id, "error": secrets_mask(repr(error), live.mask or ())},
+            )
             if kind == "start":
                 delay = backoff_delay(
                     live.start_failures, base_s=START_RETRY_BASE_S, max_s=START_RETRY_MAX_S
@@ -1124,7 +1151,7 @@ class Agent:
                 live.start_failures += 1
                 live.next_start_at = now + delay
                 if isinstance(error, PermanentRuntimeError | ValueError):
-                    live.start_error = str(error)
+                    live.start_error = secrets_mask(str(error), live.mask or ())
 
     def _set_interval(self, value: Any) -> None:
         with contextlib.suppress(TypeError, ValueError):

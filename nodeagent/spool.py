@@ -169,6 +169,9 @@ class RunRecord:
     # after the run ended is done (its exited state may then be reported).
     sync_artifacts: bool = False
     final_synced: bool = False
+    # The run has team secrets (their values are kept in memory only): after a restart its
+    # output is not read until the server has said them again, to mask it with.
+    secrets: bool = False
 
 
 class RunLedger:

@@ -121,3 +121,27 @@ class InvitationCreatedSerializer(InvitationSerializer):
 class InvitationAcceptSerializer(serializers.Serializer):
     team = serializers.IntegerField(help_text="the team id in the invitation's link")
     key = serializers.CharField(max_length=200, help_text="the secret in the invitation's link")
+
+
+class SecretSerializer(serializers.Serializer):
+    """A team secret as anyone sees it: its name and times, never its value."""
+
+    name = serializers.CharField()
+    created_by = serializers.CharField(source="created_by.username", allow_null=True)
+    created_at = serializers.DateTimeField()
+    updated_at = serializers.DateTimeField()
+
+
+class SecretSetSerializer(serializers.Serializer):
+    name = serializers.CharField(
+        max_length=64, help_text="a variable name: letters, digits and _ (the run's $NAME)"
+    )
+    value = serializers.CharField(
+        max_length=64 * 1024,
+        trim_whitespace=False,
+        help_text="the value (at most 64 KiB, no NUL): stored encrypted, never shown again",
+    )
+
+    def validate(self, attrs):
+        refuse_unknown(self)
+        return attrs

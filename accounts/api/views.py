@@ -21,14 +21,18 @@ from accounts.api.serializers import (
     MemberRoleSerializer,
     MemberSerializer,
     MeSerializer,
+    SecretSerializer,
+    SecretSetSerializer,
     SshKeyCreateSerializer,
     SshKeySerializer,
     TeamCreateSerializer,
     TeamSerializer,
 )
 from accounts.models import ApiToken
+from accounts.services.secrets import secret_delete, secret_set
 from accounts.services.sshkeys import ssh_key_add, ssh_key_delete
 from accounts.tenancy import request_membership, request_team
+from core.errors import NotFound
 
 
 class ApiTokenListCreateView(APIView):
@@ -88,6 +92,47 @@ class SshKeyDetailView(APIView):
     @extend_schema(request=None, responses={204: None})
     def delete(self, request: Request, key_id: int) -> Response:
         ssh_key_delete(team=request_team(request), key_id=key_id)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class SecretListSetView(APIView):
+    """Your team's secrets: list their names, or set one (created, or its value replaced, by
+    name). A value is never returned by any endpoint; rentals name secrets to get them as
+    variables or files, and what they print is masked with them."""
+
+    @extend_schema(responses=SecretSerializer(many=True))
+    def get(self, request: Request) -> Response:
+        secrets = selectors.secret_list(team=request_team(request))
+        return Response(SecretSerializer(secrets, many=True).data)
+
+    @extend_schema(
+        request=SecretSetSerializer, responses={200: SecretSerializer, 201: SecretSerializer}
+    )
+    def post(self, request: Request) -> Response:
+        body = SecretSetSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        secret, created = secret_set(
+            team=request_team(request), actor=request.user, **body.validated_data
+        )
+        return Response(
+            SecretSerializer(secret).data,
+            status=status.HTTP_201_CREATED if created else status.HTTP_200_OK,
+        )
+
+
+class SecretDetailView(APIView):
+    """One of your team's secrets, by name (its value never); another team's is 404."""
+
+    @extend_schema(responses=SecretSerializer)
+    def get(self, request: Request, name: str) -> Response:
+        secret = selectors.secret_list(team=request_team(request)).filter(name=name).first()
+        if secret is None:
+            raise NotFound("no such secret", field="name")
+        return Response(SecretSerializer(secret).data)
+
+    @extend_schema(request=None, responses={204: None})
+    def delete(self, request: Request, name: str) -> Response:
+        secret_delete(team=request_team(request), name=name)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 

@@ -1,8 +1,8 @@
 """Settings read from the environment (12-factor). No secret lives here.
 
 Required: DATABASE_URL (PostgreSQL only: the invariants use exclusion constraints and range types).
-Optional: REDIS_URL or CELERY_BROKER_URL, SECRET_KEY, DEBUG, ALLOWED_HOSTS, STRIPE_* keys, EMAIL_*
-(SMTP) settings, S3_* (object storage).
+Optional: REDIS_URL or CELERY_BROKER_URL, SECRET_KEY, SECRETS_ENCRYPTION_KEYS, DEBUG,
+ALLOWED_HOSTS, STRIPE_* keys, EMAIL_* (SMTP) settings, S3_* (object storage).
 `python3 dev.py up` and `python3 dev.py test` set DATABASE_URL, REDIS_URL and S3_* to embedded
 services when they are not set.
 """
@@ -43,6 +43,26 @@ if not SECRET_KEY:
     from django.core.management.utils import get_random_secret_key
 
     SECRET_KEY = get_random_secret_key()
+# Team secrets (accounts.secrets) are encrypted at rest with these Fernet keys: the first
+# encrypts, every one decrypts, so a new key goes first and an old one is dropped once
+# `manage.py secrets_rotate` has re-encrypted everything with the new one. Every web and worker
+# process of a deployment must share them. A local run (DEBUG or an ephemeral key) derives one
+# from SECRET_KEY; production refuses to start without them, as without SECRET_KEY.
+SECRETS_ENCRYPTION_KEYS = env.list("SECRETS_ENCRYPTION_KEYS", default=[])
+if not SECRETS_ENCRYPTION_KEYS:
+    if not DEBUG and not env.bool("GPUMARKET_EPHEMERAL_SECRET", default=False):
+        raise ImproperlyConfigured(
+            "SECRETS_ENCRYPTION_KEYS is not set (one or more Fernet keys, comma-separated, "
+            "newest first: `openssl rand -base64 32 | tr +/ -_` makes one)"
+        )
+    import base64
+    import hashlib
+
+    SECRETS_ENCRYPTION_KEYS = [
+        base64.urlsafe_b64encode(
+            hashlib.sha256(f"gpumarket team secrets:{SECRET_KEY}".encode()).digest()
+        ).decode()
+    ]
 ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
 

@@ -1,8 +1,16 @@
 """Test settings: the same as base, with fast password hashing and no secure-cookie requirement."""
 
+import base64
+import hashlib
 import os
 
 os.environ.setdefault("GPUMARKET_EPHEMERAL_SECRET", "1")
+# Every process of a test stack (pytest, gunicorn, Celery) shares one key, a test-only one: a
+# secret one process stores, another decrypts.
+os.environ.setdefault(
+    "SECRETS_ENCRYPTION_KEYS",
+    base64.urlsafe_b64encode(hashlib.sha256(b"gpumarket test secrets").digest()).decode(),
+)
 
 from config.settings.base import *  # noqa: F403
 

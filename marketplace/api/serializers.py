@@ -7,10 +7,12 @@ from decimal import Decimal
 
 from rest_framework import serializers
 
+from accounts.services.secrets import secret_uses_parse
 from advisor.engine.presets import PRESETS, decoder_shape
 from core.api.fields import INT32_MAX, BoundedDateTimeField, NameField, refuse_unknown
 from core.api.pagination import MAX_OFFSET
 from core.api.reuse import ReusedPerThread
+from core.errors import ValidationFailed
 from marketplace.models import (
     CLUSTER_GBPS_MAX,
     GpuModel,
@@ -228,6 +230,38 @@ class RuntimeSerializer(serializers.Serializer):
         return value
 
 
+class SecretUsesField(serializers.JSONField):
+    """The team secrets a run gets: a list of names (each as the variable of its name), or an
+    object name -> {"env": "VAR"} and/or {"file": "/run/secrets/FILE"}; stored by name."""
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("required", False)
+        kwargs.setdefault("default", list)
+        kwargs.setdefault(
+            "help_text",
+            "names of your team's secrets (each as the variable of its name), or name -> "
+            '{"env": "VAR"} / {"file": "/run/secrets/FILE"}',
+        )
+        super().__init__(**kwargs)
+
+    def to_internal_value(self, data):
+        try:
+            return secret_uses_parse(super().to_internal_value(data), field=self.field_name)
+        except ValidationFailed as exc:
+            raise serializers.ValidationError(exc.message) from None
+
+
+class RegistrySecretField(serializers.CharField):
+    def __init__(self, **kwargs):
+        kwargs.update(required=False, default="", allow_blank=True, max_length=64)
+        kwargs.setdefault(
+            "help_text",
+            'a team secret holding the image registry\'s credentials: {"username": .., '
+            '"password": ..} or user:password',
+        )
+        super().__init__(**kwargs)
+
+
 # The create view validates with this thread's instance (`for_data`, core.api.reuse).
 class RentalCreateSerializer(ReusedPerThread, serializers.Serializer):
     """A rental request: GPU constraints, placement, timing, pricing and the runtime."""
@@ -306,6 +340,8 @@ class RentalCreateSerializer(ReusedPerThread, serializers.Serializer):
         default=None,
         help_text="one of your earlier rentals: start from its last synced checkpoint",
     )
+    secrets = SecretUsesField()
+    registry_secret = RegistrySecretField()
 
     def validate(self, attrs):
         refuse_unknown(self)
@@ -338,6 +374,14 @@ class AllocationSerializer(serializers.Serializer):
     start = serializers.DateTimeField(source="during.lower")
     end = serializers.DateTimeField(source="during.upper")
     released_at = serializers.DateTimeField()
+
+
+class SecretUseSerializer(serializers.Serializer):
+    """How a run gets one team secret (never its value)."""
+
+    name = serializers.CharField()
+    env = serializers.CharField(help_text="the variable it is in; empty: none")
+    file = serializers.CharField(help_text="the read-only file it is in; empty: none")
 
 
 class RentalSerializer(serializers.Serializer):
@@ -386,6 +430,8 @@ class RentalSerializer(serializers.Serializer):
     resume_from = serializers.UUIDField(source="resume_from_id", allow_null=True)
     ssh = serializers.BooleanField()
     network = serializers.CharField(help_text="internet or internal")
+    secrets = SecretUseSerializer(many=True, help_text="the team secrets it gets, by name")
+    registry_secret = serializers.CharField(help_text="the secret its image is pulled with")
     min_interconnect_gbps = serializers.IntegerField()
     created_at = serializers.DateTimeField()
 
@@ -590,6 +636,8 @@ class TemplateWriteSerializer(RuntimeSerializer):
     network = serializers.ChoiceField(
         choices=RentalNetwork.values, required=False, default=RentalNetwork.INTERNET
     )
+    secrets = SecretUsesField()
+    registry_secret = RegistrySecretField()
 
     def validate(self, attrs):
         refuse_unknown(self)
@@ -607,6 +655,8 @@ class TemplateSerializer(serializers.Serializer):
     harness_config = serializers.JSONField(allow_null=True)
     ssh = serializers.BooleanField()
     network = serializers.CharField()
+    secrets = SecretUseSerializer(many=True, help_text="team secrets by name (never values)")
+    registry_secret = serializers.CharField()
     created_by = serializers.CharField(source="created_by.username", allow_null=True)
     created_at = serializers.DateTimeField()
     updated_at = serializers.DateTimeField()

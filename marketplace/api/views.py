@@ -118,6 +118,7 @@ class RentalListCreateView(PaginatedListView):
                 gpu_models=tuple(data.pop("gpu_models")),
                 gpu_families=tuple(data.pop("gpu_families")),
                 datasets=tuple(data.pop("datasets")),
+                secrets=tuple(data.pop("secrets")),
                 **data,
             ),
         )

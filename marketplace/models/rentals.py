@@ -121,6 +121,11 @@ class Rental(models.Model):
         default=RentalNetwork.INTERNET,
         db_default=RentalNetwork.INTERNET,
     )
+    # The team secrets the run gets, by name only ([{"name", "env", "file"}]: the values stay
+    # encrypted in accounts.TeamSecret until the spec for the node is built).
+    secrets = models.JSONField(default=list, blank=True)
+    # A team secret holding the credentials the image is pulled with ("": none).
+    registry_secret = models.CharField(max_length=64, blank=True, default="", db_default="")
 
     # What happened.
     price_per_gpu_hour = models.DecimalField(

@@ -23,6 +23,9 @@ class RentalTemplate(models.Model):
     network = models.CharField(
         max_length=10, choices=RentalNetwork.choices, default=RentalNetwork.INTERNET
     )
+    # Team secrets by name, as a rental takes them (accounts.services.secrets.secret_uses_parse).
+    secrets = models.JSONField(default=list, blank=True)
+    registry_secret = models.CharField(max_length=64, blank=True, default="", db_default="")
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="+"
     )
@@ -39,14 +42,20 @@ class RentalTemplate(models.Model):
         return f"{self.team_id}/{self.name}"
 
     def runtime(self) -> dict:
-        """The template as a rental request's `runtime`, `datasets`, `ssh` and `network`."""
+        """The template as a rental request's `runtime`, `datasets`, `ssh`, `network` and
+        secrets."""
         runtime: dict = {"image": self.image, "command": list(self.command), "env": dict(self.env)}
         runtime["ports"] = list(self.ports)
         if self.harness_config is not None:
             runtime["harness_config"] = self.harness_config
-        return {
+        body = {
             "runtime": runtime,
             "datasets": list(self.datasets),
             "ssh": self.ssh,
             "network": self.network,
         }
+        body["secrets"] = {
+            use["name"]: {k: use[k] for k in ("env", "file") if use[k]} for use in self.secrets
+        }
+        body["registry_secret"] = self.registry_secret
+        return body

@@ -20,6 +20,12 @@ from django.utils import timezone
 
 from accounts.models import Membership, Team
 from accounts.selectors import ssh_key_scope
+from accounts.services.secrets import (
+    registry_credentials,
+    secret_name_check,
+    secret_values,
+    secrets_missing,
+)
 from agentprotocol.images import image_normalize
 from core.errors import NotFound, ValidationFailed
 from marketplace.lifecycle import rental_submit
@@ -92,6 +98,10 @@ class RentalRequest:
     min_interconnect_gbps: int = 0
     # What a preemption does to it (PreemptionPolicy); None: preemption_policy_default.
     preemption_policy: str | None = None
+    # The team secrets the run gets ([{"name", "env", "file"}], secret_uses_parse), and the
+    # one its image is pulled with ("": none).
+    secrets: tuple[dict, ...] = ()
+    registry_secret: str = ""
 
 
 def preemption_policy_default(*, harness_config: dict | None) -> str:
@@ -227,6 +237,28 @@ def _refusal(request: engine.Request, nodes: list[engine.Node], reason: str | No
     return _Fit(reason)
 
 
+def _secrets_check(*, team: Team, request: RentalRequest) -> None:
+    """The secrets named are the team's; a variable a secret sets is not also in `env`."""
+    missing = secrets_missing(team=team, names=[use["name"] for use in request.secrets])
+    if missing:
+        raise ValidationFailed(f"the team has no secret {', '.join(missing)}", field="secrets")
+    clash = sorted({use["env"] for use in request.secrets} & set(request.runtime.env))
+    if clash:
+        raise ValidationFailed(
+            f"{', '.join(clash)} is set by a secret and by env: give it once", field="secrets"
+        )
+    if request.registry_secret:
+        secret_name_check(request.registry_secret, field="registry_secret")
+        value = secret_values(pairs=[(team.pk, request.registry_secret)]).get(
+            (team.pk, request.registry_secret)
+        )
+        if value is None:
+            raise ValidationFailed(
+                f"the team has no secret {request.registry_secret}", field="registry_secret"
+            )
+        registry_credentials(value, secret=request.registry_secret)
+
+
 class FundsHolder(Protocol):
     """Holds a new rental's cost against its team's balance in the creating transaction,
     checking the account's limits and budgets, or refuses it (raises)."""
@@ -326,6 +358,7 @@ def rental_create(
         )
     if request.ssh and not ssh_key_scope(team=team).exists():
         raise ValidationFailed("add an SSH public key to your team first", field="ssh")
+    _secrets_check(team=team, request=request)
     resume_from = (
         rental_owned(team=team, rental_id=request.resume_from)
         if request.resume_from is not None
@@ -362,6 +395,8 @@ def rental_create(
             ports=request.runtime.ports,
             ssh=request.ssh,
             network=request.network,
+            secrets=[dict(use) for use in request.secrets],
+            registry_secret=request.registry_secret,
             resume_from=resume_from,
             min_interconnect_gbps=request.min_interconnect_gbps,
             preemption_policy=request.preemption_policy

@@ -11,8 +11,11 @@ from accounts.models import Team
 from core.errors import Conflict, NotFound, ValidationFailed
 from marketplace.models import RentalTemplate, User
 
-# What a template holds: the rental request's runtime, datasets, SSH and network.
-TEMPLATE_FIELDS = ("description", "image", "command", "env", "ports", "datasets", "harness_config")
+# What a template holds: the rental request's runtime, datasets, SSH, network and secrets.
+TEMPLATE_FIELDS = (
+    "description", "image", "command", "env", "ports", "datasets", "harness_config", "secrets",
+    "registry_secret",
+)  # fmt: skip
 MAX_TEMPLATES_PER_TEAM = 200
 
 
@@ -77,4 +80,6 @@ def rental_body_from_template(*, team: Team, body: Mapping[str, Any]) -> dict:
     data.setdefault("datasets", base["datasets"])
     data.setdefault("ssh", base["ssh"])
     data.setdefault("network", base["network"])
+    data.setdefault("secrets", base["secrets"])
+    data.setdefault("registry_secret", base["registry_secret"])
     return data

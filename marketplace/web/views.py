@@ -13,6 +13,7 @@ from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
+from accounts.selectors import secret_list
 from accounts.tenancy import request_team, team_page
 from marketplace import lifecycle, selectors
 from marketplace.api.serializers import OfferQuerySerializer
@@ -110,6 +111,7 @@ def rental_new(request: HttpRequest) -> HttpResponse:
             "datasets": request_team(request).datasets.ready().order_by("name"),
             "templates": selectors.template_list(team=request_team(request)),
             "initial_template": request.GET.get("template", ""),
+            "secrets": secret_list(team=request_team(request)),
         },
     )
 

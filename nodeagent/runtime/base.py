@@ -9,8 +9,11 @@ No Django import here: the agent runs on GPU hosts without the web stack.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import re
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, Self, runtime_checkable
@@ -25,6 +28,9 @@ LABEL_NODE = "gpumarket.node"
 # Where a container sees its workspace and its datasets (the Docker driver mounts them there).
 CONTAINER_WORKSPACE = "/workspace"
 CONTAINER_DATA = "/data"
+# Where a run finds the team secrets it gets as files (read-only; GPUMARKET_SECRETS_DIR names
+# it on every runtime: a host process has it elsewhere).
+CONTAINER_SECRETS = "/run/secrets"
 
 # Docker's container-name grammar; the process driver uses run_id as a directory name, so the
 # same restriction keeps both safe (no "/" or "..").
@@ -106,6 +112,15 @@ class ContainerSpec(DesiredRun):
             if value and not value.startswith("/"):
                 raise ValueError(f"{name} must be an absolute path")
 
+    def __repr__(self) -> str:
+        # Tracebacks and debug logs of a spec must not carry its secrets' values.
+        return f"ContainerSpec(rental_id={self.rental_id!r}, run_id={self.run_id!r}, ...)"
+
+    def secrets_dir(self) -> str:
+        """The host directory of the run's secret files, beside (never inside) its synced
+        workspace; a name no rental id has."""
+        return os.path.join(os.path.dirname(self.volume_dir), f".secrets-{self.run_id}")
+
     def managed_labels(self) -> dict[str, str]:
         """The caller's labels plus ours; ours win so a spec cannot disguise another run."""
         return {
@@ -182,6 +197,46 @@ class RuntimeDriver(Protocol):
         ...
 
 
+def secret_files_write(
+    spec: ContainerSpec, *, owner: tuple[int, int] | None, readable_by_all: bool = False
+) -> str:
+    """Write the run's file secrets into its secrets directory (0500, each file 0400, owned by
+    the run's user when the agent can give them away; `readable_by_all`: an agent that cannot,
+    for a container user it is not); the directory, or "" when the run has none. Written again
+    at each start, so a replaced secret is what a restarted run reads."""
+    files = [secret for secret in spec.secrets if secret.file]
+    if not files:
+        return ""
+    directory = spec.secrets_dir()
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    os.chmod(directory, 0o700)
+    for secret in files:
+        name = os.path.basename(secret.file)
+        if not name or name.startswith(".") or secret.file != f"{CONTAINER_SECRETS}/{name}":
+            raise PermanentRuntimeError(f"secret {secret.name}: not a file of {CONTAINER_SECRETS}")
+        path = os.path.join(directory, name)
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(path, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secret.value)
+        os.chmod(path, 0o444 if readable_by_all else 0o400)
+        if owner is not None:
+            os.chown(path, *owner)
+    if owner is not None:
+        os.chown(directory, *owner)
+    os.chmod(directory, 0o555 if readable_by_all else 0o500)
+    return directory
+
+
+def secret_files_remove(directory: str) -> None:
+    """Delete a run's secrets directory (its files are read-only, the directory too)."""
+    if not os.path.basename(directory).startswith(".secrets-") or not os.path.isdir(directory):
+        return
+    os.chmod(directory, 0o700)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
 def gpu_env(
     *, gpu_mode: str, gpu_indices: tuple[int, ...], gpu_uuids: tuple[str, ...], in_container: bool
 ) -> dict[str, str]:
@@ -228,6 +283,7 @@ def run_env(
     threads = str(max(1, int(spec.cpu_limit)))
     env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     env.update(spec.env)
+    env.update({secret.env: secret.value for secret in spec.secrets if secret.env})
     env.update(
         gpu_env(
             gpu_mode=gpu_mode,
@@ -244,6 +300,8 @@ def run_env(
             "GPUMARKET_DATA_DIR": data_dir or (CONTAINER_DATA if in_container else ""),
         }
     )
+    if any(secret.file for secret in spec.secrets):
+        env["GPUMARKET_SECRETS_DIR"] = CONTAINER_SECRETS if in_container else spec.secrets_dir()
     if not env["GPUMARKET_DATA_DIR"]:
         raise ValueError("a host process needs a data_dir (an empty one when nothing is staged)")
     return env

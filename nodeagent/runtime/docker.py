@@ -68,11 +68,12 @@ from docker.models.containers import Container
 from docker.types import DeviceRequest, IPAMConfig, IPAMPool, LogConfig, Mount, Ulimit
 from docker.utils import parse_repository_tag
 
-from agentprotocol import ContainerStatus, Network
+from agentprotocol import ContainerStatus, Network, RegistryAuth
 from agentprotocol.images import image_normalize, image_pattern_matches
 from nodeagent.imagecache import HeldImage
 from nodeagent.runtime import gangnet
 from nodeagent.runtime.base import (
+    CONTAINER_SECRETS,
     LABEL_MANAGED,
     LABEL_NODE,
     LABEL_RENTAL,
@@ -85,6 +86,8 @@ from nodeagent.runtime.base import (
     RunNotFoundError,
     RuntimeDriverError,
     run_env,
+    secret_files_remove,
+    secret_files_write,
 )
 from nodeagent.runtime.sshd import LAUNCH_SCRIPT, SSH_PORT, launch_environment
 from nodeagent.staging import workspace_seed
@@ -116,11 +119,15 @@ _PERMANENT_5XX_FRAGMENTS = (
     "operation not permitted",
     "invalid argument",
     "oci runtime create failed",
+    # A registry refusing a pull (missing or wrong credentials) answers the same every time.
+    "no basic auth credentials",
+    "unauthorized",
 )
 
 
 LABEL_VOLUME = "gpumarket.volume"  # on a rental network: the workspace mounted for the rental
 LABEL_NETWORK = "gpumarket.network"  # on a rental network: internet or internal
+LABEL_SECRETS = "gpumarket.secrets"  # on a container: its secret files' host directory
 BRIDGE_PREFIX = "gpm-"
 BRIDGE_OPTION = "com.docker.network.bridge.name"
 EGRESS_CHAIN = "GPUMARKET-EGRESS"  # forwarded traffic leaving a rental bridge
@@ -418,6 +425,39 @@ class PullLayers:
         return sum(total for _, total in self.layers.values())
 
 
+# What a registry answers when the image's name is wrong or the credentials are (the engine
+# passes its words on: 401/403/404, "manifest unknown", "pull access denied", "unauthorized").
+_REFUSED_FRAGMENTS = (
+    "unauthorized",
+    "authentication required",
+    "no basic auth credentials",
+    "denied",
+    "forbidden",
+    "incorrect username or password",
+)
+_UNKNOWN_FRAGMENTS = ("manifest unknown", "not found", "repository does not exist", "404")
+
+
+def pull_error(
+    image: str, auth: RegistryAuth | None, exc: RuntimeDriverError
+) -> RuntimeDriverError:
+    """A failed pull said plainly: the registry refused the credentials (or asked for some),
+    or has no such image, both permanent and the customer's (the server reads "pull access
+    denied" and "manifest unknown" as such); anything else stays as it was classified."""
+    message = str(exc).lower()
+    cause = exc.__cause__
+    status = cause.status_code if isinstance(cause, docker.errors.APIError) else None
+    if any(f in message for f in _REFUSED_FRAGMENTS) or status in (401, 403):
+        if auth is not None:
+            why = f"the registry refused the credentials in secret {auth.secret}"
+        else:
+            why = "the registry asked for credentials: name a registry_secret"
+        return PermanentRuntimeError(f"pull access denied for {image}: {why} ({exc})")
+    if any(f in message for f in _UNKNOWN_FRAGMENTS) or status == 404:
+        return ImageNotFoundError(f"image not found: {image}: manifest unknown ({exc})")
+    return exc
+
+
 def _is_conflict(exc: BaseException) -> bool:
     cause = exc.__cause__
     return isinstance(cause, docker.errors.APIError) and cause.status_code == 409
@@ -536,18 +576,20 @@ class DockerDriver:
                 with self._rental_lock:
                     self.ensure_network(spec)
                     self._prepare_volume(spec)
+                    self._write_secrets(spec)
                     self._start_container(container, spec.run_id)
                 self._start_sshd(container, spec)
             logger.info("container exists, adopting it", extra=log_extra)
             return self._reload_state(container)
 
         self.image_rule(spec.image)  # refused before anything is pulled or made
-        self._ensure_image(spec.image, run_id=spec.run_id)
+        self._ensure_image(spec.image, spec.registry_auth, run_id=spec.run_id)
         # Under the lock: a removal of another run of this rental must not take its network or
         # workspace away between their preparation here and the container's creation.
         with self._rental_lock:
             self.ensure_network(spec)
             self._prepare_volume(spec)
+            self._write_secrets(spec)
             kwargs = self.create_options(spec)
             try:
                 container = self._call("create", lambda: self._client().containers.create(**kwargs))
@@ -585,6 +627,7 @@ class DockerDriver:
     def remove(self, run_id: str) -> None:
         container = self._find(run_id)
         if container is not None:
+            secrets_dir = container.labels.get(LABEL_SECRETS, "")
             try:
                 # v=True: anonymous volumes declared by the image go too; the bind-mounted
                 # workspace is a host directory and stays.
@@ -595,6 +638,8 @@ class DockerDriver:
             except PermanentRuntimeError as exc:
                 if "already in progress" not in str(exc):
                     raise
+            if secrets_dir:
+                secret_files_remove(secrets_dir)
         # Also after a crash between a container's removal and its rental's cleanup.
         self.release_unused_rentals()
 
@@ -842,20 +887,47 @@ class DockerDriver:
             return
         logger.info("sshd started", extra={"run_id": spec.run_id})
 
-    def _ensure_image(self, image: str, *, run_id: str = "") -> None:
+    def _ensure_image(
+        self, image: str, auth: RegistryAuth | None = None, *, run_id: str = ""
+    ) -> None:
+        """The image present, pulled with the run's credentials when missing (its progress
+        handed to `on_pull_progress`). An image this engine pulled from a registry (it has a
+        repository digest) is asked for again before each start, with the run's credentials or
+        none: a private image another team's credentials brought here is then refused to a run
+        without them, as the registry would refuse it. Where the registry cannot be reached,
+        the copy here is used."""
         try:
-            self._call("image", lambda: self._client().images.get(image))
-            return
+            present = self._call("image", lambda: self._client().images.get(image))
         except ImageNotFoundError:
             if self.config.pull_policy == "never":
                 raise
+            present = None
+        if present is not None and (
+            self.config.pull_policy == "never" or not present.attrs.get("RepoDigests")
+        ):
+            return  # made on this host: no registry to ask
+        auth_config = {"username": auth.username, "password": auth.password} if auth else None
         on_progress = self.on_pull_progress
-        self.pull(
-            image,
-            progress=(lambda done, total: on_progress(run_id, done, total))
-            if on_progress is not None and run_id
-            else None,
-        )
+        try:
+            self.pull(
+                image,
+                auth_config=auth_config,
+                progress=(lambda done, total: on_progress(run_id, done, total))
+                if on_progress is not None and run_id
+                else None,
+            )
+        except RuntimeDriverError as exc:
+            error = pull_error(image, auth, exc)
+            refused = "pull access denied" in str(error) or isinstance(error, ImageNotFoundError)
+            if present is None or refused:
+                if error is exc:
+                    raise
+                raise error from exc
+            logger.warning(
+                "image not checked with its registry, the copy here is used",
+                extra={"image": image, "error": str(error)},
+            )
+            return
         if self.on_image_pulled is not None:
             self.on_image_pulled(image)
 
@@ -953,6 +1025,11 @@ class DockerDriver:
                 close()
         if progress is not None and layers.total:
             progress(layers.total, layers.total)
+
+    def _write_secrets(self, spec: ContainerSpec) -> None:
+        root = os.geteuid() == 0
+        owner = self._workspace_owner(spec.image) if root else None
+        secret_files_write(spec, owner=owner, readable_by_all=not root)
 
     def ensure_network(self, spec: ContainerSpec) -> str:
         """The rental's own network, created on its first start and adopted afterwards."""
@@ -1183,6 +1260,18 @@ class DockerDriver:
             kwargs["mounts"].append(
                 Mount(target=DATA, source=spec.data_dir, type="bind", read_only=True)
             )
+        if any(secret.file for secret in spec.secrets):
+            # The run's secret files, read-only, from a directory beside its workspace (never
+            # in the image, nor in the synced workspace); removed with the container.
+            kwargs["mounts"].append(
+                Mount(
+                    target=CONTAINER_SECRETS,
+                    source=spec.secrets_dir(),
+                    type="bind",
+                    read_only=True,
+                )
+            )
+            kwargs["labels"][LABEL_SECRETS] = spec.secrets_dir()
         if spec.ssh_authorized_keys and SSH_PORT in spec.ports:
             # The container's user binds sshd's port 22 in its own network namespace (newer
             # engines set this by default; older ones do not).

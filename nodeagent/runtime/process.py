@@ -71,6 +71,8 @@ from nodeagent.runtime.base import (
     PermanentRuntimeError,
     RunNotFoundError,
     run_env,
+    secret_files_remove,
+    secret_files_write,
 )
 from nodeagent.staging import workspace_seed
 
@@ -223,7 +225,10 @@ class LocalProcessDriver:
         if not os.path.isdir(run_dir):
             return
         self.stop(run_id, grace_s=0)
+        volume_dir = ((self._meta(run_id) or {}).get("spec") or {}).get("volume_dir")
         with self._locked():
+            if isinstance(volume_dir, str) and volume_dir:
+                secret_files_remove(os.path.join(os.path.dirname(volume_dir), f".secrets-{run_id}"))
             shutil.rmtree(run_dir, ignore_errors=True)
             self._supervisors.pop(run_id, None)
         logger.info("process removed", extra={"run_id": run_id})
@@ -301,7 +306,12 @@ class LocalProcessDriver:
             "run_id": spec.run_id,
             "node_id": spec.node_id,
             "labels": spec.managed_labels(),
-            "spec": {k: v for k, v in asdict(spec).items() if k != "env"},  # env may hold secrets
+            # Neither the env (it may hold the customer's credentials) nor the team secrets.
+            "spec": {
+                k: v
+                for k, v in asdict(spec).items()
+                if k not in ("env", "secrets", "registry_auth")
+            },
             "created_at": time.time(),
         }
         write_json_atomic(os.path.join(run_dir, "meta.json"), meta)
@@ -377,6 +387,7 @@ class LocalProcessDriver:
             owner = (uid, gid)
         if spec.seed_dir:
             workspace_seed(spec.seed_dir, spec.volume_dir, owner=owner)
+        secret_files_write(spec, owner=owner)
         lock_fd = os.open(os.path.join(run_dir, "wrapper.lock"), os.O_CREAT | os.O_RDWR, 0o600)
         try:
             # Locked here and inherited: the lock is held from the supervisor's first instant,

@@ -398,6 +398,19 @@ class DatasetMountSerializer(serializers.Serializer):
     files = StagedFileSerializer(many=True)
 
 
+class SecretValueSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    value = serializers.CharField(help_text="decrypted for the node that runs the rental only")
+    env = serializers.CharField(required=False)
+    file = serializers.CharField(required=False)
+
+
+class RegistryAuthSerializer(serializers.Serializer):
+    secret = serializers.CharField(help_text="the team secret the credentials come from")
+    username = serializers.CharField()
+    password = serializers.CharField()
+
+
 class DesiredRunSerializer(serializers.Serializer):
     rental_id = serializers.UUIDField()
     run_id = serializers.CharField()
@@ -422,6 +435,12 @@ class DesiredRunSerializer(serializers.Serializer):
     network = serializers.ChoiceField(
         choices=[network.value for network in Network],
         help_text="internet: NAT, filtered to public addresses; internal: no egress",
+    )
+    secrets = SecretValueSerializer(
+        many=True, required=False, help_text="the team secrets the run gets, with their values"
+    )
+    registry_auth = RegistryAuthSerializer(
+        required=False, help_text="credentials the image is pulled with"
     )
 
 

@@ -4,6 +4,7 @@ heartbeat changes nothing it already changed."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -19,6 +20,7 @@ from django.db import DatabaseError, IntegrityError, transaction
 from django.utils import timezone
 
 from accounts.services import token_hash
+from accounts.services.secrets import registry_credentials, secret_values
 from agentprotocol import (
     BenchmarkSpec,
     CachedImage,
@@ -30,12 +32,15 @@ from agentprotocol import (
     Network,
     ProtocolError,
     PullProgress,
+    RegistryAuth,
+    SecretValue,
     StagedFile,
     UsageReport,
 )
-from agentprotocol.untrusted import metric_line_parse
+from agentprotocol.untrusted import mask_terms, metric_line_parse, secrets_mask
 from billing.services.metering import UsageReport as MeteredUsage
 from billing.services.metering import usage_reports_apply
+from core.errors import ValidationFailed
 from core.metrics import BENCHMARKS_UNASKED
 from marketplace import lifecycle
 from marketplace.models import (
@@ -129,6 +134,7 @@ def _desired_from(*, node: Node, held: list[tuple]) -> list[DesiredRun]:
         pk=node.gpu_model_id
     )
     ssh_keys = rental_ssh_keys(rental for rental, _ in by_rental.values())
+    secret_fields = _secrets(rentals.values())
     staging = _staging(rentals.values())
     sync = objectstore.configured()
     gangs = gang_members(r.pk for r in rentals.values() if r.node_count > 1)
@@ -175,9 +181,67 @@ def _desired_from(*, node: Node, held: list[tuple]) -> list[DesiredRun]:
                 # there is object storage to sync it to (none configured: it stays on the node).
                 sync_artifacts=sync,
                 **staging.get(rental.pk, {}),
+                **secret_fields.get(rental.pk, {}),
             )
         )
     return desired
+
+
+def _secrets(rentals) -> dict:
+    """rental id -> the DesiredRun fields of its team secrets: their values and the image's
+    pull credentials, decrypted here for the node that runs it. A secret deleted since the
+    rental was made is left out (the run starts without it; a pull without its credentials
+    fails as the customer's)."""
+    using = [r for r in rentals if r.secrets or r.registry_secret]
+    values = secret_values(
+        pairs={
+            (r.team_id, name)
+            for r in using
+            for name in [*(use["name"] for use in r.secrets), r.registry_secret]
+            if name
+        }
+    )
+    fields: dict = {}
+    for rental in using:
+        entry: dict = {
+            "secrets": tuple(
+                SecretValue(
+                    name=use["name"],
+                    value=values[(rental.team_id, use["name"])],
+                    env=use.get("env", ""),
+                    file=use.get("file", ""),
+                )
+                for use in rental.secrets
+                if (rental.team_id, use["name"]) in values
+            )
+        }
+        registry = values.get((rental.team_id, rental.registry_secret))
+        if registry is not None:
+            try:
+                credentials = registry_credentials(registry, secret=rental.registry_secret)
+            except ValidationFailed:
+                credentials = None  # replaced by a value that is not credentials since
+            if credentials is not None:
+                entry["registry_auth"] = RegistryAuth(
+                    secret=rental.registry_secret,
+                    username=credentials.username,
+                    password=credentials.password,
+                )
+        fields[rental.pk] = entry
+    return fields
+
+
+def rentals_mask_terms(rentals) -> dict:
+    """rental id -> what to mask out of its runs' output (agentprotocol.untrusted.mask_terms):
+    the values of its team secrets and its registry password; rentals with none are absent."""
+    terms: dict = {}
+    for rental_id, entry in _secrets(rentals).items():
+        values = [s.value for s in entry["secrets"]]
+        if "registry_auth" in entry:
+            values.append(entry["registry_auth"].password)
+        if found := mask_terms(values):
+            terms[rental_id] = found
+    return terms
 
 
 def _staging(rentals) -> dict:
@@ -262,7 +326,25 @@ def _steady_reports(*, node: Node, reports: Sequence[ContainerReport]) -> set[st
     return steady
 
 
-def _apply_container(node: Node, report: ContainerReport, now: datetime) -> None:
+def _masks(*, node: Node, reports: HeartbeatReports) -> dict:
+    """rental id -> the terms to mask out of what its runs on this node printed (their secret
+    values): the agent is a third party, trusted to have masked nothing."""
+    # A running container's report carries no text: only tails, errors, lines and metrics.
+    run_ids = {c.run_id for c in reports.containers if c.log_tail or c.error}
+    run_ids |= {run_id for _, run_id, _ in reports.metrics}
+    run_ids |= {run_id for run_id, _, _ in reports.logs}
+    if not run_ids:
+        return {}
+    return rentals_mask_terms(
+        Rental.objects.filter(runs__node=node, runs__run_id__in=run_ids)
+        .exclude(secrets=[], registry_secret="")
+        .distinct()
+    )
+
+
+def _apply_container(
+    node: Node, report: ContainerReport, now: datetime, masks: Mapping | None = None
+) -> None:
     """Fold one reported container into its run row and the rental's state machine."""
     run = (
         ContainerRun.objects.select_for_update()
@@ -273,6 +355,12 @@ def _apply_container(node: Node, report: ContainerReport, now: datetime) -> None
     if run is None:
         return  # not ours (or not yet requested): the desired state will tell the agent
     rental = Rental.objects.select_for_update().get(pk=run.rental_id)
+    if terms := (masks or {}).get(rental.pk):
+        report = dataclasses.replace(
+            report,
+            log_tail=secrets_mask(report.log_tail, terms),
+            error=secrets_mask(report.error, terms),
+        )
     run.status = report.status
     run.exit_code = report.exit_code
     run.started_at = run.started_at or _dt(report.started_at)
@@ -320,7 +408,9 @@ def _apply_container(node: Node, report: ContainerReport, now: datetime) -> None
         )
 
 
-def metrics_store(*, node: Node, lines: list[tuple[str, str, str]]) -> int:
+def metrics_store(
+    *, node: Node, lines: list[tuple[str, str, str]], masks: Mapping | None = None
+) -> int:
     """Store forwarded harness JSON lines (rental_id, run_id, line); replays are no-ops.
 
     Each line is checked again here (`metric_line_parse`: depth, NaN, ranges, control
@@ -335,6 +425,8 @@ def metrics_store(*, node: Node, lines: list[tuple[str, str, str]]) -> int:
         rental_id = run_rentals.get(run_id)
         if rental_id is None:
             continue
+        if terms := (masks or {}).get(rental_id):
+            line = secrets_mask(line, terms)
         try:
             data = metric_line_parse(line)
         except ProtocolError:
@@ -501,12 +593,13 @@ def node_heartbeat(*, node: Node, reports: HeartbeatReports) -> HeartbeatAnswer:
         steady = _steady_reports(node=node, reports=reports.containers)
         if steady:
             ContainerRun.objects.filter(node=node, run_id__in=steady).update(last_report_at=now)
+        masks = _masks(node=node, reports=reports)
         for report in sorted(reports.containers, key=lambda c: c.run_id):
             if report.run_id in steady:
                 continue
             try:
                 with transaction.atomic():
-                    _apply_container(node, report, now)
+                    _apply_container(node, report, now, masks)
             except DatabaseError as exc:
                 counts["containers"] += 1
                 log.warning(
@@ -521,9 +614,9 @@ def node_heartbeat(*, node: Node, reports: HeartbeatReports) -> HeartbeatAnswer:
         if reports.image_allow is not None or reports.images is not None:
             _node_images_apply(node=node, image_allow=reports.image_allow, images=reports.images)
         if reports.metrics:
-            counts["metrics"] += metrics_store(node=node, lines=reports.metrics)
+            counts["metrics"] += metrics_store(node=node, lines=reports.metrics, masks=masks)
         if reports.logs:
-            counts["logs"] += run_logs_store(node=node, lines=reports.logs)
+            counts["logs"] += run_logs_store(node=node, lines=reports.logs, masks=masks)
         if reports.benchmark and not node.benchmark_requested:
             # A result nobody asked for (a node re-sending old figures, or making them up)
             # is not stored: one row per request, never one per heartbeat.

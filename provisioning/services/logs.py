@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import timedelta
 
 from django.conf import settings
 from django.utils import timezone
 
-from agentprotocol.untrusted import text_sanitize
+from agentprotocol.untrusted import secrets_mask, text_sanitize
 from marketplace.models import Node
 from provisioning.models import ContainerRun, RunLogLine
 
@@ -20,10 +21,13 @@ def log_retention_days() -> int:
     return int(settings.GPUMARKET.get("LOG_RETENTION_DAYS", 7))
 
 
-def run_logs_store(*, node: Node, lines: list[tuple[str, int, str]]) -> int:
+def run_logs_store(
+    *, node: Node, lines: list[tuple[str, int, str]], masks: Mapping | None = None
+) -> int:
     """Store forwarded output lines (run_id, line_no, line) of runs on this node; a line sent
-    twice is kept once. Lines of runs that are not this node's are refused. Returns how many
-    were refused."""
+    twice is kept once. Lines of runs that are not this node's are refused. `masks`: rental
+    id -> the secret values to blank out of its lines (the agent is not trusted to have done
+    it). Returns how many were refused."""
     runs = dict(
         ContainerRun.objects.filter(node=node, run_id__in={r for r, _, _ in lines}).values_list(
             "run_id", "rental_id"
@@ -35,6 +39,8 @@ def run_logs_store(*, node: Node, lines: list[tuple[str, int, str]]) -> int:
         if rental_id is None or line_no >= MAX_LINES_PER_RUN:
             refused += 1
             continue
+        if terms := (masks or {}).get(rental_id):
+            line = secrets_mask(line, terms)
         # The HTTP edge refused control characters; the agent is not trusted to have cleaned.
         rows.append(
             RunLogLine(

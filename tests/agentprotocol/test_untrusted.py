@@ -56,3 +56,15 @@ def test_a_document_is_refused_exactly_when_it_nests_past_the_bound(value, max_d
             json_loads_bounded(text, max_depth=max_depth)
     else:
         assert json_loads_bounded(text, max_depth=max_depth) == value
+
+
+def test_secret_values_are_masked_whole_line_by_line_and_json_escaped_longest_first():
+    from agentprotocol.untrusted import MASK, mask_terms, secrets_mask
+
+    terms = mask_terms(["abcd", "abcdefgh", 'pa"ss\nword-two', "xyz"])
+    # the short value is not a term; the longer one is tried before the one it contains
+    assert "xyz" not in terms and terms.index("abcdefgh") < terms.index("abcd")
+    assert secrets_mask("key=abcdefgh; again abcd", terms) == f"key={MASK}; again {MASK}"
+    assert secrets_mask("word-two", terms) == MASK  # one line of a multi-line value
+    assert secrets_mask('{"v": "pa\\"ss\\nword-two"}', terms) == '{"v": "' + MASK + '"}'
+    assert secrets_mask("nothing here", ()) == "nothing here"

@@ -66,3 +66,29 @@ def test_two_processes_given_the_same_key_derive_the_same_webhook_secret():
     )  # fmt: skip
     # then they agree (a random per-process key would make them differ)
     assert first == second
+
+
+def test_production_refuses_to_start_without_the_secrets_keys():
+    # given a deployment's environment with SECRET_KEY but no SECRETS_ENCRYPTION_KEYS
+    environment = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in {"GPUMARKET_EPHEMERAL_SECRET", "SECRETS_ENCRYPTION_KEYS", "DEBUG"}
+    }
+    environment.update(DJANGO_SETTINGS_MODULE="config.settings.base", SECRET_KEY="k" * 50)
+    read = "import django; django.setup(); from django.conf import settings; " + (
+        "print(settings.SECRETS_ENCRYPTION_KEYS)"
+    )
+    # when a process starts, then it refuses, naming the setting
+    refused = subprocess.run(
+        [sys.executable, "-c", read], env=environment, cwd=ROOT, capture_output=True, text=True,
+        timeout=120, check=False,
+    )  # fmt: skip
+    assert refused.returncode != 0 and "SECRETS_ENCRYPTION_KEYS is not set" in refused.stderr
+    # and given two keys, newest first, it starts with both
+    environment["SECRETS_ENCRYPTION_KEYS"] = "$new-key,old-key"
+    started = subprocess.run(
+        [sys.executable, "-c", read], env=environment, cwd=ROOT, capture_output=True, text=True,
+        timeout=120, check=True,
+    )  # fmt: skip
+    assert started.stdout.split("\n")[-2] == "['$new-key', 'old-key']"

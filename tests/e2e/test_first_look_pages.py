@@ -224,7 +224,7 @@ def test_the_navigation_is_one_line_at_1400_pixels_with_every_link(browser, live
     links = browser.find_elements(By.CSS_SELECTOR, "header nav a")
     assert [a.text for a in links] == [
         "Offers", "Advisor", "Rentals", "Datasets", "Billing", "API tokens", "Team", "SSH keys",
-        "Notifications", "Provider", "Admin", "API docs",
+        "Secrets", "Notifications", "Provider", "Admin", "API docs",
     ]  # fmt: skip
     width = browser.execute_script("return document.documentElement.clientWidth")
     tops = {round(_rect(browser, a)["top"]) for a in links}

@@ -20,7 +20,14 @@ from typing import Any
 
 import pytest
 
-from agentprotocol import HEARTBEAT_PATH, JOIN_PATH, DesiredRun, HeartbeatAnswer, JoinAnswer
+from agentprotocol import (
+    HEARTBEAT_PATH,
+    JOIN_PATH,
+    DesiredRun,
+    HeartbeatAnswer,
+    JoinAnswer,
+    SecretValue,
+)
 from nodeagent.runtime.process import LocalProcessDriver, ProcessDriverConfig
 from nodeagent.telemetry.simulated import simulated_gpu_uuid
 
@@ -493,3 +500,43 @@ def test_the_host_key_survives_a_restart(server, agent, dirs):
     joins = server.fake.bodies(JOIN_PATH)
     assert [j["host_key"] for j in joins] == [key.strip()] * 2
     assert stat.S_IMODE((dirs["state"] / "host_key").stat().st_mode) == 0o600
+
+
+def test_the_agent_masks_secret_values_before_sending_even_after_a_restart(
+    server, agent_loop, driver
+):
+    # given a run whose secret it prints, as a plain line, a metric and in its exit
+    secret = "s3cret-Value-42"
+    script = (
+        "import json, os, time\n"
+        "v = os.environ['API_TOKEN']\n"
+        "print(json.dumps({'event': 'note', 'step': 1, 'msg': v}), flush=True)\n"
+        "print('token', v, flush=True)\n"
+        "time.sleep(2)\n"
+        "raise SystemExit('bad ' + v)\n"
+    )
+    entry = desired_entry(
+        str(uuid.uuid4()),
+        script=script,
+        secrets=(SecretValue(name="API_TOKEN", value=secret, env="API_TOKEN"),),
+    )
+    server.desired = [entry]
+
+    def sent() -> str:
+        return json.dumps(server.heartbeats())
+
+    # when the agent runs it, and a restarted agent reads its output and reports its exit
+    status, stderr = agent_loop(lambda: "token ****" in sent())
+    assert status == 0, stderr
+
+    def exited() -> bool:
+        return any(c["status"] == "exited" for hb in server.heartbeats() for c in hb["containers"])
+
+    status, stderr = agent_loop(exited)
+    assert status == 0, stderr
+    # then nothing it sent holds the value: lines, metrics and the log tail are masked
+    assert secret not in sent()
+    metrics = [json.loads(m["line"]) for hb in server.heartbeats() for m in hb["metrics"]]
+    assert {"event": "note", "step": 1, "msg": "****"} in metrics
+    tails = [c.get("log_tail", "") for hb in server.heartbeats() for c in hb["containers"]]
+    assert any("bad ****" in tail for tail in tails)

@@ -192,3 +192,30 @@ def test_a_provider_s_benchmark_command_cannot_change_the_measured_score(tmp_pat
     assert result is not None and result["simulated"] is True
     assert 0.6 * 989 <= result["matmul_tflops"] <= 0.8 * 989
     assert "99999" not in " ".join(runner.command)
+
+
+@pytest.mark.parametrize(
+    ("status", "explanation", "kind", "says"),
+    [
+        (500, "Head ...: no basic auth credentials", "PermanentRuntimeError", "asked for"),
+        (500, "unauthorized: authentication required", "PermanentRuntimeError", "secret REG"),
+        (404, "manifest for r/x:1 not found: manifest unknown", "ImageNotFoundError", "not found"),
+        (500, "connection reset by peer", "RetryableRuntimeError", "reset"),
+    ],
+)
+def test_a_refused_pull_says_why_and_is_permanent(status, explanation, kind, says):
+    import docker.errors
+    import requests
+
+    from agentprotocol import RegistryAuth
+    from nodeagent.runtime.docker import classify_docker_error, pull_error
+
+    response = requests.Response()
+    response.status_code = status
+    api_error = docker.errors.APIError("pull", response=response, explanation=explanation)
+    classified = classify_docker_error(api_error)
+    classified.__cause__ = api_error
+    auth = RegistryAuth(secret="REG", username="me", password="pw") if "REG" in says else None
+    error = pull_error("r/x:1", auth, classified)
+    assert type(error).__name__ == kind
+    assert says in str(error) and "pw" not in str(error)

@@ -13,6 +13,7 @@ from pathlib import Path
 import docker
 import pytest
 
+from agentprotocol import SecretValue
 from nodeagent.runtime.base import (
     LABEL_MANAGED,
     LABEL_NODE,
@@ -120,6 +121,41 @@ def test_start_runs_the_command_with_labels_env_and_workspace(driver, make_spec)
         "cwd_is_workspace=True",
     ]
     assert Path(spec.volume_dir, "out.txt").read_text() == "written in the run"
+
+
+def test_secrets_reach_the_run_as_variables_and_read_only_files_and_leave_with_it(
+    driver, make_spec
+):
+    # given a spec with one secret as a variable and one as a file
+    spec = make_spec(
+        """
+        import os, stat
+        print("env", os.environ["API_TOKEN"])
+        path = os.path.join(os.environ["GPUMARKET_SECRETS_DIR"], "key")
+        print("file", open(path).read())
+        print("mode", oct(stat.S_IMODE(os.stat(path).st_mode)))
+        print("in workspace", sorted(os.listdir(os.environ["GPUMARKET_WORKSPACE"])))
+        """,
+        secrets=(
+            SecretValue(name="API_TOKEN", value="tok-123456", env="API_TOKEN"),
+            SecretValue(name="KEY", value="key-abcdef", file="/run/secrets/key"),
+        ),
+    )
+    # when it runs
+    driver.start(spec)
+    assert wait_exited(driver, spec.run_id).exit_code == 0
+    lines, _ = driver.output_since(spec.run_id, None)
+    # then it read both, the file read-only, nothing of them in its synced workspace
+    assert lines[:3] == ["env tok-123456", "file key-abcdef", "mode 0o400"]
+    assert "key" not in lines[3] and "secret" not in lines[3]
+    assert "tok-123456" not in repr(spec)
+    if isinstance(driver, LocalProcessDriver):  # its record on disk holds no value
+        meta = Path(driver.config.state_dir, spec.run_id, "meta.json").read_text()
+        assert "tok-123456" not in meta and "key-abcdef" not in meta
+    # and once it is removed, its secrets directory is gone from the host
+    assert os.path.isdir(spec.secrets_dir())
+    driver.remove(spec.run_id)
+    assert not os.path.exists(spec.secrets_dir())
 
 
 def test_start_twice_with_the_same_run_id_gives_one_run(driver, make_spec):
