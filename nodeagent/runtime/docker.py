@@ -76,7 +76,7 @@ from nodeagent.runtime.base import (
     run_env,
 )
 from nodeagent.runtime.sshd import LAUNCH_SCRIPT, SSH_PORT, launch_environment
-from nodeagent.staging import workspace_seed
+from nodeagent.staging import workspace_delete, workspace_seed
 
 logger = logging.getLogger(__name__)
 
@@ -471,7 +471,7 @@ class DockerDriver:
         if container is not None:
             try:
                 # v=True: anonymous volumes declared by the image go too; the bind-mounted
-                # workspace is a host directory and stays.
+                # workspace is a host directory: release_unused_rentals deletes it.
                 self._call("remove", lambda: container.remove(force=True, v=True))
                 logger.info("container removed", extra={"run_id": run_id})
             except RunNotFoundError:
@@ -483,8 +483,12 @@ class DockerDriver:
         self.release_unused_rentals()
 
     def release_unused_rentals(self, rental_id: str | None = None) -> None:
-        """Remove the networks (and unmount the quota workspaces) of rentals of this node (or
-        the one rental) that have no container left; the data stays in its image for later."""
+        """Remove what rentals of this node (or the one rental) that have no container left
+        still hold on the host: the workspace (unmounted and its quota image deleted), then the
+        network. The agent removes a run's container only once its final output sync is done,
+        so nothing unsynced is lost. The network goes last: it names the workspace
+        (LABEL_VOLUME), so a crash in between leaves a record the next call (a restarted agent
+        makes one at start) finishes with."""
         filters = [f"{LABEL_MANAGED}=1"]
         if self.config.node_id is not None:
             filters.append(f"{LABEL_NODE}={self.config.node_id}")
@@ -521,6 +525,9 @@ class DockerDriver:
                 volume_dir = network.attrs.get("Labels", {}).get(LABEL_VOLUME, "")
                 if volume_dir and os.path.ismount(volume_dir):
                     self._unmount(volume_dir)
+                # Only a workspace named after its rental, as the agent makes them.
+                if volume_dir and os.path.basename(volume_dir) == rental_id:
+                    workspace_delete(volume_dir)
                 bridge = (network.attrs.get("Options") or {}).get(BRIDGE_OPTION, "")
                 if bridge:
                     gangnet.remove(bridge, iptables=self.config.iptables)

@@ -284,7 +284,7 @@ def test_lifecycle_start_adopt_metrics_usage_stop_remove(server, agent, driver, 
     assert METRIC_LINE in exited["log_tail"]
     assert [(u["seq"], u["final"]) for u in hb4["usage"]] == [(3, True)]
     assert driver.list_managed() == []
-    assert volume.is_dir()  # the rental's data stays
+    assert not volume.exists()  # its workspace left the host with the run
 
     # 5. nothing left to report; the run's records are gone
     fifth = agent()
