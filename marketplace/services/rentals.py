@@ -35,13 +35,16 @@ from marketplace.selectors import (
     engine_nodes_cheapest,
     rental_owned,
 )
-from scheduler.engine import feasibility
+from scheduler.engine import DEFAULT_POLICY, feasibility
 from scheduler.engine import types as engine
 
 # A request that names no deadline may wait this long for capacity before it expires.
 DEFAULT_START_WINDOW = timedelta(hours=1)
 MAX_DURATION = timedelta(days=30)
-MAX_ADVANCE_BOOKING = timedelta(days=90)
+# A booking is accepted only as far ahead as the planner places one: within the horizon it is
+# planned (its GPUs allocated) at the next cycle, so it is guaranteed when made or refused then;
+# further ahead it would wait PENDING with nothing held.
+MAX_ADVANCE_BOOKING = timedelta(seconds=DEFAULT_POLICY.horizon)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -280,7 +283,12 @@ def rental_create(
     if start < now - timedelta(minutes=5):
         raise ValidationFailed("start_at is in the past", field="start_at")
     if start > now + MAX_ADVANCE_BOOKING:
-        raise ValidationFailed("start_at is more than 90 days ahead", field="start_at")
+        hours = round(MAX_ADVANCE_BOOKING.total_seconds() / 3600)
+        raise ValidationFailed(
+            f"start_at is more than {hours} h ahead: bookings are planned (and guaranteed) "
+            f"only within the {hours} h planning horizon",
+            field="start_at",
+        )
     deadline = request.start_deadline or start + DEFAULT_START_WINDOW
     if deadline < start:
         raise ValidationFailed("start_deadline is before start_at", field="start_deadline")
