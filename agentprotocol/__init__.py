@@ -392,6 +392,10 @@ class DatasetMount(Message):
     files: tuple[StagedFile, ...]
 
 
+# Where the JupyterLab of a run with a `jupyter_token` listens in its container (loopback).
+JUPYTER_PORT = 8888
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class DesiredRun(Message):
     """A run the server wants on the node now: the rental's container on its allocated GPUs."""
@@ -419,6 +423,9 @@ class DesiredRun(Message):
     sync_artifacts: bool = False
     # Public keys (OpenSSH format) allowed into the run's sshd, when the rental asked for SSH.
     ssh_authorized_keys: tuple[str, ...] = dataclasses.field(default=(), metadata=OMIT_EMPTY)
+    # The token of the JupyterLab the agent starts beside the command on JUPYTER_PORT, when the
+    # rental asked for one ("": none).
+    jupyter_token: str = dataclasses.field(default="", metadata=OMIT_EMPTY)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -55,6 +55,11 @@ def add_rent_parser(sub: argparse._SubParsersAction) -> None:
     rent.add_argument("--resume-from", help="a rental: start from its last synced checkpoint")
     rent.add_argument("cmd", nargs="*", help="the command (after --)")
     rent.add_argument("--ssh", action="store_true", help="an sshd for your SSH keys")
+    rent.add_argument(
+        "--jupyter",
+        action="store_true",
+        help="JupyterLab beside the command (the command itself when none is given)",
+    )
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -105,6 +110,8 @@ def _rent_body(args: argparse.Namespace) -> dict:
         body["resume_from"] = args.resume_from
     if args.ssh:
         body["ssh"] = True
+    if args.jupyter:
+        body["jupyter"] = True
     return body
 
 
@@ -146,8 +153,10 @@ def rental_summary(rental: dict) -> str:
     ]
     if rental.get("datasets"):
         fields.append(("datasets", ", ".join(rental["datasets"])))
-    fields += [("access", a["command"] or f"{a['host']}:{a['host_port']}")
+    fields += [("access", a["command"] or a.get("url") or f"{a['host']}:{a['host_port']}")
                for a in rental.get("access", [])]  # fmt: skip
+    if rental.get("ports") and not rental.get("access"):
+        fields.append(("ports", ", ".join(map(str, rental["ports"])) + " (published once it runs)"))
     lines = [f"{rental['id']}  {rental['name']}".rstrip()]
     lines += [f"{label:<9} {value}" for label, value in fields]
     lines += ["", "events"]

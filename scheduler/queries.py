@@ -75,6 +75,7 @@ PENDING_FIELDS = (
     "kind",
     "bid_per_gpu_hour",
     "ssh",
+    "jupyter",
     "min_interconnect_gbps",
 )
 _EPOCH_FIELDS = frozenset({"created_at", "start_at", "start_deadline"})

@@ -273,6 +273,12 @@ class RentalCreateSerializer(ReusedPerThread, serializers.Serializer):
     ssh = serializers.BooleanField(
         required=False, default=False, help_text="an sshd in the container for your SSH keys"
     )
+    jupyter = serializers.BooleanField(
+        required=False,
+        default=False,
+        help_text="JupyterLab beside the command (as the command when none is given), "
+        "published with a token of the rental's own",
+    )
     min_interconnect_gbps = serializers.IntegerField(
         required=False,
         default=0,
@@ -373,6 +379,7 @@ class RentalSerializer(serializers.Serializer):
     ports = serializers.ListField(child=serializers.IntegerField())
     resume_from = serializers.UUIDField(source="resume_from_id", allow_null=True)
     ssh = serializers.BooleanField()
+    jupyter = serializers.BooleanField()
     min_interconnect_gbps = serializers.IntegerField()
     created_at = serializers.DateTimeField()
 
@@ -384,6 +391,10 @@ class RentalAccessSerializer(serializers.Serializer):
     host = serializers.CharField(help_text="the node's public name or address")
     host_port = serializers.IntegerField()
     command = serializers.CharField(help_text="for SSH: the command that logs in; else empty")
+    url = serializers.CharField(
+        help_text="for any other port: http://host:port/ (JupyterLab's with its token); "
+        "for SSH empty"
+    )
 
 
 class RentalMemberSerializer(serializers.Serializer):
@@ -421,6 +432,9 @@ class RentalDetailSerializer(ReusedPerThread, RentalSerializer):
         many=True, help_text="GPU time a node fault lost: credited, not billed"
     )
     log_tail = serializers.CharField()
+    jupyter_token = serializers.CharField(
+        help_text="the token of the rental's JupyterLab (empty without one): the team's only"
+    )
     access = RentalAccessSerializer(
         many=True, help_text="how to reach the running container (SSH), once its ports listen"
     )

@@ -105,6 +105,10 @@ class Rental(models.Model):
     )
     # An sshd in the container for the customer's SSH keys (accounts.models.sshkeys).
     ssh = models.BooleanField(default=False)
+    # JupyterLab beside the command (nodeagent/runtime/jupyter.py), on JUPYTER_PORT, with this
+    # token: made by the server, a per-rental value shown only to the rental's team.
+    jupyter = models.BooleanField(default=False)
+    jupyter_token = models.CharField(max_length=64, blank=True, default="")
 
     # What happened.
     price_per_gpu_hour = models.DecimalField(

@@ -6,6 +6,7 @@ the lifecycle's (marketplace.lifecycle).
 
 from __future__ import annotations
 
+import secrets
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -41,6 +42,9 @@ from scheduler.engine import types as engine
 # A request that names no deadline may wait this long for capacity before it expires.
 DEFAULT_START_WINDOW = timedelta(hours=1)
 MAX_DURATION = timedelta(days=30)
+# The command of a Jupyter rental that names none: it keeps the container (and the notebook
+# server the agent starts beside it) up.
+JUPYTER_IDLE_COMMAND = ("sleep", "infinity")
 # A booking is accepted only as far ahead as the planner places one: within the horizon it is
 # planned (its GPUs allocated) at the next cycle, so it is guaranteed when made or refused then;
 # further ahead it would wait PENDING with nothing held.
@@ -87,6 +91,7 @@ class RentalRequest:
     # An earlier rental of the customer's whose last synced checkpoint the run starts from.
     resume_from: uuid.UUID | None = None
     ssh: bool = False  # an sshd in the container for the account's SSH keys
+    jupyter: bool = False  # JupyterLab beside the command, with a token of the rental's own
     # A gang: only a cluster whose interconnect is at least this fast, Gb/s per node (0: any).
     min_interconnect_gbps: int = 0
     # What a preemption does to it (PreemptionPolicy); None: preemption_policy_default.
@@ -135,7 +140,8 @@ def _engine_request(req: RentalRequest, start: datetime, deadline: datetime) -> 
         max_price=req.max_price_per_gpu_hour,
         interruptible=req.kind == RentalKind.INTERRUPTIBLE,
         bid=req.bid_per_gpu_hour,
-        ssh=req.ssh,
+        # Jupyter, like SSH, needs a node whose agent runs containers and publishes ports.
+        ssh=req.ssh or req.jupyter,
         min_interconnect_gbps=req.min_interconnect_gbps,
     )
 
@@ -177,7 +183,7 @@ def _never_fits(req: RentalRequest, start: datetime, deadline: datetime) -> _Fit
     # A gang's members sit in one cluster: unclustered nodes never host one.
     capable = replace(
         priced,
-        ssh=req.ssh,
+        ssh=req.ssh or req.jupyter,
         clustered=req.node_count > 1,
         min_interconnect_gbps=req.min_interconnect_gbps,
     )
@@ -319,7 +325,15 @@ def rental_create(
         if request.resume_from is not None
         else None
     )
+    runtime = request.runtime
+    if request.jupyter and not runtime.command and runtime.harness_config is None:
+        # Nothing else to run: the notebook is the work, and the rental lasts until it is
+        # stopped or its time is up.
+        runtime = replace(runtime, command=list(JUPYTER_IDLE_COMMAND))
     fit = _never_fits(request, start, deadline)
+    if fit.field == "ssh" and not request.ssh:  # the engine's `ssh` stood for the notebook
+        fit = _Fit("jupyter: no matching node can run a container with a published port",
+                   field="jupyter")  # fmt: skip
     if fit.reason is not None:
         raise ValidationFailed(f"this request can never be placed: {fit.reason}", field=fit.field)
     with transaction.atomic():
@@ -343,16 +357,18 @@ def rental_create(
             start_at=start,
             start_deadline=deadline,
             duration_s=request.duration_s,
-            image=request.runtime.image,
-            command=request.runtime.command,
-            harness_config=_harness_config(request.runtime),
-            env=request.runtime.env,
-            ports=request.runtime.ports,
+            image=runtime.image,
+            command=runtime.command,
+            harness_config=_harness_config(runtime),
+            env=runtime.env,
+            ports=runtime.ports,
             ssh=request.ssh,
+            jupyter=request.jupyter,
+            jupyter_token=secrets.token_urlsafe(32) if request.jupyter else "",
             resume_from=resume_from,
             min_interconnect_gbps=request.min_interconnect_gbps,
             preemption_policy=request.preemption_policy
-            or preemption_policy_default(harness_config=_harness_config(request.runtime)),
+            or preemption_policy_default(harness_config=_harness_config(runtime)),
         )
         links = []
         if request.datasets:

@@ -60,7 +60,7 @@ from docker.types import DeviceRequest, IPAMConfig, IPAMPool, LogConfig, Mount, 
 from docker.utils import parse_repository_tag
 
 from agentprotocol import ContainerStatus
-from nodeagent.runtime import gangnet
+from nodeagent.runtime import gangnet, jupyter
 from nodeagent.runtime.base import (
     LABEL_MANAGED,
     LABEL_NODE,
@@ -422,6 +422,7 @@ class DockerDriver:
                     self._prepare_volume(spec)
                     self._start_container(container, spec.run_id)
                 self._start_sshd(container, spec)
+                self._start_jupyter(container, spec)
             logger.info("container exists, adopting it", extra=log_extra)
             return self._reload_state(container)
 
@@ -446,6 +447,7 @@ class DockerDriver:
         if container.status == "created":
             self._start_container(container, spec.run_id)
             self._start_sshd(container, spec)
+            self._start_jupyter(container, spec)
         state = self._reload_state(container)
         logger.info(
             "container started",
@@ -685,27 +687,38 @@ class DockerDriver:
             raise
 
     def _start_sshd(self, container: Container, spec: ContainerSpec) -> None:
-        """Start the run's sshd beside its main process (nodeagent/runtime/sshd.py), as the
-        container's user. An image without sshd keeps running without it: the port is then
-        never published, and the log says why."""
-        if not spec.ssh_authorized_keys:
-            return
-        env = launch_environment(spec.ssh_authorized_keys)
+        """Start the run's sshd beside its main process (nodeagent/runtime/sshd.py)."""
+        if spec.ssh_authorized_keys:
+            env = launch_environment(spec.ssh_authorized_keys)
+            self._exec_beside(container, spec, "sshd", LAUNCH_SCRIPT, env)
+
+    def _start_jupyter(self, container: Container, spec: ContainerSpec) -> None:
+        """Start the run's JupyterLab beside its main process (nodeagent/runtime/jupyter.py)."""
+        if spec.jupyter_token:
+            env = jupyter.launch_environment(spec.jupyter_token)
+            self._exec_beside(container, spec, "JupyterLab", jupyter.LAUNCH_SCRIPT, env)
+
+    def _exec_beside(
+        self, container: Container, spec: ContainerSpec, what: str, script: str, env: dict
+    ) -> None:
+        """Run `script` with `sh -c` in the container, detached, as the container's user. An
+        image without the program keeps running without it: its port is then never
+        published, and the log says why."""
         try:
             self._call(
-                "exec sshd",
+                f"exec {what}",
                 lambda: container.exec_run(
-                    ["sh", "-c", LAUNCH_SCRIPT], environment=env, detach=True,
+                    ["sh", "-c", script], environment=env, detach=True,
                     user=self.container_user(spec.image) or "",
                 ),
             )  # fmt: skip
         except RuntimeDriverError as exc:
             logger.warning(
-                "cannot start sshd in the container",
+                f"cannot start {what} in the container",
                 extra={"run_id": spec.run_id, "error": str(exc)},
             )
             return
-        logger.info("sshd started", extra={"run_id": spec.run_id})
+        logger.info(f"{what} started", extra={"run_id": spec.run_id})
 
     def _ensure_image(self, image: str) -> None:
         try:

@@ -177,6 +177,11 @@ class LocalProcessDriver:
                 "the process runtime cannot give SSH access: a rental's process shares the "
                 "host; use the docker runtime"
             )
+        if spec.jupyter_token:
+            raise PermanentRuntimeError(
+                "the process runtime cannot run JupyterLab: its port would be open on the "
+                "host; use the docker runtime"
+            )
         with self._locked():
             meta = self._meta(spec.run_id)
             if meta is not None:

@@ -57,6 +57,7 @@ COMMANDS = {
     "ssh-key ls": ["ssh-key", "ls"],
     "ssh-key rm": ["ssh-key", "rm", "3"],
     "ssh-command": ["ssh-command", "RID"],
+    "jupyter": ["jupyter", "RID"],
     "rentals": ["rentals"],
     "show": ["show", "RID"],
     "metrics": ["metrics", "RID"],
