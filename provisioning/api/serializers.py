@@ -381,6 +381,10 @@ class DesiredRunSerializer(serializers.Serializer):
         required=False,
         help_text="OpenSSH public key lines, when SSH was asked for",
     )
+    jupyter_token = serializers.CharField(
+        required=False,
+        help_text="the token of the JupyterLab to start on JUPYTER_PORT, when one was asked for",
+    )
 
 
 class BenchmarkSpecSerializer(serializers.Serializer):
