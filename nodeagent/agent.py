@@ -407,7 +407,11 @@ class Agent:
             self._credentials = credentials
             structlog.contextvars.bind_contextvars(node_id=credentials.node_id)
             self._driver = self._create_driver(credentials.node_id)
-            self._sweep_leftovers()
+            try:
+                self._sweep_leftovers()
+            except (RuntimeDriverError, OSError) as exc:
+                # Leftovers wait for the next start (or the next removal): the runs go first.
+                logger.warning("leftovers not swept", extra={"error": str(exc)})
             self._syncer.start()
             return self._loop()
         except RequestRejectedError as exc:

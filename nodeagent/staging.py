@@ -368,8 +368,12 @@ def workspace_delete(workspace: str) -> None:
                 with contextlib.suppress(OSError):
                     os.chmod(path, 0o700)
     shutil.rmtree(workspace, ignore_errors=True)
-    with contextlib.suppress(FileNotFoundError):
+    try:
         os.unlink(f"{workspace}.ext4")
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.warning("quota image not deleted", extra={"workspace": workspace, "error": str(exc)})
     if not os.path.lexists(workspace):
         logger.info("workspace deleted", extra={"workspace": workspace})
 
