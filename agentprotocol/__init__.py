@@ -433,6 +433,10 @@ class DatasetMount(Message):
     files: tuple[StagedFile, ...]
 
 
+# Where the JupyterLab of a run with a `jupyter_token` listens in its container (loopback).
+JUPYTER_PORT = 8888
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class SecretValue(Message):
     """A team secret the run uses, decrypted for the node that runs it: as the environment
@@ -492,6 +496,9 @@ class DesiredRun(Message):
     # that runs it), and the credentials its image is pulled with.
     secrets: tuple[SecretValue, ...] = dataclasses.field(default=(), metadata=OMIT_EMPTY)
     registry_auth: RegistryAuth | None = dataclasses.field(default=None, metadata=OMIT_EMPTY)
+    # The token of the JupyterLab the agent starts beside the command on JUPYTER_PORT, when the
+    # rental asked for one ("": none).
+    jupyter_token: str = dataclasses.field(default="", metadata=OMIT_EMPTY)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

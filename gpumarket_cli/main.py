@@ -13,6 +13,7 @@
     gpumarket artifacts ls RENTAL | artifacts pull RENTAL [DEST]
     gpumarket ssh-key add ~/.ssh/id_ed25519.pub | ssh-key ls | ssh-key rm ID
     gpumarket rent --ssh ... ; gpumarket ssh-command ID     (ssh -p PORT harness@HOST)
+    gpumarket rent --jupyter --ssh ... ; gpumarket jupyter ID    (a tunnel to its JupyterLab)
     gpumarket notify show | set --webhook-url URL --email-off rental.started | deliveries
 
 Every command takes `--json`, anywhere on the line: it prints the server's answer as JSON

@@ -61,6 +61,11 @@ def add_rent_parser(sub: argparse._SubParsersAction) -> None:
         help="internet (the default): the public internet and nothing else, not the host, "
         "its LAN or other rentals; internal: no network at all",
     )
+    rent.add_argument(
+        "--jupyter",
+        action="store_true",
+        help="JupyterLab beside the command (the command itself when none is given)",
+    )
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -114,6 +119,8 @@ def _rent_body(args: argparse.Namespace) -> dict:
     if args.network:
         body["network"] = args.network
     body.update(secrets_from_flags(args))
+    if args.jupyter:
+        body["jupyter"] = True
     return body
 
 
@@ -166,8 +173,10 @@ def rental_summary(rental: dict) -> str:
         fields.append(("datasets", ", ".join(rental["datasets"])))
     if rental.get("secrets"):
         fields.append(("secrets", ", ".join(use["name"] for use in rental["secrets"])))
-    fields += [("access", a["command"] or f"{a['host']}:{a['host_port']}")
+    fields += [("access", a["command"] or a.get("url") or f"{a['host']}:{a['host_port']}")
                for a in rental.get("access", [])]  # fmt: skip
+    if rental.get("ports") and not rental.get("access"):
+        fields.append(("ports", ", ".join(map(str, rental["ports"])) + " (published once it runs)"))
     lines = [f"{rental['id']}  {rental['name']}".rstrip()]
     lines += [f"{label:<9} {value}" for label, value in fields]
     lines += ["", "events"]

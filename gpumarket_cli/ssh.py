@@ -1,4 +1,5 @@
-"""`gpumarket ssh-key` and `ssh-command`: the team's SSH keys, and the way into a rental."""
+"""`gpumarket ssh-key`, `ssh-command` and `jupyter`: the team's SSH keys, and the ways into a
+rental: its ssh command, and its JupyterLab through an SSH tunnel opened with the real `ssh`."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from gpumarket_cli.api import Api
 
-COMMANDS = ("ssh-key", "ssh-command")
+COMMANDS = ("ssh-key", "ssh-command", "jupyter")
+
+JUPYTER_PORT = 8888  # where a rental's JupyterLab listens in its container (the agent's)
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -24,9 +27,72 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     key_sub.add_parser("ls", help="list them")
     key_sub.add_parser("rm", help="remove one").add_argument("key", metavar="ID", type=int)
     sub.add_parser("ssh-command", help="the ssh command into a rental").add_argument("id")
+    notebook = sub.add_parser(
+        "jupyter", help="a rental's JupyterLab through an SSH tunnel (rent with --jupyter --ssh)"
+    )
+    notebook.add_argument("id")
+    notebook.add_argument(
+        "--local-port", type=int, default=0, help="the port on this machine (default: a free one)"
+    )
+    notebook.add_argument("-i", dest="identity", metavar="FILE", help="ssh's identity file")
+    notebook.add_argument(
+        "-o", dest="ssh_options", action="append", default=[], metavar="OPTION",
+        help="an ssh option (repeatable), e.g. -o StrictHostKeyChecking=accept-new",
+    )  # fmt: skip
 
 
-def run(args: argparse.Namespace, api: Api) -> str:
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def jupyter(args: argparse.Namespace, api: Api) -> str | None:
+    """Open `ssh -N -L` to the rental's JupyterLab, print the local URL with its token, and
+    keep the tunnel until ssh ends (Ctrl-C). Without SSH, the published URL is printed."""
+    import subprocess
+
+    rental = api.call("GET", f"/api/v1/rentals/{args.id}/")
+    if not rental.get("jupyter"):
+        raise CliError(f"{args.id} has no JupyterLab: rent with --jupyter")
+    access = rental.get("access", [])
+    published = [a["url"] for a in access if a["container_port"] == JUPYTER_PORT and a["url"]]
+    ssh_entry = next((a for a in access if a["command"]), None)
+    if ssh_entry is None:
+        if published:
+            return f"{published[0]}\n(no SSH into it: rent with --ssh for a tunnel)"
+        raise CliError(f"no JupyterLab in {args.id} now (status {rental['status']})")
+    local = args.local_port or _free_port()
+    argv = ["ssh", "-N", "-o", "ExitOnForwardFailure=yes",
+            "-L", f"127.0.0.1:{local}:127.0.0.1:{JUPYTER_PORT}",
+            "-p", str(ssh_entry["host_port"])]  # fmt: skip
+    if args.identity:
+        argv += ["-i", args.identity]
+    for option in args.ssh_options:
+        argv += ["-o", option]
+    argv.append(ssh_entry["command"].rsplit(" ", 1)[-1])  # harness@HOST
+    try:
+        tunnel = subprocess.Popen(argv)
+    except OSError as exc:
+        raise CliError(f"cannot run ssh: {exc.strerror}") from None
+    print(f"http://127.0.0.1:{local}/lab?token={rental['jupyter_token']}", flush=True)
+    print("(the tunnel stays open until you press Ctrl-C)", file=sys.stderr, flush=True)
+    try:
+        code = tunnel.wait()
+    except KeyboardInterrupt:
+        tunnel.terminate()
+        tunnel.wait()
+        return None
+    if code != 0:
+        raise CliError(f"ssh ended with exit code {code}")
+    return None
+
+
+def run(args: argparse.Namespace, api: Api) -> str | None:
+    if args.command == "jupyter":
+        return jupyter(args, api)
     if args.command == "ssh-command":
         rental = api.call("GET", f"/api/v1/rentals/{args.id}/")
         commands = [a["command"] for a in rental.get("access", []) if a["command"]]

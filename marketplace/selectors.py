@@ -503,6 +503,9 @@ def rental_owned(*, team: Team, rental_id) -> Rental:
 # The login name shown in a rental's ssh command: the user of the harness image (uid 1000), the
 # user rental containers run as.
 SSH_LOGIN = "harness"
+# Where a rental's JupyterLab listens in its container: agentprotocol.JUPYTER_PORT, where the
+# agent starts it (a test checks the two agree).
+JUPYTER_PORT = 8888
 
 
 def rental_ssh_keys(rentals: Iterable[Rental]) -> dict:
@@ -527,9 +530,14 @@ def rental_access(rental: Rental) -> list[dict]:
     access = []
     for run in rental.runs.filter(status="running").order_by("id"):
         for port in run.published or []:
-            entry = {**port, "command": ""}
+            entry = {**port, "command": "", "url": ""}
+            where = f"{port['host']}:{port['host_port']}"
             if port.get("container_port") == 22 and rental.ssh:
                 entry["command"] = f"ssh -p {port['host_port']} {SSH_LOGIN}@{port['host']}"
+            elif port.get("container_port") == JUPYTER_PORT and rental.jupyter:
+                entry["url"] = f"http://{where}/lab?token={rental.jupyter_token}"
+            else:
+                entry["url"] = f"http://{where}/"
             access.append(entry)
     return access
 

@@ -25,6 +25,12 @@ checkpoint line it prints, every SYNC_INTERVAL_S while it runs, and once more af
 its exit is reported only after that final sync, so the server takes its last uploads while it
 still believes the run is running, and a restarted agent finishes what was not committed.
 
+Nothing of a rental stays on the host: a run's container is removed only after its exit and
+final sync were delivered, and its removal deletes the rental's workspace once no run of it is
+left (the runtime driver), then its stage dir when the run is forgotten; a restarted agent
+sweeps what an earlier one left (`_sweep_leftovers`). Only the content-addressed dataset cache
+(read-only, keyed by sha256) is kept for later runs.
+
 The runtime is the source of truth for what runs (labels, so a restarted agent adopts its runs);
 the spool directory only keeps what billing and metrics need across restarts (see `spool`).
 
@@ -96,7 +102,13 @@ from nodeagent.runtime.base import (
     RuntimeDriverError,
 )
 from nodeagent.spool import RunLedger, RunRecord, UsageSpool, write_atomic
-from nodeagent.staging import ContentCache, StagedRun, stage_dir_remove, stage_run
+from nodeagent.staging import (
+    ContentCache,
+    StagedRun,
+    stage_dir_remove,
+    stage_run,
+    workspace_delete,
+)
 from nodeagent.telemetry import SampleWatchdog, TelemetryError, TelemetrySource, create_source
 from nodeagent.telemetry.simulated import (
     parse_simulate_gpus,
@@ -426,6 +438,11 @@ class Agent:
             self._credentials = credentials
             structlog.contextvars.bind_contextvars(node_id=credentials.node_id)
             self._driver = self._create_driver(credentials.node_id)
+            try:
+                self._sweep_leftovers()
+            except (RuntimeDriverError, OSError) as exc:
+                # Leftovers wait for the next start (or the next removal): the runs go first.
+                logger.warning("leftovers not swept", extra={"error": str(exc)})
             self._syncer.start()
             return self._loop()
         except RequestRejectedError as exc:
@@ -616,6 +633,33 @@ class Agent:
         driver.on_pull_progress = self._pull_progress  # type: ignore[attr-defined]
         driver.on_image_pulled = self._image_cache.pulled  # type: ignore[attr-defined]
         return driver
+
+    def _sweep_leftovers(self) -> None:
+        """Delete what an earlier agent left of rentals that are gone (it stopped between a
+        run's removal and the deletion of its files): networks and workspaces of rentals with
+        no container (the Docker driver), then stage dirs and workspaces under the volume root
+        (this agent's own) that no run in the runtime or in the ledger names. A run in the
+        ledger keeps its files: its final sync may not be done. The dataset cache is kept."""
+        assert self._driver is not None
+        release = getattr(self._driver, "release_unused_rentals", None)
+        if release is not None:
+            release()
+        actual = self._driver.list_managed()
+        records = [record for run_id in self.ledger if (record := self.ledger.get(run_id))]
+        runs = {state.run_id for state in actual} | set(self.ledger)
+        rentals = {state.rental_id for state in actual} | {r.rental_id for r in records}
+        if os.path.isdir(self._stage_root):
+            for name in os.listdir(self._stage_root):
+                if _SAFE_ID.match(name) and name not in runs:
+                    stage_dir_remove(os.path.join(self._stage_root, name))
+        root = self.config.volume_root
+        for name in os.listdir(root) if os.path.isdir(root) else []:
+            rental_id = name.removesuffix(".ext4")
+            if name.startswith(".") or not _SAFE_ID.match(name) or rental_id in rentals:
+                continue
+            path = os.path.join(root, rental_id)
+            if os.path.isdir(path) or os.path.isfile(f"{path}.ext4"):
+                workspace_delete(path)
 
     # -- one round -----------------------------------------------------------------------------
 

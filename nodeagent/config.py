@@ -130,7 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--telemetry", choices=["nvml", "simulated"], help="[GPUMARKET_TELEMETRY] (nvml)")
     add("--simulate-gpus", metavar="SLUG:COUNT", help="e.g. h100-sxm5-80gb:8 (simulated only)")
     add("--hostname", help="name to join as [GPUMARKET_HOSTNAME] (this host's name)")
-    add("--volume-root", help="per-rental volume directories [GPUMARKET_VOLUME_ROOT]")
+    add(
+        "--volume-root",
+        help="per-rental volume directories, this agent's own: it deletes "
+        "what no run of its names [GPUMARKET_VOLUME_ROOT]",
+    )
     add("--process-dir", help="run records of the process runtime [GPUMARKET_PROCESS_DIR]")
     add("--interval", help="heartbeat seconds until the server says otherwise (5)")
     add("--request-timeout", help="seconds per server request (10)")

@@ -353,6 +353,31 @@ def stage_run(entry: DesiredRun, *, cache: ContentCache, stage_root: str) -> Sta
     return StagedRun(data_dir=data_dir, seed_dir=seed_dir, downloaded=downloaded)
 
 
+def workspace_delete(workspace: str) -> None:
+    """Delete a rental's host workspace and its quota image (`<workspace>.ext4`, unmounted
+    first by the caller): the customer's output leaves the host once it is synced. A mount
+    still on it is left alone (deleting would empty a volume some run still uses)."""
+    if os.path.ismount(workspace):
+        logger.warning("workspace still mounted, not deleted", extra={"workspace": workspace})
+        return
+    # The run may have left read-only directories; links it left are never followed.
+    for parent, dirs, _ in os.walk(workspace):
+        for name in dirs:
+            path = os.path.join(parent, name)
+            if not os.path.islink(path):
+                with contextlib.suppress(OSError):
+                    os.chmod(path, 0o700)
+    shutil.rmtree(workspace, ignore_errors=True)
+    try:
+        os.unlink(f"{workspace}.ext4")
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.warning("quota image not deleted", extra={"workspace": workspace, "error": str(exc)})
+    if not os.path.lexists(workspace):
+        logger.info("workspace deleted", extra={"workspace": workspace})
+
+
 def workspace_seed(seed_dir: str, workspace: str, *, owner: tuple[int, int] | None) -> int:
     """Copy the files of `seed_dir` into `workspace` where no file of that name exists yet
     (a restarted run keeps what it wrote since), owned by `owner` when given (the agent is

@@ -76,6 +76,7 @@ PENDING_FIELDS = (
     "bid_per_gpu_hour",
     "ssh",
     "network",
+    "jupyter",
     "min_interconnect_gbps",
     "image",
 )

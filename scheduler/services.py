@@ -73,7 +73,7 @@ def engine_request(row: dict) -> engine.Request:
         max_price=row["max_price_per_gpu_hour"],
         interruptible=row["kind"] == RentalKind.INTERRUPTIBLE,
         bid=row["bid_per_gpu_hour"],
-        ssh=row["ssh"],
+        ssh=row["ssh"] or row["jupyter"],  # both need a container with a published port
         internet=row["network"] == RentalNetwork.INTERNET,
         min_interconnect_gbps=row["min_interconnect_gbps"],
         image=image_normalize(row["image"]) if row["image"] else "",

@@ -21,7 +21,13 @@
 #     maintainer scripts (none is needed: the agent starts sshd as the container's user with a
 #     configuration and host key of its own) and cached as a tarball, so adding it never
 #     re-runs debootstrap.
+#   - JupyterLab (for rentals that ask for a notebook) is a layer of its own too: its wheels are
+#     installed by the host's pip for the base's Python into a staging directory, its data and
+#     configuration moved to /usr/local/share/jupyter and /usr/local/etc/jupyter, and cached as
+#     a tarball keyed by the base key and its pinned versions. It is started as
+#     `python3 -m jupyterlab` (the console scripts pip writes name the host's interpreter).
 # Both images carry OpenSSH's server (the agent starts it for rentals that ask for SSH) and
+# JupyterLab (the agent starts it for rentals that ask for a notebook), and
 # run the harness as the non-root user `harness` (uid/gid 1000) with /workspace as
 # the working directory (the rental's volume) and `python -m harness` available.
 #
@@ -50,6 +56,9 @@ RECIPE_VERSION=3
 # The sshd layer's recipe: bump when the packages or their unpacking below change.
 SSHD_PACKAGES=(openssh-server)
 SSHD_RECIPE_VERSION=1
+# The JupyterLab layer's recipe: bump when its packages or their layout below change.
+JUPYTER_PACKAGES=("jupyterlab==4.4.*")
+JUPYTER_RECIPE_VERSION=1
 HARNESS_UID=1000
 
 log() { echo "build-offline: $*" >&2; }
@@ -220,6 +229,42 @@ build_sshd_tarball() {  # needs the base image: apt resolves against its package
     trap - EXIT
 }
 
+JUPYTER_KEY="$(printf '%s\n' "$BASE_KEY" "$JUPYTER_RECIPE_VERSION" "${JUPYTER_PACKAGES[@]}" |
+    sha256sum | cut -c1-16)"
+JUPYTER_TARBALL="$CACHE/jupyter-$JUPYTER_KEY.tar"
+
+build_jupyter_tarball() {
+    local work="$CACHE/jupyter.$$"
+    trap 'rm -rf "'"$work"'"' EXIT
+    local site="$work/root/usr/local/lib/python3.11/dist-packages"
+    local stage="$work/stage"
+    local platforms=(--platform manylinux2014_x86_64 --platform manylinux2010_x86_64
+        --platform manylinux1_x86_64)
+    for minor in $(seq 5 36); do
+        platforms+=(--platform "manylinux_2_${minor}_x86_64")
+    done
+    mkdir -p "$site" "$work/root/usr/local/share" "$work/root/usr/local/etc"
+    log "installing ${JUPYTER_PACKAGES[*]} for the base's Python"
+    # The base's own packages are pinned so that a shared dependency (PyYAML) keeps its version.
+    printf '%s\n' "${REQUIREMENTS[@]:1}" >"$work/constraints.txt"
+    "$PY" -m pip install -q --disable-pip-version-check --no-warn-script-location \
+        --target "$stage" --only-binary=:all: --python-version 3.11 --implementation cp \
+        --abi cp311 "${platforms[@]}" -c "$work/constraints.txt" "${JUPYTER_PACKAGES[@]}" 2>&1 |
+        # pip also checks the packages of the interpreter it runs in, which the image never
+        # sees: its conflict report about them is noise here.
+        { grep -vE "^WARNING: Location .* is ignored|dependency resolver does not currently|which is incompatible" || true; } >&2
+    [[ ! -d "$stage/share/jupyter" ]] || mv "$stage/share/jupyter" "$work/root/usr/local/share/"
+    [[ ! -d "$stage/etc/jupyter" ]] || mv "$stage/etc/jupyter" "$work/root/usr/local/etc/"
+    # Scripts name the host's interpreter; the rest of share/ and etc/ is documentation.
+    rm -rf "${stage:?}/bin" "${stage:?}/share" "${stage:?}/etc"
+    cp -a "$stage/." "$site/"
+    tar --numeric-owner --owner=0 --group=0 -C "$work/root" -cf "$JUPYTER_TARBALL.tmp" .
+    mv "$JUPYTER_TARBALL.tmp" "$JUPYTER_TARBALL"
+    find "$CACHE" -maxdepth 1 -name 'jupyter-*.tar' ! -name "jupyter-$JUPYTER_KEY.tar" -delete
+    rm -rf "$work"
+    trap - EXIT
+}
+
 if [[ "$(base_key_of_image)" == "$BASE_KEY" ]]; then
     log "base image $BASE_IMAGE is current (key $BASE_KEY)"
 else
@@ -228,12 +273,14 @@ else
 fi
 
 [[ -s "$SSHD_TARBALL" ]] || build_sshd_tarball
+[[ -s "$JUPYTER_TARBALL" ]] || build_jupyter_tarball
 
 # The sshd and harness layers: a tiny local build context with the sshd tarball and the harness
 # package.
 CONTEXT="$(mktemp -d)"
 trap 'rm -rf "$CONTEXT"' EXIT
 cp "$SSHD_TARBALL" "$CONTEXT/sshd.tar"
+cp "$JUPYTER_TARBALL" "$CONTEXT/jupyter.tar"
 if [[ -d "$REPO_ROOT/harness" ]]; then
     cp -a "$REPO_ROOT/harness" "$CONTEXT/harness"
     find "$CONTEXT/harness" -name '__pycache__' -type d -prune -exec rm -rf {} +
@@ -244,6 +291,7 @@ fi
 cat >"$CONTEXT/Dockerfile" <<EOF
 FROM $BASE_IMAGE
 ADD sshd.tar /
+ADD jupyter.tar /
 COPY harness /opt/harness/harness
 LABEL org.opencontainers.image.title="gpumarket-harness (offline, CPU)" \\
       gpumarket.harness.base-key="$BASE_KEY"
@@ -262,6 +310,7 @@ if [[ "$before" != "$after" ]]; then
     docker run --rm --network none "$IMAGE" python -c \
         "import torch, numpy, sklearn, scipy, yaml; print('torch', torch.__version__)" >&2
     docker run --rm --network none "$IMAGE" /usr/sbin/sshd -V 2>&1 | head -n 1 >&2
+    docker run --rm --network none "$IMAGE" python3 -m jupyterlab --version >&2
 fi
 log "built $IMAGE ($(docker image inspect --format '{{.Size}}' "$IMAGE" | numfmt --to=iec))"
 echo "$IMAGE"

@@ -319,6 +319,12 @@ class RentalCreateSerializer(ReusedPerThread, serializers.Serializer):
         help_text="internet: the public internet and nothing else (not the host, the "
         "provider's LAN, metadata addresses or other rentals); internal: no network at all",
     )
+    jupyter = serializers.BooleanField(
+        required=False,
+        default=False,
+        help_text="JupyterLab beside the command (as the command when none is given), "
+        "published with a token of the rental's own",
+    )
     min_interconnect_gbps = serializers.IntegerField(
         required=False,
         default=0,
@@ -432,6 +438,7 @@ class RentalSerializer(serializers.Serializer):
     network = serializers.CharField(help_text="internet or internal")
     secrets = SecretUseSerializer(many=True, help_text="the team secrets it gets, by name")
     registry_secret = serializers.CharField(help_text="the secret its image is pulled with")
+    jupyter = serializers.BooleanField()
     min_interconnect_gbps = serializers.IntegerField()
     created_at = serializers.DateTimeField()
 
@@ -443,6 +450,10 @@ class RentalAccessSerializer(serializers.Serializer):
     host = serializers.CharField(help_text="the node's public name or address")
     host_port = serializers.IntegerField()
     command = serializers.CharField(help_text="for SSH: the command that logs in; else empty")
+    url = serializers.CharField(
+        help_text="for any other port: http://host:port/ (JupyterLab's with its token); "
+        "for SSH empty"
+    )
 
 
 class RentalMemberSerializer(serializers.Serializer):
@@ -488,6 +499,9 @@ class RentalDetailSerializer(ReusedPerThread, RentalSerializer):
         many=True, help_text="GPU time a node fault lost: credited, not billed"
     )
     log_tail = serializers.CharField()
+    jupyter_token = serializers.CharField(
+        help_text="the token of the rental's JupyterLab (empty without one): the team's only"
+    )
     access = RentalAccessSerializer(
         many=True, help_text="how to reach the running container (SSH), once its ports listen"
     )

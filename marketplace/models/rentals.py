@@ -126,6 +126,10 @@ class Rental(models.Model):
     secrets = models.JSONField(default=list, blank=True)
     # A team secret holding the credentials the image is pulled with ("": none).
     registry_secret = models.CharField(max_length=64, blank=True, default="", db_default="")
+    # JupyterLab beside the command (nodeagent/runtime/jupyter.py), on JUPYTER_PORT, with this
+    # token: made by the server, a per-rental value shown only to the rental's team.
+    jupyter = models.BooleanField(default=False)
+    jupyter_token = models.CharField(max_length=64, blank=True, default="")
 
     # What happened.
     price_per_gpu_hour = models.DecimalField(

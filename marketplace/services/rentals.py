@@ -6,6 +6,7 @@ the lifecycle's (marketplace.lifecycle).
 
 from __future__ import annotations
 
+import secrets
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -43,13 +44,19 @@ from marketplace.selectors import (
     engine_nodes_cheapest,
     rental_owned,
 )
-from scheduler.engine import feasibility
+from scheduler.engine import DEFAULT_POLICY, feasibility
 from scheduler.engine import types as engine
 
 # A request that names no deadline may wait this long for capacity before it expires.
 DEFAULT_START_WINDOW = timedelta(hours=1)
 MAX_DURATION = timedelta(days=30)
-MAX_ADVANCE_BOOKING = timedelta(days=90)
+# The command of a Jupyter rental that names none: it keeps the container (and the notebook
+# server the agent starts beside it) up.
+JUPYTER_IDLE_COMMAND = ("sleep", "infinity")
+# A booking is accepted only as far ahead as the planner places one: within the horizon it is
+# planned (its GPUs allocated) at the next cycle, so it is guaranteed when made or refused then;
+# further ahead it would wait PENDING with nothing held.
+MAX_ADVANCE_BOOKING = timedelta(seconds=DEFAULT_POLICY.horizon)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -94,6 +101,7 @@ class RentalRequest:
     ssh: bool = False  # an sshd in the container for the account's SSH keys
     # The public internet (filtered by the node) or no network at all (RentalNetwork).
     network: str = RentalNetwork.INTERNET
+    jupyter: bool = False  # JupyterLab beside the command, with a token of the rental's own
     # A gang: only a cluster whose interconnect is at least this fast, Gb/s per node (0: any).
     min_interconnect_gbps: int = 0
     # What a preemption does to it (PreemptionPolicy); None: preemption_policy_default.
@@ -146,7 +154,8 @@ def _engine_request(req: RentalRequest, start: datetime, deadline: datetime) -> 
         max_price=req.max_price_per_gpu_hour,
         interruptible=req.kind == RentalKind.INTERRUPTIBLE,
         bid=req.bid_per_gpu_hour,
-        ssh=req.ssh,
+        # Jupyter, like SSH, needs a node whose agent runs containers and publishes ports.
+        ssh=req.ssh or req.jupyter,
         internet=req.network == RentalNetwork.INTERNET,
         min_interconnect_gbps=req.min_interconnect_gbps,
         image=image_normalize(req.runtime.image) if req.runtime.image else "",
@@ -191,7 +200,7 @@ def _never_fits(req: RentalRequest, start: datetime, deadline: datetime) -> _Fit
     # A gang's members sit in one cluster: unclustered nodes never host one.
     capable = replace(
         priced,
-        ssh=req.ssh,
+        ssh=req.ssh or req.jupyter,
         internet=req.network == RentalNetwork.INTERNET,
         clustered=req.node_count > 1,
         min_interconnect_gbps=req.min_interconnect_gbps,
@@ -328,7 +337,12 @@ def rental_create(
     if start < now - timedelta(minutes=5):
         raise ValidationFailed("start_at is in the past", field="start_at")
     if start > now + MAX_ADVANCE_BOOKING:
-        raise ValidationFailed("start_at is more than 90 days ahead", field="start_at")
+        hours = round(MAX_ADVANCE_BOOKING.total_seconds() / 3600)
+        raise ValidationFailed(
+            f"start_at is more than {hours} h ahead: bookings are planned (and guaranteed) "
+            f"only within the {hours} h planning horizon",
+            field="start_at",
+        )
     deadline = request.start_deadline or start + DEFAULT_START_WINDOW
     if deadline < start:
         raise ValidationFailed("start_deadline is before start_at", field="start_deadline")
@@ -364,7 +378,15 @@ def rental_create(
         if request.resume_from is not None
         else None
     )
+    runtime = request.runtime
+    if request.jupyter and not runtime.command and runtime.harness_config is None:
+        # Nothing else to run: the notebook is the work, and the rental lasts until it is
+        # stopped or its time is up.
+        runtime = replace(runtime, command=list(JUPYTER_IDLE_COMMAND))
     fit = _never_fits(request, start, deadline)
+    if fit.field == "ssh" and not request.ssh:  # the engine's `ssh` stood for the notebook
+        fit = _Fit("jupyter: no matching node can run a container with a published port",
+                   field="jupyter")  # fmt: skip
     if fit.reason is not None:
         raise ValidationFailed(f"this request can never be placed: {fit.reason}", field=fit.field)
     with transaction.atomic():
@@ -388,19 +410,21 @@ def rental_create(
             start_at=start,
             start_deadline=deadline,
             duration_s=request.duration_s,
-            image=request.runtime.image,
-            command=request.runtime.command,
-            harness_config=_harness_config(request.runtime),
-            env=request.runtime.env,
-            ports=request.runtime.ports,
+            image=runtime.image,
+            command=runtime.command,
+            harness_config=_harness_config(runtime),
+            env=runtime.env,
+            ports=runtime.ports,
             ssh=request.ssh,
             network=request.network,
             secrets=[dict(use) for use in request.secrets],
             registry_secret=request.registry_secret,
+            jupyter=request.jupyter,
+            jupyter_token=secrets.token_urlsafe(32) if request.jupyter else "",
             resume_from=resume_from,
             min_interconnect_gbps=request.min_interconnect_gbps,
             preemption_policy=request.preemption_policy
-            or preemption_policy_default(harness_config=_harness_config(request.runtime)),
+            or preemption_policy_default(harness_config=_harness_config(runtime)),
         )
         links = []
         if request.datasets:

@@ -138,11 +138,18 @@ def rental_detail(request: HttpRequest, rental_id) -> HttpResponse:
     rental = selectors.rental_get(team=request_team(request), rental_id=rental_id)
     if rental is None:  # another team's rental is as absent as one that never existed
         raise Http404("no such rental")
+    jupyter_port = selectors.JUPYTER_PORT if rental.jupyter else None
     return render(
         request,
         "web/rental_detail.html",
         {
             "rental": rental,
+            "jupyter_url": next(
+                (a["url"] for a in rental.access if a["container_port"] == jupyter_port), ""
+            ),
+            "port_urls": [
+                a for a in rental.access if a["url"] and a["container_port"] != jupyter_port
+            ],
             "active": rental.status in lifecycle.ACTIVE,
             "cancellable": rental.status in lifecycle.CANCELLABLE,
             "stoppable": rental.status in lifecycle.BURNING,

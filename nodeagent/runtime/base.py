@@ -185,7 +185,8 @@ class RuntimeDriver(Protocol):
         ...
 
     def remove(self, run_id: str) -> None:
-        """Remove the run (killing it if still running); the volume dir stays."""
+        """Remove the run (killing it if still running), and the rental's volume dir once no
+        run of the rental is left: the agent removes a run only after its final sync."""
         ...
 
     def logs_tail(self, run_id: str, lines: int = 50) -> str:

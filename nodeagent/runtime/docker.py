@@ -71,7 +71,7 @@ from docker.utils import parse_repository_tag
 from agentprotocol import ContainerStatus, Network, RegistryAuth
 from agentprotocol.images import image_normalize, image_pattern_matches
 from nodeagent.imagecache import HeldImage
-from nodeagent.runtime import gangnet
+from nodeagent.runtime import gangnet, jupyter
 from nodeagent.runtime.base import (
     CONTAINER_SECRETS,
     LABEL_MANAGED,
@@ -90,7 +90,7 @@ from nodeagent.runtime.base import (
     secret_files_write,
 )
 from nodeagent.runtime.sshd import LAUNCH_SCRIPT, SSH_PORT, launch_environment
-from nodeagent.staging import workspace_seed
+from nodeagent.staging import workspace_delete, workspace_seed
 
 logger = logging.getLogger(__name__)
 
@@ -579,6 +579,7 @@ class DockerDriver:
                     self._write_secrets(spec)
                     self._start_container(container, spec.run_id)
                 self._start_sshd(container, spec)
+                self._start_jupyter(container, spec)
             logger.info("container exists, adopting it", extra=log_extra)
             return self._reload_state(container)
 
@@ -604,6 +605,7 @@ class DockerDriver:
         if container.status == "created":
             self._start_container(container, spec.run_id)
             self._start_sshd(container, spec)
+            self._start_jupyter(container, spec)
         state = self._reload_state(container)
         logger.info(
             "container started",
@@ -630,7 +632,7 @@ class DockerDriver:
             secrets_dir = container.labels.get(LABEL_SECRETS, "")
             try:
                 # v=True: anonymous volumes declared by the image go too; the bind-mounted
-                # workspace is a host directory and stays.
+                # workspace is a host directory: release_unused_rentals deletes it.
                 self._call("remove", lambda: container.remove(force=True, v=True))
                 logger.info("container removed", extra={"run_id": run_id})
             except RunNotFoundError:
@@ -644,8 +646,12 @@ class DockerDriver:
         self.release_unused_rentals()
 
     def release_unused_rentals(self, rental_id: str | None = None) -> None:
-        """Remove the networks (and unmount the quota workspaces) of rentals of this node (or
-        the one rental) that have no container left; the data stays in its image for later."""
+        """Remove what rentals of this node (or the one rental) that have no container left
+        still hold on the host: the workspace (unmounted and its quota image deleted), then the
+        network. The agent removes a run's container only once its final output sync is done,
+        so nothing unsynced is lost. The network goes last: it names the workspace
+        (LABEL_VOLUME), so a crash in between leaves a record the next call (a restarted agent
+        makes one at start) finishes with."""
         filters = [f"{LABEL_MANAGED}=1"]
         if self.config.node_id is not None:
             filters.append(f"{LABEL_NODE}={self.config.node_id}")
@@ -682,6 +688,9 @@ class DockerDriver:
                 volume_dir = network.attrs.get("Labels", {}).get(LABEL_VOLUME, "")
                 if volume_dir and os.path.ismount(volume_dir):
                     self._unmount(volume_dir)
+                # Only a workspace named after its rental, as the agent makes them.
+                if volume_dir and os.path.basename(volume_dir) == rental_id:
+                    workspace_delete(volume_dir)
                 bridge = (network.attrs.get("Options") or {}).get(BRIDGE_OPTION, "")
                 if bridge:
                     gangnet.remove(bridge, iptables=self.config.iptables)
@@ -865,27 +874,38 @@ class DockerDriver:
             raise
 
     def _start_sshd(self, container: Container, spec: ContainerSpec) -> None:
-        """Start the run's sshd beside its main process (nodeagent/runtime/sshd.py), as the
-        container's user. An image without sshd keeps running without it: the port is then
-        never published, and the log says why."""
-        if not spec.ssh_authorized_keys:
-            return
-        env = launch_environment(spec.ssh_authorized_keys)
+        """Start the run's sshd beside its main process (nodeagent/runtime/sshd.py)."""
+        if spec.ssh_authorized_keys:
+            env = launch_environment(spec.ssh_authorized_keys)
+            self._exec_beside(container, spec, "sshd", LAUNCH_SCRIPT, env)
+
+    def _start_jupyter(self, container: Container, spec: ContainerSpec) -> None:
+        """Start the run's JupyterLab beside its main process (nodeagent/runtime/jupyter.py)."""
+        if spec.jupyter_token:
+            env = jupyter.launch_environment(spec.jupyter_token)
+            self._exec_beside(container, spec, "JupyterLab", jupyter.LAUNCH_SCRIPT, env)
+
+    def _exec_beside(
+        self, container: Container, spec: ContainerSpec, what: str, script: str, env: dict
+    ) -> None:
+        """Run `script` with `sh -c` in the container, detached, as the container's user. An
+        image without the program keeps running without it: its port is then never
+        published, and the log says why."""
         try:
             self._call(
-                "exec sshd",
+                f"exec {what}",
                 lambda: container.exec_run(
-                    ["sh", "-c", LAUNCH_SCRIPT], environment=env, detach=True,
+                    ["sh", "-c", script], environment=env, detach=True,
                     user=self.container_user(spec.image) or "",
                 ),
             )  # fmt: skip
         except RuntimeDriverError as exc:
             logger.warning(
-                "cannot start sshd in the container",
+                f"cannot start {what} in the container",
                 extra={"run_id": spec.run_id, "error": str(exc)},
             )
             return
-        logger.info("sshd started", extra={"run_id": spec.run_id})
+        logger.info(f"{what} started", extra={"run_id": spec.run_id})
 
     def _ensure_image(
         self, image: str, auth: RegistryAuth | None = None, *, run_id: str = ""

@@ -74,7 +74,7 @@ from nodeagent.runtime.base import (
     secret_files_remove,
     secret_files_write,
 )
-from nodeagent.staging import workspace_seed
+from nodeagent.staging import workspace_delete, workspace_seed
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +186,11 @@ class LocalProcessDriver:
                 "the process runtime cannot give SSH access: a rental's process shares the "
                 "host; use the docker runtime"
             )
+        if spec.jupyter_token:
+            raise PermanentRuntimeError(
+                "the process runtime cannot run JupyterLab: its port would be open on the "
+                "host; use the docker runtime"
+            )
         with self._locked():
             meta = self._meta(spec.run_id)
             if meta is not None:
@@ -229,9 +234,26 @@ class LocalProcessDriver:
         with self._locked():
             if isinstance(volume_dir, str) and volume_dir:
                 secret_files_remove(os.path.join(os.path.dirname(volume_dir), f".secrets-{run_id}"))
+            self._delete_workspace_if_unused(run_id)
             shutil.rmtree(run_dir, ignore_errors=True)
             self._supervisors.pop(run_id, None)
         logger.info("process removed", extra={"run_id": run_id})
+
+    def _delete_workspace_if_unused(self, run_id: str) -> None:
+        """Delete the rental's volume dir when `run_id` is its last run here (under the lock,
+        so no start of another run of the rental is in between). Before the run's own record:
+        a crash in between leaves the record, and the next removal finishes."""
+        meta = self._meta(run_id) or {}
+        rental_id = meta.get("rental_id")
+        volume_dir = (meta.get("spec") or {}).get("volume_dir", "")
+        if not rental_id or not volume_dir or os.path.basename(volume_dir) != rental_id:
+            return
+        for other in os.listdir(self.config.state_dir):
+            if other == run_id or not os.path.isdir(self._run_dir(other)):
+                continue
+            if (self._meta(other) or {}).get("rental_id") == rental_id:
+                return
+        workspace_delete(volume_dir)
 
     def logs_tail(self, run_id: str, lines: int = 50) -> str:
         path = os.path.join(self._existing_run_dir(run_id), "output.log")

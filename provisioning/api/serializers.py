@@ -442,6 +442,10 @@ class DesiredRunSerializer(serializers.Serializer):
     registry_auth = RegistryAuthSerializer(
         required=False, help_text="credentials the image is pulled with"
     )
+    jupyter_token = serializers.CharField(
+        required=False,
+        help_text="the token of the JupyterLab to start on JUPYTER_PORT, when one was asked for",
+    )
 
 
 class BenchmarkSpecSerializer(serializers.Serializer):

@@ -22,6 +22,7 @@ from django.utils import timezone
 from accounts.services import token_hash
 from accounts.services.secrets import registry_credentials, secret_values
 from agentprotocol import (
+    JUPYTER_PORT,
     BenchmarkSpec,
     CachedImage,
     ContainerReport,
@@ -113,8 +114,14 @@ def _cpu_and_memory(node: Node, gpus: int) -> tuple[float, int]:
 
 
 def _ports(rental: Rental) -> tuple[int, ...]:
-    """The container ports to publish: the rental's own, and sshd's when it asked for SSH."""
-    return tuple(sorted({*rental.ports, SSH_PORT})) if rental.ssh else tuple(rental.ports)
+    """The container ports to publish: the rental's own, sshd's when it asked for SSH and
+    JupyterLab's when it asked for a notebook."""
+    ports = set(rental.ports)
+    if rental.ssh:
+        ports.add(SSH_PORT)
+    if rental.jupyter:
+        ports.add(JUPYTER_PORT)
+    return tuple(sorted(ports))
 
 
 def desired_state(*, node: Node, now: datetime) -> list[DesiredRun]:
@@ -172,11 +179,10 @@ def _desired_from(*, node: Node, held: list[tuple]) -> list[DesiredRun]:
                 gpu_uuids=tuple(gpu_uuid for _, gpu_uuid in gpus),
                 cpu_limit=cpu,
                 memory_limit_mb=memory_mb,
-                ports=tuple(sorted({*rental.ports, SSH_PORT}))
-                if rental.ssh
-                else tuple(rental.ports),
+                ports=_ports(rental),
                 ssh_authorized_keys=ssh_keys.get(rental.pk, ()),
                 network=Network(rental.network),
+                jupyter_token=rental.jupyter_token if rental.jupyter else "",
                 # Every container has an output directory (/workspace); it is synced out when
                 # there is object storage to sync it to (none configured: it stays on the node).
                 sync_artifacts=sync,

@@ -60,6 +60,7 @@ COMMANDS = {
     "secret set": ["secret", "set", "HF_TOKEN", "--from-file", "token.txt"],
     "secret ls": ["secret", "ls"],
     "secret rm": ["secret", "rm", "HF_TOKEN"],
+    "jupyter": ["jupyter", "RID"],
     "rentals": ["rentals"],
     "show": ["show", "RID"],
     "metrics": ["metrics", "RID"],

@@ -64,3 +64,37 @@ def test_rent_with_ssh_asks_for_it(cli, make_node, tmp_path):  # noqa: F811
     assert rental.ssh is True
     code, _, err = cli("ssh-command", str(rental.pk))
     assert code == 1 and "no SSH into" in err and "pending" in err
+
+
+def test_rent_with_jupyter_and_ports_then_show_and_jupyter_name_what_is_there(
+    cli,  # noqa: F811
+    make_node,
+):
+    from provisioning.models import ContainerRun
+
+    node = make_node(card="h100-sxm5-80gb", price="2.50", hostname="fra-1")
+    code, out, err = cli("rent", "--gpus", "1", "--image", "img", "--jupyter", "--port", "8000")
+    assert code == 0, err
+    rental = Rental.objects.get()
+    assert (rental.jupyter, rental.ports, rental.command) == (True, [8000], ["sleep", "infinity"])
+    # before it runs: the ports are named as to come, and there is no notebook to tunnel to
+    code, out, _ = cli("show", str(rental.pk))
+    assert "ports     8000 (published once it runs)" in out
+    code, _, err = cli("jupyter", str(rental.pk))
+    assert code == 1 and "no JupyterLab in" in err
+    # once both ports are published: each is a URL, and without SSH `jupyter` prints the URL
+    Rental.objects.filter(pk=rental.pk).update(status="running")
+    ContainerRun.objects.create(
+        rental=rental, node=node, run_id="r1", status="running",
+        published=[{"container_port": 8000, "host": "fra-1", "host_port": 41000},
+                   {"container_port": 8888, "host": "fra-1", "host_port": 41001}],
+    )  # fmt: skip
+    code, out, _ = cli("show", str(rental.pk))
+    lab = f"http://fra-1:41001/lab?token={rental.jupyter_token}"
+    assert "access    http://fra-1:41000/" in out and f"access    {lab}" in out
+    code, out, _ = cli("jupyter", str(rental.pk))
+    assert code == 0 and out.splitlines()[0] == lab and "--ssh" in out
+    # a rental without a notebook says so
+    other = cli("rent", "--gpus", "1", "--image", "img")[1].split()[0]
+    code, _, err = cli("jupyter", other)
+    assert code == 1 and "rent with --jupyter" in err

@@ -73,7 +73,7 @@ def test_rent_books_ahead_with_start_at_and_names_a_bad_time(cli, make_node):  #
     from datetime import UTC, datetime, timedelta
 
     make_node(card="a100-sxm4-80gb")
-    when = (datetime.now(UTC) + timedelta(days=2)).replace(microsecond=0)
+    when = (datetime.now(UTC) + timedelta(hours=30)).replace(microsecond=0)
     code, _, err = cli(
         "rent", "--gpus", "1", "--image", "img", "--start-at", when.strftime("%Y-%m-%dT%H:%M:%SZ")
     )

@@ -53,8 +53,37 @@ def test_end_at_gives_the_duration(auth_api, node):
     body["start_at"] = "2099-01-01T00:00:00Z"
     body["end_at"] = "2099-01-01T02:00:00Z"
     r = auth_api.post("/api/v1/rentals/", body, format="json")
-    # 2099 is beyond the 90-day booking horizon: refused, naming the field.
+    # 2099 is beyond the planning horizon: refused, naming the field.
     assert r.status_code == 400 and "start_at" in r.json()
+
+
+def test_a_booking_is_accepted_only_as_far_ahead_as_it_is_guaranteed(auth_api, node):
+    # Given the planner's horizon (48 h), when a booking starts an hour inside it, the next
+    # cycle places it (GPUs held: guaranteed when made); an hour beyond it is refused with the
+    # reason, naming start_at, and nothing is stored.
+    from datetime import UTC, datetime, timedelta
+
+    from scheduler.engine import DEFAULT_POLICY
+
+    horizon = timedelta(seconds=DEFAULT_POLICY.horizon)
+    assert horizon == timedelta(hours=48)
+    now = datetime.now(UTC).replace(microsecond=0)
+    inside = {**BODY, "start_at": (now + horizon - timedelta(hours=1)).isoformat()}
+    r = auth_api.post("/api/v1/rentals/", inside, format="json")
+    assert r.status_code == 201, r.content
+    scheduler_cycle_run()
+    detail = auth_api.get(f"/api/v1/rentals/{r.json()['id']}/").json()
+    assert detail["status"] == "scheduled"
+    assert [a["gpu_index"] for a in detail["allocations"]] == [0, 1, 2, 3]
+
+    beyond = {**BODY, "start_at": (now + horizon + timedelta(hours=1)).isoformat()}
+    r = auth_api.post("/api/v1/rentals/", beyond, format="json")
+    assert r.status_code == 400
+    assert r.json()["start_at"] == [
+        "start_at is more than 48 h ahead: bookings are planned (and guaranteed) only within "
+        "the 48 h planning horizon"
+    ]
+    assert Rental.objects.count() == 1
 
 
 @pytest.mark.parametrize(

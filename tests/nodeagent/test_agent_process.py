@@ -291,7 +291,7 @@ def test_lifecycle_start_adopt_metrics_usage_stop_remove(server, agent, driver, 
     assert METRIC_LINE in exited["log_tail"]
     assert [(u["seq"], u["final"]) for u in hb4["usage"]] == [(3, True)]
     assert driver.list_managed() == []
-    assert volume.is_dir()  # the rental's data stays
+    assert not volume.exists()  # its workspace left the host with the run
 
     # 5. nothing left to report; the run's records are gone
     fifth = agent()
@@ -299,6 +299,42 @@ def test_lifecycle_start_adopt_metrics_usage_stop_remove(server, agent, driver, 
     hb5 = server.heartbeats()[-1]
     assert (hb5["containers"], hb5["usage"], hb5["metrics"]) == ([], [], [])
     assert json.loads((dirs["state"] / "spool" / "runs.json").read_text()) == {}
+
+
+def test_a_restarted_agent_sweeps_what_an_earlier_one_left_and_keeps_the_live(
+    server, agent, driver, dirs
+):
+    # given a running run of one rental
+    live = desired_entry(str(uuid.uuid4()), script="import time; time.sleep(60)")
+    server.desired = [live]
+    assert agent().returncode == 0
+    assert driver.state(live.run_id).status == "running"
+    # and what an earlier agent left of rentals that are gone: a workspace, a quota image, a
+    # stage dir with a sealed (read-only) directory, and the dataset cache's blobs
+    volumes = dirs["volumes"]
+    gone = volumes / str(uuid.uuid4())
+    (gone / "checkpoints").mkdir(parents=True)
+    (gone / "checkpoints" / "step_1.pt").write_bytes(b"weights")
+    image = volumes / f"{uuid.uuid4()}.ext4"
+    image.write_bytes(b"\0" * 16)
+    stale = volumes / ".staging" / "r-stale-run" / "data" / "corpus"
+    stale.mkdir(parents=True)
+    stale.chmod(0o555)
+    blob = dirs["state"] / "cache" / "blobs" / "ab" / ("ab" * 32)
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    blob.write_bytes(b"dataset")
+
+    # when the agent starts again
+    again = agent()
+    assert again.returncode == 0, again.stderr
+
+    # then the leftovers are gone, the live run's workspace stays, and so does the cache
+    assert sorted(p.name for p in volumes.iterdir() if not p.name.startswith(".")) == [
+        live.rental_id
+    ]
+    assert not (volumes / ".staging" / "r-stale-run").exists()
+    assert blob.read_bytes() == b"dataset"
+    assert driver.state(live.run_id).status == "running"
 
 
 def test_metrics_beyond_one_heartbeat_are_delivered_once_in_order_across_restarts(

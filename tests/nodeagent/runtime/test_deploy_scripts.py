@@ -75,3 +75,15 @@ def test_image_carries_an_sshd_the_container_user_can_start(harness_image, docke
     lines = output.decode().split("\n")
     assert lines[:3] == ["/usr/sbin/sshd", "/usr/bin/ssh-keygen", "usr/bin"]
     assert lines[3].startswith("OpenSSH_")
+
+
+def test_image_carries_jupyterlab_for_the_agent_to_start(harness_image, docker_client):
+    # the agent starts it as `python3 -m jupyterlab` (nodeagent/runtime/jupyter.py), as the
+    # container's user, with its data where JupyterLab looks for it
+    output = docker_client.containers.run(
+        harness_image,
+        ["python3", "-c", "import jupyterlab, jupyterlab.commands as c; "
+         "print(jupyterlab.__version__.split('.')[0], c.get_app_dir())"],
+        network_mode="none", remove=True,
+    )  # fmt: skip
+    assert output.decode().split() == ["4", "/usr/local/share/jupyter/lab"]
