@@ -578,6 +578,7 @@ class Agent:
             network_policy=self.config.network_policy,
             disk_quota_mb=self.config.disk_quota_mb,
             container_user=self.config.container_user,
+            volume_root=self.config.volume_root,
         )
 
     def _sweep_leftovers(self) -> None:
