@@ -629,6 +629,7 @@ class Agent:
             disk_quota_mb=self.config.disk_quota_mb,
             container_user=self.config.container_user,
             max_image_bytes=self.config.max_image_bytes,
+            volume_root=self.config.volume_root,
         )
         driver.on_pull_progress = self._pull_progress  # type: ignore[attr-defined]
         driver.on_image_pulled = self._image_cache.pulled  # type: ignore[attr-defined]

@@ -192,6 +192,9 @@ class DockerDriverConfig:
     tmp_size_mb: int = 1024  # the tmpfs /tmp of a read-only container (charged to its memory)
     # Per rental workspace, as a loop-mounted ext4 image (needs root); None: no quota.
     disk_quota_mb: int | None = None
+    # Where the agent makes workspaces: only those directly under it are unmounted and deleted
+    # (agents of other nodes may share the engine, tests do); None: any the network names.
+    volume_root: str | None = None
     container_user: str | None = "1000:1000"  # None: the image's USER (often root)
     workspace_uid: int = 1000  # owner given to the volume dir when the user is not numeric
     workspace_gid: int = 1000
@@ -686,10 +689,11 @@ class DockerDriver:
                 if users:
                     continue
                 volume_dir = network.attrs.get("Labels", {}).get(LABEL_VOLUME, "")
+                if not self._owns_workspace(volume_dir, rental_id):
+                    volume_dir = ""
                 if volume_dir and os.path.ismount(volume_dir):
                     self._unmount(volume_dir)
-                # Only a workspace named after its rental, as the agent makes them.
-                if volume_dir and os.path.basename(volume_dir) == rental_id:
+                if volume_dir:
                     workspace_delete(volume_dir)
                 bridge = (network.attrs.get("Options") or {}).get(BRIDGE_OPTION, "")
                 if bridge:
@@ -706,6 +710,14 @@ class DockerDriver:
                     )
                     continue
                 logger.info("rental network removed", extra={"rental_id": rental_id})
+
+    def _owns_workspace(self, volume_dir: str, rental_id: str) -> bool:
+        """Whether `volume_dir` is a workspace this driver's agent made for the rental: named
+        after it, under the agent's volume root when one is configured."""
+        if not volume_dir or os.path.basename(volume_dir) != rental_id:
+            return False
+        root = self.config.volume_root
+        return root is None or os.path.dirname(volume_dir) == os.path.abspath(root)
 
     def image_rule(self, image: str) -> ImageRule:
         """The allow-list entry admitting `image`; PermanentRuntimeError when none does."""
