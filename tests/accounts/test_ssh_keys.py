@@ -184,7 +184,7 @@ def test_the_agent_gets_the_keys_and_port_22_and_the_published_port_is_shown(
     assert shown["ssh"] is True
     assert shown["access"] == [
         {"container_port": 22, "host": "gpu-host-1.example", "host_port": 42022,
-         "command": "ssh -p 42022 harness@gpu-host-1.example"},
+         "command": "ssh -p 42022 harness@gpu-host-1.example", "url": ""},
     ]  # fmt: skip
 
     # when the run exits, nothing is reachable any more

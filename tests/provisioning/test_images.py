@@ -19,7 +19,14 @@ pytestmark = pytest.mark.django_db
 def _join(api, join_token, **extra) -> APIClient:
     r = api.post(
         "/api/agent/v1/join/",
-        {"join_token": join_token, "hostname": "img-host", "host": HOST, "gpus": _gpus(), **extra},
+        {
+            "join_token": join_token,
+            "hostname": "img-host",
+            "host": HOST,
+            "gpus": _gpus(),
+            "internet_filtered": True,
+            **extra,
+        },
         format="json",
     )
     assert r.status_code == 201, r.content
