@@ -88,6 +88,22 @@ def _openssh_client(env: dict[str, str]) -> None:
         raise RuntimeError("ssh or ssh-keygen is missing after installing openssh-client")
 
 
+# The registry tests' tools: a real registry (the CNCF distribution registry), htpasswd for its
+# basic auth, and a static busybox to build a tiny image from scratch (no public registry here).
+REGISTRY_TOOLS = {"docker-registry": "docker-registry", "htpasswd": "apache2-utils"}
+
+
+def _registry_tools(env: dict[str, str]) -> None:
+    """Debian's packages the registry tests run, installed when missing."""
+    missing = [package for tool, package in REGISTRY_TOOLS.items() if not shutil.which(tool)]
+    if not Path("/bin/busybox").exists():
+        missing.append("busybox-static")
+    if missing:
+        _apt_install(tuple(missing), env)
+    if [tool for tool in REGISTRY_TOOLS if not shutil.which(tool)]:
+        raise RuntimeError(f"registry test tools missing after installing {', '.join(missing)}")
+
+
 def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 30) -> None:
     import socket
 
@@ -180,6 +196,8 @@ def cmd_test(pytest_args: list[str]) -> int:
         _chromium(env)
         print("== openssh client for the SSH tests", flush=True)
         _openssh_client(env)
+        print("== registry tools for the image tests", flush=True)
+        _registry_tools(env)
         print("== localstripe", flush=True)
         stripe_server = _localstripe(env)
         print("== pytest", flush=True)
