@@ -18,7 +18,7 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='rental',
             name='secrets',
-            field=models.JSONField(blank=True, default=list),
+            field=models.JSONField(blank=True, db_default=models.Value([], output_field=models.JSONField()), default=list),
         ),
         migrations.AddField(
             model_name='rentaltemplate',

@@ -6,7 +6,7 @@ from django.conf import settings
 from django.contrib.postgres.constraints import ExclusionConstraint
 from django.contrib.postgres.fields import ArrayField, DateTimeRangeField, RangeOperators
 from django.db import models
-from django.db.models import Q
+from django.db.models import Q, Value
 
 
 class RentalStatus(models.TextChoices):
@@ -123,13 +123,16 @@ class Rental(models.Model):
     )
     # The team secrets the run gets, by name only ([{"name", "env", "file"}]: the values stay
     # encrypted in accounts.TeamSecret until the spec for the node is built).
-    secrets = models.JSONField(default=list, blank=True)
+    # Defaults in the database too: bulk loaders (bench/, COPY) that name older columns only.
+    secrets = models.JSONField(
+        default=list, db_default=Value([], output_field=models.JSONField()), blank=True
+    )
     # A team secret holding the credentials the image is pulled with ("": none).
     registry_secret = models.CharField(max_length=64, blank=True, default="", db_default="")
     # JupyterLab beside the command (nodeagent/runtime/jupyter.py), on JUPYTER_PORT, with this
     # token: made by the server, a per-rental value shown only to the rental's team.
-    jupyter = models.BooleanField(default=False)
-    jupyter_token = models.CharField(max_length=64, blank=True, default="")
+    jupyter = models.BooleanField(default=False, db_default=False)
+    jupyter_token = models.CharField(max_length=64, blank=True, default="", db_default="")
 
     # What happened.
     price_per_gpu_hour = models.DecimalField(
