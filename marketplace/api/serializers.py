@@ -472,7 +472,7 @@ class RentalMemberSerializer(serializers.Serializer):
     log_tail = serializers.CharField(help_text="its last output lines")
 
 
-class PullProgressSerializer(serializers.Serializer):
+class RentalPullProgressSerializer(serializers.Serializer):
     """The rental's image being pulled before its start, summed over its nodes."""
 
     done_bytes = serializers.IntegerField()
@@ -506,7 +506,7 @@ class RentalDetailSerializer(ReusedPerThread, RentalSerializer):
         many=True, help_text="how to reach the running container (SSH), once its ports listen"
     )
     datasets = serializers.SerializerMethodField(help_text="the datasets the rental reads")
-    pull_progress = PullProgressSerializer(
+    pull_progress = RentalPullProgressSerializer(
         allow_null=True,
         help_text="while provisioning: its image being pulled on its node(s); else null",
     )

@@ -93,6 +93,9 @@ def test_a_secret_is_stored_encrypted_and_no_endpoint_returns_its_value(
     )
     assert "HF_TOKEN" in body
     assert VALUE not in body
+    # and the rental's page names the secret it gets
+    page = client.get(f"/rentals/{rental_id}/").content.decode()
+    assert '<dd id="secrets"><code>HF_TOKEN</code>' in page
     assert Rental.objects.get(pk=rental_id).env == {}
     # and a rental started from the template gets the secret by name
     r = auth_api.post(
