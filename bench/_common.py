@@ -156,14 +156,16 @@ def build_inventory(url: str, nodes: int, *, busy_node_fraction: float = 0.0, se
                 f"10000\t10000\t550.54\t12.4\t{'t' if rng.random() < 0.5 else 'f'}\t"
                 f"{'online' if rng.random() < 0.95 else 'offline'}\t"
                 f"{reliability}\t{reliability}\t0\tt\t{price}\t{round(price * 0.4, 4)}\tnow\tf\t"
-                "docker\tt\n"
+                "docker\tt\tt\tt\n"
             )
         with conn.cursor().copy(
             "COPY marketplace_node (provider_id, gpu_model_id, gpu_count, hostname, region, pool,"
             " cpu_cores, ram_gb, disk_gb, net_up_mbps, net_down_mbps, driver_version,"
             " cuda_version, nvlink, status, reliability, reliability_declared,"
             " reliability_observed_hours, simulated, price_per_gpu_hour,"
-            " min_bid_per_gpu_hour, created_at, benchmark_requested, runtime, ssh_capable)"
+            " min_bid_per_gpu_hour, created_at, benchmark_requested, runtime, ssh_capable,"
+            # Docker hosts whose engines filter the internet: a rental's default network.
+            " internet_filtered, internet_capable)"
             " FROM STDIN"
         ) as copy:
             copy.write(node_rows.getvalue())

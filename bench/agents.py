@@ -260,6 +260,7 @@ def book_busy(per_host: int, hosts: int) -> int:
                 gpus_per_node=2,
                 duration_s=3600,
                 region="bench",
+                network="internal",  # simulated hosts on no runtime of theirs filter nothing
                 runtime=RuntimeSpec(image="gpumarket/harness:dev", command=["python", "train.py"]),
             ),
         )
@@ -370,6 +371,7 @@ def scheduled_to_running(base: str) -> tuple[float, str]:
                 gpus_per_node=1,
                 duration_s=600,
                 region="bench-real",
+                network="internal",  # an engine without iptables cannot filter the internet
                 runtime=RuntimeSpec(
                     image=image, command=["python", "-c", "import time; time.sleep(600)"]
                 ),

@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import threading
+import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -131,11 +132,18 @@ def driver(harness_image, node_id) -> Iterator[DockerDriver]:
 
 
 def test_two_rentals_cannot_reach_each_other_the_host_or_the_lan_and_fill_only_their_disk(
-    driver, docker_client, make_spec, host_server
+    driver, docker_client, make_spec, host_server, volume_root
 ):
     assert driver.enforces_disk_quota  # root, mkfs.ext4: what this suite runs with
+
+    def workspace() -> dict:
+        """A rental's workspace where the agent makes it: named after the rental (the driver
+        unmounts and deletes only workspaces its agent made)."""
+        rental_id = str(uuid.uuid4())
+        return {"rental_id": rental_id, "volume_dir": str(volume_root / rental_id)}
+
     # given rental A listening on a port, on its own network
-    a = make_spec(LISTENER)
+    a = make_spec(LISTENER, **workspace())
     driver.start(a)
     collect_output(driver, a.run_id, None, 1)
     attrs = docker_client.containers.get(container_name(a.run_id)).attrs
@@ -148,7 +156,7 @@ def test_two_rentals_cannot_reach_each_other_the_host_or_the_lan_and_fill_only_t
     targets = [(a_ip, 9000), (a_gateway, host_server), ("169.254.169.254", 80)]
     targets += [(ip, host_server) for ip in host_ipv4_addresses()]
     targets += [("192.168.1.1", 80), ("10.0.0.1", 80), ("1.1.1.1", 443)]
-    b = make_spec(PROBER, env={"TARGETS": json.dumps(targets)})
+    b = make_spec(PROBER, env={"TARGETS": json.dumps(targets)}, **workspace())
     driver.start(b)
     state = wait_exited(driver, b.run_id, timeout_s=180)
     reached, filled, identity, rootfs = driver.output_since(b.run_id, None)[0]

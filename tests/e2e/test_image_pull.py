@@ -67,6 +67,7 @@ def test_the_pull_of_a_rentals_image_is_shown_while_it_provisions(
                 "gpus_per_node": 1,
                 "region": "e2e",
                 "duration_s": 3600,
+                "network": "internal",  # this host's engine cannot filter the internet
                 "runtime": {
                     "image": image,
                     "command": ["python", "-c", "import time; time.sleep(600)"],
