@@ -116,10 +116,14 @@ def _cpu_and_memory(node: Node, gpus: int) -> tuple[float, int]:
 def _ports(rental: Rental) -> tuple[int, ...]:
     """The container ports to publish: the rental's own, sshd's when it asked for SSH and
     JupyterLab's when it asked for a notebook."""
-    ports = set(rental.ports)
-    if rental.ssh:
+    return _ports_of(rental.ports, ssh=rental.ssh, jupyter=rental.jupyter)
+
+
+def _ports_of(own: Sequence[int], *, ssh: bool, jupyter: bool) -> tuple[int, ...]:
+    ports = set(own)
+    if ssh:
         ports.add(SSH_PORT)
-    if rental.jupyter:
+    if jupyter:
         ports.add(JUPYTER_PORT)
     return tuple(sorted(ports))
 
@@ -320,10 +324,11 @@ def _steady_reports(*, node: Node, reports: Sequence[ContainerReport]) -> set[st
         started_at__isnull=False,
         finished_at__isnull=True,
         rental__status=RentalStatus.RUNNING,
-    ).values_list("run_id", "published", "rental__ports", "rental__ssh")
+    ).values_list("run_id", "published", "rental__ports", "rental__ssh", "rental__jupyter")
     steady = set()
-    for run_id, published, ports, ssh in rows:
-        wanted = {*ports, SSH_PORT} if ssh else set(ports)
+    for run_id, published, ports, ssh, jupyter in rows:
+        # The same ports _apply_container would show: a port published since is a change.
+        wanted = set(_ports_of(ports, ssh=ssh, jupyter=jupyter))
         shown = [
             port.to_payload() for port in running[run_id].published if port.container_port in wanted
         ]

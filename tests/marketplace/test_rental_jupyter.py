@@ -10,7 +10,7 @@ import agentprotocol
 from marketplace import selectors
 from marketplace.models import Node, Rental, RentalStatus
 from provisioning.models import ContainerRun
-from provisioning.services.heartbeat import desired_state
+from provisioning.services.heartbeat import HeartbeatReports, desired_state, node_heartbeat
 from scheduler.services import scheduler_cycle_run
 from tests.factories import UserFactory, personal_team
 
@@ -113,3 +113,27 @@ def test_the_agent_is_told_the_token_and_the_port_and_the_page_lists_urls(
     page = client.get(f"/rentals/{rental_id}/").content.decode()
     assert f'href="http://gpu-1.example:41001/lab?token={rental.jupyter_token}"' in page
     assert 'href="http://gpu-1.example:41000/"' in page and "Open JupyterLab" in page
+
+
+def test_a_port_published_after_the_start_is_shown(auth_api, make_node):
+    # given a running jupyter rental whose run showed only its own port so far
+    node = make_node(card="a100-sxm4-80gb")
+    rental_id = auth_api.post("/api/v1/rentals/", BODY, format="json").json()["id"]
+    scheduler_cycle_run()
+    [run] = desired_state(node=node, now=datetime.now(UTC))
+    Rental.objects.filter(pk=rental_id).update(status=RentalStatus.RUNNING)
+    port = {"container_port": 8000, "host": "gpu-1.example", "host_port": 41000}
+    ContainerRun.objects.create(
+        rental_id=rental_id, node=node, run_id=run.run_id, status="running",
+        started_at=datetime.now(UTC), published=[port],
+    )  # fmt: skip
+    # when the next report adds the notebook's port (JupyterLab listens a moment later)
+    notebook = {"container_port": 8888, "host": "gpu-1.example", "host_port": 41001}
+    report = agentprotocol.ContainerReport(
+        rental_id=rental_id, run_id=run.run_id, status=agentprotocol.ContainerStatus.RUNNING,
+        started_at=1.0e9,
+        published=tuple(agentprotocol.PublishedPort(**p) for p in (port, notebook)),
+    )  # fmt: skip
+    node_heartbeat(node=Node.objects.get(pk=node.pk), reports=HeartbeatReports(containers=[report]))
+    # then both are kept: a report that changes the ports is not a steady one
+    assert ContainerRun.objects.get(run_id=run.run_id).published == [port, notebook]
