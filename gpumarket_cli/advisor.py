@@ -44,7 +44,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 def plan_row(plan: dict) -> dict:
     """One of the advisor's plans as a table row: the memory a GPU needs in all (the JSON
     output keeps its parts), the estimated time, what booking it books and holds (to the
-    micro-dollar: the hold of a short plan is cents), MFU as a percentage."""
+    micro-dollar: the hold of a short plan is cents), the cost in dollars and cents, MFU as a
+    percentage."""
     from decimal import Decimal
 
     return {
@@ -52,6 +53,7 @@ def plan_row(plan: dict) -> dict:
         "gb_per_gpu": f"{plan['per_gpu_gb']['total']:.1f}",
         "time": duration(plan["hours"]),
         "booked": duration(plan["booked_hours"]),
+        "cost": f"${Decimal(plan['cost']).quantize(Decimal('0.01')):f}",
         "held": f"${Decimal(plan['hold_usd']).normalize():f}",
         "mfu": f"{plan['mfu']:.0%}",
         "flags": ",".join(plan["flags"]),

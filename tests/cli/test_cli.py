@@ -42,7 +42,7 @@ def test_offers_advise_rent_show_and_cancel(cli, make_node):
     assert "{" not in out and re.search(r"\d+(\.\d)? (s|min|h|d) +\d+%", first), first
     # Beside the estimate, what booking it books and holds, never rounded to nothing
     assert header.split()[5:8] == ["COST", "BOOKED", "HELD"]
-    assert re.search(r" \d+\.\d\d +\d+(\.\d)? (min|h|d) +\$\d+(\.\d+)? ", first), first
+    assert re.search(r" \$\d+\.\d\d +\d+(\.\d)? (min|h|d) +\$\d+(\.\d+)? ", first), first
     code, out, _ = cli(
         "rent", "--gpus", "2", "--hours", "2", "--image", "img", "--name", "sweep 3", "--", "train"
     )
