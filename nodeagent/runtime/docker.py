@@ -354,23 +354,39 @@ def image_too_large(image: str, size: int, limit: int, *, unpacked: bool = False
     )
 
 
-# What a registry answers for an image that is not there or not the caller's to pull: the
-# customer's doing, never worth a retry.
-_PULL_REFUSED = (
-    "not found",
-    "manifest unknown",
-    "pull access denied",
-    "repository does not exist",
+# What a registry answers when the credentials are wrong or missing, and when the image is not
+# there (the engine passes its words on): both the customer's doing, never worth a retry. One
+# table for the pull's stream and for the engine's refusal to start one. A bare "404" is read
+# from the status only: a digest in a message may contain those digits.
+_REFUSED_CREDENTIALS = (
     "unauthorized",
     "authentication required",
+    "no basic auth credentials",
     "denied",
+    "forbidden",
+    "incorrect username or password",
+)
+_REFUSED_UNKNOWN = (
+    "manifest unknown",
+    "not found",
+    "repository does not exist",
     "invalid reference format",
 )
 
 
+def pull_refusal(message: str, status: int | None = None) -> str | None:
+    """Why a registry refused a pull, "credentials" or "unknown", or None: not a refusal."""
+    text = message.lower()
+    if status in (401, 403) or any(f in text for f in _REFUSED_CREDENTIALS):
+        return "credentials"
+    if status == 404 or any(f in text for f in _REFUSED_UNKNOWN):
+        return "unknown"
+    return None
+
+
 def classify_pull_error(image: str, message: str) -> RuntimeDriverError:
     """An error event in a pull's stream as our typed error."""
-    if any(marker in message.lower() for marker in _PULL_REFUSED):
+    if pull_refusal(message):
         # "no such image": marketplace.lifecycle reads it as the customer's doing.
         return ImageNotFoundError(f"no such image {image!r} (or no access to it): {message}")
     return RetryableRuntimeError(f"cannot pull {image}: {message}")
@@ -428,35 +444,22 @@ class PullLayers:
         return sum(total for _, total in self.layers.values())
 
 
-# What a registry answers when the image's name is wrong or the credentials are (the engine
-# passes its words on: 401/403/404, "manifest unknown", "pull access denied", "unauthorized").
-_REFUSED_FRAGMENTS = (
-    "unauthorized",
-    "authentication required",
-    "no basic auth credentials",
-    "denied",
-    "forbidden",
-    "incorrect username or password",
-)
-_UNKNOWN_FRAGMENTS = ("manifest unknown", "not found", "repository does not exist", "404")
-
-
 def pull_error(
     image: str, auth: RegistryAuth | None, exc: RuntimeDriverError
 ) -> RuntimeDriverError:
     """A failed pull said plainly: the registry refused the credentials (or asked for some),
     or has no such image, both permanent and the customer's (the server reads "pull access
     denied" and "manifest unknown" as such); anything else stays as it was classified."""
-    message = str(exc).lower()
     cause = exc.__cause__
     status = cause.status_code if isinstance(cause, docker.errors.APIError) else None
-    if any(f in message for f in _REFUSED_FRAGMENTS) or status in (401, 403):
+    refusal = pull_refusal(str(exc), status)
+    if refusal == "credentials":
         if auth is not None:
             why = f"the registry refused the credentials in secret {auth.secret}"
         else:
             why = "the registry asked for credentials: name a registry_secret"
         return PermanentRuntimeError(f"pull access denied for {image}: {why} ({exc})")
-    if any(f in message for f in _UNKNOWN_FRAGMENTS) or status == 404:
+    if refusal == "unknown":
         return ImageNotFoundError(f"image not found: {image}: manifest unknown ({exc})")
     return exc
 

@@ -201,6 +201,9 @@ def test_a_provider_s_benchmark_command_cannot_change_the_measured_score(tmp_pat
         (500, "unauthorized: authentication required", "PermanentRuntimeError", "secret REG"),
         (404, "manifest for r/x:1 not found: manifest unknown", "ImageNotFoundError", "not found"),
         (500, "connection reset by peer", "RetryableRuntimeError", "reset"),
+        (403, "Forbidden", "PermanentRuntimeError", "asked for"),
+        # digits of a digest are no status: the reset stays worth a retry
+        (500, "sha256:a404b: connection reset", "RetryableRuntimeError", "a404b"),
     ],
 )
 def test_a_refused_pull_says_why_and_is_permanent(status, explanation, kind, says):
@@ -219,3 +222,19 @@ def test_a_refused_pull_says_why_and_is_permanent(status, explanation, kind, say
     error = pull_error("r/x:1", auth, classified)
     assert type(error).__name__ == kind
     assert says in str(error) and "pw" not in str(error)
+
+
+@pytest.mark.parametrize(
+    ("message", "kind"),
+    [
+        ("pull access denied for r/x, repository does not exist", "ImageNotFoundError"),
+        ("invalid reference format", "ImageNotFoundError"),
+        ("unauthorized: authentication required", "ImageNotFoundError"),
+        ("read sha256:404404: connection reset by peer", "RetryableRuntimeError"),
+    ],
+)
+def test_an_error_in_a_pull_stream_is_read_with_the_same_table(message, kind):
+    from nodeagent.runtime.docker import classify_pull_error
+
+    error = classify_pull_error("r/x:1", message)
+    assert type(error).__name__ == kind and message in str(error)
