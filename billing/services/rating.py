@@ -1,7 +1,9 @@
 """The billing pass: rate usage, post charges to the ledger, warn and stop at zero balance.
 
-Rating and posting are one set-based statement per chunk of meters, so a pass over 100,000
-running rentals is a handful of statements, not 100,000 round trips:
+Rating and posting are set-based statements over chunks of meters, so a pass over 100,000
+running rentals is a handful of statements, not 100,000 round trips. Rating reads and locks
+nothing it writes (its rows go to a temporary table of the pass); posting writes a chunk of
+meters, their entries and the balances per transaction (billing.queries says how):
 
 1. rate: for each meter with new reports (or whose rental moved), GPU-seconds to date = the sum
    over the GPUs allocated to the rental on that node of |confirmed ∩ held ∩ running|, where
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -42,7 +45,7 @@ from billing.services.budgets import budgets_enforce
 from billing.services.ledger import account_platform
 from core.locks import advisory_lock
 from marketplace import lifecycle
-from marketplace.models import Rental
+from marketplace.models import Rental, RentalStatus
 from notifications.services import balance_low_notify
 
 log = logging.getLogger(__name__)
@@ -65,14 +68,64 @@ class BillingPassResult:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-# Meters per statement: each chunk is its own transaction, so a heartbeat that reports usage
-# waits for at most one chunk's row locks (well under a second), not for the whole pass.
+# Meters per rating statement: each reads the usage, allocations and events whole (hash joins),
+# so fewer, larger statements cost less; it locks nothing.
+RATE_CHUNK = 100_000
+# Meters per posting transaction: a heartbeat that reports usage waits for at most one chunk's
+# row locks, not for the whole pass.
 CHUNK = 25_000
 
 
-def meters_rate_and_post(*, now: datetime, chunk: int = CHUNK) -> tuple[int, int, int]:
-    """Steps 1 and 2, one statement per chunk of meters: rate the meters with new reports,
-    post those due. Returns (meters rated, meters posted, ledger entries)."""
+def _chunked(
+    first: int, end: int, chunk: int, run: Callable[[int, int], Sequence[int]], what: str
+) -> list[int]:
+    """`run(first, end)` over [first, end) in chunks of `chunk`, each in its own transaction
+    (savepoint), the sum of what they return. A chunk that runs out of time is rolled back
+    whole and put back as two halves, so a pass over more meters than one statement can do in
+    its time still does them all, in smaller statements; a single one that cannot is left for
+    the next pass, which rates it from its totals as if never missed."""
+    totals: list[int] = []
+    todo = [(lo, min(lo + chunk, end)) for lo in range(first, end, chunk)]
+    todo.reverse()
+    while todo:
+        lo, hi = todo.pop()
+        try:
+            with transaction.atomic():
+                counts = run(lo, hi)
+        except queries.ChunkTimedOut:
+            if hi - lo <= 1:
+                log.error("billing pass: %s %s not done in time; next pass", what, lo)
+                continue
+            middle = (lo + hi) // 2
+            log.warning(
+                "billing pass: %s %s-%s ran out of time; doing them in halves", what, lo, hi - 1
+            )
+            todo += [(middle, hi), (lo, middle)]
+            continue
+        totals = [a + b for a, b in zip(totals or [0] * len(counts), counts, strict=True)]
+    return totals
+
+
+# The moves rating reads from a rental's events: RUNNING, and every move that can follow it or
+# the stop that follows it (what ends an episode, or its stop's grace).
+_EPISODE_MOVES = frozenset(
+    {
+        str(s)
+        for s in (
+            RentalStatus.RUNNING,
+            *lifecycle.ALLOWED_TRANSITIONS[RentalStatus.RUNNING],
+            *lifecycle.ALLOWED_TRANSITIONS[RentalStatus.STOPPING],
+        )
+    }
+)
+
+
+def meters_rate_and_post(
+    *, now: datetime, chunk: int | None = None, seconds: dict[str, float] | None = None
+) -> tuple[int, int, int]:
+    """Steps 1 and 2: rate the meters with new reports (a statement per chunk of meter ids),
+    then write them and post those due (a transaction per chunk, by team). Returns (meters
+    rated, meters posted, ledger entries). `chunk` sets both chunk sizes (tests)."""
     platform = account_platform()
     params = {
         "now": now,
@@ -83,41 +136,43 @@ def meters_rate_and_post(*, now: datetime, chunk: int = CHUNK) -> tuple[int, int
         "terminal": [str(s) for s in lifecycle.TERMINAL],
         "platform": platform.pk,
         "grace": timedelta(seconds=DEFAULT_STOP_GRACE_S),
+        "moves": sorted(_EPISODE_MOVES),
     }
+    timeout_ms = conf.chunk_timeout_ms()
     bounds = UsageMeter.objects.aggregate(low=Min("id"), high=Max("id"))
     low = bounds["low"] if bounds["low"] is not None else 0
     high = bounds["high"] if bounds["high"] is not None else -1
-    queries.billing_accounts_ensure(params={**params, "first_id": low, "end_id": high + 1})
-    totals = [0, 0, 0]
-    # Ranges of meter ids still to rate, first at the front; a chunk that runs out of time is
-    # rolled back whole and put back as two halves, so a pass over more meters than one
-    # statement can rate in its time still rates them all, in smaller statements.
-    todo = [(first, min(first + chunk, high + 1)) for first in range(low, high + 1, chunk)]
-    todo.reverse()
-    while todo:
-        first_id, end_id = todo.pop()
-        try:
-            with transaction.atomic():
-                counts = queries.meters_rate_and_post(
-                    params={**params, "first_id": first_id, "end_id": end_id},
-                    timeout_ms=conf.chunk_timeout_ms(),
-                )
-        except queries.ChunkTimedOut:
-            if end_id - first_id <= 1:
-                # One meter that cannot be rated in the time (a row lock held for that long):
-                # left for the next pass, which rates it from its totals as if never missed.
-                log.error("billing pass: meter %s not rated in time; next pass", first_id)
-                continue
-            middle = (first_id + end_id) // 2
-            log.warning(
-                "billing pass: meters %s-%s ran out of time; rating them in halves",
-                first_id,
-                end_id - 1,
+    t0 = time.perf_counter()
+    queries.billing_pass_tables_create()
+    _chunked(
+        low,
+        high + 1,
+        chunk or RATE_CHUNK,
+        lambda first, end: [
+            queries.meters_rate(
+                params={**params, "first_id": first, "end_id": end}, timeout_ms=timeout_ms
             )
-            todo += [(middle, end_id), (first_id, middle)]
-            continue
-        totals = [a + b for a, b in zip(totals, counts, strict=True)]
-    return totals[0], totals[1], totals[2]
+        ],
+        "meters",
+    )
+    queries.billing_accounts_ensure(params=params)
+    decided = queries.meters_decide(params=params)
+    t1 = time.perf_counter()
+    totals = _chunked(
+        1,
+        decided + 1,
+        chunk or CHUNK,
+        lambda first, end: queries.meters_post(
+            params={**params, "first_k": first, "end_k": end}, timeout_ms=timeout_ms
+        ),
+        "postings",
+    )
+    # Left behind on an error: the next pass's create drops them, as does the session's end.
+    queries.billing_pass_tables_drop()
+    if seconds is not None:
+        seconds.update(rate=t1 - t0, post=time.perf_counter() - t1)
+    rated, posted, entries = totals or [0, 0, 0]
+    return rated, posted, entries
 
 
 def _usd(micros: int) -> str:
@@ -227,7 +282,7 @@ def _rentals_stop(*, team_id: int, available: int) -> int:
     return stopped
 
 
-def billing_pass_run(*, now: datetime | None = None, chunk: int = CHUNK) -> BillingPassResult:
+def billing_pass_run(*, now: datetime | None = None, chunk: int | None = None) -> BillingPassResult:
     """Rate, post and enforce once; skipped when another pass holds the lock."""
     result = BillingPassResult()
     with advisory_lock("billing:pass") as got:
@@ -236,8 +291,9 @@ def billing_pass_run(*, now: datetime | None = None, chunk: int = CHUNK) -> Bill
         result.ran = True
         now = now or timezone.now()
         t0 = time.perf_counter()
+        phases: dict[str, float] = {}
         result.meters_rated, result.meters_posted, result.entries = meters_rate_and_post(
-            now=now, chunk=chunk
+            now=now, chunk=chunk, seconds=phases
         )
         t1 = time.perf_counter()
         balances_enforce(now=now, result=result)
@@ -246,6 +302,11 @@ def billing_pass_run(*, now: datetime | None = None, chunk: int = CHUNK) -> Bill
         result.budget_warnings, result.budgets_reached = budgets.warned, budgets.reached
         result.rentals_stopped += budgets.rentals_stopped
         t3 = time.perf_counter()
-        result.seconds = {"rate_and_post": t1 - t0, "enforce": t2 - t1, "budgets": t3 - t2}
+        result.seconds = {
+            "rate_and_post": t1 - t0,
+            **phases,
+            "enforce": t2 - t1,
+            "budgets": t3 - t2,
+        }
     log.info("billing pass: %s", result)
     return result

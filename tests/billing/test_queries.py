@@ -329,9 +329,19 @@ def test_billing_accounts_ensure_makes_the_accounts_the_orm_finds_missing(make_n
     booked = book(gpus=1, hours=2, hours_ago=1)
     booked.report(seq=1, confirmed_s=600)
     bounds = UsageMeter.objects.aggregate(low=Min("id"), high=Max("id"))
-    queries.billing_accounts_ensure(
-        params={"now": timezone.now(), "first_id": bounds["low"], "end_id": bounds["high"] + 1}
-    )
+    queries.billing_pass_tables_create()
+    with transaction.atomic():
+        rated = queries.meters_rate(
+            params={
+                "first_id": bounds["low"],
+                "end_id": bounds["high"] + 1,
+                "grace": timedelta(seconds=30),
+                "moves": ["running", "stopping", "completed", "failed", "preempted", "pending"],
+            }
+        )
+    assert rated == UsageMeter.objects.count()
+    queries.billing_accounts_ensure(params={"now": timezone.now()})
+    queries.billing_pass_tables_drop()
     meters = UsageMeter.objects.all()
     assert set(meters.values_list("node__provider_id", flat=True)) == set(
         Account.objects.filter(kind=AccountKind.PROVIDER).values_list("provider_id", flat=True)

@@ -331,7 +331,7 @@ def test_a_pass_over_more_meters_than_one_statement_can_rate_in_time_still_bills
     with caplog.at_level("WARNING", logger="billing.services.rating"):
         result = billing_pass_run(now=rentals[0].at(3 * 3600))
     # Then the chunk ran out of time and was rated again in halves, and every meter is billed
-    assert "rating them in halves" in caplog.text
+    assert "doing them in halves" in caplog.text
     assert result.meters_rated == 64 and result.meters_posted == 64
     for booked in rentals:
         expected = _expected_charge(600, booked.rental.price_per_gpu_hour)
