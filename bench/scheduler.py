@@ -27,7 +27,6 @@ import io
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import threading
@@ -502,6 +501,15 @@ def stream_part(rates: list[float], seconds: float, service_rate: float) -> dict
     }
 
 
+def _server_kill(server) -> None:
+    import psutil
+
+    for process in psutil.Process(server.pid).children(recursive=True):
+        process.kill()
+    server.kill()
+    server.wait(20)
+
+
 def api_part(ceiling: float, service_rate: float, args: argparse.Namespace) -> dict:
     # One token creates far past the per-user request rate a deployment allows its customers;
     # the simulated hosts heartbeat far past the per-node rate.
@@ -516,8 +524,9 @@ def api_part(ceiling: float, service_rate: float, args: argparse.Namespace) -> d
                 server, funded_customer("api-busy"), args.hosts, args.busy, args.interval,
                 args.api_seconds,
             )  # fmt: skip
-            # Heartbeats a saturated server still holds would outlast a graceful stop.
-            server.send_signal(signal.SIGINT)
+            # Requests a saturated server still holds outlast any graceful stop: the server's
+            # processes (started here) are ended at once.
+            _server_kill(server)
     print(
         f"REST API alone, 4 keep-alive clients: {api['creates']:.0f} creates/s, "
         f"{api['creates'] / api['health']:.2f}x the same server's /healthz rate "
