@@ -22,7 +22,9 @@ comparison with Slurm; `--parts stream --pending 0` streams into an empty queue.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import io
+import json
 import os
 import random
 import subprocess
@@ -270,67 +272,158 @@ def service_create_rate(customer, n: int = 200) -> float:
     return rate
 
 
-def api_creates(customer, seconds: float = 10.0, threads_n: int = 4) -> dict:
-    """Creates through the REST API under gunicorn, `threads_n` keep-alive clients; beside
-    the same server's GET /healthz rate from the same clients (the HTTP stack's ceiling).
-    The clients are the standard library's http.client, one kept-alive connection each: they
-    share the machine's cores with the server, and requests costs about five times as much
-    CPU per call."""
-    import json
+def rest_rate(base: str, path: str, headers: dict, body: bytes | None, seconds: float,
+              threads_n: int = 4) -> float:  # fmt: skip
+    """Requests/s of `path` (POST of `body`, or GET) from `threads_n` keep-alive clients for
+    `seconds`. The clients are the standard library's http.client, one kept-alive connection
+    each: they share the machine's cores with the server, and requests costs about five times
+    as much CPU per call."""
     from http.client import HTTPConnection
     from urllib.parse import urlsplit
 
-    from accounts.services import team_personal_ensure
-    from accounts.services.tokens import api_token_create
+    counts = [0] * threads_n
+    errors: list[str] = []
+    timeouts = [0] * threads_n
+    stop = time.monotonic() + seconds
+    where = urlsplit(base)
 
-    team = team_personal_ensure(user=customer)
-    _, token = api_token_create(user=customer, team=team, name="bench")
-    body = json.dumps({"gpus_per_node": 1, "duration_s": 3600, "runtime": {"image": "img"}})
-    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
-
-    def hammer(base: str, path: str, post: bool) -> float:
-        counts = [0] * threads_n
-        errors: list[str] = []
-        stop = time.monotonic() + seconds
-        where = urlsplit(base)
-
-        def client(k: int) -> None:
-            conn = HTTPConnection(where.hostname, where.port, timeout=30)
-            try:
-                while time.monotonic() < stop:
-                    if post:
-                        conn.request("POST", path, headers=headers, body=body.encode())
+    def client(k: int) -> None:
+        conn = HTTPConnection(where.hostname, where.port, timeout=10)
+        try:
+            while time.monotonic() < stop:
+                try:
+                    if body is not None:
+                        conn.request("POST", path, headers=headers, body=body)
                     else:
                         conn.request("GET", path, headers=headers)
                     answer = conn.getresponse()
                     code, text = answer.status, answer.read()
-                    if code >= 400:
-                        errors.append(f"{code} {text[:200]!r}")
-                        return
-                    counts[k] += 1
-            finally:
-                conn.close()
+                except TimeoutError:
+                    # A saturated server: not counted (it may still finish the request later);
+                    # the client goes on over a fresh connection.
+                    timeouts[k] += 1
+                    conn.close()
+                    continue
+                if code >= 400:
+                    errors.append(f"{code} {text[:200]!r}")
+                    return
+                counts[k] += 1
+        finally:
+            conn.close()
 
-        threads = [threading.Thread(target=client, args=(k,)) for k in range(threads_n)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise RuntimeError(f"{path}: {errors[0]}")
-        return sum(counts) / (time.perf_counter() - t0)
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(threads_n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"{path}: {errors[0]}")
+    if sum(timeouts):
+        print(f"{path}: {sum(timeouts)} requests got no answer within 10 s")
+    return sum(counts) / (time.perf_counter() - t0)
 
-    # One token creates far past the per-user request rate a deployment allows its customers.
-    with gunicorn(extra_env={"API_USER_THROTTLE_RATE": "1000000/min"}) as server:
-        health = hammer(server.base_url, "/healthz", post=False)
-        creates = hammer(server.base_url, "/api/v1/rentals/", post=True)
-        env = dict(os.environ, GPUMARKET_SERVER_URL=server.base_url, GPUMARKET_TOKEN=token)
-        cli = [sys.executable, "-m", "gpumarket_cli", "rent", "--gpus", "1", "--image", "img"]
-        python = [sys.executable, "-c", "pass"]
-        cli_s = median([_wall(cli, env) for _ in range(10)])
-        python_s = median([_wall(python, env) for _ in range(10)])
+
+CREATE_BODY = json.dumps(
+    {"gpus_per_node": 1, "duration_s": 3600, "runtime": {"image": "img"}}
+).encode()
+
+
+def api_headers(customer) -> dict:
+    """A bearer token of the customer's personal team, as a client sends it."""
+    from accounts.services import team_personal_ensure
+    from accounts.services.tokens import api_token_create
+
+    _, token = api_token_create(user=customer, team=team_personal_ensure(user=customer), name="b")
+    return {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+
+
+def api_creates(server, customer, seconds: float = 10.0) -> dict:
+    """Creates through the REST API under gunicorn, 4 keep-alive clients; beside the same
+    server's GET /healthz rate from the same clients (the HTTP stack's ceiling)."""
+    headers = api_headers(customer)
+    health = rest_rate(server.base_url, "/healthz", headers, None, seconds)
+    creates = rest_rate(server.base_url, "/api/v1/rentals/", headers, CREATE_BODY, seconds)
+    env = dict(
+        os.environ,
+        GPUMARKET_SERVER_URL=server.base_url,
+        GPUMARKET_TOKEN=headers["Authorization"].removeprefix("Bearer "),
+    )
+    cli = [sys.executable, "-m", "gpumarket_cli", "rent", "--gpus", "1", "--image", "img"]
+    python = [sys.executable, "-c", "pass"]
+    cli_s = median([_wall(cli, env) for _ in range(10)])
+    python_s = median([_wall(python, env) for _ in range(10)])
     return {"creates": creates, "health": health, "cli_s": cli_s, "python_s": python_s}
+
+
+def _heartbeat_load(base: str, hosts: list, seconds: float, interval: float, out) -> None:
+    """The busy hosts' heartbeats for `seconds` (a forked process, so that the load generator
+    and the REST clients do not share one interpreter's lock); sends back what it measured."""
+    from agents import run_agents
+
+    latencies, errors = asyncio.run(run_agents(base, hosts, seconds, interval))
+    out.send((len(latencies), errors, percentile(latencies, 99) if latencies else float("nan")))
+
+
+def api_creates_busy(server, customer, hosts_n: int, busy: int, interval: float,
+                     seconds: float) -> dict:  # fmt: skip
+    """REST creates while `hosts_n` simulated hosts, each running `busy` rentals, heartbeat
+    every `interval` s (bench/agents.py's busy phase: per run a container report, a usage
+    report, a step line and two log lines), beside the same server's /healthz rate under the
+    same heartbeats."""
+    import multiprocessing
+
+    from agents import (
+        Host,
+        book_busy,
+        join_agents,
+        join_tokens,
+        run_agents,
+        running_count,
+        server_cpu_seconds,
+    )
+    from django.db import connections
+
+    from marketplace.models import Provider
+
+    # agents.join_tokens names its provider "bench", as the inventory's is named here.
+    Provider.objects.filter(name="bench").update(name="bench-inventory")
+    tokens = join_tokens(hosts_n)
+    hosts = [Host(t) for t in asyncio.run(join_agents(server.base_url, tokens))]
+    placed = book_busy(busy, hosts_n)
+    # The hosts learn their runs and report them running (a start is a one-off, not measured).
+    deadline = time.monotonic() + 180
+    while running_count() < placed and time.monotonic() < deadline:
+        asyncio.run(run_agents(server.base_url, hosts, 2 * interval, interval))
+    running = running_count()
+    headers = api_headers(customer)
+    connections.close_all()  # the forked load generator shares no connection
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    lead = interval  # every host is in its rhythm before the creates start
+    window = 2 * seconds + 2 * lead
+    load = context.Process(
+        target=_heartbeat_load, args=(server.base_url, hosts, window, interval, send)
+    )
+    cpu0 = server_cpu_seconds(server)
+    load.start()
+    time.sleep(lead)
+    health = rest_rate(server.base_url, "/healthz", headers, None, seconds)
+    creates = rest_rate(server.base_url, "/api/v1/rentals/", headers, CREATE_BODY, seconds)
+    beats, errors, beat_p99 = receive.recv()
+    load.join(60)
+    cpu = server_cpu_seconds(server) - cpu0
+    return {
+        "hosts": hosts_n,
+        "running": running,
+        "creates": creates,
+        "health": health,
+        "heartbeats_per_s": (beats - errors) / window,
+        "offered_heartbeats_per_s": hosts_n / interval,
+        "heartbeat_errors": errors,
+        "heartbeat_p99_ms": beat_p99,
+        "server_cpu_share": cpu / window,
+    }
 
 
 def _wall(cmd: list[str], env: dict[str, str]) -> float:
@@ -382,7 +475,7 @@ def cycle_part(ceiling: float) -> dict:
     }
 
 
-def stream_part(rates: list[float], seconds: float) -> dict:
+def stream_part(rates: list[float], seconds: float, service_rate: float) -> dict:
     stream = []
     with celery_worker():
         for rate in rates:
@@ -408,30 +501,69 @@ def stream_part(rates: list[float], seconds: float) -> dict:
     }
 
 
-def api_part(ceiling: float) -> dict:
-    service_rate = service_create_rate(funded_customer("ceiling"))
-    api = api_creates(funded_customer("api"))
+def _server_kill(server) -> None:
+    import psutil
+
+    for process in psutil.Process(server.pid).children(recursive=True):
+        process.kill()
+    server.kill()
+    server.wait(20)
+
+
+def api_part(ceiling: float, service_rate: float, args: argparse.Namespace) -> dict:
+    # One token creates far past the per-user request rate a deployment allows its customers;
+    # the simulated hosts heartbeat far past the per-node rate.
+    extra = {"API_USER_THROTTLE_RATE": "1000000/min", "AGENT_THROTTLE_RATE": "100000/min"}
+    with gunicorn(extra_env=extra) as server:
+        api = api_creates(server, funded_customer("api"), args.api_seconds)
+        busy = None
+        if args.hosts:
+            # A customer of its own: one team's creates take turns on its account's lock, and
+            # the holds summed under it grow with the team's unfinished rentals.
+            busy = api_creates_busy(
+                server, funded_customer("api-busy"), args.hosts, args.busy, args.interval,
+                args.api_seconds,
+            )  # fmt: skip
+            # Requests a saturated server still holds outlast any graceful stop: the server's
+            # processes (started here) are ended at once.
+            _server_kill(server)
     print(
-        f"creates: rental_create from one thread {service_rate:.0f}/s = "
-        f"{service_rate / ceiling:.3f}x the INSERT ceiling"
-    )
-    print(
-        f"REST API, 4 keep-alive clients: {api['creates']:.0f} creates/s, "
+        f"REST API alone, 4 keep-alive clients: {api['creates']:.0f} creates/s, "
         f"{api['creates'] / api['health']:.2f}x the same server's /healthz rate "
         f"({api['health']:.0f}/s) and {api['creates'] / ceiling:.3f}x the INSERT ceiling"
     )
+    figures = {
+        "api_creates_per_s": round(api["creates"], 1),
+        "api_health_per_s": round(api["health"], 1),
+    }
+    if busy:
+        print(
+            f"REST API while {busy['hosts']} busy hosts ({busy['running']} rentals running)"
+            f" heartbeat every {args.interval:g} s: {busy['creates']:.0f} creates/s"
+            f" ({busy['creates'] / api['creates']:.2f}x alone), /healthz {busy['health']:.0f}/s;"
+            f" heartbeats handled {busy['heartbeats_per_s']:.1f}/s of"
+            f" {busy['offered_heartbeats_per_s']:g}/s offered ({busy['heartbeat_errors']}"
+            f" errors), p99 {busy['heartbeat_p99_ms']:.0f} ms; the server used"
+            f" {busy['server_cpu_share']:.2f} cores"
+        )
+        figures.update(
+            busy_hosts=busy["hosts"],
+            busy_running=busy["running"],
+            busy_interval_s=args.interval,
+            api_creates_per_s_busy=round(busy["creates"], 1),
+            api_health_per_s_busy=round(busy["health"], 1),
+            busy_heartbeats_per_s=round(busy["heartbeats_per_s"], 1),
+            busy_heartbeat_p99_ms=round(busy["heartbeat_p99_ms"], 1),
+            busy_heartbeat_errors=busy["heartbeat_errors"],
+            busy_server_cores=round(busy["server_cpu_share"], 2),
+        )
     print(
         f"CLI: `gpumarket rent` {api['cli_s'] * 1000:.0f} ms (median of 10), "
         f"{api['cli_s'] / api['python_s']:.1f}x a bare interpreter start "
         f"({api['python_s'] * 1000:.0f} ms)"
     )
-    return {
-        "service_creates_per_s_one_thread": round(service_rate, 1),
-        "api_creates_per_s": round(api["creates"], 1),
-        "api_health_per_s": round(api["health"], 1),
-        "cli_rent_s": round(api["cli_s"], 3),
-        "python_start_s": round(api["python_s"], 3),
-    }
+    figures.update(cli_rent_s=round(api["cli_s"], 3), python_start_s=round(api["python_s"], 3))
+    return figures
 
 
 def main() -> None:
@@ -447,7 +579,18 @@ def main() -> None:
         "--parts", nargs="+", choices=PARTS, default=list(PARTS),
         help="cycle: engine and one end-to-end cycle; stream: the streaming mode; api: creates",
     )  # fmt: skip
-    args = parse_args(parser, nodes=40, pending=60, rates=[10.0], seconds=2.0)
+    parser.add_argument(
+        "--hosts", type=int, default=1000,
+        help="api: busy simulated hosts heartbeating during the second round of creates (0: none)",
+    )  # fmt: skip
+    parser.add_argument("--busy", type=int, default=4, help="api: rentals of 2 GPUs per host")
+    parser.add_argument(
+        "--interval", type=float, default=5.0,
+        help="api: seconds between a host's heartbeats (the server's HEARTBEAT_INTERVAL_S)",
+    )  # fmt: skip
+    parser.add_argument("--api-seconds", type=float, default=10.0, help="api: each round")
+    args = parse_args(parser, nodes=40, pending=60, rates=[10.0], seconds=2.0, hosts=4, busy=1,
+                      interval=1.0, api_seconds=2.0)  # fmt: skip
     figures: dict = {"nodes": args.nodes}
     with bench_database("gpumarket_bench_scheduler") as url:
         # Half the nodes run work on half their GPUs: the fragmentation packing has to handle.
@@ -456,12 +599,19 @@ def main() -> None:
         print(f"cluster: {args.nodes} nodes, {gpus} GPUs; {args.pending} pending asking {wanted}")
         ceiling = pg_insert_rate(url)
         figures["pg_insert_rows_per_s"] = round(ceiling)
+        # rental_create back to back from one thread, no worker: the create's own ceiling.
+        service_rate = service_create_rate(funded_customer("ceiling"))
+        figures["service_creates_per_s_one_thread"] = round(service_rate, 1)
+        print(
+            f"creates: rental_create from one thread {service_rate:.0f}/s = "
+            f"{service_rate / ceiling:.3f}x the {ceiling:,.0f}/s single-row INSERT ceiling"
+        )
         if "cycle" in args.parts:
             figures.update(cycle_part(ceiling))
         if "stream" in args.parts:
-            figures.update(stream_part(args.rates, args.seconds))
+            figures.update(stream_part(args.rates, args.seconds, service_rate))
         if "api" in args.parts:
-            figures.update(api_part(ceiling))
+            figures.update(api_part(ceiling, service_rate, args))
     emit(figures)
 
 

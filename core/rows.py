@@ -14,6 +14,7 @@ from functools import cache
 from typing import TypeVar
 
 from django.db import connection, models
+from django.db.models.expressions import DatabaseDefault, Value
 
 M = TypeVar("M", bound=models.Model)
 
@@ -71,7 +72,7 @@ def insert_values(obj: models.Model, fields) -> list | None:
     """The values an INSERT of the new instance writes for `fields`, as the ORM prepares them
     (auto_now set on the instance); None when one is an expression, which only the ORM's
     compiler can write."""
-    values = [field.pre_save(obj, add=True) for field in fields]
+    values = [_db_default_literal(field, field.pre_save(obj, add=True)) for field in fields]
     if any(hasattr(value, "resolve_expression") for value in values):
         return None
     return [
@@ -109,6 +110,18 @@ def model_from_row(model: type[M], fields, values) -> M:
     own reads do."""
     converted = [_converted(field, value) for field, value in zip(fields, values, strict=True)]
     return model.from_db(connection.alias, [f.attname for f in fields], converted)
+
+
+def _db_default_literal(field, value):
+    """A field left to a constant `db_default` (no Python default) is written that constant,
+    the value the column's DEFAULT would give: a DEFAULT keyword would need the ORM's compiler,
+    which cost a create more CPU than its two INSERTs (bench/scheduler.py)."""
+    if not isinstance(value, DatabaseDefault):
+        return value
+    default = field.db_default
+    if isinstance(default, Value):
+        return default.value
+    return value if hasattr(default, "resolve_expression") else default
 
 
 def _converted(field, value):

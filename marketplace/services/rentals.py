@@ -248,6 +248,8 @@ def _refusal(request: engine.Request, nodes: list[engine.Node], reason: str | No
 
 def _secrets_check(*, team: Team, request: RentalRequest) -> None:
     """The secrets named are the team's; a variable a secret sets is not also in `env`."""
+    if not request.secrets and not request.registry_secret:
+        return  # most creates name none: no query set built for nothing
     missing = secrets_missing(team=team, names=[use["name"] for use in request.secrets])
     if missing:
         raise ValidationFailed(f"the team has no secret {', '.join(missing)}", field="secrets")
@@ -266,6 +268,20 @@ def _secrets_check(*, team: Team, request: RentalRequest) -> None:
                 f"the team has no secret {request.registry_secret}", field="registry_secret"
             )
         registry_credentials(value, secret=request.registry_secret)
+
+
+# The catalog's card slugs as this process last read them: ops add a card now and then and
+# remove one never in practice, so a slug found here is known; one that is not is looked up
+# again before it is refused, so a card added since is never refused.
+_known_gpu_models: frozenset[str] = frozenset()
+
+
+def _gpu_models_unknown(slugs: Sequence[str]) -> list[str]:
+    """The slugs the catalog does not list, sorted; no statement when every one was seen."""
+    global _known_gpu_models
+    if not set(slugs) <= _known_gpu_models:
+        _known_gpu_models = frozenset(GpuModel.objects.values_list("slug", flat=True))
+    return sorted(set(slugs) - _known_gpu_models)
 
 
 class FundsHolder(Protocol):
@@ -354,10 +370,7 @@ def rental_create(
     if not interruptible and request.bid_per_gpu_hour is not None:
         raise ValidationFailed("only interruptible rentals bid", field="bid_per_gpu_hour")
     if request.gpu_models:
-        known = set(
-            GpuModel.objects.filter(slug__in=request.gpu_models).values_list("slug", flat=True)
-        )
-        unknown = sorted(set(request.gpu_models) - known)
+        unknown = _gpu_models_unknown(request.gpu_models)
         if unknown:
             raise ValidationFailed(f"unknown GPU model: {', '.join(unknown)}", field="gpu_models")
     if not 0 <= request.min_interconnect_gbps <= CLUSTER_GBPS_MAX:

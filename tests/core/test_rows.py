@@ -182,3 +182,22 @@ def test_a_read_sent_behind_a_lock_sees_what_the_locks_holder_committed(user):
         t.join(30)
     assert errors == []
     assert seen == [[(account.pk,)], [(123,)]]
+
+
+@pytest.mark.django_db
+def test_a_column_left_to_its_database_default_is_written_by_the_prepared_insert(user):
+    # Given a rental and an event that leave end_cause and cause to their db_default ("")
+    from django.test.utils import CaptureQueriesContext
+
+    rental = _rental(user)
+    with CaptureQueriesContext(connection) as queries:
+        model_insert(rental)
+        event = model_insert(
+            RentalEvent(rental=rental, to_status="pending", actor_kind="customer", reason="x")
+        )
+    # Then each went through its one prepared statement (no DEFAULT keyword: the ORM's
+    # compiler writes that), with the value the column's default gives
+    assert len(queries) == 2
+    assert all("DEFAULT" not in q["sql"] for q in queries), [q["sql"] for q in queries]
+    assert Rental.objects.get(pk=rental.pk).end_cause == "" == rental.end_cause
+    assert RentalEvent.objects.get(pk=event.pk).cause == "" == event.cause
