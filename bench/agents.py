@@ -114,8 +114,12 @@ class Host:
         self.seq = 0
         self.line_no = 0
         self.step = 0
+        self.digest = ""  # of the desired state it holds, sent back as the real agent does
 
     def learn(self, answer: dict) -> None:
+        if answer.get("desired_unchanged"):
+            return
+        self.digest = answer.get("desired_digest", "")
         wanted = {entry["run_id"]: entry for entry in answer.get("desired", ())}
         for run_id in list(self.runs):
             if run_id not in wanted:
@@ -193,6 +197,7 @@ class Host:
             usage=tuple(usage),
             metrics=tuple(metrics),
             logs=tuple(logs),
+            desired_digest=self.digest,
         ).to_payload()
 
 

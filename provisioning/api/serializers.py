@@ -363,6 +363,10 @@ class HeartbeatSerializer(ReusedPerThread, serializers.Serializer):
     images = CachedImageSerializer(
         many=True, max_length=MAX_CACHED_IMAGES, required=False, default=None, allow_null=True
     )
+    # The digest of the desired state the agent holds (agents that predate it send none).
+    desired_digest = serializers.CharField(
+        max_length=64, allow_blank=True, required=False, default=""
+    )
 
     # The element fields whose bad elements are dropped and counted.
     ELEMENTS = (
@@ -464,6 +468,13 @@ class HeartbeatAnswerSerializer(serializers.Serializer):
     )
     benchmark = BenchmarkSpecSerializer(
         required=False, help_text="the platform's benchmark to run, with run_benchmark"
+    )
+    desired_digest = serializers.CharField(
+        required=False, help_text="names this desired state; sent back in the next heartbeat"
+    )
+    desired_unchanged = serializers.BooleanField(
+        required=False,
+        help_text="desired is empty: the state is the one held under the digest sent back",
     )
 
 
