@@ -301,7 +301,7 @@ def measure(server, hosts: list[Host], seconds: float, interval: float) -> dict:
 
 
 def statements_per_heartbeat(host: Host) -> int:
-    """The SQL statements one heartbeat of `host` makes (transaction control aside), counted
+    """The SQL statements one heartbeat of `host` makes (its BEGIN and COMMIT too), counted
     in this process through the same view and services (Django's query log): the second of
     two, so that the token is one this process has seen valid, as a web process has."""
     from django.db import connection
