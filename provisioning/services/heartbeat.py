@@ -330,7 +330,7 @@ def _steady_reports(*, runs: Sequence[list], reports: Sequence[ContainerReport])
     return steady
 
 
-def _masks(*, node: Node, runs: Sequence[list], reports: HeartbeatReports) -> dict:
+def _masks(*, runs: Sequence[list], reports: HeartbeatReports) -> dict:
     """rental id -> the terms to mask out of what its runs on this node printed (their secret
     values): the agent is a third party, trusted to have masked nothing. Only rentals that name
     secrets and printed something in this heartbeat are read (`runs`:
@@ -662,7 +662,7 @@ def node_heartbeat(
                 run_benchmark = changed = True  # the check of the GPUs that failed
             failed = None
         steady = _steady_reports(runs=state.runs, reports=reports.containers)
-        masks = _masks(node=node, runs=state.runs, reports=reports)
+        masks = _masks(runs=state.runs, reports=reports)
         for report in sorted(reports.containers, key=lambda c: c.run_id):
             if report.run_id in steady:
                 continue
