@@ -402,6 +402,9 @@ class Heartbeat(Message):
     # images the agent accepts (allow-list patterns) and the images it holds.
     image_allow: tuple[str, ...] | None = dataclasses.field(default=None, metadata=OMIT_DEFAULT)
     images: tuple[CachedImage, ...] | None = dataclasses.field(default=None, metadata=OMIT_DEFAULT)
+    # The `desired_digest` of the last answer whose desired state the agent holds ("": none,
+    # an agent that just started): the server may then answer `desired_unchanged`.
+    desired_digest: str = dataclasses.field(default="", metadata=OMIT_EMPTY)
 
 
 # -- heartbeat: server to agent ------------------------------------------------------------------
@@ -529,6 +532,12 @@ class HeartbeatAnswer(Message):
     # With run_benchmark: what to run (an older server sends none; the agent then runs the
     # harness's benchmark it ships with).
     benchmark: BenchmarkSpec | None = dataclasses.field(default=None, metadata=OMIT_EMPTY)
+    # What names this desired state, for the agent to send back (Heartbeat.desired_digest);
+    # "": the server keeps none. With `desired_unchanged` the server did not send the desired
+    # state again (`desired` is empty): it is the one the agent holds under the digest it sent.
+    # Only an agent that sent a digest is told so; an older agent always gets the whole state.
+    desired_digest: str = dataclasses.field(default="", metadata=OMIT_EMPTY)
+    desired_unchanged: bool = dataclasses.field(default=False, metadata=OMIT_DEFAULT)
 
     @classmethod
     def from_payload(

@@ -8,10 +8,13 @@ one-time token, then sends a heartbeat every second carrying telemetry for its 8
 the payload shape the real agent sends. Printed beside the figures: the offered rate, and the
 server's own CPU time per heartbeat (psutil on the gunicorn processes).
 
-Two phases: idle hosts, then busy ones. For the busy phase `--busy` rentals of 2 GPUs per host
-are booked and placed through the real services; each host learns its runs from the heartbeat
-answers, as the real agent does, and from then on every heartbeat carries, per run, a container
-report, a usage report, a harness step line and two log lines.
+Two phases: idle hosts, then busy ones; for each, the SQL statements one heartbeat makes are
+also counted in this process (the same view and services, Django's query log). For the busy
+phase `--busy` rentals of 2 GPUs per host are booked and placed through the real services; each
+host learns its runs from the heartbeat answers, as the real agent does (sending back the
+digest of the desired state it holds, so the server answers "unchanged" while it is), and from
+then on every heartbeat carries, per run, a container report, a usage report, a harness step
+line and two log lines.
 
 Then one real agent (`python -m nodeagent`, Docker runtime when an engine answers,
 else the local-process runtime) gets a rental, and the time from SCHEDULED to RUNNING is read
@@ -114,8 +117,12 @@ class Host:
         self.seq = 0
         self.line_no = 0
         self.step = 0
+        self.digest = ""  # of the desired state it holds, sent back as the real agent does
 
     def learn(self, answer: dict) -> None:
+        if answer.get("desired_unchanged"):
+            return
+        self.digest = answer.get("desired_digest", "")
         wanted = {entry["run_id"]: entry for entry in answer.get("desired", ())}
         for run_id in list(self.runs):
             if run_id not in wanted:
@@ -193,6 +200,7 @@ class Host:
             usage=tuple(usage),
             metrics=tuple(metrics),
             logs=tuple(logs),
+            desired_digest=self.digest,
         ).to_payload()
 
 
@@ -290,6 +298,27 @@ def measure(server, hosts: list[Host], seconds: float, interval: float) -> dict:
         "cpu_ms": cpu * 1000 / max(1, len(latencies)),
         "cpu_s": cpu,
     }
+
+
+def statements_per_heartbeat(host: Host) -> int:
+    """The SQL statements one heartbeat of `host` makes (its BEGIN and COMMIT too), counted
+    in this process through the same view and services (Django's query log): the second of
+    two, so that the token is one this process has seen valid, as a web process has."""
+    from django.db import connection
+    from django.test import Client
+    from django.test.utils import CaptureQueriesContext
+
+    from agentprotocol import HEARTBEAT_PATH
+
+    client = Client(HTTP_AUTHORIZATION=f"Bearer {host.token}", HTTP_HOST="localhost")
+    rng = random.Random(host.token)
+    for _ in range(2):
+        body = host.body(rng)
+        with CaptureQueriesContext(connection) as queries:
+            r = client.post(HEARTBEAT_PATH, body, content_type="application/json", secure=True)
+        assert r.status_code == 200, r.content
+        host.learn(r.json())
+    return len(queries)
 
 
 def cpu_per_request(server: subprocess.Popen, url: str, n: int = 2000) -> float:
@@ -421,6 +450,7 @@ def main() -> None:
         with gunicorn(workers=args.workers, extra_env=extra) as server:
             hosts = [Host(t) for t in asyncio.run(join_agents(server.base_url, tokens))]
             idle = measure(server, hosts, args.seconds, args.interval)
+            idle["statements"] = statements_per_heartbeat(hosts[0])
             busy = None
             if args.busy:
                 placed = book_busy(args.busy, args.agents)
@@ -433,6 +463,7 @@ def main() -> None:
                     )
                 busy = measure(server, hosts, args.seconds, args.interval)
                 busy["runs"] = sum(len(h.runs) for h in hosts)
+                busy["statements"] = statements_per_heartbeat(hosts[0])
                 busy["running"] = running_count()
             health_ms = cpu_per_request(server, server.base_url + "/healthz")
             to_running, runtime = scheduled_to_running(server.base_url)
@@ -451,7 +482,8 @@ def main() -> None:
             f"{name}{what}: handled {phase['handled_per_s']:,.1f} heartbeats/s"
             f" ({phase['errors']} errors), p50 {phase['p50']:.1f} ms, p99 {phase['p99']:.1f} ms;"
             f" server CPU {phase['cpu_ms']:.2f} ms per heartbeat,"
-            f" {phase['cpu_ms'] / health_ms:.1f}x the {health_ms:.2f} ms of a /healthz"
+            f" {phase['cpu_ms'] / health_ms:.1f}x the {health_ms:.2f} ms of a /healthz;"
+            f" {phase['statements']} SQL statements per heartbeat"
         )
     print(f"SCHEDULED -> RUNNING with a real agent ({runtime} runtime): {to_running:.2f} s")
     figures = {
@@ -461,6 +493,7 @@ def main() -> None:
         "server_cpu_ms_per_heartbeat": round(idle["cpu_ms"], 2),
         "server_cpu_ms_per_healthz": round(health_ms, 2),
         "heartbeat_cpu_to_healthz": round(idle["cpu_ms"] / health_ms, 2),
+        "statements_per_heartbeat": idle["statements"],
         "scheduled_to_running_s": round(to_running, 2),
         "offered_heartbeats_per_s": round(offered, 1),
         "interval_s": args.interval,
@@ -476,6 +509,7 @@ def main() -> None:
             busy_heartbeat_p99_ms=round(busy["p99"], 1),
             busy_server_cpu_ms_per_heartbeat=round(busy["cpu_ms"], 2),
             busy_to_healthz=round(busy["cpu_ms"] / health_ms, 2),
+            busy_statements_per_heartbeat=busy["statements"],
             busy_errors=busy["errors"],
         )
     emit(figures)

@@ -407,6 +407,11 @@ class Agent:
         self._images: tuple[CachedImage, ...] | None = None
         self._images_sent: tuple[CachedImage, ...] | None = None
         self._images_pass_at = -IMAGE_PASS_S
+        # The desired state of the last answer that carried one, and its digest (sent back: the
+        # server then answers "unchanged" instead of sending it again). Memory only: a
+        # restarted agent sends none and gets the whole state.
+        self._desired: tuple[DesiredRun, ...] = ()
+        self._desired_digest = ""
 
     # -- the program ---------------------------------------------------------------------------
 
@@ -701,6 +706,7 @@ class Agent:
             pulls=tuple(self._pull_reports()),
             image_allow=image_allow,
             images=images,
+            desired_digest=self._desired_digest,
         )
         payload = self._client.heartbeat(heartbeat.to_payload(), token=self._credentials.node_token)
         try:
@@ -721,7 +727,7 @@ class Agent:
         self._allow_sent = True
         if images is not None:
             self._images_sent = images
-        desired = answer.desired
+        desired = self._desired_held(answer)
         self._remember(desired)
         for live in self._live.values():
             # A run no longer desired is not said again: the server masks what it prints.
@@ -997,6 +1003,13 @@ class Agent:
         if benchmark_sent:
             self._benchmark.delivered()
         self._set_interval(answer.heartbeat_interval_s)
+
+    def _desired_held(self, answer: HeartbeatAnswer) -> tuple[DesiredRun, ...]:
+        """The desired state an answer names: its own, or the one held when it is unchanged."""
+        if not answer.desired_unchanged:
+            self._desired = answer.desired
+        self._desired_digest = answer.desired_digest
+        return self._desired
 
     @staticmethod
     def _bad_run(error: ProtocolError) -> None:

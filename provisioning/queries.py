@@ -10,15 +10,18 @@ test_queries.py asks each one's question again through the ORM.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
 
 from django.db import connection
 
+from accounts.models import SshKey, TeamSecret
 from core.rows import model_from_row, sql_named
 from marketplace.models import Allocation, Gpu, Node, Rental
-from provisioning.models import NodeCredential
+from provisioning.models import ContainerRun, NodeCredential, RunLogLine, RunMetric
 
 # The GPUs a node holds now, for rentals whose container should run; {node_id} names the node.
 _HELD_FROM_WHERE = """
@@ -34,6 +37,11 @@ _TABLES = {
     "rental": Rental,
     "node": Node,
     "credential": NodeCredential,
+    "run": ContainerRun,
+    "metric": RunMetric,
+    "logline": RunLogLine,
+    "sshkey": SshKey,
+    "secret": TeamSecret,
 }
 
 
@@ -133,3 +141,236 @@ def node_by_token(*, key_hash: str) -> Node | None:
         cursor.execute(sql, [key_hash])
         row = cursor.fetchone()
     return None if row is None else model_from_row(Node, fields, row)
+
+
+# What the desired state of a held rental is made of, besides the rental's row, as one text
+# that changes whenever any of it changes: the row's version (xmin: any UPDATE of the row), its
+# team's SSH keys when it asked for SSH, the team secrets it names, and a gang's members (the
+# nodes it holds GPUs on). `{node_id}` names the node: whether the run of the rental on it is
+# recorded (`has_run`).
+_VERSIONS = """
+SELECT r.{rental.id},
+  r.xmin::text
+  || CASE WHEN r.{rental.ssh} THEN '|k' || coalesce((
+       SELECT string_agg(k.{sshkey.id}::text || '.' || k.xmin::text, ',' ORDER BY k.{sshkey.id})
+       FROM {sshkey} k WHERE k.{sshkey.team} = r.{rental.team}), '') ELSE '' END
+  || CASE WHEN r.{rental.secrets} <> '[]'::jsonb OR r.{rental.registry_secret} <> '' THEN '|s'
+     || coalesce((
+       SELECT string_agg(s.{secret.id}::text || '.' || s.xmin::text, ',' ORDER BY s.{secret.id})
+       FROM {secret} s WHERE s.{secret.team} = r.{rental.team}
+         AND (s.{secret.name} = r.{rental.registry_secret} OR s.{secret.name} IN (
+           SELECT e.value->>'name' FROM jsonb_array_elements(r.{rental.secrets}) e))), '')
+     ELSE '' END
+  || CASE WHEN r.{rental.node_count} > 1 THEN '|g' || coalesce((
+       SELECT string_agg(DISTINCT m.{allocation.node}::text, ',')
+       FROM {allocation} m
+       WHERE m.{allocation.rental} = r.{rental.id} AND m.{allocation.released_at} IS NULL), '')
+     ELSE '' END,
+  EXISTS (SELECT 1 FROM {run} c
+          WHERE c.{run.rental} = r.{rental.id} AND c.{run.node} = {node_id})
+FROM {rental} r WHERE r.{rental.id} IN (SELECT h.rental FROM held h)
+"""
+
+_HELD_CTE = (
+    "held AS (SELECT a.{allocation.rental} AS rental, g.{gpu.index} AS index, g.{gpu.uuid} AS uuid"
+    + _HELD_FROM_WHERE.replace("%s::timestamptz", "%(now)s::timestamptz").replace(
+        "ANY(%s)", "ANY(%(statuses)s)"
+    )
+    + ")"
+)
+_HELD_COLUMNS = """
+  (SELECT json_agg(json_build_array(h.rental, h.index, h.uuid) ORDER BY h.rental, h.index)
+   FROM held h),
+  (SELECT json_agg(json_build_array(v.id, v.version, v.has_run)) FROM versions v)
+"""
+_VERSIONS_CTE = "versions (id, version, has_run) AS (" + _VERSIONS + ")"
+
+
+@cache
+def _held_versions_sql() -> str:
+    return sql_named(
+        "WITH " + _HELD_CTE.replace("{node_id}", "%(node)s") + ", "
+        + _VERSIONS_CTE.replace("{node_id}", "%(node)s")
+        + " SELECT" + _HELD_COLUMNS,
+        **_TABLES,
+    )  # fmt: skip
+
+
+def _held_and_versions(held: list | None, versions: list | None) -> tuple[list, dict, bool]:
+    return (
+        [(uuid.UUID(rental), index, gpu_uuid) for rental, index, gpu_uuid in held or ()],
+        {uuid.UUID(rental): version for rental, version, _ in versions or ()},
+        all(has_run for _, _, has_run in versions or ()),
+    )
+
+
+def gpus_held_versions(
+    *, node_id: int, now: datetime, statuses: Sequence[str]
+) -> tuple[list[tuple], dict, bool]:
+    """gpus_held, with each held rental's version (what its desired state is made of, as one
+    text that changes when any of it does) and whether every held rental's run on the node is
+    recorded."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            _held_versions_sql(), {"node": node_id, "now": now, "statuses": list(statuses)}
+        )
+        return _held_and_versions(*cursor.fetchone())
+
+
+# A busy heartbeat's reads in one statement, the node known: the node is marked seen unless it
+# is OFFLINE (the caller brings it back first), then what its GPUs' health is (as in _IDLE),
+# the reported runs of the node (`runs`: run id, rental id, whether its row and rental say it
+# runs steadily, its published ports, the rental's ports, SSH and JupyterLab, whether the rental
+# names secrets) and the GPUs it holds with their rentals' versions (gpus_held_versions).
+_BUSY = """
+WITH seen AS (
+  UPDATE {node} n SET {node.last_seen_at} = %(now)s
+  WHERE n.{node.id} = %(node)s AND n.{node.status} <> %(offline)s
+  RETURNING 1
+), {held}, {versions}
+SELECT
+  (SELECT count(*) FROM seen),
+  coalesce(unhealthy.degraded, false), coalesce(unhealthy.failed, '{{}}'),
+  (SELECT json_agg(json_build_array(
+     c.{run.run_id}, c.{run.rental},
+     c.{run.status} = %(running)s AND c.{run.exit_code} IS NULL
+       AND c.{run.started_at} IS NOT NULL AND c.{run.finished_at} IS NULL
+       AND r.{rental.status} = %(running)s,
+     c.{run.published}, r.{rental.ports}, r.{rental.ssh}, r.{rental.jupyter},
+     r.{rental.secrets} <> '[]'::jsonb OR r.{rental.registry_secret} <> ''))
+   FROM {run} c JOIN {rental} r ON r.{rental.id} = c.{run.rental}
+   WHERE c.{run.node} = %(node)s AND c.{run.run_id} = ANY(%(runs)s::text[])),
+  {held_columns}
+FROM (
+  SELECT bool_or(u.{gpu.health} = %(degraded)s) AS degraded,
+         array_agg(u.{gpu.index} ORDER BY u.{gpu.index})
+             FILTER (WHERE u.{gpu.health} = %(failed)s) AS failed
+  FROM {gpu} u WHERE u.{gpu.node} = %(node)s AND u.{gpu.health} <> %(ok)s
+) unhealthy
+"""
+
+
+@cache
+def _busy_sql() -> str:
+    sql = (
+        _BUSY.replace("{held}", _HELD_CTE)
+        .replace("{versions}", _VERSIONS_CTE)
+        .replace("{held_columns}", _HELD_COLUMNS)
+        .replace("{node_id}", "%(node)s")
+    )
+    return sql_named(sql, **_TABLES)
+
+
+@dataclass(frozen=True, slots=True)
+class BusyState:
+    """What busy_heartbeat read (see _BUSY)."""
+
+    seen: bool  # marked seen: False for an OFFLINE node
+    degraded: bool
+    failed: list[int]
+    runs: list[list]  # [run id, rental id, steady, published, ports, ssh, jupyter, secrets]
+    held: list[tuple]  # as gpus_held
+    versions: dict  # rental id -> version
+    runs_recorded: bool
+
+
+def busy_heartbeat(
+    *,
+    node_id: int,
+    now: datetime,
+    offline: str,
+    running: str,
+    run_ids: Sequence[str],
+    statuses: Sequence[str],
+    health: tuple[str, str, str],
+) -> BusyState:
+    """A heartbeat with reports of the node `node_id`: marks it seen at `now` unless its status
+    is `offline`, and reads its GPUs' health (`health`: ok, degraded, failed), its runs among
+    `run_ids` (`running`: the run's and the rental's status of a steady run) and the GPUs it
+    holds for a rental in `statuses`, with their versions."""
+    ok, degraded, failed = health
+    params = {
+        "node": node_id, "now": now, "offline": offline, "running": running,
+        "runs": list(run_ids), "statuses": list(statuses),
+        "ok": ok, "degraded": degraded, "failed": failed,
+    }  # fmt: skip
+    with connection.cursor() as cursor:
+        cursor.execute(_busy_sql(), params)
+        seen, is_degraded, failed_indices, runs, held, versions = cursor.fetchone()
+    return BusyState(
+        bool(seen), is_degraded, failed_indices, runs or [], *_held_and_versions(held, versions)
+    )
+
+
+# A heartbeat's writes in one statement: its steady runs marked reported, its metric lines and
+# its log lines stored (a line stored before is kept once). Each part may be empty.
+_WRITES = """
+WITH steady AS (
+  UPDATE {run} c SET {run.last_report_at} = %(now)s
+  WHERE c.{run.node} = %(node)s AND c.{run.run_id} = ANY(%(steady)s::text[])
+  RETURNING 1
+), metrics AS (
+  INSERT INTO {metric} ({metric.rental}, {metric.run_id}, {metric.line_hash}, {metric.event},
+                        {metric.step}, {metric.data}, {metric.received_at})
+  SELECT m.rental, m.run, m.hash, m.event, m.step, m.data, %(now)s
+  FROM unnest(%(m_rental)s::uuid[], %(m_run)s::text[], %(m_hash)s::text[], %(m_event)s::text[],
+              %(m_step)s::int[], %(m_data)s::jsonb[]) AS m(rental, run, hash, event, step, data)
+  ON CONFLICT DO NOTHING
+  RETURNING 1
+), logs AS (
+  INSERT INTO {logline} ({logline.rental}, {logline.run_id}, {logline.line_no}, {logline.line},
+                         {logline.received_at})
+  SELECT l.rental, l.run, l.no, l.line, %(now)s
+  FROM unnest(%(l_rental)s::uuid[], %(l_run)s::text[], %(l_no)s::bigint[], %(l_line)s::text[])
+    AS l(rental, run, no, line)
+  ON CONFLICT DO NOTHING
+  RETURNING 1
+)
+SELECT (SELECT count(*) FROM steady), (SELECT count(*) FROM metrics), (SELECT count(*) FROM logs)
+"""
+
+
+@cache
+def _writes_sql() -> str:
+    return sql_named(_WRITES, **_TABLES)
+
+
+class Rows:
+    """The rows of one INSERT of _WRITES, by column: metric rows (rental, run, line hash,
+    event, step, JSON text) or log rows (rental, run, line number, line)."""
+
+    __slots__ = ("columns",)
+
+    def __init__(self, width: int) -> None:
+        self.columns: tuple[list, ...] = tuple([] for _ in range(width))
+
+    @classmethod
+    def metrics(cls) -> Rows:
+        return cls(6)
+
+    @classmethod
+    def logs(cls) -> Rows:
+        return cls(4)
+
+    def add(self, *values) -> None:
+        for column, value in zip(self.columns, values, strict=True):
+            column.append(value)
+
+
+def heartbeat_writes(
+    *, node_id: int, now: datetime, steady: Sequence[str], metrics: Rows, logs: Rows
+) -> tuple[int, int, int]:
+    """Mark the runs `steady` of the node reported at `now`, and insert the metric and log
+    rows (Rows), received at `now`; those already stored are left as they are. Returns how
+    many runs were marked and rows inserted."""
+    m_rental, m_run, m_hash, m_event, m_step, m_data = metrics.columns
+    l_rental, l_run, l_no, l_line = logs.columns
+    params = {
+        "node": node_id, "now": now, "steady": list(steady),
+        "m_rental": m_rental, "m_run": m_run, "m_hash": m_hash, "m_event": m_event,
+        "m_step": m_step, "m_data": m_data,
+        "l_rental": l_rental, "l_run": l_run, "l_no": l_no, "l_line": l_line,
+    }  # fmt: skip
+    with connection.cursor() as cursor:
+        cursor.execute(_writes_sql(), params)
+        return cursor.fetchone()

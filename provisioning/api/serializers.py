@@ -13,6 +13,8 @@ to what the database columns and datetime can hold, so a valid element cannot fa
 
 from __future__ import annotations
 
+import re
+import uuid
 from typing import Any
 
 from rest_framework import serializers
@@ -83,13 +85,6 @@ class ImageAllowField(serializers.ListField):
         super().__init__(max_length=64, **kwargs)
 
 
-class ElementSerializer(serializers.Serializer):
-    """One heartbeat element kind; as a list, its bad elements are dropped and counted."""
-
-    class Meta:
-        list_serializer_class = DroppingListSerializer
-
-
 # The JSON types a value of each field kind may have to be checked in one pass: exactly these
 # (`type(v) in`), so a bool is never taken for a number; DRF's own path takes any other.
 _SCALAR_TYPES: dict[type, tuple[type, ...]] = {
@@ -97,20 +92,26 @@ _SCALAR_TYPES: dict[type, tuple[type, ...]] = {
     serializers.FloatField: (int, float),
     serializers.BooleanField: (bool,),
 }
+# What DRF's ProhibitSurrogateCharactersValidator refuses, found by one search.
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-class ScalarElementSerializer(ElementSerializer):
-    """An element of plain numbers and flags, many per heartbeat (a GPU sample).
+class ElementSerializer(serializers.Serializer):
+    """One heartbeat element kind; as a list, its bad elements are dropped and counted.
 
     DRF checks an element field by field, through each field's empty-value, conversion and
-    validator calls: for a GPU sample that cost more server time than the rest of its
-    heartbeat. An element whose every value already has its JSON type and lies within its
-    field's bounds is checked here in one pass and gives what DRF gives (the fields' defaults
-    for what is missing); anything else (a number sent as a string, a required value missing, a
-    value out of range, NaN) goes through DRF's own path and gets DRF's own message.
+    validator calls: for a GPU sample, and for a busy node's container, usage, metric and log
+    reports, that cost more server time than the rest of the heartbeat. An element whose every
+    value already has its JSON type and passes its field's checks is checked here in one pass
+    and gets what DRF gives (the fields' defaults for what is missing); anything else (a number
+    sent as a string, a required value missing, a value out of range, NaN, a text to strip)
+    goes through DRF's own path and gets DRF's own message.
     tests/provisioning/test_agent_schema.py compares the two on generated elements."""
 
     _plan: list[tuple] | None = None
+
+    class Meta:
+        list_serializer_class = DroppingListSerializer
 
     def run_validation(self, data: Any = serializers.empty) -> Any:
         if type(data) is dict:
@@ -118,50 +119,118 @@ class ScalarElementSerializer(ElementSerializer):
                 self._plan = _scalar_plan(self)
             if self._plan:
                 checked = _scalar_checked(self._plan, data)
+                if (
+                    checked is not None
+                    and type(self).validate is not serializers.Serializer.validate
+                ):
+                    try:
+                        checked = self.validate(checked)
+                    except serializers.ValidationError:
+                        checked = None  # DRF's path says why
                 if checked is not None:
                     return checked
         return super().run_validation(data)
 
 
+_NUMBER, _TEXT, _UUID, _CHOICE, _EMPTY_LIST = range(5)
+
+
 def _scalar_plan(serializer: serializers.Serializer) -> list[tuple]:
-    """(name, types, low, high, as_float, default) per field; empty where one pass cannot
-    give DRF's answer (a field of another kind, unbounded, with its own validators, or a
-    serializer with its own validate methods)."""
-    if type(serializer).validate is not serializers.Serializer.validate or serializer.validators:
+    """(name, kind, allow_null, default, *kind's checks) per field; empty where one pass cannot
+    give DRF's answer (a field of another kind or with validators of its own, or a serializer
+    with validators or validate_<field> methods)."""
+    if serializer.validators:
         return []
     plan = []
     for name, field in serializer.fields.items():
-        types = _SCALAR_TYPES.get(type(field))
-        if types is None or field.read_only or field.source != name or field.allow_null:
+        if field.read_only or field.source != name or hasattr(serializer, f"validate_{name}"):
             return []
-        if hasattr(serializer, f"validate_{name}"):
-            return []
-        low, high = getattr(field, "min_value", None), getattr(field, "max_value", None)
-        bounds = [v for v in (low, high) if v is not None]
-        if (types != (bool,) and len(bounds) != 2) or len(field.validators) != len(bounds):
+        entry = _field_plan(field)
+        if entry is None:
             return []
         default = serializers.empty if field.required else field.default
-        if default is not serializers.empty and callable(default):
-            return []  # a default made per element
-        plan.append((name, types, low, high, types == (int, float), default))
+        if getattr(default, "requires_context", False):
+            return []
+        plan.append((name, entry[0], field.allow_null, default, *entry[1:]))
     return plan
+
+
+def _field_plan(field: serializers.Field) -> tuple | None:
+    """(kind, *checks) of one field, None for a field the one pass does not check."""
+    kind = type(field)
+    validators = len(field.validators)
+    if kind in _SCALAR_TYPES:
+        types = _SCALAR_TYPES[kind]
+        low, high = getattr(field, "min_value", None), getattr(field, "max_value", None)
+        bounds = [v for v in (low, high) if v is not None]
+        if (types != (bool,) and len(bounds) != 2) or validators != len(bounds):
+            return None
+        return _NUMBER, types, low, high, types == (int, float)
+    if kind in (serializers.CharField, ContainerTextField):
+        if field.min_length is not None or validators != (field.max_length is not None) + 2:
+            return None
+        return (_TEXT, field.max_length, field.allow_blank, field.trim_whitespace,
+                kind is ContainerTextField)  # fmt: skip
+    if kind is serializers.UUIDField and not validators:
+        return (_UUID,)
+    if kind is serializers.ChoiceField and not validators:
+        return _CHOICE, field.choice_strings_to_values
+    if isinstance(field, serializers.ListSerializer) and field.allow_empty and not validators:
+        return (_EMPTY_LIST,)  # only an empty list is checked here
+    return None
 
 
 def _scalar_checked(plan: list[tuple], data: dict) -> dict | None:
     """The validated element, or None for DRF's path to answer (`plan` is not empty)."""
     checked = {}
-    for name, types, low, high, as_float, default in plan:
+    for name, kind, allow_null, default, *checks in plan:
         if name not in data:
             if default is serializers.empty:
                 return None  # required (DRF names it), or left out with no default
-            checked[name] = default
+            checked[name] = default() if callable(default) else default
             continue
         value = data[name]
-        if type(value) not in types:
+        if value is None:
+            if not allow_null:
+                return None
+        elif kind is _NUMBER:
+            types, low, high, as_float = checks
+            if type(value) not in types:
+                return None
+            if low is not None and not low <= value <= high:
+                return None  # NaN too: it compares false (and an infinity is out of bounds)
+            if as_float:
+                value = float(value)
+        elif kind is _TEXT:
+            max_length, allow_blank, trim, sanitize = checks
+            if type(value) is not str:
+                return None
+            if trim:
+                value = value.strip()
+            if not value:
+                if not allow_blank:
+                    return None
+            else:
+                if sanitize:
+                    value = text_sanitize(value)
+                elif "\x00" in value or _SURROGATE.search(value):
+                    return None
+                if max_length is not None and len(value) > max_length:
+                    return None
+        elif kind is _UUID:
+            if type(value) is not str:
+                return None
+            try:
+                value = uuid.UUID(hex=value)
+            except ValueError:
+                return None
+        elif kind is _CHOICE:
+            if type(value) is not str or not value or value not in checks[0]:
+                return None
+            value = checks[0][value]
+        elif value != [] or type(value) is not list:  # _EMPTY_LIST
             return None
-        if low is not None and not low <= value <= high:
-            return None  # NaN too: it compares false (and an infinity is out of bounds)
-        checked[name] = float(value) if as_float else value
+        checked[name] = value
     return checked
 
 
@@ -267,7 +336,7 @@ class UsageReportSerializer(ElementSerializer):
         return attrs
 
 
-class TelemetrySerializer(ScalarElementSerializer):
+class TelemetrySerializer(ElementSerializer):
     gpu_index = serializers.IntegerField(min_value=0, max_value=255)
     ts = _epoch()
     util_pct = serializers.FloatField(min_value=0, max_value=100)
@@ -362,6 +431,10 @@ class HeartbeatSerializer(ReusedPerThread, serializers.Serializer):
     image_allow = ImageAllowField(required=False, default=None, allow_null=True)
     images = CachedImageSerializer(
         many=True, max_length=MAX_CACHED_IMAGES, required=False, default=None, allow_null=True
+    )
+    # The digest of the desired state the agent holds (agents that predate it send none).
+    desired_digest = serializers.CharField(
+        max_length=64, allow_blank=True, required=False, default=""
     )
 
     # The element fields whose bad elements are dropped and counted.
@@ -464,6 +537,13 @@ class HeartbeatAnswerSerializer(serializers.Serializer):
     )
     benchmark = BenchmarkSpecSerializer(
         required=False, help_text="the platform's benchmark to run, with run_benchmark"
+    )
+    desired_digest = serializers.CharField(
+        required=False, help_text="names this desired state; sent back in the next heartbeat"
+    )
+    desired_unchanged = serializers.BooleanField(
+        required=False,
+        help_text="desired is empty: the state is the one held under the digest sent back",
     )
 
 

@@ -294,6 +294,7 @@ class HeartbeatView(APIView):
                 else [_message(CachedImage, i) for i in data["images"]],
                 dropped=body.dropped(),
             ),
+            desired_digest=data["desired_digest"],
         )
         if applied is None:
             raise exceptions.AuthenticationFailed("invalid or revoked node token")

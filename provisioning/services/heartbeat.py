@@ -59,7 +59,7 @@ from marketplace.selectors import (
     rental_ssh_keys,
 )
 from provisioning import queries
-from provisioning.models import ContainerRun, NodeBenchmark, RunMetric
+from provisioning.models import ContainerRun, NodeBenchmark
 from provisioning.services.gangs import barrier as gang_barrier
 from provisioning.services.gangs import members_of as gang_members
 from provisioning.services.gangs import others_still_running as gang_others_running
@@ -73,7 +73,7 @@ from provisioning.services.health import (
     verdicts_by_index,
 )
 from provisioning.services.join import node_authenticate
-from provisioning.services.logs import run_logs_store
+from provisioning.services.logs import log_rows
 from provisioning.services.telemetry import telemetry_buffer
 from storage import objectstore
 from storage.selectors import rentals_dataset_files, rentals_resume_checkpoints
@@ -301,10 +301,11 @@ def _staging(rentals) -> dict:
     return staging
 
 
-def _steady_reports(*, node: Node, reports: Sequence[ContainerReport]) -> set[str]:
+def _steady_reports(*, runs: Sequence[list], reports: Sequence[ContainerReport]) -> set[str]:
     """The reported runs a report changes nothing of but its time: running, as their row says,
-    for a RUNNING rental, with the same ports shown. Most reports of a busy node are these;
-    they are marked in one statement instead of being locked and folded one by one."""
+    for a RUNNING rental, with the same ports shown (`runs`: queries.BusyState.runs). Most
+    reports of a busy node are these; they are marked in one statement instead of being locked
+    and folded one by one."""
     running = {
         r.run_id: r
         for r in reports
@@ -314,43 +315,37 @@ def _steady_reports(*, node: Node, reports: Sequence[ContainerReport]) -> set[st
         and not r.log_tail
         and not r.error
     }
-    if not running:
-        return set()
-    rows = ContainerRun.objects.filter(
-        node=node,
-        run_id__in=running,
-        status=ContainerStatus.RUNNING,
-        exit_code__isnull=True,
-        started_at__isnull=False,
-        finished_at__isnull=True,
-        rental__status=RentalStatus.RUNNING,
-    ).values_list("run_id", "published", "rental__ports", "rental__ssh", "rental__jupyter")
     steady = set()
-    for run_id, published, ports, ssh, jupyter in rows:
+    for run_id, _, steadily, published, ports, ssh, jupyter, _ in runs:
+        report = running.get(run_id)
+        if report is None or not steadily:
+            continue
         # The same ports _apply_container would show: a port published since is a change.
-        wanted = set(_ports_of(ports, ssh=ssh, jupyter=jupyter))
-        shown = [
-            port.to_payload() for port in running[run_id].published if port.container_port in wanted
-        ]
-        if shown == published:
-            steady.add(run_id)
+        if report.published or published:
+            wanted = set(_ports_of(ports, ssh=ssh, jupyter=jupyter))
+            shown = [p.to_payload() for p in report.published if p.container_port in wanted]
+            if shown != published:
+                continue
+        steady.add(run_id)
     return steady
 
 
-def _masks(*, node: Node, reports: HeartbeatReports) -> dict:
+def _masks(*, runs: Sequence[list], reports: HeartbeatReports) -> dict:
     """rental id -> the terms to mask out of what its runs on this node printed (their secret
-    values): the agent is a third party, trusted to have masked nothing."""
-    # A running container's report carries no text: only tails, errors, lines and metrics.
-    run_ids = {c.run_id for c in reports.containers if c.log_tail or c.error}
-    run_ids |= {run_id for _, run_id, _ in reports.metrics}
-    run_ids |= {run_id for run_id, _, _ in reports.logs}
-    if not run_ids:
+    values): the agent is a third party, trusted to have masked nothing. Only rentals that name
+    secrets and printed something in this heartbeat are read (`runs`:
+    queries.BusyState.runs)."""
+    with_secrets = {run_id: rental_id for run_id, rental_id, *_, secrets in runs if secrets}
+    if not with_secrets:
         return {}
-    return rentals_mask_terms(
-        Rental.objects.filter(runs__node=node, runs__run_id__in=run_ids)
-        .exclude(secrets=[], registry_secret="")
-        .distinct()
-    )
+    # A running container's report carries no text: only tails, errors, lines and metrics.
+    printed = {c.run_id for c in reports.containers if c.log_tail or c.error}
+    printed |= {run_id for _, run_id, _ in reports.metrics}
+    printed |= {run_id for run_id, _, _ in reports.logs}
+    rental_ids = {with_secrets[run_id] for run_id in printed if run_id in with_secrets}
+    if not rental_ids:
+        return {}
+    return rentals_mask_terms(Rental.objects.filter(pk__in=rental_ids))
 
 
 def _apply_container(
@@ -426,17 +421,31 @@ def metrics_store(
 
     Each line is checked again here (`metric_line_parse`: depth, NaN, ranges, control
     characters): the agent is not trusted to have done it. Returns how many were refused."""
-    run_rentals = dict(
+    runs = dict(
         ContainerRun.objects.filter(node=node, run_id__in={r for _, r, _ in lines}).values_list(
             "run_id", "rental_id"
         )
     )
-    rows, refused = [], 0
+    rows, refused = metric_rows(lines=lines, runs=runs, masks=masks)
+    queries.heartbeat_writes(
+        node_id=node.pk, now=timezone.now(), steady=(), metrics=rows, logs=queries.Rows.logs()
+    )
+    return refused
+
+
+def metric_rows(
+    *, lines: Sequence[tuple[str, str, str]], runs: Mapping[str, Any], masks: Mapping | None
+) -> tuple[queries.Rows, int]:
+    """The rows of forwarded metric lines (rental_id, run_id, line) for queries.heartbeat_writes,
+    and how many lines were refused. `runs`: run id -> rental id of the node's runs; a line of
+    another run is left out, `masks` as in _masks."""
+    rows, refused = queries.Rows.metrics(), 0
+    sha1 = hashlib.sha1
     for _, run_id, line in lines:
-        rental_id = run_rentals.get(run_id)
+        rental_id = runs.get(run_id)
         if rental_id is None:
             continue
-        if terms := (masks or {}).get(rental_id):
+        if masks and (terms := masks.get(rental_id)):
             line = secrets_mask(line, terms)
         try:
             data = metric_line_parse(line)
@@ -444,18 +453,15 @@ def metrics_store(
             refused += 1
             continue
         step = data.get("step")
-        rows.append(
-            RunMetric(
-                rental_id=rental_id,
-                run_id=run_id,
-                line_hash=hashlib.sha1(line.encode(), usedforsecurity=False).hexdigest(),
-                event=str(data.get("event", ""))[:20],
-                step=step if isinstance(step, int) else None,
-                data=data,
-            )
+        rows.add(
+            rental_id,
+            run_id,
+            sha1(line.encode(), usedforsecurity=False).hexdigest(),
+            str(data.get("event", ""))[:20],
+            step if isinstance(step, int) else None,
+            json.dumps(data),
         )
-    RunMetric.objects.bulk_create(rows, ignore_conflicts=True)
-    return refused
+    return rows, refused
 
 
 def benchmark_spec(*, gpu_indices: Sequence[int]) -> BenchmarkSpec:
@@ -557,7 +563,7 @@ _SENT_WHEN_CHANGED = frozenset({"image_allow", "images"})
 
 
 def node_heartbeat_by_token(
-    *, raw_token: str, reports: HeartbeatReports
+    *, raw_token: str, reports: HeartbeatReports, desired_digest: str = ""
 ) -> tuple[int, HeartbeatAnswer] | None:
     """Authenticate a heartbeat's node token and apply the heartbeat (node_heartbeat); None,
     and nothing changed, when the token is unknown or revoked.
@@ -584,30 +590,83 @@ def node_heartbeat_by_token(
     node = node_authenticate(raw_token)
     if node is None:
         return None
-    return node.pk, node_heartbeat(node=node, reports=reports)
+    return node.pk, node_heartbeat(node=node, reports=reports, desired_digest=desired_digest)
 
 
-def node_heartbeat(*, node: Node, reports: HeartbeatReports) -> HeartbeatAnswer:
+# How long a desired state's digest stands at most (capped at a third of the presigned URLs'
+# expiry): inputs it does not version (the catalog's card figures, a dataset's files, a gang
+# member's address, this code) reach the agent within this time.
+DESIRED_REFRESH_S = 300.0
+# Changed when the desired state built from the same inputs changes: every digest changes.
+_DESIRED_FORMAT = "1"
+
+
+def desired_digest_for(
+    *, node: Node, held: Sequence[tuple], versions: Mapping, now: datetime
+) -> str:
+    """What names the desired state of `node` built from `held` (queries.gpus_held) and the
+    held rentals' `versions` (queries.gpus_held_versions) at `now`: equal digests, equal desired
+    states. "" for an empty state (nothing to name)."""
+    if not held:
+        return ""
+    refresh = DESIRED_REFRESH_S
+    if objectstore.configured():
+        refresh = min(refresh, objectstore.expiry_s() / 3)
+    # Each node on its own phase: the fleet's digests do not all turn over at one instant.
+    bucket = int((now.timestamp() + node.pk * 7.919 % refresh) // refresh)
+    key = repr((
+        _DESIRED_FORMAT, node.pk, node.cpu_cores, node.ram_gb, node.gpu_count,
+        node.gpu_model_id, objectstore.configured(), bucket, held, sorted(versions.items()),
+    ))  # fmt: skip
+    return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+
+
+def node_heartbeat(
+    *, node: Node, reports: HeartbeatReports, desired_digest: str = ""
+) -> HeartbeatAnswer:
     """Apply one heartbeat, all of it or nothing, and answer with the desired state.
 
     An element that passed the HTTP edge and still cannot be applied (a database refusal) is
     rolled back to its savepoint, counted with the edge's `dropped` and logged: one bad report
-    never fails the others, and never the answer."""
+    never fails the others, and never the answer.
+
+    A busy node's steady heartbeat is four statements (its token's included): the reads
+    (queries.busy_heartbeat), the usage, the writes (queries.heartbeat_writes). The desired
+    state is built only when its digest differs from the one the agent holds
+    (`desired_digest`, desired_digest_for); else the answer says it is unchanged."""
     now = timezone.now()
     counts: Counter[str] = Counter(reports.dropped)
     run_benchmark = node.benchmark_requested
-    verdicts = verdicts_by_index(reports.telemetry)
+    reported = {c.run_id for c in reports.containers}
+    reported |= {run_id for _, run_id, _ in reports.metrics}
+    reported |= {run_id for run_id, _, _ in reports.logs}
     with transaction.atomic():
-        _node_seen(node=node, now=now)
-        if gpus_health_apply(node=node, verdicts=verdicts, now=now):
-            run_benchmark = True  # the check of the GPUs that failed
-        steady = _steady_reports(node=node, reports=reports.containers)
-        if steady:
-            ContainerRun.objects.filter(node=node, run_id__in=steady).update(last_report_at=now)
-        masks = _masks(node=node, reports=reports)
+        state = queries.busy_heartbeat(
+            node_id=node.pk,
+            now=now,
+            offline=NodeStatus.OFFLINE.value,
+            running=ContainerStatus.RUNNING.value,
+            run_ids=sorted(reported),
+            statuses=_CONTAINER_WANTED,
+            health=_HEALTH,
+        )
+        if not state.seen:
+            _node_back(node=node, now=now)
+        # What may have changed the GPUs the node holds, or their rentals: re-read below.
+        changed = False
+        failed = state.failed
+        verdicts: dict = {}
+        if state.degraded or not samples_clean(reports.telemetry):
+            verdicts = verdicts_by_index(reports.telemetry)
+            if gpus_health_apply(node=node, verdicts=verdicts, now=now):
+                run_benchmark = changed = True  # the check of the GPUs that failed
+            failed = None
+        steady = _steady_reports(runs=state.runs, reports=reports.containers)
+        masks = _masks(runs=state.runs, reports=reports)
         for report in sorted(reports.containers, key=lambda c: c.run_id):
             if report.run_id in steady:
                 continue
+            changed = True
             try:
                 with transaction.atomic():
                     _apply_container(node, report, now, masks)
@@ -624,10 +683,16 @@ def node_heartbeat(*, node: Node, reports: HeartbeatReports) -> HeartbeatAnswer:
             _pulls_apply(node=node, pulls=reports.pulls, now=now)
         if reports.image_allow is not None or reports.images is not None:
             _node_images_apply(node=node, image_allow=reports.image_allow, images=reports.images)
-        if reports.metrics:
-            counts["metrics"] += metrics_store(node=node, lines=reports.metrics, masks=masks)
-        if reports.logs:
-            counts["logs"] += run_logs_store(node=node, lines=reports.logs, masks=masks)
+        if steady or reports.metrics or reports.logs:
+            runs = {run_id: uuid.UUID(rental_id) for run_id, rental_id, *_ in state.runs}
+            metric_rows_, refused = metric_rows(lines=reports.metrics, runs=runs, masks=masks)
+            counts["metrics"] += refused
+            log_rows_, refused = log_rows(lines=reports.logs, runs=runs, masks=masks)
+            counts["logs"] += refused
+            queries.heartbeat_writes(
+                node_id=node.pk, now=now, steady=sorted(steady), metrics=metric_rows_,
+                logs=log_rows_,
+            )  # fmt: skip
         if reports.benchmark and not node.benchmark_requested:
             # A result nobody asked for (a node re-sending old figures, or making them up)
             # is not stored: one row per request, never one per heartbeat.
@@ -635,15 +700,25 @@ def node_heartbeat(*, node: Node, reports: HeartbeatReports) -> HeartbeatAnswer:
             BENCHMARKS_UNASKED.inc()
             log.warning("benchmark not asked for dropped node=%s", node.pk)
         elif reports.benchmark:
+            verdicts = verdicts or verdicts_by_index(reports.telemetry)
             clean = frozenset(index for index, verdict in verdicts.items() if verdict is OK)
             benchmark_record(node=node, result=reports.benchmark, clean=clean)
             run_benchmark = False
-        desired = desired_state(node=node, now=now)
+        held, versions, recorded = state.held, state.versions, state.runs_recorded
+        if changed:
+            held, versions, recorded = queries.gpus_held_versions(
+                node_id=node.pk, now=now, statuses=_CONTAINER_WANTED
+            )
+        digest = desired_digest_for(node=node, held=held, versions=versions, now=now)
+        unchanged = bool(digest) and recorded and digest == desired_digest
+        desired = [] if unchanged else _desired_from(node=node, held=held)
         if desired:
             _runs_request(node=node, desired=desired)
-    failed = failed_gpu_indices(node_id=node.pk) if run_benchmark else ()
+    if run_benchmark and failed is None:
+        failed = failed_gpu_indices(node_id=node.pk)
     return _answer(node_id=node.pk, reports=reports, desired=desired, ack=ack, counts=counts,
-                   run_benchmark=run_benchmark, failed=failed)  # fmt: skip
+                   run_benchmark=run_benchmark, failed=failed or (), digest=digest,
+                   unchanged=unchanged)  # fmt: skip
 
 
 def _answer(
@@ -655,6 +730,8 @@ def _answer(
     counts: Counter[str],
     run_benchmark: bool,
     failed: Sequence[int],
+    digest: str = "",
+    unchanged: bool = False,
 ) -> HeartbeatAnswer:
     if reports.telemetry:
         # Redis is not in the transaction: buffered once the rest is applied.
@@ -666,14 +743,13 @@ def _answer(
         run_benchmark=run_benchmark,
         dropped={kind: n for kind, n in sorted(counts.items()) if n},
         benchmark=benchmark_spec(gpu_indices=failed) if run_benchmark else None,
+        desired_digest=digest,
+        desired_unchanged=unchanged,
     )
 
 
-def _node_seen(*, node: Node, now: datetime) -> None:
-    if node.status != NodeStatus.OFFLINE:
-        # The common case is one UPDATE: 200 agents a second must stay cheap.
-        Node.objects.filter(pk=node.pk).update(last_seen_at=now)
-        return
+def _node_back(*, node: Node, now: datetime) -> None:
+    """A node that was OFFLINE heartbeats again: ONLINE, under its row lock, with the event."""
     locked = Node.objects.select_for_update().get(pk=node.pk)
     update: dict = {"last_seen_at": now}
     if locked.status == NodeStatus.OFFLINE:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
+from typing import Any
 
 from django.conf import settings
 from django.utils import timezone
 
 from agentprotocol.untrusted import secrets_mask, text_sanitize
 from marketplace.models import Node
+from provisioning import queries
 from provisioning.models import ContainerRun, RunLogLine
 
 # A run that prints without end keeps its first lines and its newest: past this many, a
@@ -33,22 +35,30 @@ def run_logs_store(
             "run_id", "rental_id"
         )
     )
-    rows, refused = [], 0
+    rows, refused = log_rows(lines=lines, runs=runs, masks=masks)
+    queries.heartbeat_writes(
+        node_id=node.pk, now=timezone.now(), steady=(), metrics=queries.Rows.metrics(), logs=rows
+    )
+    return refused
+
+
+def log_rows(
+    *, lines: Sequence[tuple[str, int, str]], runs: Mapping[str, Any], masks: Mapping | None
+) -> tuple[queries.Rows, int]:
+    """The rows of forwarded output lines (run_id, line_no, line) for
+    queries.heartbeat_writes, and how many lines were refused: those of runs not in `runs`
+    (run id -> rental id of the node's runs) and those past MAX_LINES_PER_RUN."""
+    rows, refused = queries.Rows.logs(), 0
     for run_id, line_no, line in lines:
         rental_id = runs.get(run_id)
         if rental_id is None or line_no >= MAX_LINES_PER_RUN:
             refused += 1
             continue
-        if terms := (masks or {}).get(rental_id):
+        if masks and (terms := masks.get(rental_id)):
             line = secrets_mask(line, terms)
         # The HTTP edge refused control characters; the agent is not trusted to have cleaned.
-        rows.append(
-            RunLogLine(
-                rental_id=rental_id, run_id=run_id, line_no=line_no, line=text_sanitize(line)
-            )
-        )
-    RunLogLine.objects.bulk_create(rows, ignore_conflicts=True)
-    return refused
+        rows.add(rental_id, run_id, line_no, text_sanitize(line))
+    return rows, refused
 
 
 def run_logs_expire(*, now=None) -> int:

@@ -7,6 +7,7 @@ highest usage seq received, a scripted desired state); the agent runs as a subpr
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
@@ -49,6 +50,8 @@ class Server:
         self.run_benchmark = False
         self.heartbeat_status = 200
         self.acked = 0
+        # Whether answers name the desired state with a digest, as the real server does.
+        self.digests = False
         fake_server.on(JOIN_PATH, self.join)
         fake_server.on(HEARTBEAT_PATH, self.heartbeat)
 
@@ -64,11 +67,18 @@ class Server:
         if self.heartbeat_status != 200:
             return self.heartbeat_status, {"detail": "down for maintenance"}
         self.acked = max([self.acked] + [u["seq"] for u in request.body["usage"]])
+        digest = ""
+        if self.digests:
+            payload = json.dumps([d.to_payload() for d in self.desired], sort_keys=True)
+            digest = hashlib.sha256(payload.encode()).hexdigest()[:32]
+        unchanged = bool(digest) and request.body.get("desired_digest") == digest
         answer = HeartbeatAnswer(
-            desired=tuple(self.desired),
+            desired=() if unchanged else tuple(self.desired),
             ack_usage_seq=self.acked,
             heartbeat_interval_s=1,
             run_benchmark=self.run_benchmark,
+            desired_digest=digest,
+            desired_unchanged=unchanged,
         )
         return 200, answer.to_payload()
 
@@ -441,6 +451,44 @@ def test_a_run_that_exits_on_its_own_is_reported_not_restarted(server, agent, dr
     # not restarted, and not removed while the server still lists it
     (state,) = driver.list_managed()
     assert (state.status, state.exit_code) == ("exited", 3)
+
+
+def test_an_unchanged_desired_state_keeps_its_runs_and_a_changed_one_is_followed(
+    server, agent_loop, driver
+):
+    """The server answers "unchanged" to the digest the agent sends back: the agent keeps
+    running what it holds, starts nothing twice, and follows the next state that differs; a
+    restarted agent sends no digest and gets the whole state."""
+    server.digests = True
+    entry = desired_entry(str(uuid.uuid4()))
+    server.desired = [entry]
+
+    def rounds(n: int) -> Callable[[], bool]:
+        start = len(server.heartbeats())
+        return lambda: len(server.heartbeats()) >= start + n
+
+    status, stderr = agent_loop(rounds(6))
+    assert status == 0, stderr
+    sent = [hb.get("desired_digest", "") for hb in server.heartbeats()]
+    assert sent[0] == "" and len(set(sent[1:])) == 1 and sent[1]
+    (state,) = driver.list_managed()
+    assert (state.run_id, state.status) == (entry.run_id, "running")
+    started_at = state.started_at
+
+    # A restart: no digest first, the whole state again, the run adopted (not started again);
+    # then the state changes (nothing is desired): the agent follows the new digest's state.
+    before = len(server.heartbeats())
+
+    def changed_then_stopped() -> bool:
+        if len(server.heartbeats()) >= before + 3:
+            server.desired = []
+        return not server.desired and driver.state(entry.run_id).status != "running"
+
+    status, stderr = agent_loop(changed_then_stopped)
+    assert status == 0, stderr
+    sent = [hb.get("desired_digest", "") for hb in server.heartbeats()[before:]]
+    assert sent[0] == "" and sent[1] == sent[2] != ""
+    assert server.heartbeats()[before + 2]["containers"][0]["started_at"] == started_at
 
 
 def test_a_run_that_cannot_start_is_reported_missing(server, agent_loop, driver):

@@ -218,3 +218,75 @@ def test_the_heartbeats_scalar_elements_are_checked_in_one_pass():
     """A field added to the sample of a kind the one pass cannot check (or a validate method)
     would silently turn it off: it stays on for the telemetry element."""
     assert len(serializers._scalar_plan(serializers.TelemetrySerializer())) == len(_SAMPLE_KEYS)
+
+
+_RENTAL = "1b4e28ba-2fa1-11d2-883f-0016d3cca427"
+# A valid element of each report kind a busy heartbeat carries many of.
+_REPORTS: dict[type, dict[str, Any]] = {
+    serializers.ContainerReportSerializer: {
+        "rental_id": _RENTAL, "run_id": "r1", "status": "running", "exit_code": None,
+        "started_at": 1.0e9, "finished_at": None, "log_tail": "", "published": [], "error": "",
+    },
+    serializers.UsageReportSerializer: {
+        "seq": 1, "rental_id": _RENTAL, "run_id": "r1", "gpu_count": 2, "started_at": 1.0e9,
+        "confirmed_at": 1.0e9 + 5, "final": False,
+    },
+    serializers.MetricLineSerializer: {"rental_id": _RENTAL, "run_id": "r1", "line": '{"a": 1}'},
+    serializers.LogLineSerializer: {"rental_id": _RENTAL, "run_id": "r1", "line_no": 0,
+                                    "line": "hello"},
+    serializers.PullProgressSerializer: {"rental_id": _RENTAL, "run_id": "r1", "done_bytes": 1,
+                                         "total_bytes": 2},
+    serializers.CachedImageSerializer: {"ref": "img:1", "digest": "sha256:x", "size_bytes": 3},
+}  # fmt: skip
+# Texts near what the text, UUID and choice fields accept and refuse.
+_TEXTS = st.one_of(
+    st.text(max_size=12),
+    st.sampled_from([
+        "", " ", "  a  ", "a\x00b", "a\ud800b", "\ud800", "x" * 128, "x" * 129, "x" * 4097,
+        "running", "exited", "missing", "bogus", "RUNNING", _RENTAL, _RENTAL.replace("-", ""),
+        "{" + _RENTAL + "}", "urn:uuid:" + _RENTAL, _RENTAL[:-1], "\t\n",
+    ]),
+    st.lists(st.fixed_dictionaries({"container_port": st.just(22), "host": st.just("h"),
+                                    "host_port": st.integers(0, 2)}), max_size=1),
+)  # fmt: skip
+
+
+def _checked(cls: type, data: Any, *, drf: bool) -> tuple[str, Any]:
+    element = cls()
+    try:
+        if drf:
+            return "valid", rf_serializers.Serializer.run_validation(element, data)
+        return "valid", element.run_validation(data)
+    except rf_serializers.ValidationError as exc:
+        return "refused", exc.detail
+
+
+@given(
+    kind=st.sampled_from(list(_REPORTS)),
+    changes=st.lists(
+        st.tuples(st.integers(0, 20), st.none() | st.just("del")), min_size=0, max_size=2
+    ),
+    values=st.lists(_JSON_SCALARS | _TEXTS, min_size=2, max_size=2),
+)
+@settings(max_examples=3000, deadline=None)
+def test_a_report_checked_in_one_pass_gets_drfs_answer(kind, changes, values):
+    element = dict(_REPORTS[kind])
+    keys = [*element, "extra"]
+    for (index, how), value in zip(changes, values, strict=False):
+        key = keys[index % len(keys)]
+        if how == "del":
+            element.pop(key, None)
+        else:
+            element[key] = value
+    assert _checked(kind, element, drf=False) == _checked(kind, element, drf=True)
+
+
+@pytest.mark.parametrize("kind", list(_REPORTS))
+def test_a_valid_report_is_checked_in_one_pass(kind):
+    plan = serializers._scalar_plan(kind())
+    assert len(plan) == len(kind().fields)
+    checked = serializers._scalar_checked(plan, _REPORTS[kind])
+    assert checked is not None
+    status, drf = _checked(kind, _REPORTS[kind], drf=True)
+    assert status == "valid" and checked == drf
+    assert [type(v) for v in checked.values()] == [type(drf[k]) for k in checked]

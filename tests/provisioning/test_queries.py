@@ -9,10 +9,18 @@ import pytest
 from django.utils import timezone
 
 from marketplace import lifecycle
-from marketplace.models import Allocation, Gpu, GpuHealth, Node, NodeStatus, Rental
+from marketplace.models import (
+    Allocation,
+    Gpu,
+    GpuHealth,
+    Node,
+    NodeStatus,
+    Rental,
+    RentalStatus,
+)
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 from provisioning import queries
-from provisioning.models import NodeCredential
+from provisioning.models import ContainerRun, NodeCredential, RunLogLine, RunMetric
 from scheduler.services import scheduler_cycle_run
 from tests.factories import personal_team
 
@@ -134,3 +142,119 @@ def test_node_by_token_reads_the_node_the_orm_reads(make_node):
     )
     NodeCredential.objects.filter(node=node).update(revoked_at=timezone.now())
     assert queries.node_by_token(key_hash=key_hash) is None
+
+
+def _orm_runs(node: Node, run_ids) -> list[list]:
+    """BusyState.runs, asked through the ORM."""
+    runs = []
+    for run in ContainerRun.objects.filter(node=node, run_id__in=run_ids).select_related("rental"):
+        rental = run.rental
+        steady = (
+            run.status == ContainerRun.Status.RUNNING
+            and run.exit_code is None
+            and run.started_at is not None
+            and run.finished_at is None
+            and rental.status == RentalStatus.RUNNING
+        )
+        runs.append([run.run_id, str(rental.pk), steady, run.published, rental.ports, rental.ssh,
+                     rental.jupyter, bool(rental.secrets or rental.registry_secret)])  # fmt: skip
+    return sorted(runs)
+
+
+def test_a_busy_heartbeat_reads_what_the_orm_reads(make_node, user):
+    # Given a node holding two rentals, one of them running, with a FAILED and a DEGRADED GPU
+    node = make_node(gpus=8)
+    first, second = _placed(user, gpus=3), _placed(user, gpus=2)
+    now = max(first.scheduled_start, second.scheduled_start) + timedelta(minutes=1)
+    for rental in (first, second):
+        ContainerRun.objects.create(rental=rental, node=node, run_id=f"run-{rental.pk}")
+    ContainerRun.objects.filter(rental=first).update(
+        status=ContainerRun.Status.RUNNING, started_at=now, published=[{"container_port": 22}]
+    )
+    Rental.objects.filter(pk=first.pk).update(status=RentalStatus.RUNNING, ports=[8080])
+    Gpu.objects.filter(node=node, index=7).update(health=GpuHealth.FAILED)
+    Gpu.objects.filter(node=node, index=6).update(health=GpuHealth.DEGRADED)
+    run_ids = [f"run-{first.pk}", f"run-{second.pk}", "run-of-another-node"]
+    # When a heartbeat reading them runs
+    state = queries.busy_heartbeat(
+        node_id=node.pk, now=now, offline=NodeStatus.OFFLINE.value,
+        running=ContainerRun.Status.RUNNING.value, run_ids=run_ids, statuses=WANTED,
+        health=HEALTH,
+    )  # fmt: skip
+    # Then it says what the ORM says
+    assert (state.seen, state.degraded, state.failed) == (True, True, [7])
+    assert sorted(state.runs) == _orm_runs(node, run_ids)
+    assert state.held == _orm_held(node, now)
+    assert set(state.versions) == {first.pk, second.pk} and state.runs_recorded
+    assert Node.objects.get(pk=node.pk).last_seen_at == now
+    # and gpus_held_versions reads the same held GPUs and versions
+    assert queries.gpus_held_versions(node_id=node.pk, now=now, statuses=WANTED) == (
+        state.held, state.versions, True
+    )  # fmt: skip
+
+
+def test_a_held_rental_s_version_changes_with_its_row_keys_secrets_and_run(make_node, user):
+    from accounts.services.secrets import secret_set
+    from accounts.services.sshkeys import ssh_key_add
+
+    node = make_node(gpus=8)
+    rental = _placed(user, gpus=2)
+    now = rental.scheduled_start + timedelta(minutes=1)
+
+    def version() -> tuple[str, bool]:
+        _, versions, recorded = queries.gpus_held_versions(
+            node_id=node.pk, now=now, statuses=WANTED
+        )
+        return versions[rental.pk], recorded
+
+    before, recorded = version()
+    assert not recorded  # no run of it on the node yet
+    ContainerRun.objects.create(rental=rental, node=node, run_id="run-1")
+    assert version() == (before, True)
+    # Its team's SSH keys count once it asks for SSH; its named secrets once it names them
+    Rental.objects.filter(pk=rental.pk).update(
+        ssh=True, secrets=[{"name": "TOKEN", "env": "TOKEN", "file": ""}]
+    )
+    changes = [version()[0]]
+    key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGFhYWFhYWFhYWFhYWFhYWFhYWFhYWFhYWFhYWFhYWFh"
+    ssh_key_add(team=personal_team(user), owner=user, public_key=key)
+    changes.append(version()[0])
+    secret_set(team=personal_team(user), actor=user, name="TOKEN", value="value-one")
+    changes.append(version()[0])
+    secret_set(team=personal_team(user), actor=user, name="TOKEN", value="value-two")
+    changes.append(version()[0])
+    secret_set(team=personal_team(user), actor=user, name="OTHER", value="value-three")
+    changes.append(version()[0])
+    assert len({before, *changes[:4]}) == 5 and changes[4] == changes[3]
+
+
+def test_heartbeat_writes_mark_and_insert_as_the_orm_would(make_node, user):
+    node = make_node(gpus=8)
+    rental = _placed(user, gpus=2)
+    ContainerRun.objects.create(rental=rental, node=node, run_id="run-1")
+    ContainerRun.objects.create(rental=_placed(user, gpus=2), node=node, run_id="run-2")
+    now = timezone.now()
+    metrics, logs = queries.Rows.metrics(), queries.Rows.logs()
+    metrics.add(rental.pk, "run-1", "h1", "step", 3, '{"step": 3, "loss": 1.5}')
+    metrics.add(rental.pk, "run-1", "h1", "step", 3, '{"step": 3, "loss": 1.5}')  # twice
+    metrics.add(rental.pk, "run-1", "h2", "", None, '{"note": "x"}')
+    logs.add(rental.pk, "run-1", 0, "first")
+    logs.add(rental.pk, "run-1", 1, "second")
+    assert queries.heartbeat_writes(
+        node_id=node.pk, now=now, steady=["run-1"], metrics=metrics, logs=logs
+    ) == (1, 2, 2)
+    # A replay inserts nothing; a run of another node is not marked
+    assert queries.heartbeat_writes(
+        node_id=node.pk + 1, now=now, steady=["run-1"], metrics=metrics, logs=logs
+    ) == (0, 0, 0)
+    assert list(
+        ContainerRun.objects.order_by("run_id").values_list("run_id", "last_report_at")
+    ) == [("run-1", now), ("run-2", None)]
+    assert sorted(
+        RunMetric.objects.values_list("run_id", "line_hash", "event", "step", "data")
+    ) == [
+        ("run-1", "h1", "step", 3, {"step": 3, "loss": 1.5}),
+        ("run-1", "h2", "", None, {"note": "x"}),
+    ]
+    logged = RunLogLine.objects.order_by("line_no").values_list("line_no", "line", "received_at")
+    assert list(logged) == [(0, "first", now), (1, "second", now)]
