@@ -115,6 +115,7 @@ from nodeagent.telemetry.simulated import (
     simulated_benchmark,
     simulated_host,
 )
+from nodeagent.wake import WakeListener
 
 logger = logging.getLogger(__name__)
 
@@ -375,6 +376,8 @@ class Agent:
         # Set when a run has just started: the next heartbeat goes out at once, so the server
         # learns RUNNING without waiting a whole interval.
         self._wake = threading.Event()
+        # The server's wake channel sets it too: a change of the desired state is heard at once.
+        self._listener = WakeListener(server_url=config.server_url, on_wake=self._wake.set)
         self._telemetry: TelemetrySource | None = None
         self._watchdog: SampleWatchdog | None = None
         self._driver: RuntimeDriver | None = None
@@ -444,6 +447,7 @@ class Agent:
                 # Leftovers wait for the next start (or the next removal): the runs go first.
                 logger.warning("leftovers not swept", extra={"error": str(exc)})
             self._syncer.start()
+            self._listener.start()
             return self._loop()
         except RequestRejectedError as exc:
             logger.error(
@@ -501,6 +505,7 @@ class Agent:
         return EXIT_OK
 
     def _close(self) -> None:
+        self._listener.close()
         self._ops.shutdown()
         # A sync in progress is dropped: the next agent uploads again what was not committed.
         self._syncer.close()
@@ -718,6 +723,7 @@ class Agent:
             if run_id in self.ledger:
                 self.ledger.update(run_id, log_sent=live.log_sent)
         self._after_delivery(answer, actual, taken, benchmark_sent=benchmark is not None)
+        self._listener.offer(answer.wake)
         self._allow_sent = True
         if images is not None:
             self._images_sent = images
