@@ -239,13 +239,30 @@ def main() -> None:
             server.wait(30)
 
     interval = float(os.environ.get("HEARTBEAT_INTERVAL_S", 5))
+    wake_ms = [round(v * 1000, 2) for v in (median(latencies), percentile(latencies, 99))]
+    print(f"{args.polls} polls held ({connect_s:.1f} s to connect)")
+    print(
+        f"wake-up -> poll answered p50/p99 {wake_ms[0]} / {wake_ms[1]} ms "
+        f"({len(latencies)}/{args.wakes}); Redis PUBLISH -> subscriber "
+        f"{median(floor) * 1000:.2f} / {percentile(floor, 99) * 1000:.2f} ms; heartbeat alone: "
+        f"{interval / 2:.1f} s on average"
+    )
+    print(
+        f"wake server RSS {rss_empty / 2**20:.1f} MB empty, {rss_held / 2**20:.1f} MB holding "
+        f"{args.polls} ({(rss_held - rss_empty) / 1024 / args.polls:.1f} KB a poll); CPU idle "
+        f"{idle_empty_cpu * 100:.2f}% empty, {idle_held_cpu * 100:.2f}% holding"
+    )
+    print(
+        f"re-polling every {args.cycle_s} s: {answered / args.hold_s:.0f} polls/s, "
+        f"{cycle_cpu / max(1, answered) * 1000:.3f} ms CPU each"
+    )
     emit(
         {
             "bench": "wake",
             "polls": args.polls,
             "polls_connected_s": round(connect_s, 2),
-            "wake_p50_ms": round(median(latencies) * 1000, 2) if latencies else None,
-            "wake_p99_ms": round(percentile(latencies, 99) * 1000, 2) if latencies else None,
+            "wake_p50_ms": wake_ms[0],
+            "wake_p99_ms": wake_ms[1],
             "wakes_answered": f"{len(latencies)}/{args.wakes}",
             "redis_pubsub_p50_ms": round(median(floor) * 1000, 3),
             "redis_pubsub_p99_ms": round(percentile(floor, 99) * 1000, 3),

@@ -122,6 +122,13 @@ class WakeHub:
             self.counts["timeouts"] += 1
         return woken
 
+    def release_all(self) -> None:
+        """Answer every waiting poll "not woken" (the server stops: agents poll elsewhere)."""
+        waiters, self._waiters = self._waiters, {}
+        for futures in waiters.values():
+            for future in futures:
+                _settle(future, False)
+
     def prune(self) -> None:
         """Forget wake-ups older than any ticket still valid."""
         horizon = self._clock() - self.keep_s
@@ -218,5 +225,9 @@ def wake_app(*, redis_url: str, channel: str, keep_s: float) -> web.Application:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def release(app: web.Application) -> None:
+        hub.release_all()
+
     app.cleanup_ctx.append(background)
+    app.on_shutdown.append(release)
     return app

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import threading
 import time
 
 import pytest
@@ -197,3 +198,34 @@ def test_a_placement_and_a_stop_wake_the_node_and_the_agent_s_own_reports_do_not
     with django_capture_on_commit_callbacks(execute=True):
         rental_stop(team=personal_team(rental.customer), actor=rental.customer, rental_id=rental.pk)
     assert channel.nodes() == [[node]]
+
+
+def test_the_agent_s_listener_waits_for_a_fresh_ticket_after_a_refusal_and_wakes_its_loop(
+    wake_on, django_capture_on_commit_callbacks
+):
+    from agentprotocol import WakeChannel
+    from nodeagent.wake import WakeListener
+
+    woken = threading.Event()
+    listener = WakeListener(server_url=wake_on.base, on_wake=woken.set)
+    listener.start()
+    try:
+        # Given a forged ticket: refused once, and not tried again until a new one comes
+        refused = wake_on.health()["refused"]
+        listener.offer(WakeChannel(url="/wake/v1/wait", ticket=_forged(_ticket(16))))
+        deadline = time.monotonic() + 10
+        while wake_on.health()["refused"] == refused:
+            assert time.monotonic() < deadline, "the forged ticket was never sent"
+            time.sleep(0.05)
+        time.sleep(1)
+        assert wake_on.health()["refused"] == refused + 1
+        # When the next heartbeat brings a good ticket, the listener waits with it
+        listener.offer(WakeChannel(url="/wake/v1/wait", ticket=_ticket(16)))
+        _waiting(wake_on, 1)
+        with django_capture_on_commit_callbacks(execute=True):
+            nodes_wake(node_ids=[16])
+        # Then the agent's loop is woken
+        assert woken.wait(10)
+        assert listener.wakeups == 1
+    finally:
+        listener.close()

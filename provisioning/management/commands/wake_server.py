@@ -58,4 +58,5 @@ class Command(BaseCommand):
             print=None,
             backlog=4096,
             handler_cancellation=True,  # a poll whose agent went away stops waiting at once
+            shutdown_timeout=5,  # the polls are answered at shutdown; this bounds the rest
         )
