@@ -68,6 +68,8 @@ class WakeHub:
         try:
             message = json.loads(raw)
             ids = message["n"]
+            # Both times are the publisher's clock, the clock that issued the tickets.
+            published = float(message.get("t") or 0.0)
             due = float(message.get("at") or 0.0)
             if not isinstance(ids, list) or len(ids) > MAX_IDS_PER_MESSAGE:
                 raise ValueError("n must be a list of node ids")
@@ -76,17 +78,17 @@ class WakeHub:
             log.warning("wake message ignored: %s", exc)
             return
         self.counts["messages"] += 1
-        delay = due - self._clock()
+        delay = due - max(published, self._clock())
         if delay <= 0.001:
-            self.wake(node_ids, at=self._clock())
+            self.wake(node_ids, at=max(published, due) or self._clock())
         elif delay <= MAX_DELAY_S and self._timers < MAX_TIMERS:
             self._timers += 1
-            asyncio.get_running_loop().call_later(delay, self._wake_later, node_ids)
+            asyncio.get_running_loop().call_later(delay, self._wake_later, node_ids, due)
         # Further ahead (or too many timers): the agents' heartbeats find it in time.
 
-    def _wake_later(self, node_ids: list[int]) -> None:
+    def _wake_later(self, node_ids: list[int], due: float) -> None:
         self._timers -= 1
-        self.wake(node_ids, at=self._clock())
+        self.wake(node_ids, at=due)
 
     def wake(self, node_ids: Iterable[int], *, at: float) -> None:
         for node_id in node_ids:
