@@ -34,6 +34,11 @@ sweeps what an earlier one left (`_sweep_leftovers`). Only the content-addressed
 The runtime is the source of truth for what runs (labels, so a restarted agent adopts its runs);
 the spool directory only keeps what billing and metrics need across restarts (see `spool`).
 
+Between rounds the agent waits for its interval, or less: a run that has just started, and the
+server's wake channel (`nodeagent.wake`: a long-poll named in the heartbeat answer, answered
+when the node's desired state changes), cut the wait short. The wake channel is only a hint:
+without it, or with it down, rounds come at the interval as before.
+
 If the server is unreachable, rounds go on with growing delays (bounded exponential backoff with
 jitter): runs keep running, usage keeps being spooled and is replayed later. A 401 means the node
 token was revoked: the agent logs it and exits non-zero instead of retrying forever.
