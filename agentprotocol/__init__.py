@@ -517,6 +517,24 @@ class BenchmarkSpec(Message):
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class WakeChannel(Message):
+    """Where the agent long-polls to hear at once that its desired state changed: a GET of
+    `url` (absolute, or a path on the server URL) with `Authorization: Bearer <ticket>`,
+    answered {"woken": true} as soon as the node is woken, {"woken": false} after `timeout`
+    seconds (a query parameter, WAKE_POLL_MAX_S at most). Only a hint to heartbeat now: a
+    wake-up lost costs the wait for the next heartbeat, nothing else. The ticket is signed by
+    the server, names the node and expires; the next heartbeat answer brings a fresh one."""
+
+    wire_name: ClassVar[str] = "wake channel"
+
+    url: str
+    ticket: str
+
+
+WAKE_POLL_MAX_S = 60
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class HeartbeatAnswer(Message):
     """The server's answer to a heartbeat: the desired state and what it has received."""
 
@@ -538,6 +556,8 @@ class HeartbeatAnswer(Message):
     # Only an agent that sent a digest is told so; an older agent always gets the whole state.
     desired_digest: str = dataclasses.field(default="", metadata=OMIT_EMPTY)
     desired_unchanged: bool = dataclasses.field(default=False, metadata=OMIT_DEFAULT)
+    # Where to hear of the next change at once (None: no wake server; heartbeats alone).
+    wake: WakeChannel | None = dataclasses.field(default=None, metadata=OMIT_EMPTY)
 
     @classmethod
     def from_payload(
@@ -657,6 +677,7 @@ __all__ = [
     "HARDWARE_THROTTLE_REASONS",
     "HEARTBEAT_PATH",
     "JOIN_PATH",
+    "WAKE_POLL_MAX_S",
     "ArtifactCommit",
     "ArtifactCommitAnswer",
     "ArtifactFile",
@@ -686,5 +707,6 @@ __all__ = [
     "SecretValue",
     "StagedFile",
     "UsageReport",
+    "WakeChannel",
     "simulated_gpu_uuid",
 ]

@@ -25,6 +25,8 @@ from devstack.embedded import ensure_services
 from devstack.supervisor import Supervisor
 
 ROOT = Path(__file__).resolve().parent.parent
+# provisioning.wakeserver.WAKE_PATH (the dev stack imports no app).
+WAKE_PATH = "/wake/v1/wait"
 VAR = ROOT / ".var"
 BIN = Path(sys.executable).parent
 log = logging.getLogger("stack")
@@ -283,6 +285,8 @@ def cmd_up(port: int) -> int:
         SECURE_COOKIES="0",
         ALLOWED_HOSTS=env.get("ALLOWED_HOSTS", "localhost,127.0.0.1"),
         GPUMARKET_SERVER_URL=f"http://127.0.0.1:{port}",
+        # The wake server (stack_commands) on the next port: agents hear of work at once.
+        WAKE_URL=env.get("WAKE_URL") or f"http://127.0.0.1:{wake_port(port)}{WAKE_PATH}",
         # Mails (verification, password reset, notifications) are printed in the web and worker
         # logs, not sent; webhooks may go to a receiver on this machine.
         EMAIL_BACKEND=env.get("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend"),
@@ -326,8 +330,12 @@ def cmd_up(port: int) -> int:
     return 0
 
 
+def wake_port(port: int) -> int:
+    return port + 1
+
+
 def stack_commands(*, port: int, beat_schedule: Path) -> list[tuple[str, list[str]]]:
-    """The stack's processes: web, a worker, beat and the demo hosts' agents."""
+    """The stack's processes: web, the wake server, a worker, beat and the demo hosts' agents."""
     # The production layout (config/gunicorn.py), at most 4 processes on a bigger machine.
     workers = os.environ.get("WEB_WORKERS") or str(min(4, 2 * len(os.sched_getaffinity(0))))
     gunicorn = [
@@ -345,7 +353,11 @@ def stack_commands(*, port: int, beat_schedule: Path) -> list[tuple[str, list[st
     agents = [
         sys.executable, "manage.py", "demo_fleet", "--server", f"http://127.0.0.1:{port}",
     ]  # fmt: skip
-    return [("web", gunicorn), ("worker", worker), ("beat", beat), ("agents", agents)]
+    # Agents long-poll it (provisioning.wakeserver): one asyncio process, no database.
+    wake = [sys.executable, "manage.py", "wake_server", "--port", str(wake_port(port))]
+    return [
+        ("web", gunicorn), ("wake", wake), ("worker", worker), ("beat", beat), ("agents", agents)
+    ]  # fmt: skip
 
 
 def main() -> None:

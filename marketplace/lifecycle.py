@@ -32,6 +32,7 @@ from django.utils import timezone
 from accounts.models import Team
 from core.errors import Conflict, NotFound
 from core.rows import model_insert
+from core.wake import nodes_wake
 from marketplace.models import (
     Allocation,
     EndCause,
@@ -153,6 +154,9 @@ def rental_transition(
     if (to_status in TERMINAL or to_status == S.PENDING) and not cause:
         # Never NODE by default: only rental_end_for_node_fault blames a node.
         cause = C.CUSTOMER if actor_kind in (A.CUSTOMER, A.BILLING) else C.PLATFORM
+    if (rental.status in CONTAINER_WANTED) != (to_status in CONTAINER_WANTED):
+        # What its nodes should run changes: their agents hear of it after commit.
+        _nodes_wake(rental)
     event = RentalEvent.objects.create(
         rental=rental,
         from_status=rental.status,
@@ -178,6 +182,14 @@ def rental_transition(
     if _recorded(event.to_status):
         _event_recorder(rental=rental, event=event)
     return rental
+
+
+def _nodes_wake(rental: Rental) -> None:
+    nodes_wake(
+        node_ids=Allocation.objects.filter(rental=rental)
+        .values_list("node_id", flat=True)
+        .distinct()
+    )
 
 
 def _allocations_release(*, rental: Rental, at: datetime) -> int:

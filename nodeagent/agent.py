@@ -34,6 +34,11 @@ sweeps what an earlier one left (`_sweep_leftovers`). Only the content-addressed
 The runtime is the source of truth for what runs (labels, so a restarted agent adopts its runs);
 the spool directory only keeps what billing and metrics need across restarts (see `spool`).
 
+Between rounds the agent waits for its interval, or less: a run that has just started, and the
+server's wake channel (`nodeagent.wake`: a long-poll named in the heartbeat answer, answered
+when the node's desired state changes), cut the wait short. The wake channel is only a hint:
+without it, or with it down, rounds come at the interval as before.
+
 If the server is unreachable, rounds go on with growing delays (bounded exponential backoff with
 jitter): runs keep running, usage keeps being spooled and is replayed later. A 401 means the node
 token was revoked: the agent logs it and exits non-zero instead of retrying forever.
@@ -115,6 +120,7 @@ from nodeagent.telemetry.simulated import (
     simulated_benchmark,
     simulated_host,
 )
+from nodeagent.wake import WakeListener
 
 logger = logging.getLogger(__name__)
 
@@ -375,6 +381,8 @@ class Agent:
         # Set when a run has just started: the next heartbeat goes out at once, so the server
         # learns RUNNING without waiting a whole interval.
         self._wake = threading.Event()
+        # The server's wake channel sets it too: a change of the desired state is heard at once.
+        self._listener = WakeListener(server_url=config.server_url, on_wake=self._wake.set)
         self._telemetry: TelemetrySource | None = None
         self._watchdog: SampleWatchdog | None = None
         self._driver: RuntimeDriver | None = None
@@ -449,6 +457,7 @@ class Agent:
                 # Leftovers wait for the next start (or the next removal): the runs go first.
                 logger.warning("leftovers not swept", extra={"error": str(exc)})
             self._syncer.start()
+            self._listener.start()
             return self._loop()
         except RequestRejectedError as exc:
             logger.error(
@@ -506,6 +515,7 @@ class Agent:
         return EXIT_OK
 
     def _close(self) -> None:
+        self._listener.close()
         self._ops.shutdown()
         # A sync in progress is dropped: the next agent uploads again what was not committed.
         self._syncer.close()
@@ -724,6 +734,7 @@ class Agent:
             if run_id in self.ledger:
                 self.ledger.update(run_id, log_sent=live.log_sent)
         self._after_delivery(answer, actual, taken, benchmark_sent=benchmark is not None)
+        self._listener.offer(answer.wake)
         self._allow_sent = True
         if images is not None:
             self._images_sent = images

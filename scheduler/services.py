@@ -21,6 +21,7 @@ from django.utils import timezone
 from agentprotocol.images import image_normalize
 from core.locks import advisory_lock
 from core.metrics import scheduler_cycle_observe
+from core.wake import nodes_wake
 from marketplace import lifecycle
 from marketplace.models import Node, NodeStatus, Rental, RentalKind, RentalNetwork, RentalStatus
 from marketplace.selectors import engine_nodes
@@ -193,6 +194,12 @@ def _bind_chunk(placements: list[engine.Placement], now: datetime) -> list[engin
             for gpu_id in gpu_ids
         )
     )
+    # The nodes' agents hear of their new runs after commit, each when its booking starts.
+    by_start: dict[float, set[int]] = {}
+    for p in bound:
+        by_start.setdefault(p.start, set()).update(node_id for node_id, _ in p.nodes)
+    for start, node_ids in by_start.items():
+        nodes_wake(node_ids=node_ids, at=_dt(start))
     return bound
 
 

@@ -404,6 +404,14 @@ GPUMARKET = {
     # Agents that have not heartbeaten for this long are marked OFFLINE.
     "NODE_SILENCE_TIMEOUT_S": env.int("NODE_SILENCE_TIMEOUT_S", default=60),
     "HEARTBEAT_INTERVAL_S": env.int("HEARTBEAT_INTERVAL_S", default=5),
+    # The wake server agents long-poll to hear of a change at once (provisioning.wakeserver):
+    # its URL as agents reach it (absolute, or a path on the server URL behind one ingress);
+    # empty: no wake server, agents hear of changes at their next heartbeat. Its pub/sub
+    # channel on REDIS_URL, and how long a wake ticket lasts (a fresh one comes with every
+    # heartbeat answer).
+    "WAKE_URL": env.str("WAKE_URL", default=""),
+    "WAKE_CHANNEL": env.str("WAKE_CHANNEL", default="gpumarket:wake"),
+    "WAKE_TICKET_TTL_S": env.int("WAKE_TICKET_TTL_S", default=600),
     # A multi-node rental whose members have not all started this long after its placement is
     # placed again (provisioning/services/gangs.py), and failed after this many placements.
     "GANG_START_TIMEOUT_S": env.int("GANG_START_TIMEOUT_S", default=600),

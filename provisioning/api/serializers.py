@@ -527,6 +527,11 @@ class BenchmarkSpecSerializer(serializers.Serializer):
     gpu_indices = serializers.ListField(child=serializers.IntegerField(), required=False)
 
 
+class WakeChannelSerializer(serializers.Serializer):
+    url = serializers.CharField(help_text="the wake server's long-poll URL (or a path here)")
+    ticket = serializers.CharField(help_text="Authorization: Bearer <ticket>; expires")
+
+
 class HeartbeatAnswerSerializer(serializers.Serializer):
     desired = DesiredRunSerializer(many=True)
     ack_usage_seq = serializers.IntegerField()
@@ -544,6 +549,9 @@ class HeartbeatAnswerSerializer(serializers.Serializer):
     desired_unchanged = serializers.BooleanField(
         required=False,
         help_text="desired is empty: the state is the one held under the digest sent back",
+    )
+    wake = WakeChannelSerializer(
+        required=False, help_text="where to hear of a change at once, when a wake server runs"
     )
 
 

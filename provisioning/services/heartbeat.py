@@ -43,6 +43,7 @@ from billing.services.metering import UsageReport as MeteredUsage
 from billing.services.metering import usage_reports_apply
 from core.errors import ValidationFailed
 from core.metrics import BENCHMARKS_UNASKED
+from core.wake import wake_channel
 from marketplace import lifecycle
 from marketplace.models import (
     GpuHealth,
@@ -585,7 +586,7 @@ def node_heartbeat_by_token(
         node_id, seen, run_benchmark, holds, degraded, failed = row
         if seen and not holds and not degraded and samples_clean(reports.telemetry):
             return node_id, _answer(node_id=node_id, reports=reports, desired=[], ack=0,
-                                    counts=Counter(reports.dropped),
+                                    counts=Counter(reports.dropped), now=now,
                                     run_benchmark=run_benchmark, failed=failed)  # fmt: skip
     node = node_authenticate(raw_token)
     if node is None:
@@ -717,7 +718,7 @@ def node_heartbeat(
     if run_benchmark and failed is None:
         failed = failed_gpu_indices(node_id=node.pk)
     return _answer(node_id=node.pk, reports=reports, desired=desired, ack=ack, counts=counts,
-                   run_benchmark=run_benchmark, failed=failed or (), digest=digest,
+                   now=now, run_benchmark=run_benchmark, failed=failed or (), digest=digest,
                    unchanged=unchanged)  # fmt: skip
 
 
@@ -728,6 +729,7 @@ def _answer(
     desired: list[DesiredRun],
     ack: int,
     counts: Counter[str],
+    now: datetime,
     run_benchmark: bool,
     failed: Sequence[int],
     digest: str = "",
@@ -745,6 +747,8 @@ def _answer(
         benchmark=benchmark_spec(gpu_indices=failed) if run_benchmark else None,
         desired_digest=digest,
         desired_unchanged=unchanged,
+        # Issued as of `now`, taken before the desired state was read (core.wake).
+        wake=wake_channel(node_id=node_id, issued_at=now.timestamp()),
     )
 
 

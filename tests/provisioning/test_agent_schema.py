@@ -37,6 +37,7 @@ from agentprotocol import (
     PullProgress,
     StagedFile,
     UsageReport,
+    WakeChannel,
 )
 from provisioning.api import serializers
 
@@ -110,6 +111,7 @@ def test_the_join_answer_in_the_schema_is_the_protocols(schema):
         (serializers.PublishedPortSerializer, PublishedPort),
         (serializers.PullProgressSerializer, PullProgress),
         (serializers.CachedImageSerializer, CachedImage),
+        (serializers.WakeChannelSerializer, WakeChannel),
         (serializers.StagedFileSerializer, StagedFile),
         (serializers.DatasetMountSerializer, DatasetMount),
         (serializers.ArtifactFileSerializer, ArtifactFile),
