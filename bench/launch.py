@@ -6,11 +6,12 @@ channel to agents where this checkout has one (`wake_server` below).
 
 1. Real agents, process runtime: one fleet process (`python -m nodeagent.fleet`, the real agent
    code, a thread per host) drives `--agents` simulated 8-GPU hosts. `--rentals` rentals of 1-8
-   GPUs are booked ahead, all starting at the same instant T, and placed before T; at T every
-   host's next heartbeat hands its runs over. Printed: the last rental RUNNING after T, and per
-   rental the hand-over (T to the driver's start: the agent heard, staged, called the driver),
+   GPUs are booked ahead (created, no worker running yet) and handed out at one instant T: one
+   scheduler pass places them all. Printed: the last rental RUNNING after T, and per rental the
+   hand-over (T to the driver's start: placed, heard of by its agent, staged, driver called),
    the process start (to the command running) and the RUNNING report (to the server's RUNNING
-   event); beside the heartbeat interval and a bare `python -c pass` start of the same run.
+   event); beside the pass's own time, the heartbeat interval and a bare `python -c pass` start
+   of the same run.
 2. Simulated agents: `--sim-agents` protocol clients in one asyncio process (bench/agents.py's
    Host) heartbeating at the interval, reacting to answers as the real agent does: a run the
    answer gives them starts at once and is reported RUNNING by an immediate heartbeat; its first
@@ -40,7 +41,6 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
-from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
 
@@ -49,10 +49,10 @@ from agents import Host, join_agents
 
 GPU_SLUG = "rtx4090-24gb"
 LOG_DIR = ROOT / ".var" / "bench"
-# The server's wake-up channel to agents (long-poll or push), where this checkout has one: a
-# module runnable as `python -m provisioning.wake` is started beside the web for the parts
-# below. Without it a placement reaches its agent at the agent's next heartbeat.
-WAKE_MODULE = "provisioning.wake"
+# The server's wake-up channel to agents, where this checkout has one: `manage.py wake_server`
+# (the process agents long-poll), started beside the web, which names it to the agents
+# (WAKE_URL). Without it a placement reaches its agent at the agent's next heartbeat.
+WAKE_COMMAND = "provisioning.management.commands.wake_server"
 
 
 # -- the stack -----------------------------------------------------------------------------------
@@ -60,24 +60,40 @@ WAKE_MODULE = "provisioning.wake"
 
 @contextmanager
 def wake_server():
-    """The wake-up channel's own process, when `provisioning` has one; yields its name or None."""
+    """The wake server, when this checkout has one, with WAKE_URL and a shared SECRET_KEY (its
+    tickets) set in os.environ for the web started after it; yields its URL or None."""
     try:
-        found = importlib.util.find_spec(WAKE_MODULE) is not None
+        found = importlib.util.find_spec(WAKE_COMMAND) is not None
     except ModuleNotFoundError:
         found = False
     if not found:
         yield None
         return
+    import requests
+    from django.conf import settings
+
+    from devstack.embedded import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/"
+    os.environ.update(SECRET_KEY=settings.SECRET_KEY, WAKE_URL=url)
     log = (LOG_DIR / "launch-wake.log").open("wb")
     process = subprocess.Popen(
-        [sys.executable, "-m", WAKE_MODULE], cwd=ROOT, env=dict(os.environ),
-        stdout=log, stderr=subprocess.STDOUT,
+        [sys.executable, "manage.py", "wake_server", "--port", str(port)],
+        cwd=ROOT, env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
-        time.sleep(2)
-        if process.poll() is not None:
-            raise RuntimeError(f"{WAKE_MODULE} ended at once: see {log.name}")
-        yield WAKE_MODULE
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if requests.get(f"{url}wake/v1/healthz", timeout=1).ok:
+                    break
+            except requests.RequestException:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the wake server did not start: see {log.name}")
+            time.sleep(0.2)
+        yield url
     finally:
         process.terminate()
         process.wait(20)
@@ -236,7 +252,7 @@ def run_records(folder: Path) -> dict[str, tuple[float, float | None]]:
     return records
 
 
-def real_agents(base: str, *, hosts: int, rentals: int, lead_s: float) -> dict:
+def real_agents(base: str, *, hosts: int, rentals: int, settle_s: float) -> dict:
     from marketplace.models import Rental, RentalStatus
     from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
     from scheduler.services import scheduler_cycle_run
@@ -246,29 +262,29 @@ def real_agents(base: str, *, hosts: int, rentals: int, lead_s: float) -> dict:
     with fleet(base, tokens, region) as folder:
         wait_nodes(region, hosts)
         customer, team = funded_team("launcher")
-        at = datetime.now(UTC) + timedelta(seconds=lead_s)
         for size in rental_sizes(hosts, rentals):
             rental_create(
                 customer=customer,
                 team=team,
                 request=RentalRequest(
                     gpus_per_node=size, duration_s=900, region=region, network="internal",
-                    start_at=at, runtime=RuntimeSpec(image="local", command=["sleep", "900"]),
+                    runtime=RuntimeSpec(image="local", command=["sleep", "900"]),
                 ),
             )  # fmt: skip
-        for _ in range(20):
+        time.sleep(settle_s)  # the hosts' first heartbeats and benchmarks are behind them
+        t0 = time.time()
+        passes = 0
+        while passes < 5:
+            passes += 1
             scheduler_cycle_run()
             if not Rental.objects.filter(team=team, status=RentalStatus.PENDING).exists():
                 break
+        pass_s = time.time() - t0
         placed = list(
-            Rental.objects.filter(team=team, status=RentalStatus.SCHEDULED).values_list(
-                "pk", flat=True
-            )
+            Rental.objects.filter(team=team)
+            .exclude(status=RentalStatus.PENDING)
+            .values_list("pk", flat=True)
         )
-        t0 = at.timestamp()
-        if time.time() > t0 - 1:
-            raise RuntimeError(f"booking took longer than --lead {lead_s:g} s: raise it")
-        time.sleep(max(0.0, t0 - time.time()))
         deadline = time.monotonic() + 120
         running: dict[str, float] = {}
         while len(running) < len(placed) and time.monotonic() < deadline:
@@ -288,6 +304,8 @@ def real_agents(base: str, *, hosts: int, rentals: int, lead_s: float) -> dict:
         "placed": len(placed),
         "gpus": sum(rental_sizes(hosts, rentals)),
         "running": len(running),
+        "passes": passes,
+        "pass_s": pass_s,
         "last_running_s": max(running.values()) - t0 if running else float("nan"),
         "handover": spread(handover),
         "start": spread(start),
@@ -363,27 +381,31 @@ async def heartbeat_loop(base: str, hosts: list[LaunchHost], interval: float, st
 
 
 async def create_rentals(base: str, token: str, n: int, rate: float, region: str) -> list[str]:
-    """`n` rentals of 1-4 GPUs through the REST API at `rate`/s (one kept-alive client)."""
+    """`n` rentals of 1-4 GPUs through the REST API, one sent every 1/`rate` s whether or not
+    the ones before were answered (customers do not wait for each other)."""
     import aiohttp
 
     rng = random.Random(5)
     headers = {"Authorization": f"Bearer {token}"}
-    created = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        began = time.monotonic()
-        for i in range(n):
-            await asyncio.sleep(max(0.0, began + i / rate - time.monotonic()))
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+
+        async def create(size: int) -> str:
             body = {
-                "gpus_per_node": rng.choice((1, 1, 2, 4)), "duration_s": 3600,
-                "region": region, "network": "internal",
+                "gpus_per_node": size, "duration_s": 3600, "region": region, "network": "internal",
                 "runtime": {"image": "gpumarket/harness:dev", "command": ["python", "train.py"]},
             }  # fmt: skip
             async with session.post(f"{base}/api/v1/rentals/", json=body, headers=headers) as r:
                 answer = await r.json(content_type=None)
                 if r.status != 201:
                     raise RuntimeError(f"create answered {r.status}: {answer}")
-                created.append(str(answer["id"]))
-    return created
+                return str(answer["id"])
+
+        began = time.monotonic()
+        tasks = []
+        for i in range(n):
+            await asyncio.sleep(max(0.0, began + i / rate - time.monotonic()))
+            tasks.append(asyncio.create_task(create(rng.choice((1, 1, 2, 4)))))
+        return list(await asyncio.gather(*tasks))
 
 
 def simulated_agents(base: str, *, hosts_n: int, rentals: int, rate: float, interval: float):
@@ -510,50 +532,11 @@ def docker_part(base: str, *, rentals: int, image: str) -> dict:
     return {"rentals": len(latencies), "to_running": spread(latencies), "bare_run_s": median(bare)}
 
 
-# -- the run ------------------------------------------------------------------------------------
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--agents", type=int, default=64, help="real agents (8-GPU hosts)")
-    parser.add_argument("--rentals", type=int, default=180, help="rentals handed out at once")
-    parser.add_argument("--lead", type=float, default=40.0, help="seconds booked ahead")
-    parser.add_argument("--interval", type=float, default=5.0, help="heartbeat interval (s)")
-    parser.add_argument("--sim-agents", type=int, default=1000)
-    parser.add_argument("--sim-rentals", type=int, default=200)
-    parser.add_argument("--sim-rate", type=float, default=10.0, help="creates per second")
-    parser.add_argument("--docker", type=int, default=3, help="Docker rentals (0: none)")
-    args = parse_args(
-        parser, agents=2, rentals=4, lead=12.0, sim_agents=4, sim_rentals=4, sim_rate=4.0,
-        docker=1,
-    )  # fmt: skip
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
-    image = "gpumarket/harness:dev"
-    python_s = bare_start_s([sys.executable, "-c", "pass"])
-    with bench_database("gpumarket_bench_launch"):
-        extra = {
-            "AGENT_THROTTLE_RATE": "1000000/min",
-            "HEARTBEAT_INTERVAL_S": f"{args.interval:g}",
-            "LOG_LEVEL": "WARNING",
-        }
-        os.environ.update(extra)  # the worker's and the wake channel's too
-        with gunicorn(extra_env=extra) as server, wake_server() as wake, celery_worker():
-            real = real_agents(
-                server.base_url, hosts=args.agents, rentals=args.rentals, lead_s=args.lead
-            )
-            sim = simulated_agents(
-                server.base_url, hosts_n=args.sim_agents, rentals=args.sim_rentals,
-                rate=args.sim_rate, interval=args.interval,
-            )  # fmt: skip
-            skipped = docker_unavailable(image) if args.docker else "--docker 0"
-            dock = (
-                None if skipped else docker_part(server.base_url, rentals=args.docker, image=image)
-            )
-    channel = wake or "none on this checkout: a placement reaches its agent at its next heartbeat"
-    print(f"heartbeat interval {args.interval:g} s; wake-up channel: {channel}")
+def print_real(args, real: dict, python_s: float) -> None:
     print(
         f"real agents: {args.agents} hosts of 8 GPUs in one fleet process, process runtime;"
-        f" {real['placed']}/{real['rentals']} rentals ({real['gpus']} GPUs) handed out at T:"
+        f" {real['placed']}/{real['rentals']} rentals ({real['gpus']} GPUs) placed in"
+        f" {real['passes']} scheduler pass(es) of {real['pass_s']:.2f} s at T:"
         f" {real['running']} RUNNING, the last {real['last_running_s']:.2f} s after T"
     )
     print(f"  hand-over (T -> the driver's start): {fmt(real['handover'])}")
@@ -562,6 +545,9 @@ def main() -> None:
         f" (a bare `python -c pass`: {python_s * 1000:.0f} ms)"
     )
     print(f"  RUNNING report (-> the server's event): {fmt(real['report'])}")
+
+
+def print_sim(args, sim: dict) -> None:
     print(
         f"simulated agents: {sim['agents']} hosts, {sim['rentals']} rentals created through the"
         f" API at {args.sim_rate:g}/s: {sim['running']} RUNNING, {sim['stepped']} stepped,"
@@ -569,19 +555,67 @@ def main() -> None:
     )
     print(f"  create -> RUNNING: {fmt(sim['to_running'])}")
     print(f"  create -> first step: {fmt(sim['to_first_step'])}")
-    if dock:
-        print(
-            f"docker: {dock['rentals']} rentals, image present: create -> RUNNING"
-            f" {fmt(dock['to_running'])} (a bare `docker run {image} true`:"
-            f" {dock['bare_run_s']:.2f} s)"
-        )
-    else:
-        print(f"docker: skipped ({skipped})")
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--agents", type=int, default=64, help="real agents (8-GPU hosts)")
+    parser.add_argument("--rentals", type=int, default=180, help="rentals handed out at once")
+    parser.add_argument(
+        "--settle", type=float, default=10.0, help="seconds between the hosts' joining and T"
+    )
+    parser.add_argument("--interval", type=int, default=5, help="heartbeat interval (s)")
+    parser.add_argument("--sim-agents", type=int, default=1000)
+    parser.add_argument("--sim-rentals", type=int, default=200)
+    parser.add_argument("--sim-rate", type=float, default=10.0, help="creates per second")
+    parser.add_argument("--docker", type=int, default=3, help="Docker rentals (0: none)")
+    args = parse_args(
+        parser, agents=2, rentals=4, settle=2.0, interval=1, sim_agents=4, sim_rentals=4,
+        sim_rate=4.0, docker=0,
+    )  # fmt: skip
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    image = "gpumarket/harness:dev"
+    python_s = bare_start_s([sys.executable, "-c", "pass"])
+    with bench_database("gpumarket_bench_launch"):
+        extra = {
+            "AGENT_THROTTLE_RATE": "1000000/min",
+            "HEARTBEAT_INTERVAL_S": str(args.interval),
+            "LOG_LEVEL": "WARNING",
+        }
+        os.environ.update(extra)  # the worker's and the wake server's too
+        with wake_server() as wake, gunicorn(extra_env=extra) as server:
+            channel = wake or "none here (a placement reaches its agent at its next heartbeat)"
+            print(f"heartbeat interval {args.interval} s; wake-up channel: {channel}")
+            real = real_agents(
+                server.base_url, hosts=args.agents, rentals=args.rentals, settle_s=args.settle
+            )
+            print_real(args, real, python_s)
+            with celery_worker():
+                sim = simulated_agents(
+                    server.base_url, hosts_n=args.sim_agents, rentals=args.sim_rentals,
+                    rate=args.sim_rate, interval=args.interval,
+                )  # fmt: skip
+                print_sim(args, sim)
+                skipped = docker_unavailable(image) if args.docker else "--docker 0"
+                dock = None
+                if skipped:
+                    print(f"docker: skipped ({skipped})")
+                else:
+                    dock = docker_part(server.base_url, rentals=args.docker, image=image)
+                    print(
+                        f"docker: {dock['rentals']} rentals, image present: create -> RUNNING"
+                        f" {fmt(dock['to_running'])} (a bare `docker run {image} true`:"
+                        f" {dock['bare_run_s']:.2f} s)"
+                    )
     figures = {
         "interval_s": args.interval,
         "wake_channel": bool(wake),
         "agents": args.agents,
         "rentals": real["placed"],
+        "pass_s": round(real["pass_s"], 2),
         "last_running_s": round(real["last_running_s"], 2),
         "handover_p50_s": round(real["handover"]["p50"], 2),
         "handover_max_s": round(real["handover"]["max"], 2),
