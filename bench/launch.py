@@ -45,7 +45,7 @@ from decimal import Decimal
 from pathlib import Path
 
 from _common import ROOT, bench_database, emit, gunicorn, median, parse_args, percentile
-from agents import Host, join_agents
+from agents import Host, join_agents, server_cpu_seconds
 
 GPU_SLUG = "rtx4090-24gb"
 LOG_DIR = ROOT / ".var" / "bench"
@@ -229,7 +229,7 @@ def fleet(base: str, tokens: list[str], region: str):
         cwd=ROOT, env=dict(os.environ, LOG_LEVEL="WARNING"), stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
-        yield folder
+        yield folder, process
     finally:
         process.terminate()
         process.wait(30)
@@ -252,14 +252,14 @@ def run_records(folder: Path) -> dict[str, tuple[float, float | None]]:
     return records
 
 
-def real_agents(base: str, *, hosts: int, rentals: int, settle_s: float) -> dict:
+def real_agents(server, *, hosts: int, rentals: int, settle_s: float) -> dict:
     from marketplace.models import Rental, RentalStatus
     from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
     from scheduler.services import scheduler_cycle_run
 
     region = "launch-real"
     tokens = provider_tokens(region, hosts)
-    with fleet(base, tokens, region) as folder:
+    with fleet(server.base_url, tokens, region) as (folder, agents):
         wait_nodes(region, hosts)
         customer, team = funded_team("launcher")
         for size in rental_sizes(hosts, rentals):
@@ -272,6 +272,8 @@ def real_agents(base: str, *, hosts: int, rentals: int, settle_s: float) -> dict
                 ),
             )  # fmt: skip
         time.sleep(settle_s)  # the hosts' first heartbeats and benchmarks are behind them
+        load = os.getloadavg()[0]
+        cpu0 = server_cpu_seconds(server), server_cpu_seconds(agents), time.process_time()
         t0 = time.time()
         passes = 0
         while passes < 5:
@@ -290,6 +292,11 @@ def real_agents(base: str, *, hosts: int, rentals: int, settle_s: float) -> dict
         while len(running) < len(placed) and time.monotonic() < deadline:
             time.sleep(0.25)
             running = event_times(placed, RentalStatus.RUNNING)
+        cpu = (
+            server_cpu_seconds(server) - cpu0[0],
+            server_cpu_seconds(agents) - cpu0[1],
+            time.process_time() - cpu0[2],
+        )
         records = run_records(folder)
     handover, start, report = [], [], []
     for rental_id, at_running in running.items():
@@ -305,6 +312,8 @@ def real_agents(base: str, *, hosts: int, rentals: int, settle_s: float) -> dict
         "gpus": sum(rental_sizes(hosts, rentals)),
         "running": len(running),
         "passes": passes,
+        "load": load,
+        "cpu": dict(zip(("web", "agents", "bench"), cpu, strict=True)),
         "pass_s": pass_s,
         "last_running_s": max(running.values()) - t0 if running else float("nan"),
         "handover": spread(handover),
@@ -389,16 +398,19 @@ async def create_rentals(base: str, token: str, n: int, rate: float, region: str
     headers = {"Authorization": f"Bearer {token}"}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
 
-        async def create(size: int) -> str:
+        async def create(size: int) -> str | None:
             body = {
                 "gpus_per_node": size, "duration_s": 3600, "region": region, "network": "internal",
                 "runtime": {"image": "gpumarket/harness:dev", "command": ["python", "train.py"]},
             }  # fmt: skip
-            async with session.post(f"{base}/api/v1/rentals/", json=body, headers=headers) as r:
-                answer = await r.json(content_type=None)
-                if r.status != 201:
-                    raise RuntimeError(f"create answered {r.status}: {answer}")
-                return str(answer["id"])
+            try:
+                async with session.post(f"{base}/api/v1/rentals/", json=body, headers=headers) as r:
+                    answer = await r.json(content_type=None)
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                return None  # an overloaded web: counted as a failed create
+            if r.status != 201:
+                raise RuntimeError(f"create answered {r.status}: {answer}")
+            return str(answer["id"])
 
         began = time.monotonic()
         tasks = []
@@ -419,7 +431,7 @@ def simulated_agents(base: str, *, hosts_n: int, rentals: int, rate: float, inte
     customer, team = funded_team("creator")
     _, api_token = api_token_create(user=customer, team=team, name="launch")
 
-    async def run() -> tuple[list[str], int]:
+    async def run() -> tuple[list[str | None], int]:
         stop = asyncio.Event()
         beats = asyncio.create_task(heartbeat_loop(base, hosts, interval, stop))
         await asyncio.sleep(interval)  # every host heartbeats once before the first create
@@ -427,13 +439,14 @@ def simulated_agents(base: str, *, hosts_n: int, rentals: int, rate: float, inte
         deadline = time.monotonic() + 3 * interval + 60
         while time.monotonic() < deadline:
             stepped = sum(len(h.first_step) for h in hosts)
-            if stepped >= len(created):
+            if stepped >= len([c for c in created if c]):
                 break
             await asyncio.sleep(0.5)
         stop.set()
         return created, await beats
 
-    created, errors = asyncio.run(run())
+    answered, errors = asyncio.run(run())
+    created = [rental_id for rental_id in answered if rental_id]
     created_at = {
         str(pk): at.timestamp()
         for pk, at in Rental.objects.filter(pk__in=created).values_list("pk", "created_at")
@@ -443,6 +456,7 @@ def simulated_agents(base: str, *, hosts_n: int, rentals: int, rate: float, inte
     return {
         "agents": hosts_n,
         "rentals": len(created),
+        "failed_creates": len(answered) - len(created),
         "running": len(running),
         "stepped": len(first),
         "errors": errors,
@@ -545,12 +559,20 @@ def print_real(args, real: dict, python_s: float) -> None:
         f" (a bare `python -c pass`: {python_s * 1000:.0f} ms)"
     )
     print(f"  RUNNING report (-> the server's event): {fmt(real['report'])}")
+    cpu, cores = real["cpu"], os.cpu_count() or 1
+    print(
+        f"  CPU seconds from T to the last RUNNING: web {cpu['web']:.1f}, the agents' fleet"
+        f" {cpu['agents']:.1f}, the bench's pass {cpu['bench']:.1f}, of"
+        f" {cores * real['last_running_s']:.1f} on {cores} cores;"
+        f" load average at T {real['load']:.1f}"
+    )
 
 
 def print_sim(args, sim: dict) -> None:
     print(
         f"simulated agents: {sim['agents']} hosts, {sim['rentals']} rentals created through the"
-        f" API at {args.sim_rate:g}/s: {sim['running']} RUNNING, {sim['stepped']} stepped,"
+        f" API at {args.sim_rate:g}/s ({sim['failed_creates']} failed): {sim['running']} RUNNING,"
+        f" {sim['stepped']} stepped,"
         f" {sim['errors']} heartbeat errors"
     )
     print(f"  create -> RUNNING: {fmt(sim['to_running'])}")
@@ -590,7 +612,7 @@ def main() -> None:
             channel = wake or "none here (a placement reaches its agent at its next heartbeat)"
             print(f"heartbeat interval {args.interval} s; wake-up channel: {channel}")
             real = real_agents(
-                server.base_url, hosts=args.agents, rentals=args.rentals, settle_s=args.settle
+                server, hosts=args.agents, rentals=args.rentals, settle_s=args.settle
             )
             print_real(args, real, python_s)
             with celery_worker():
@@ -617,6 +639,9 @@ def main() -> None:
         "rentals": real["placed"],
         "pass_s": round(real["pass_s"], 2),
         "last_running_s": round(real["last_running_s"], 2),
+        "web_cpu_s": round(real["cpu"]["web"], 1),
+        "agents_cpu_s": round(real["cpu"]["agents"], 1),
+        "load_at_t": round(real["load"], 1),
         "handover_p50_s": round(real["handover"]["p50"], 2),
         "handover_max_s": round(real["handover"]["max"], 2),
         "start_p50_s": round(real["start"]["p50"], 3),
