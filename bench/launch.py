@@ -43,6 +43,7 @@ import time
 from contextlib import contextmanager
 from decimal import Decimal
 from pathlib import Path
+from urllib.parse import urljoin
 
 from _common import ROOT, bench_database, emit, gunicorn, median, parse_args, percentile
 from agents import Host, join_agents, server_cpu_seconds
@@ -71,12 +72,16 @@ def wake_server():
         return
     import requests
     from django.conf import settings
+    from provisioning.wakeserver import WAKE_PATH  # where the agents poll
 
     from devstack.embedded import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}/"
-    os.environ.update(SECRET_KEY=settings.SECRET_KEY, WAKE_URL=url)
+    wake_url = f"{url.rstrip('/')}{WAKE_PATH}"
+    os.environ.update(SECRET_KEY=settings.SECRET_KEY, WAKE_URL=wake_url)
+    # This process places rentals too (part 1's pass): its settings were read before.
+    settings.GPUMARKET = {**settings.GPUMARKET, "WAKE_URL": wake_url}
     log = (LOG_DIR / "launch-wake.log").open("wb")
     process = subprocess.Popen(
         [sys.executable, "manage.py", "wake_server", "--port", str(port)],
@@ -335,9 +340,11 @@ class LaunchHost(Host):
         self.wake = asyncio.Event()
         self.reported: set[str] = set()  # runs whose RUNNING the server has
         self.first_step: dict[str, float] = {}  # rental id -> its first step delivered
+        self.channel: dict | None = None  # the wake-up channel the last answer named
 
     def learn(self, answer: dict) -> None:
         before = set(self.runs)
+        self.channel = answer.get("wake") or self.channel
         super().learn(answer)
         if set(self.runs) - before:
             self.wake.set()
@@ -385,7 +392,34 @@ async def heartbeat_loop(base: str, hosts: list[LaunchHost], interval: float, st
                     await asyncio.wait_for(host.wake.wait(), max(0.0, left))
                 host.wake.clear()
 
-        await asyncio.gather(*(agent(h, i * interval / len(hosts)) for i, h in enumerate(hosts)))
+        async def listen(host: LaunchHost) -> None:
+            """The agent's long-poll on the wake-up channel, where the answers name one."""
+            async with aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=40)
+            ) as polls:
+                while not stop.is_set():
+                    if host.channel is None:
+                        await asyncio.sleep(interval)
+                        continue
+                    url = urljoin(base + "/", host.channel["url"])
+                    headers = {"Authorization": f"Bearer {host.channel['ticket']}"}
+                    try:
+                        async with polls.get(url, params={"timeout": 20}, headers=headers) as r:
+                            woken = r.status == 200 and (await r.json()).get("woken") is True
+                            if r.status != 200:
+                                await asyncio.sleep(interval)
+                    except (aiohttp.ClientError, TimeoutError, ValueError):
+                        woken = False
+                        await asyncio.sleep(1)
+                    if woken:
+                        host.wake.set()
+
+        offsets = [i * interval / len(hosts) for i in range(len(hosts))]
+        listeners = [asyncio.create_task(listen(h)) for h in hosts]
+        await asyncio.gather(*(agent(h, offset) for h, offset in zip(hosts, offsets, strict=True)))
+        for task in listeners:
+            task.cancel()
+        await asyncio.gather(*listeners, return_exceptions=True)
     return errors
 
 
@@ -452,6 +486,7 @@ def simulated_agents(base: str, *, hosts_n: int, rentals: int, rate: float, inte
         for pk, at in Rental.objects.filter(pk__in=created).values_list("pk", "created_at")
     }
     running = event_times(created, "running")
+    scheduled = event_times(created, "scheduled")
     first = {rid: at for h in hosts for rid, at in h.first_step.items()}
     return {
         "agents": hosts_n,
@@ -460,6 +495,7 @@ def simulated_agents(base: str, *, hosts_n: int, rentals: int, rate: float, inte
         "running": len(running),
         "stepped": len(first),
         "errors": errors,
+        "to_scheduled": spread([at - created_at[r] for r, at in scheduled.items()]),
         "to_running": spread([at - created_at[r] for r, at in running.items()]),
         "to_first_step": spread([at - created_at[r] for r, at in first.items() if r in created_at]),
     }
@@ -575,6 +611,7 @@ def print_sim(args, sim: dict) -> None:
         f" {sim['stepped']} stepped,"
         f" {sim['errors']} heartbeat errors"
     )
+    print(f"  create -> SCHEDULED (the worker placed it): {fmt(sim['to_scheduled'])}")
     print(f"  create -> RUNNING: {fmt(sim['to_running'])}")
     print(f"  create -> first step: {fmt(sim['to_first_step'])}")
 
@@ -650,6 +687,7 @@ def main() -> None:
         "report_max_s": round(real["report"]["max"], 2),
         "python_start_s": round(python_s, 3),
         "sim_agents": sim["agents"],
+        "sim_create_to_scheduled_p99_s": round(sim["to_scheduled"]["p99"], 2),
         "sim_create_to_running_p50_s": round(sim["to_running"]["p50"], 2),
         "sim_create_to_running_p99_s": round(sim["to_running"]["p99"], 2),
         "sim_create_to_first_step_p50_s": round(sim["to_first_step"]["p50"], 2),
