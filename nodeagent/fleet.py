@@ -8,6 +8,9 @@ thread of its own, on the local-process runtime: it joins, heartbeats, benchmark
 rentals exactly as a provider's agent would; only the hardware is simulated. AGENT FLAGS apply
 to every host (`--interval 1`, `--request-timeout 3`).
 
+The hosts start one after another, spread over one heartbeat interval, as hosts booted at
+different moments would: a fleet's heartbeats reach the server spread out, not in bursts.
+
 When one agent ends for any reason but a stop, the others are stopped too and the process exits
 with that agent's status: whoever started it (the dev stack's supervisor) starts it again, after
 preparing fresh join tokens where the stored ones cannot work.
@@ -75,14 +78,19 @@ class Fleet:
         self.agents = [Agent(config) for config in configs]
         self.status: dict[str, int] = {}
         self._ended = threading.Event()
+        self._stop = threading.Event()
         self._stopping = False
 
     def run(self) -> int:
+        spacing = self.agents[0].config.interval_s / len(self.agents) if self.agents else 0.0
         threads = [
             threading.Thread(
-                target=self._run_one, args=(agent,), name=agent.config.hostname, daemon=True
+                target=self._run_one,
+                args=(agent, i * spacing),
+                name=agent.config.hostname,
+                daemon=True,
             )
-            for agent in self.agents
+            for i, agent in enumerate(self.agents)
         ]
         for thread in threads:
             thread.start()
@@ -97,11 +105,15 @@ class Fleet:
 
     def stop(self) -> None:
         self._stopping = True
+        self._stop.set()
         for agent in self.agents:
             agent.stop()
         self._ended.set()
 
-    def _run_one(self, agent: Agent) -> None:
+    def _run_one(self, agent: Agent, delay_s: float) -> None:
+        if self._stop.wait(delay_s):
+            self.status[agent.config.hostname] = EXIT_OK
+            return
         try:
             code = agent.run()
         except Exception:  # one host's bug must not leave the others running unwatched

@@ -1,6 +1,6 @@
 """Supervisor of one run of the local process driver; a standalone program (stdlib only).
 
-    python -I _process_wrapper.py RUN_DIR [--user UID:GID] -- COMMAND [ARGS...]
+    python -I -S _process_wrapper.py RUN_DIR [--user UID:GID] -- COMMAND [ARGS...]
 
 LocalProcessDriver starts it in a session of its own, so it outlives agent restarts. It plays the
 part the container runtime plays for Docker:
@@ -17,16 +17,18 @@ part the container runtime plays for Docker:
 
 The driver hands us the run's lock file already locked; we hold it (inherited fd) for as long as
 we live, which is how the driver knows a supervisor is alive without trusting a pid.
+
+Every rental start pays for this program's start, so it imports only what the interpreter has
+already loaded or nearly (no `subprocess`, `json`, `contextlib`: each pulls in `re` and more);
+with `-S` (no site-packages) its start costs about a third of `python -I` with those imports
+(bench/launch.py prints both beside a bare `python -c pass`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import selectors
 import signal
-import subprocess
 import sys
 import time
 
@@ -48,11 +50,25 @@ def proc_stat(pid: int) -> tuple[str, int] | None:
 
 
 def write_json_atomic(path: str, data: dict) -> None:
+    """`data` as JSON in one atomic, durable step (the driver's records)."""
+    import json  # here, not at the top: the supervisor itself writes only flat records
+
+    _write_atomic(path, json.dumps(data), durable=True)
+
+
+def write_record(path: str, fields: dict[str, int | float | None], *, durable: bool) -> None:
+    """A flat record of numbers as a JSON object, without the json module (see above)."""
+    values = ", ".join(f'"{k}": {"null" if v is None else repr(v)}' for k, v in fields.items())
+    _write_atomic(path, "{" + values + "}", durable=durable)
+
+
+def _write_atomic(path: str, text: str, *, durable: bool) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
+        f.write(text)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -62,11 +78,71 @@ def exited(pid: int) -> bool:
     return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
 
 
+def spawn(command: list[str], user: tuple[int, int] | None, stdout: int, stderr: int) -> int:
+    """Start `command` in a session of its own (as `user`, with no supplementary groups, when
+    given), stdin from /dev/null; its pid. OSError when it cannot be executed, as
+    subprocess.Popen would raise (which costs this program's start the `subprocess` import)."""
+    # The PATH search is done here, as subprocess does it: the child, once it is the run's
+    # user, may not be able to import anything (os.execvp imports `warnings`).
+    if os.sep in command[0]:
+        candidates = [command[0]]
+    else:
+        candidates = [os.path.join(d, command[0]) for d in os.get_exec_path()]
+    errors_r, errors_w = os.pipe()  # close-on-exec: EOF here means the exec succeeded
+    pid = os.fork()
+    if pid == 0:  # the child: nothing but system calls until exec
+        try:
+            os.setsid()
+            if user is not None:
+                os.setgroups([])
+                os.setgid(user[1])
+                os.setuid(user[0])
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.dup2(stdout, 1)
+            os.dup2(stderr, 2)
+            # Nothing else of ours reaches the command: the run's lock (inherited from the
+            # driver) must be held by this supervisor alone.
+            os.closerange(3, errors_w)
+            os.closerange(errors_w + 1, os.sysconf("SC_OPEN_MAX"))
+            for signum in (signal.SIGPIPE, signal.SIGXFSZ):  # Python ignores them; undo
+                signal.signal(signum, signal.SIG_DFL)
+            # As subprocess: the first error other than "not there", else "not found".
+            errno = 0
+            for path in candidates:
+                try:
+                    os.execv(path, command)  # noqa: S606 - the customer's argv, no shell
+                except (FileNotFoundError, NotADirectoryError):
+                    pass
+                except OSError as exc:
+                    errno = errno or exc.errno or 0
+            os.write(errors_w, str(errno or 2).encode())
+        except OSError as exc:
+            os.write(errors_w, str(exc.errno).encode())
+        finally:
+            os._exit(255)
+    os.close(errors_w)
+    failure = os.read(errors_r, 32)
+    os.close(errors_r)
+    if failure:
+        os.waitpid(pid, 0)
+        errno = int(failure)
+        raise (FileNotFoundError if errno == 2 else OSError)(errno, os.strerror(errno), command[0])
+    return pid
+
+
+def killpg(pid: int, signum: int) -> None:
+    try:  # noqa: SIM105 - contextlib is one import this program does without
+        os.killpg(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
 def main(argv: list[str]) -> int:
-    user: dict[str, object] = {}
+    user: tuple[int, int] | None = None
     if len(argv) > 3 and argv[2] == "--user":
         uid, _, gid = argv[3].partition(":")
-        user = {"user": int(uid), "group": int(gid), "extra_groups": []}
+        user = (int(uid), int(gid))
         argv = [argv[0], argv[1], *argv[4:]]
     if len(argv) < 4 or argv[2] != "--":
         print(__doc__, file=sys.stderr)
@@ -76,38 +152,36 @@ def main(argv: list[str]) -> int:
     output_log = open(os.path.join(run_dir, "output.log"), "ab", buffering=0)  # noqa: SIM115
     exit_path = os.path.join(run_dir, "exit.json")
 
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
     try:
-        child = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            **user,
-        )
+        pid = spawn(command, user, out_w, err_w)
     except OSError as exc:
         output_log.write(f"cannot start {command[0]!r}: {exc}\n".encode())
         # The shell's codes: 127 not found, 126 found but not executable.
         code = 127 if isinstance(exc, FileNotFoundError) else 126
-        write_json_atomic(exit_path, {"exit_code": code, "finished_at": time.time()})
+        write_record(exit_path, {"exit_code": code, "finished_at": time.time()}, durable=True)
         return 0
+    os.close(out_w)
+    os.close(err_w)
 
-    stat = proc_stat(child.pid)
-    write_json_atomic(
+    stat = proc_stat(pid)
+    # Not fsynced: after a crash of the host the command is gone whatever this file says.
+    write_record(
         os.path.join(run_dir, "child.json"),
-        {"pid": child.pid, "start_ticks": stat[1] if stat else None, "started_at": time.time()},
+        {"pid": pid, "start_ticks": stat[1] if stat else None, "started_at": time.time()},
+        durable=False,
     )
 
     def forward(signum: int, _frame: object) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(child.pid, signum)
+        killpg(pid, signum)
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, forward)
 
     selector = selectors.DefaultSelector()
-    selector.register(child.stdout, selectors.EVENT_READ, data=True)
-    selector.register(child.stderr, selectors.EVENT_READ, data=False)
+    selector.register(out_r, selectors.EVENT_READ, data=True)
+    selector.register(err_r, selectors.EVENT_READ, data=False)
     open_streams = 2
     exited_at: float | None = None
     while open_streams:
@@ -120,16 +194,15 @@ def main(argv: list[str]) -> int:
             if key.data:
                 stdout_log.write(chunk)
             output_log.write(chunk)
-        if exited_at is None and exited(child.pid):
+        if exited_at is None and exited(pid):
             exited_at = time.time()
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.pid, signal.SIGKILL)
+            killpg(pid, signal.SIGKILL)
         if exited_at is not None and time.time() - exited_at > DRAIN_AFTER_EXIT_S:
             break
 
-    returncode = child.wait()
+    returncode = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     code = returncode if returncode >= 0 else 128 - returncode
-    write_json_atomic(exit_path, {"exit_code": code, "finished_at": time.time()})
+    write_record(exit_path, {"exit_code": code, "finished_at": time.time()}, durable=True)
     return 0
 
 

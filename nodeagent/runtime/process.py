@@ -87,6 +87,8 @@ EMPTY_DATA_DIR = ".no-datasets"
 # After SIGKILL the supervisor needs a moment to notice the exit and record it.
 _RECORD_EXIT_WAIT_S = 5.0
 _POLL_S = 0.05
+# A start waits for its supervisor's child.json: polled finely, every start waits on it.
+_START_POLL_S = 0.005
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,8 +203,10 @@ class LocalProcessDriver:
                 # A previous start died before the supervisor came up: start it now.
             else:
                 meta = self._write_meta(spec)
-            self._spawn(spec, meta)
-            state = self._wait_started(spec.run_id, meta)
+            meta = self._spawn(spec, meta)
+        # Outside the lock: the node's other starts spawn their supervisors meanwhile, so
+        # starts on one node overlap instead of queueing behind each one's interpreter start.
+        state = self._wait_started(spec.run_id, meta)
         logger.info("process started", extra=log_extra)
         return state
 
@@ -295,7 +299,9 @@ class LocalProcessDriver:
     def _meta(self, run_id: str) -> dict[str, Any] | None:
         return _read_json(os.path.join(self._run_dir(run_id), "meta.json"))
 
-    def _child(self, run_id: str, *, wait: bool = False) -> dict[str, Any] | None:
+    def _child(
+        self, run_id: str, *, wait: bool = False, poll_s: float = _POLL_S
+    ) -> dict[str, Any] | None:
         """child.json; with wait, give a supervisor that is still starting up time to write it."""
         run_dir = self._run_dir(run_id)
         path = os.path.join(run_dir, "child.json")
@@ -308,7 +314,7 @@ class LocalProcessDriver:
                 return None
             if not self._supervisor_alive(run_dir):
                 return None
-            time.sleep(_POLL_S)
+            time.sleep(poll_s)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -392,7 +398,7 @@ class LocalProcessDriver:
         os.chmod(empty, 0o555)  # noqa: S103 - the run's user (another uid) lists it
         return empty
 
-    def _spawn(self, spec: ContainerSpec, meta: dict[str, Any]) -> None:
+    def _spawn(self, spec: ContainerSpec, meta: dict[str, Any]) -> dict[str, Any]:
         run_dir = self._run_dir(spec.run_id)
         os.makedirs(spec.volume_dir, exist_ok=True)
         command = self._command(spec)
@@ -417,7 +423,8 @@ class LocalProcessDriver:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             with open(os.path.join(run_dir, "wrapper.log"), "ab") as wrapper_log:
                 proc = subprocess.Popen(
-                    [sys.executable, "-I", WRAPPER, run_dir, *user_args, "--", *command],
+                    # -S: the supervisor is stdlib only, and site-packages cost its start.
+                    [sys.executable, "-I", "-S", WRAPPER, run_dir, *user_args, "--", *command],
                     cwd=spec.volume_dir,
                     env=env,
                     stdin=subprocess.DEVNULL,
@@ -433,10 +440,11 @@ class LocalProcessDriver:
         self._supervisors[spec.run_id] = proc
         meta = {**meta, "supervisor_pid": proc.pid, "spawned_at": time.time()}
         write_json_atomic(os.path.join(run_dir, "meta.json"), meta)
+        return meta
 
     def _wait_started(self, run_id: str, meta: dict[str, Any]) -> ContainerState:
         # Report "running" with its start time, like `docker start` returning after the start.
-        self._child(run_id, wait=True)
+        self._child(run_id, wait=True, poll_s=_START_POLL_S)
         return self._state_from_dir(run_id, self._meta(run_id) or meta)
 
     def _supervisor_alive(self, run_dir: str) -> bool:

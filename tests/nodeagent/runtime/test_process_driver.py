@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -203,6 +205,41 @@ def test_descendants_die_with_the_main_process(tmp_path, make_spec):
 
     # then the leftover was killed, as the end of a container would kill it
     assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
+
+
+def test_starts_on_one_node_from_many_threads_each_run_their_own_command(tmp_path, make_spec):
+    # given eight runs started at once from the agent's worker threads (starts overlap)
+    driver = make_driver(tmp_path)
+    specs = [make_spec(f"import time; print({i}, flush=True); time.sleep(600)") for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        states = list(pool.map(driver.start, specs))
+
+    # then each start returned its own running command, with its own output
+    outputs = [collect_output(driver, spec.run_id, None, 1)[0] for spec in specs]
+    for spec in specs:
+        driver.remove(spec.run_id)
+    assert [state.status for state in states] == ["running"] * 8
+    assert all(state.started_at is not None for state in states)
+    assert outputs == [[str(i)] for i in range(8)]
+
+
+def test_the_command_inherits_neither_the_runs_lock_nor_ignored_signals(tmp_path, make_spec):
+    # given a command that lists its open descriptors and its ignored signals
+    driver = make_driver(tmp_path)
+    spec = make_spec(
+        node_id="n1", command=("sh", "-c", "ls /proc/$$/fd; grep SigIgn /proc/$$/status")
+    )
+
+    driver.start(spec)
+    state = wait_exited(driver, spec.run_id)
+    lines = driver.logs_tail(spec.run_id).split()
+
+    # then it has stdin, stdout and stderr only (the supervisor alone holds the run's lock, so
+    # an orphaned command never looks like a live supervisor), and SIGPIPE is not ignored
+    assert state.exit_code == 0
+    fds, ignored = lines[: lines.index("SigIgn:")], int(lines[lines.index("SigIgn:") + 1], 16)
+    assert sorted(fds) == ["0", "1", "2"]
+    assert not ignored & (1 << (signal.SIGPIPE - 1))
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only a root agent runs commands as another uid")
