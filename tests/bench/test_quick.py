@@ -15,7 +15,7 @@ import pytest
 from tests.harness.helpers import REPO_ROOT as ROOT
 
 # gpu_check.py has its own CPU rehearsal (tests/bench/test_gpu_check.py).
-BENCHES = ("agents", "artifacts", "harness", "metering", "offers", "scheduler")
+BENCHES = ("agents", "artifacts", "harness", "marketplace", "metering", "offers", "scheduler")
 
 
 @pytest.mark.parametrize("name", BENCHES)
