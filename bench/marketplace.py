@@ -431,7 +431,8 @@ def phase(
             "errors": errors,
             "p50": percentile(latencies, 50),
             "p99": percentile(latencies, 99),
-            "cpu_ms_web": cpu["web"] * 1000 / max(1, len(latencies)),
+            # Per heartbeat answered: one the agent gave up on may never have been served.
+            "cpu_ms_web": cpu["web"] * 1000 / max(1, len(latencies) - errors),
         }
     if rates.get("create"):
         ids = [rental_id for rental_id, _ in people.created]
