@@ -15,7 +15,10 @@ import pytest
 from tests.harness.helpers import REPO_ROOT as ROOT
 
 # gpu_check.py has its own CPU rehearsal (tests/bench/test_gpu_check.py).
-BENCHES = ("agents", "artifacts", "harness", "launch", "metering", "offers", "scheduler", "wake")
+BENCHES = (
+    "agents", "artifacts", "harness", "launch", "marketplace", "metering", "offers", "scheduler",
+    "wake",
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("name", BENCHES)

@@ -1,0 +1,666 @@
+"""The whole marketplace on one control plane: 10,000 simulated nodes, customers, billing at once.
+
+Runs the real deployables on this machine: the web app under gunicorn in the production layout
+(config/gunicorn.py), a Celery worker (prefork, one process per core, as the Kubernetes
+manifest runs it), Celery beat with the product's own schedule (scheduler tick, node sweeps,
+telemetry flush, the billing pass every minute), PostgreSQL and Redis. Against them one
+asyncio process (aiohttp) plays, at once:
+
+- every node's agent, heartbeating at the production interval (HEARTBEAT_INTERVAL_S) with
+  telemetry for its 8 GPUs; the nodes that run rentals also send, per run, a container report,
+  a usage report, a harness step line and two log lines (bench/agents.py's Host, imported);
+- customers creating rentals through the REST API at 50/s (open loop: a slow answer does not
+  slow the arrivals), stopping each one a while later, and browsing offers (GET offers) and
+  the advisor (POST advisor).
+
+Set-up is not measured: the inventory is COPYed (bench/_common.build_inventory), the nodes'
+credentials COPYed beside it, and the busy nodes' rentals booked through rental_create and one
+in-process scheduler cycle. Then, each beside the others' absence, short single-component
+phases (heartbeats alone, offers alone, creates alone), and the whole load for `--seconds`.
+
+Printed: heartbeat p50 / p99 and handled vs offered rate, create->SCHEDULED p50 / p99 (from the
+rental's event rows), offers and advisor p95, the billing lag (the age of the oldest usage not
+yet rated: now - the rating time of the meters with newer reports, sampled every 5 s), and the
+CPU seconds each process group used (web, worker, beat, the database's backends, Redis, the
+load generator; psutil), beside the same figures of the single-component phases.
+
+    python bench/marketplace.py [--nodes 10000] [--seconds 300] [--busy-fraction 0.2]
+                                [--create-rate 50] [--baseline-seconds 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import ExitStack, contextmanager
+from urllib.parse import urlsplit
+
+from _common import ROOT, bench_database, build_inventory, emit, gunicorn, parse_args, percentile
+from agents import Host, run_agents
+from offers import QUERY
+
+TARGETS = {"heartbeat_p99_ms": 250, "create_scheduled_p99_s": 1.0, "offers_p95_ms": 100,
+           "billing_lag_s": 120}  # fmt: skip
+RENTAL_BODY = {"gpus_per_node": 1, "duration_s": 3600, "network": "internal",
+               "runtime": {"image": "gpumarket/harness:dev"}}  # fmt: skip
+ADVISOR_BODY = {"params_b": 0.5, "tokens_b": 1}
+
+
+def node_tokens(url: str) -> list[str]:
+    """A live node token for every node of the inventory, COPYed as the join would store it."""
+    import io
+
+    import psycopg
+
+    from accounts.services import token_hash, token_mint
+    from provisioning.models import NodeCredential
+
+    table = NodeCredential._meta.db_table
+    with psycopg.connect(url) as conn:
+        ids = [r[0] for r in conn.execute("SELECT id FROM marketplace_node ORDER BY id")]
+        tokens = [token_mint("gpn")[1] for _ in ids]
+        rows = io.StringIO()
+        for node_id, raw in zip(ids, tokens, strict=True):
+            rows.write(f"{node_id}\t{token_hash(raw)}\tnow\n")
+        with conn.cursor().copy(f"COPY {table} (node_id, key_hash, created_at) FROM STDIN") as cp:
+            cp.write(rows.getvalue())
+    return tokens
+
+
+def funded_customer(username: str):
+    """A customer whose account never runs dry during the run, and its personal team."""
+    from accounts.services import team_personal_ensure, user_create
+    from billing.services.ledger import account_adjust, account_for_team
+
+    customer = user_create(username=username, email=f"{username}@example.invalid", password="x")
+    team = team_personal_ensure(user=customer)
+    account = account_for_team(team=team)
+    account_adjust(account_id=account.pk, amount_micros=10**14, reason="bench credit", actor=None)
+    return customer, team
+
+
+def book_busy(rentals: int) -> int:
+    """`rentals` rentals of 4 GPUs booked through rental_create and placed by the scheduler
+    (best fit puts two on a node): the busy nodes' runs. Returns how many were placed."""
+    from marketplace.models import Rental, RentalStatus
+    from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
+    from scheduler.services import scheduler_cycle_run
+
+    customer, team = funded_customer("busy")
+    request = RentalRequest(
+        gpus_per_node=4,
+        duration_s=7200,
+        network="internal",
+        runtime=RuntimeSpec(image="gpumarket/harness:dev", command=["python", "train.py"]),
+    )
+    for _ in range(rentals):
+        rental_create(customer=customer, team=team, request=request)
+    for _ in range(20):
+        scheduler_cycle_run()
+        if not Rental.objects.filter(team=team, status=RentalStatus.PENDING).exists():
+            break
+    return Rental.objects.filter(team=team, status=RentalStatus.SCHEDULED).count()
+
+
+def busy_statuses() -> dict[str, int]:
+    from django.db.models import Count
+
+    from marketplace.models import Rental
+
+    rows = Rental.objects.filter(customer__username="busy").values_list("status")
+    return dict(rows.annotate(n=Count("id")).order_by())
+
+
+@contextmanager
+def celery(*args: str, name: str):
+    """A Celery process of the project (`celery -A config ARGS`), its log under .var/bench."""
+    log_path = ROOT / ".var" / "bench" / f"marketplace-{name}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "config", *args, "-l", "warning"],
+        cwd=ROOT, env=dict(os.environ), stdout=log_path.open("wb"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        yield process
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:  # a warm shutdown waits for its tasks: not this long
+            process.kill()
+            process.wait(10)
+
+
+class _Sampler:
+    """A daemon thread that calls `tick` every `period` seconds while in its `with` block."""
+
+    period = 1.0
+
+    def __init__(self) -> None:
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def tick(self) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while not self.stopped.wait(self.period):
+            self.tick()
+
+    def __enter__(self):
+        self.tick()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopped.set()
+        self.thread.join(10)
+
+
+class CpuMeter(_Sampler):
+    """CPU seconds (user + system) per process group, sampled every second in a thread so that
+    short-lived processes (database backends) count up to their last sample. A group's total
+    is the sum over every process it ever had of that process's last sampled counter."""
+
+    def __init__(self, roots: dict[str, int], database: str, redis_port: int) -> None:
+        import psutil
+
+        super().__init__()
+        self.roots = {name: psutil.Process(pid) for name, pid in roots.items()}
+        self.database, self.redis_port = database, str(redis_port)
+        self.last: dict[int, tuple[str, float]] = {}
+        self.lock = threading.Lock()
+
+    def _members(self):
+        import psutil
+
+        for name, root in self.roots.items():
+            try:
+                yield name, root
+                if name != "loadgen":
+                    for child in root.children(recursive=True):
+                        yield name, child
+            except psutil.NoSuchProcess:
+                continue
+        for proc in psutil.process_iter(["name", "cmdline"]):
+            cmdline = " ".join(proc.info["cmdline"] or ())
+            if (proc.info["name"] or "").startswith("postgres") and (
+                f" {self.database} " in cmdline
+            ):
+                yield "postgres", proc
+            elif "redis-server" in cmdline and f":{self.redis_port}" in cmdline:
+                yield "redis", proc
+
+    def tick(self) -> None:
+        import psutil
+
+        for group, proc in list(self._members()):
+            try:
+                times = proc.cpu_times()
+            except psutil.Error:
+                continue
+            with self.lock:
+                self.last[proc.pid] = (group, times.user + times.system)
+
+    def totals(self) -> dict[str, float]:
+        self.tick()
+        out = dict.fromkeys([*self.roots, "postgres", "redis"], 0.0)
+        with self.lock:
+            for group, seconds in self.last.values():
+                out[group] += seconds
+        return out
+
+
+class Watch(_Sampler):
+    """What the database shows while the load runs, from one connection in a thread:
+    - every second, what each busy backend of this database is doing (its wait event, or CPU,
+      and the start of its statement): where the time goes when something is the bottleneck;
+    - every 5 s, the billing lag: how long the oldest usage not yet rated has waited (now - the
+      rating time, or the creation, of each meter with reports newer than its rating), and how
+      long ago the newest rating was (the last pass that rated anything)."""
+
+    def __init__(self, url: str) -> None:
+        from collections import Counter
+
+        import psycopg
+
+        from billing.models import UsageMeter
+
+        super().__init__()
+        self.table = UsageMeter._meta.db_table
+        self.conn = psycopg.connect(url, autocommit=True)
+        self.billing: list[tuple[float, float | None]] = []  # (lag, since the newest rating)
+        self.activity: Counter = Counter()
+        self.ticks = 0
+
+    def tick(self) -> None:
+        self.ticks += 1
+        for wait, query in self.conn.execute(
+            "SELECT coalesce(wait_event_type || ':' || wait_event, 'CPU'),"
+            " regexp_replace(left(query, 70), '\\s+', ' ', 'g') FROM pg_stat_activity"
+            " WHERE datname = current_database() AND state = 'active'"
+            " AND pid <> pg_backend_pid()"
+        ).fetchall():
+            self.activity[(wait, query)] += 1
+        if self.ticks % 5:
+            return
+        lag, since = self.conn.execute(
+            "SELECT EXTRACT(EPOCH FROM now() - min(coalesce(rated_at, created_at))"
+            " FILTER (WHERE rated_version < usage_version)),"
+            f" EXTRACT(EPOCH FROM now() - max(rated_at)) FROM {self.table}"
+        ).fetchone()
+        self.billing.append((float(lag or 0.0), None if since is None else float(since)))
+
+    def figures(self) -> dict:
+        lags = [lag for lag, _ in self.billing]
+        return {
+            "samples": len(lags),
+            "max_lag_s": max(lags, default=0.0),
+            "end_lag_s": lags[-1] if lags else 0.0,
+            "since_last_rating_s": self.billing[-1][1] if self.billing else None,
+            # Busy backends on average (per second sampled), by what they were doing.
+            "db_busy": [(round(n / max(1, self.ticks), 2), wait, query)
+                        for (wait, query), n in self.activity.most_common(8)],
+        }  # fmt: skip
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        self.conn.close()
+
+
+class Customers:
+    """The customers' side, open loop over one aiohttp session: creates (each stopped `life`
+    seconds later), offers pages and advisor answers, each at its own rate."""
+
+    def __init__(self, session, base: str, token: str, life: float) -> None:
+        self.session, self.base, self.life = session, base, life
+        self.headers = {"Authorization": f"Bearer {token}"}
+        self.created: list[tuple[str, float]] = []  # (rental id, create latency ms)
+        self.create_errors: list[str] = []
+        self.stops: dict[int, int] = {}
+        self.offers: list[float] = []
+        self.advice: list[float] = []
+        self.errors: dict[str, int] = {"offers": 0, "advisor": 0, "stop": 0}
+
+    async def _timed(self, method: str, path: str, kind: str, **kwargs) -> float | None:
+        import aiohttp
+
+        t0 = time.perf_counter()
+        try:
+            async with self.session.request(method, self.base + path, **kwargs) as r:
+                await r.read()
+                ok = r.status < 400
+        except (aiohttp.ClientError, TimeoutError):
+            ok = False
+        if not ok:
+            self.errors[kind] += 1
+            return None
+        return (time.perf_counter() - t0) * 1000
+
+    async def create(self, deadline: float) -> None:
+        import aiohttp
+
+        t0 = time.perf_counter()
+        try:
+            async with self.session.post(
+                self.base + "/api/v1/rentals/", json=RENTAL_BODY, headers=self.headers
+            ) as r:
+                answer = await r.json(content_type=None)
+                if r.status != 201:
+                    self.create_errors.append(f"{r.status} {str(answer)[:200]}")
+                    return
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            self.create_errors.append(f"{type(exc).__name__} {exc}"[:200])
+            return
+        self.created.append((answer["id"], (time.perf_counter() - t0) * 1000))
+        wait = min(self.life, deadline - time.monotonic())
+        if wait < self.life:
+            return
+        await asyncio.sleep(wait)
+        try:
+            path = f"{self.base}/api/v1/rentals/{answer['id']}/stop/"
+            async with self.session.post(path, headers=self.headers) as r:
+                await r.read()
+                self.stops[r.status] = self.stops.get(r.status, 0) + 1
+        except (aiohttp.ClientError, TimeoutError):
+            self.errors["stop"] += 1
+
+    async def offer(self, deadline: float) -> None:
+        ms = await self._timed("GET", "/api/v1/offers/", "offers", params=QUERY)
+        if ms is not None:
+            self.offers.append(ms)
+
+    async def advise(self, deadline: float) -> None:
+        ms = await self._timed("POST", "/api/v1/advisor/", "advisor", json=ADVISOR_BODY)
+        if ms is not None:
+            self.advice.append(ms)
+
+
+async def open_loop(rate: float, seconds: float, fire) -> None:
+    """`fire(deadline)` at `rate` a second for `seconds`, each call its own task: arrivals keep
+    their schedule however slowly the server answers."""
+    if rate <= 0:
+        return
+    start = time.monotonic()
+    deadline = start + seconds
+    tasks = []
+    for i in range(int(rate * seconds)):
+        await asyncio.sleep(max(0.0, start + i / rate - time.monotonic()))
+        tasks.append(asyncio.create_task(fire(deadline)))
+    await asyncio.gather(*tasks)
+
+
+async def customers_run(base: str, token: str, seconds: float, rates: dict, life: float):
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        people = Customers(session, base, token, life)
+        await asyncio.gather(
+            open_loop(rates.get("create", 0), seconds, people.create),
+            open_loop(rates.get("offers", 0), seconds, people.offer),
+            open_loop(rates.get("advisor", 0), seconds, people.advise),
+        )
+    return people
+
+
+def scheduled_latencies(ids: list[str], wait_s: float = 60.0) -> tuple[list[float], int]:
+    """Seconds from each rental's creation to its SCHEDULED event (waiting up to `wait_s` for
+    the queue to drain); and how many were still PENDING at the end."""
+    from django.db import connection
+
+    from marketplace.models import Rental, RentalEvent
+
+    rental, event = Rental._meta.db_table, RentalEvent._meta.db_table
+    deadline = time.monotonic() + wait_s
+    with connection.cursor() as cursor:
+        while True:
+            cursor.execute(
+                f"SELECT count(*) FROM {rental} WHERE id = ANY(%s::uuid[]) AND status = 'pending'",
+                [ids],
+            )
+            pending = cursor.fetchone()[0]
+            if pending == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        cursor.execute(
+            f"SELECT EXTRACT(EPOCH FROM (e.created_at - r.created_at)) FROM {rental} r"
+            f" JOIN {event} e ON e.rental_id = r.id AND e.to_status = 'scheduled'"
+            " WHERE r.id = ANY(%s::uuid[])",
+            [ids],
+        )
+        return [float(row[0]) for row in cursor.fetchall()], pending
+
+
+def phase(
+    meter: CpuMeter,
+    seconds: float,
+    *,
+    base: str,
+    token: str,
+    hosts: list[Host] | None,
+    interval: float,
+    rates: dict,
+    life: float,
+) -> dict:
+    """One measured phase: the heartbeats of `hosts` (if any) and the customers at `rates`,
+    together in one event loop; its figures and each process group's CPU seconds."""
+
+    async def both():
+        agents = run_agents(base, hosts, seconds, interval) if hosts else asyncio.sleep(0, ([], 0))
+        return await asyncio.gather(agents, customers_run(base, token, seconds, rates, life))
+
+    cpu0 = meter.totals()
+    t0 = time.monotonic()
+    (latencies, errors), people = asyncio.run(both())
+    wall = time.monotonic() - t0
+    cpu = {k: v - cpu0[k] for k, v in meter.totals().items()}
+    # What each phase served, to turn its CPU seconds into milliseconds per request.
+    served = len(latencies) - errors + len(people.created) + len(people.offers) + len(people.advice)
+    out: dict = {"seconds": wall, "cpu": cpu, "served": served}
+    if hosts:
+        out["heartbeat"] = {
+            "offered_per_s": len(hosts) / interval,
+            "handled_per_s": (len(latencies) - errors) / seconds,
+            "errors": errors,
+            "p50": percentile(latencies, 50),
+            "p99": percentile(latencies, 99),
+            # Per heartbeat answered: one the agent gave up on may never have been served.
+            "cpu_ms_web": cpu["web"] * 1000 / max(1, len(latencies) - errors),
+        }
+    if rates.get("create"):
+        ids = [rental_id for rental_id, _ in people.created]
+        waits, pending = scheduled_latencies(ids) if ids else ([], 0)
+        out["create"] = {
+            "offered_per_s": rates["create"],
+            "achieved_per_s": len(ids) / seconds,
+            "errors": len(people.create_errors),
+            "first_error": people.create_errors[0] if people.create_errors else "",
+            "http_p99_ms": percentile([ms for _, ms in people.created], 99) if ids else None,
+            "scheduled": len(waits),
+            "pending_after": pending,
+            "p50": percentile(waits, 50) if waits else None,
+            "p99": percentile(waits, 99) if waits else None,
+            "stops": people.stops,
+        }
+    if rates.get("offers"):
+        out["offers"] = {
+            "n": len(people.offers),
+            "errors": people.errors["offers"],
+            "p50": percentile(people.offers, 50) if people.offers else None,
+            "p95": percentile(people.offers, 95) if people.offers else None,
+        }
+    if rates.get("advisor"):
+        out["advisor"] = {
+            "n": len(people.advice),
+            "errors": people.errors["advisor"],
+            "p95": percentile(people.advice, 95) if people.advice else None,
+        }
+    return out
+
+
+def _fmt(value, spec: str = ".1f") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def report(args, setup: dict, alone: dict, whole: dict, billing: dict) -> dict:
+    hb, hb0 = whole["heartbeat"], alone["heartbeat"]["heartbeat"]
+    cr, cr0 = whole["create"], alone["create"]["create"]
+    of, of0 = whole["offers"], alone["offers"]["offers"]
+    print(
+        f"{args.nodes} nodes x 8 GPUs, heartbeat every {args.interval:g} s"
+        f" ({hb['offered_per_s']:.0f}/s offered); {setup['busy_nodes']} nodes busy with"
+        f" {setup['runs']} runs; set-up {setup['seconds']:.0f} s (not measured)"
+    )
+    print(f"whole load for {whole['seconds']:.0f} s; alone phases {args.baseline_seconds:g} s each")
+    print(
+        f"heartbeats: handled {hb['handled_per_s']:.0f}/s of {hb['offered_per_s']:.0f}/s"
+        f" ({hb['errors']} errors), p50 {hb['p50']:.1f} ms, p99 {hb['p99']:.1f} ms;"
+        f" alone {hb0['handled_per_s']:.0f}/s, p50 {hb0['p50']:.1f} ms, p99 {hb0['p99']:.1f} ms"
+    )
+    print(
+        f"creates at {cr['offered_per_s']:g}/s: achieved {cr['achieved_per_s']:.1f}/s"
+        f" ({cr['errors']} errors {cr['first_error']}), {cr['scheduled']} scheduled,"
+        f" {cr['pending_after']} still pending; create->SCHEDULED p50 {_fmt(cr['p50'], '.2f')} s,"
+        f" p99 {_fmt(cr['p99'], '.2f')} s (POST p99 {_fmt(cr['http_p99_ms'])} ms);"
+        f" alone p50 {_fmt(cr0['p50'], '.2f')} s, p99 {_fmt(cr0['p99'], '.2f')} s;"
+        f" stops answered {cr['stops']}"
+    )
+    ad, ad0 = whole["advisor"], alone["offers"]["advisor"]
+    print(
+        f"offers ({of['n']} GETs, {of['errors']} errors): p50 {_fmt(of['p50'])} ms,"
+        f" p95 {_fmt(of['p95'])} ms; alone p95 {_fmt(of0['p95'])} ms;"
+        f" advisor p95 {_fmt(ad['p95'])} ms, alone {_fmt(ad0['p95'])} ms"
+    )
+    print(
+        f"billing: lag max {billing['max_lag_s']:.0f} s, at the end {billing['end_lag_s']:.0f} s"
+        f" ({billing['samples']} samples every 5 s; the pass runs every 60 s);"
+        f" newest rating {_fmt(billing['since_last_rating_s'], '.0f')} s before the end"
+    )
+    print("database backends busy (average per second, by wait event or CPU, and statement):")
+    for busy, wait, query in billing["db_busy"]:
+        print(f"  {busy:5.2f}  {wait:28s} {query}")
+    # CPU per request in the single-component phases: what one core of each tier serves.
+    per_request = {
+        name: {g: round(part["cpu"][g] * 1000 / max(1, part["served"]), 2)
+               for g in ("web", "worker", "postgres")}
+        for name, part in alone.items()
+    }  # fmt: skip
+    print("CPU ms per request alone (heartbeat; create; offers and advisor):")
+    for name, costs in per_request.items():
+        cells = ", ".join(f"{g} {ms:.2f} ms ({1000 / ms if ms else 0:,.0f}/s a core)"
+                          for g, ms in costs.items())  # fmt: skip
+        print(f"  {name:9s} ({alone[name]['served']} served): {cells}")
+    groups = list(whole["cpu"])
+    print("CPU seconds per process group (cores busy = seconds / wall):")
+    for name, part in [*alone.items(), ("whole", whole)]:
+        cells = ", ".join(f"{g} {part['cpu'][g]:.1f}" for g in groups)
+        busy = sum(part["cpu"].values()) / part["seconds"]
+        print(f"  {name:9s} ({part['seconds']:.0f} s): {cells}; {busy:.2f} cores")
+    met = {
+        "heartbeat_p99": hb["p99"] < TARGETS["heartbeat_p99_ms"] and hb["errors"] == 0,
+        "create_scheduled_p99": cr["p99"] is not None
+        and cr["p99"] < TARGETS["create_scheduled_p99_s"]
+        and cr["achieved_per_s"] >= 0.95 * cr["offered_per_s"]
+        and cr["pending_after"] == 0,
+        "offers_p95": of["p95"] is not None and of["p95"] < TARGETS["offers_p95_ms"],
+        "billing_lag": billing["samples"] > 0 and billing["max_lag_s"] < TARGETS["billing_lag_s"],
+    }
+    met["all"] = all(met.values())
+    print(
+        "targets (heartbeat p99 < 250 ms, create->SCHEDULED p99 < 1 s at the offered rate,"
+        " offers p95 < 100 ms, billing lag < 2 min, all at once): "
+        + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in met.items())
+    )
+    whole_cpu = whole["cpu"]
+    return {
+        "nodes": args.nodes,
+        "interval_s": args.interval,
+        "seconds": round(whole["seconds"], 1),
+        "busy_nodes": setup["busy_nodes"],
+        "heartbeats_offered_per_s": round(hb["offered_per_s"], 1),
+        "heartbeats_handled_per_s": round(hb["handled_per_s"], 1),
+        "heartbeat_errors": hb["errors"],
+        "heartbeat_p50_ms": round(hb["p50"], 1),
+        "heartbeat_p99_ms": round(hb["p99"], 1),
+        "heartbeat_p99_alone_ms": round(hb0["p99"], 1),
+        "heartbeats_handled_alone_per_s": round(hb0["handled_per_s"], 1),
+        "web_cpu_ms_per_heartbeat_alone": round(hb0["cpu_ms_web"], 2),
+        "creates_offered_per_s": cr["offered_per_s"],
+        "creates_per_s": round(cr["achieved_per_s"], 1),
+        "create_errors": cr["errors"],
+        "create_scheduled_p50_s": cr["p50"] and round(cr["p50"], 3),
+        "create_scheduled_p99_s": cr["p99"] and round(cr["p99"], 3),
+        "create_scheduled_p99_alone_s": cr0["p99"] and round(cr0["p99"], 3),
+        "creates_pending_after": cr["pending_after"],
+        "offers_p95_ms": of["p95"] and round(of["p95"], 1),
+        "offers_p95_alone_ms": of0["p95"] and round(of0["p95"], 1),
+        "advisor_p95_ms": ad["p95"] and round(ad["p95"], 1),
+        "billing_lag_max_s": round(billing["max_lag_s"], 1),
+        "billing_lag_end_s": round(billing["end_lag_s"], 1),
+        "cpu_s": {k: round(v, 1) for k, v in whole_cpu.items()},
+        "db_busy_top": billing["db_busy"][:3],
+        "cpu_ms_per_request_alone": per_request,
+        "cpu_s_alone": {k: {g: round(v, 1) for g, v in p["cpu"].items()} for k, p in alone.items()},
+        "targets_met": met,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--nodes", type=int, default=10_000)
+    parser.add_argument("--seconds", type=float, default=300.0, help="the whole load's length")
+    parser.add_argument("--baseline-seconds", type=float, default=30.0,
+                        help="length of each single-component phase")  # fmt: skip
+    parser.add_argument("--busy-fraction", type=float, default=0.2,
+                        help="share of the nodes running two 4-GPU rentals each")  # fmt: skip
+    parser.add_argument("--create-rate", type=float, default=50.0, help="REST creates a second")
+    parser.add_argument("--offers-rate", type=float, default=10.0, help="offers GETs a second")
+    parser.add_argument("--advisor-rate", type=float, default=1.0, help="advisor POSTs a second")
+    parser.add_argument("--life", type=float, default=60.0, help="seconds before each stop")
+    parser.add_argument(
+        "--interval", type=float, help="seconds between heartbeats (default HEARTBEAT_INTERVAL_S)"
+    )
+    parser.add_argument("--workers", type=int, help="gunicorn processes (default: 2 per core)")
+    args = parse_args(parser, nodes=50, seconds=10.0, baseline_seconds=2.0, create_rate=5.0,
+                      offers_rate=2.0, advisor_rate=1.0, life=4.0, interval=1.0)  # fmt: skip
+    with bench_database("gpumarket_bench_marketplace") as url:
+        from django.conf import settings
+
+        if args.interval is None:
+            args.interval = float(settings.GPUMARKET["HEARTBEAT_INTERVAL_S"])
+        t0 = time.monotonic()
+        build_inventory(url, args.nodes)
+        hosts = [Host(token) for token in node_tokens(url)]
+        placed = book_busy(int(args.nodes * args.busy_fraction) * 2)
+        customer, team = funded_customer("customer")
+        from accounts.services.tokens import api_token_create
+
+        _, api_token = api_token_create(user=customer, team=team, name="bench")
+        setup_s = time.monotonic() - t0
+        print(f"set-up: {args.nodes} nodes, {placed} busy rentals placed in {setup_s:.1f} s",
+              flush=True)  # fmt: skip
+        from django.utils import timezone
+
+        from marketplace.models import Node
+
+        # As if every agent had just heartbeaten: the silent-node sweep's first pass would
+        # otherwise take every COPYed node (never seen) offline, one transaction each.
+        Node.objects.update(last_seen_at=timezone.now())
+        extra = {"AGENT_THROTTLE_RATE": "100000000/min", "LOG_LEVEL": "WARNING"}
+        with ExitStack() as stack:
+            beat_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-beat-"))
+            server = stack.enter_context(gunicorn(workers=args.workers, extra_env=extra))
+            worker = stack.enter_context(celery("worker", name="worker"))
+            beat = stack.enter_context(
+                celery("beat", "-s", os.path.join(beat_dir, "schedule"), name="beat")
+            )
+            roots = {"web": server.pid, "worker": worker.pid, "beat": beat.pid,
+                     "loadgen": os.getpid()}  # fmt: skip
+            database = urlsplit(url).path.strip("/")
+            redis_port = urlsplit(os.environ["REDIS_URL"]).port
+            meter = stack.enter_context(CpuMeter(roots, database, redis_port))
+            base = server.base_url
+            up = time.monotonic()
+            # The busy nodes learn their runs from the answers and report them running (a
+            # start is a one-off, not the steady state measured).
+            # Until all run, or three rounds change nothing.
+            deadline, seen = time.monotonic() + max(60.0, 6 * args.interval), []
+            while time.monotonic() < deadline:
+                asyncio.run(run_agents(base, hosts, args.interval, args.interval))
+                seen.append(statuses := busy_statuses())
+                if statuses.get("running", 0) >= placed or seen[-3:] == [statuses] * 3:
+                    break
+            runs = sum(len(h.runs) for h in hosts)
+            print(
+                f"warm-up: busy rentals {busy_statuses()} after {time.monotonic() - up:.0f} s"
+                f" of heartbeats (processes up in {up - t0 - setup_s:.0f} s)",
+                flush=True,
+            )
+            setup = {"seconds": setup_s, "busy_nodes": sum(1 for h in hosts if h.runs),
+                     "runs": runs}  # fmt: skip
+            common = {"base": base, "token": api_token, "interval": args.interval,
+                      "life": args.life}  # fmt: skip
+            rates = {"create": args.create_rate, "offers": args.offers_rate,
+                     "advisor": args.advisor_rate}  # fmt: skip
+            alone = {
+                "heartbeat": phase(meter, args.baseline_seconds, hosts=hosts, rates={}, **common),
+                "offers": phase(meter, args.baseline_seconds, hosts=None, **common,
+                                rates={"offers": args.offers_rate, "advisor": args.advisor_rate}),
+                "create": phase(meter, args.baseline_seconds, hosts=None, **common,
+                                rates={"create": args.create_rate}),
+            }  # fmt: skip
+            with Watch(url) as watch:
+                whole = phase(meter, args.seconds, hosts=hosts, rates=rates, **common)
+            billing = watch.figures()
+    emit(report(args, setup, alone, whole, billing))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
