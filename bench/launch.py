@@ -72,9 +72,9 @@ def wake_server():
         return
     import requests
     from django.conf import settings
-    from provisioning.wakeserver import WAKE_PATH  # where the agents poll
 
     from devstack.embedded import free_port
+    from provisioning.wakeserver import WAKE_PATH  # where the agents poll
 
     port = free_port()
     url = f"http://127.0.0.1:{port}/"
