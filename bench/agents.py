@@ -118,8 +118,11 @@ class Host:
         self.line_no = 0
         self.step = 0
         self.digest = ""  # of the desired state it holds, sent back as the real agent does
+        self.interval: float | None = None  # what the server's last answer asked for
 
     def learn(self, answer: dict) -> None:
+        if answer.get("heartbeat_interval_s"):
+            self.interval = float(answer["heartbeat_interval_s"])
         if answer.get("desired_unchanged"):
             return
         self.digest = answer.get("desired_digest", "")
@@ -205,11 +208,16 @@ class Host:
 
 
 async def run_agents(
-    base: str, hosts: list[Host], seconds: float, interval: float = 1.0
+    base: str, hosts: list[Host], seconds: float, interval: float = 1.0, *, follow: bool = False
 ) -> tuple[list[float], int]:
+    """Every host heartbeats every `interval` seconds (with `follow`, at the interval the
+    server's last answer asked it for, as the real agent does) for `seconds`. As the real
+    agent, a host that fell behind does not catch up, and one whose heartbeat failed backs off
+    (nodeagent.client.backoff_delay). Returns the latencies (ms) and the errors."""
     import aiohttp
 
     from agentprotocol import HEARTBEAT_PATH
+    from nodeagent.client import backoff_delay
 
     latencies: list[float] = []
     errors = 0
@@ -223,9 +231,11 @@ async def run_agents(
             await asyncio.sleep(offset)
             next_at = time.monotonic()
             rng = random.Random(host.token)
+            failures = 0
             while time.monotonic() < deadline:
                 body = host.body(rng)
                 t0 = time.perf_counter()
+                failures += 1
                 try:
                     async with session.post(base + HEARTBEAT_PATH, json=body, headers=headers) as r:
                         answer = await r.json(content_type=None)
@@ -233,10 +243,15 @@ async def run_agents(
                             errors += 1
                         else:
                             host.learn(answer)
+                            failures = 0
                 except (aiohttp.ClientError, TimeoutError, ValueError):
                     errors += 1
                 latencies.append((time.perf_counter() - t0) * 1000)
-                next_at += interval
+                every = (host.interval or interval) if follow else interval
+                if failures:
+                    next_at = time.monotonic() + backoff_delay(failures, base_s=every, max_s=60.0)
+                else:
+                    next_at = max(next_at + every, time.monotonic())
                 await asyncio.sleep(max(0.0, next_at - time.monotonic()))
 
         await asyncio.gather(*(agent(h, i * interval / len(hosts)) for i, h in enumerate(hosts)))

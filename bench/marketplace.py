@@ -43,6 +43,7 @@ from urllib.parse import urlsplit
 
 from _common import ROOT, bench_database, build_inventory, emit, gunicorn, parse_args, percentile
 from agents import Host, run_agents
+from launch import wake_server
 from offers import QUERY
 
 TARGETS = {"heartbeat_p99_ms": 250, "create_scheduled_p99_s": 1.0, "offers_p95_ms": 100,
@@ -413,7 +414,11 @@ def phase(
     together in one event loop; its figures and each process group's CPU seconds."""
 
     async def both():
-        agents = run_agents(base, hosts, seconds, interval) if hosts else asyncio.sleep(0, ([], 0))
+        agents = (
+            run_agents(base, hosts, seconds, interval, follow=True)
+            if hosts
+            else asyncio.sleep(0, ([], 0))
+        )
         return await asyncio.gather(agents, customers_run(base, token, seconds, rates, life))
 
     cpu0 = meter.totals()
@@ -426,7 +431,9 @@ def phase(
     out: dict = {"seconds": wall, "cpu": cpu, "served": served}
     if hosts:
         out["heartbeat"] = {
-            "offered_per_s": len(hosts) / interval,
+            # Each host at the interval the server asked it for (idle ones less often in a
+            # large fleet with a wake server: provisioning.services.heartbeat).
+            "offered_per_s": sum(1 / (h.interval or interval) for h in hosts),
             "handled_per_s": (len(latencies) - errors) / seconds,
             "errors": errors,
             "p50": percentile(latencies, 50),
@@ -475,6 +482,7 @@ def report(args, setup: dict, alone: dict, whole: dict, billing: dict) -> dict:
     of, of0 = whole["offers"], alone["offers"]["offers"]
     print(
         f"{args.nodes} nodes x 8 GPUs, heartbeat every {args.interval:g} s"
+        f"{', idle nodes as the server asks (wake server)' if setup['wake'] else ''}"
         f" ({hb['offered_per_s']:.0f}/s offered); {setup['busy_nodes']} nodes busy with"
         f" {setup['runs']} runs; set-up {setup['seconds']:.0f} s (not measured)"
     )
@@ -542,6 +550,7 @@ def report(args, setup: dict, alone: dict, whole: dict, billing: dict) -> dict:
     return {
         "nodes": args.nodes,
         "interval_s": args.interval,
+        "wake": setup["wake"],
         "seconds": round(whole["seconds"], 1),
         "busy_nodes": setup["busy_nodes"],
         "heartbeats_offered_per_s": round(hb["offered_per_s"], 1),
@@ -588,6 +597,12 @@ def main() -> None:
         "--interval", type=float, help="seconds between heartbeats (default HEARTBEAT_INTERVAL_S)"
     )
     parser.add_argument("--workers", type=int, help="gunicorn processes (default: 2 per core)")
+    parser.add_argument(
+        "--no-wake",
+        dest="wake",
+        action="store_false",
+        help="run without the wake server (every node at the base interval)",
+    )
     args = parse_args(parser, nodes=50, seconds=10.0, baseline_seconds=2.0, create_rate=5.0,
                       offers_rate=2.0, advisor_rate=1.0, life=4.0, interval=1.0)  # fmt: skip
     with bench_database("gpumarket_bench_marketplace") as url:
@@ -616,6 +631,9 @@ def main() -> None:
         extra = {"AGENT_THROTTLE_RATE": "100000000/min", "LOG_LEVEL": "WARNING"}
         with ExitStack() as stack:
             beat_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-beat-"))
+            # The wake server the product runs beside the web (dev.py up, deploy/): with it, a
+            # placement reaches its node at once and idle nodes heartbeat less often.
+            wake_url = stack.enter_context(wake_server()) if args.wake else None
             server = stack.enter_context(gunicorn(workers=args.workers, extra_env=extra))
             worker = stack.enter_context(celery("worker", name="worker"))
             beat = stack.enter_context(
@@ -633,7 +651,7 @@ def main() -> None:
             # Until all run, or three rounds change nothing.
             deadline, seen = time.monotonic() + max(60.0, 6 * args.interval), []
             while time.monotonic() < deadline:
-                asyncio.run(run_agents(base, hosts, args.interval, args.interval))
+                asyncio.run(run_agents(base, hosts, args.interval, args.interval, follow=True))
                 seen.append(statuses := busy_statuses())
                 if statuses.get("running", 0) >= placed or seen[-3:] == [statuses] * 3:
                     break
@@ -644,7 +662,7 @@ def main() -> None:
                 flush=True,
             )
             setup = {"seconds": setup_s, "busy_nodes": sum(1 for h in hosts if h.runs),
-                     "runs": runs}  # fmt: skip
+                     "runs": runs, "wake": bool(wake_url)}  # fmt: skip
             common = {"base": base, "token": api_token, "interval": args.interval,
                       "life": args.life}  # fmt: skip
             rates = {"create": args.create_rate, "offers": args.offers_rate,

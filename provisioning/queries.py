@@ -75,7 +75,7 @@ WITH node AS (
   WHERE c.{credential.key_hash} = %s AND c.{credential.revoked_at} IS NULL
   LIMIT 1
 ), seen AS (
-  UPDATE {node} n SET {node.last_seen_at} = %s FROM node
+  UPDATE {node} n SET {node.last_seen_at} = %s, {node.heartbeat_interval_s} = %s FROM node
   WHERE n.{node.id} = node.id AND n.{node.status} <> %s
   RETURNING n.{node.id}, n.{node.benchmark_requested}
 )
@@ -102,19 +102,22 @@ def idle_heartbeat(
     *,
     key_hash: str,
     now: datetime,
+    interval_s: int,
     offline: str,
     statuses: Sequence[str],
     health: tuple[str, str, str],
 ) -> tuple[int, bool, bool | None, bool, bool, list[int]] | None:
     """An idle heartbeat of the node whose unrevoked token has `key_hash`: marks it seen at
-    `now` unless its status is `offline`. (node id, marked seen, benchmark requested, holds
+    `now`, asked to heartbeat next within `interval_s` (0: the base interval), unless its
+    status is `offline`. (node id, marked seen, benchmark requested, holds
     GPUs for a rental in `statuses`, has a GPU whose health is `degraded`, the indices of its
     GPUs whose health is `failed`), `health` being (ok, degraded, failed); None for an unknown
     or revoked token."""
     ok, degraded, failed = health
     with connection.cursor() as cursor:
         cursor.execute(
-            _idle_sql(), [key_hash, now, offline, now, list(statuses), degraded, failed, ok]
+            _idle_sql(),
+            [key_hash, now, interval_s, offline, now, list(statuses), degraded, failed, ok],
         )
         return cursor.fetchone()
 
@@ -224,7 +227,7 @@ def gpus_held_versions(
 # names secrets) and the GPUs it holds with their rentals' versions (gpus_held_versions).
 _BUSY = """
 WITH seen AS (
-  UPDATE {node} n SET {node.last_seen_at} = %(now)s
+  UPDATE {node} n SET {node.last_seen_at} = %(now)s, {node.heartbeat_interval_s} = 0
   WHERE n.{node.id} = %(node)s AND n.{node.status} <> %(offline)s
   RETURNING 1
 ), {held}, {versions}

@@ -404,6 +404,13 @@ GPUMARKET = {
     # Agents that have not heartbeaten for this long are marked OFFLINE.
     "NODE_SILENCE_TIMEOUT_S": env.int("NODE_SILENCE_TIMEOUT_S", default=60),
     "HEARTBEAT_INTERVAL_S": env.int("HEARTBEAT_INTERVAL_S", default=5),
+    # With a wake server (WAKE_URL), work reaches an idle node at once, and its heartbeats only
+    # say it is alive: idle nodes are then asked to heartbeat less often as the fleet grows, so
+    # all of them together offer at most this many a second (never less often than every
+    # IDLE_HEARTBEAT_MAX_S; 0: every node at HEARTBEAT_INTERVAL_S). A node is lost after three
+    # missed intervals (or NODE_SILENCE_TIMEOUT_S, whichever is longer).
+    "IDLE_HEARTBEATS_PER_S": env.int("IDLE_HEARTBEATS_PER_S", default=100),
+    "IDLE_HEARTBEAT_MAX_S": env.int("IDLE_HEARTBEAT_MAX_S", default=120),
     # The wake server agents long-poll to hear of a change at once (provisioning.wakeserver):
     # its URL as agents reach it (absolute, or a path on the server URL behind one ingress);
     # empty: no wake server, agents hear of changes at their next heartbeat. Its pub/sub

@@ -13,6 +13,7 @@ from marketplace.models.inventory import (
     NodeEvent,
     NodeStatus,
     interconnect_label,
+    silence_timeout_s,
 )
 from marketplace.models.rentals import (
     Allocation,
@@ -52,4 +53,5 @@ __all__ = [
     "RentalTemplate",
     "User",
     "interconnect_label",
+    "silence_timeout_s",
 ]

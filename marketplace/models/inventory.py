@@ -173,6 +173,10 @@ class Node(models.Model):
     price_per_gpu_hour = models.DecimalField(max_digits=10, decimal_places=4)
     min_bid_per_gpu_hour = models.DecimalField(max_digits=10, decimal_places=4)
     last_seen_at = models.DateTimeField(null=True, blank=True)
+    # The heartbeat interval its last answer asked for when longer than HEARTBEAT_INTERVAL_S
+    # (an idle node of a large fleet, provisioning.services.heartbeat), else 0: the node is
+    # silent only once it has missed three of them (`silence_timeout_s`).
+    heartbeat_interval_s = models.PositiveIntegerField(default=0, db_default=0)
     # The latest measured dense matmul TFLOPS (harness benchmark), kept here for the listing;
     # the history is in provisioning.NodeBenchmark.
     measured_tflops = models.FloatField(null=True, blank=True)
@@ -214,6 +218,15 @@ class Node(models.Model):
 
     def __str__(self) -> str:
         return self.hostname
+
+    def silence_timeout_s(self) -> int:
+        """How long its agent may be silent before the node is taken for lost."""
+        return silence_timeout_s(self.heartbeat_interval_s)
+
+
+def silence_timeout_s(heartbeat_interval_s: int) -> int:
+    """NODE_SILENCE_TIMEOUT_S, or three of the intervals a node was asked to heartbeat at."""
+    return max(settings.GPUMARKET["NODE_SILENCE_TIMEOUT_S"], 3 * heartbeat_interval_s)
 
 
 class Gpu(models.Model):

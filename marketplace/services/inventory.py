@@ -230,7 +230,6 @@ def provider_node_action(*, owner: User, node_id: int, action: str, reason: str 
 
     Maintenance takes a node out at once, so it is refused while rentals hold GPUs on it (drain
     first); relisting needs the node's agent heard from within the silence timeout."""
-    from django.conf import settings
     from django.utils import timezone
 
     from marketplace.models import Allocation
@@ -258,9 +257,9 @@ def provider_node_action(*, owner: User, node_id: int, action: str, reason: str 
                 "they have ended",
                 field="action",
             )
-        silence = settings.GPUMARKET["NODE_SILENCE_TIMEOUT_S"]
         if action == "online" and (
-            node.last_seen_at is None or (now - node.last_seen_at).total_seconds() > silence
+            node.last_seen_at is None
+            or (now - node.last_seen_at).total_seconds() > node.silence_timeout_s()
         ):
             raise Conflict(
                 "the node's agent has not been heard from: start it, and the node comes back "

@@ -8,6 +8,8 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
+import time
 import uuid
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -43,7 +45,7 @@ from billing.services.metering import UsageReport as MeteredUsage
 from billing.services.metering import usage_reports_apply
 from core.errors import ValidationFailed
 from core.metrics import BENCHMARKS_UNASKED
-from core.wake import wake_channel
+from core.wake import wake_channel, wake_enabled
 from marketplace import lifecycle
 from marketplace.models import (
     GpuHealth,
@@ -91,6 +93,34 @@ _HEALTH = (GpuHealth.OK.value, GpuHealth.DEGRADED.value, GpuHealth.FAILED.value)
 def heartbeat_interval_s() -> int:
     """How often agents report; the server says so in every answer."""
     return settings.GPUMARKET.get("HEARTBEAT_INTERVAL_S", 5)
+
+
+_LISTED_NODES_TTL_S = 30.0
+_listed_nodes: list[float] = [0.0, -_LISTED_NODES_TTL_S]  # [count, when counted (monotonic)]
+
+
+def _listed_nodes_count() -> int:
+    """The nodes that heartbeat (every status but OFFLINE), counted at most every 30 s per
+    process: the fleet's size changes slowly, and an idle heartbeat must stay one statement."""
+    count, when = _listed_nodes
+    if time.monotonic() - when >= _LISTED_NODES_TTL_S:
+        count = Node.objects.exclude(status=NodeStatus.OFFLINE).count()
+        _listed_nodes[:] = [count, time.monotonic()]
+    return int(count)
+
+
+def idle_heartbeat_interval_s() -> int:
+    """The interval an idle node is asked for (Nomad's `max_heartbeats_per_second`): with a
+    wake server, work reaches an idle node at once and its heartbeat only says it is alive, so
+    the whole idle fleet offers at most IDLE_HEARTBEATS_PER_S; never under HEARTBEAT_INTERVAL_S
+    nor over IDLE_HEARTBEAT_MAX_S. Without a wake server, the base interval: a placement would
+    otherwise wait that long."""
+    base = heartbeat_interval_s()
+    rate = settings.GPUMARKET.get("IDLE_HEARTBEATS_PER_S", 0)
+    if rate <= 0 or not wake_enabled():
+        return base
+    ceiling = max(base, settings.GPUMARKET.get("IDLE_HEARTBEAT_MAX_S", 120))
+    return min(ceiling, max(base, math.ceil(_listed_nodes_count() / rate)))
 
 
 def _dt(epoch: float | None) -> datetime | None:
@@ -574,9 +604,12 @@ def node_heartbeat_by_token(
     that holds GPUs, or is coming back from OFFLINE, is read whole and takes the full path."""
     if reports.idle():
         now = timezone.now()
+        interval = idle_heartbeat_interval_s()
         row = queries.idle_heartbeat(
             key_hash=token_hash(raw_token),
             now=now,
+            # Stored only when longer than the base: the sweep then waits three of them.
+            interval_s=interval if interval > heartbeat_interval_s() else 0,
             offline=NodeStatus.OFFLINE.value,
             statuses=_CONTAINER_WANTED,
             health=_HEALTH,
@@ -587,7 +620,8 @@ def node_heartbeat_by_token(
         if seen and not holds and not degraded and samples_clean(reports.telemetry):
             return node_id, _answer(node_id=node_id, reports=reports, desired=[], ack=0,
                                     counts=Counter(reports.dropped), now=now,
-                                    run_benchmark=run_benchmark, failed=failed)  # fmt: skip
+                                    run_benchmark=run_benchmark, failed=failed,
+                                    interval=interval)  # fmt: skip
     node = node_authenticate(raw_token)
     if node is None:
         return None
@@ -734,6 +768,7 @@ def _answer(
     failed: Sequence[int],
     digest: str = "",
     unchanged: bool = False,
+    interval: int | None = None,
 ) -> HeartbeatAnswer:
     if reports.telemetry:
         # Redis is not in the transaction: buffered once the rest is applied.
@@ -741,7 +776,7 @@ def _answer(
     return HeartbeatAnswer(
         desired=tuple(desired),
         ack_usage_seq=ack,
-        heartbeat_interval_s=heartbeat_interval_s(),
+        heartbeat_interval_s=interval or heartbeat_interval_s(),
         run_benchmark=run_benchmark,
         dropped={kind: n for kind, n in sorted(counts.items()) if n},
         benchmark=benchmark_spec(gpu_indices=failed) if run_benchmark else None,
@@ -755,7 +790,7 @@ def _answer(
 def _node_back(*, node: Node, now: datetime) -> None:
     """A node that was OFFLINE heartbeats again: ONLINE, under its row lock, with the event."""
     locked = Node.objects.select_for_update().get(pk=node.pk)
-    update: dict = {"last_seen_at": now}
+    update: dict = {"last_seen_at": now, "heartbeat_interval_s": 0}
     if locked.status == NodeStatus.OFFLINE:
         # Only an OFFLINE node comes back: a status set meanwhile (maintenance by its
         # provider, say) is not overwritten.

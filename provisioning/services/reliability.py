@@ -24,7 +24,6 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from decimal import Decimal
 
-from django.conf import settings
 from django.db import transaction
 from django.db.models import Count, Exists, OuterRef, Q
 from django.utils import timezone
@@ -153,10 +152,9 @@ def nodes_reliability_update(*, now: datetime | None = None) -> int:
     changed. Reads first, then one short transaction of updates."""
     now = now or timezone.now()
     since = now - WINDOW
-    silence = timedelta(seconds=settings.GPUMARKET.get("NODE_SILENCE_TIMEOUT_S", 60))
     nodes = list(
         Node.objects.only(
-            "id", "status", "created_at", "last_seen_at", "reliability",
+            "id", "status", "created_at", "last_seen_at", "heartbeat_interval_s", "reliability",
             "reliability_declared", "reliability_observed_hours", "gpu_count",
         )
     )  # fmt: skip
@@ -171,6 +169,7 @@ def nodes_reliability_update(*, now: datetime | None = None) -> int:
     }
     changed = []
     for node in nodes:
+        silence = timedelta(seconds=node.silence_timeout_s())
         up, listed = _uptime(node, events.get(node.pk, []), since, now, silence)
         ran, failed = runs.get(node.pk, (0, 0))
         span_s = (now - max(since, node.created_at)).total_seconds()

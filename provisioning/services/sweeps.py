@@ -9,10 +9,12 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import DateTimeField, DurationField, ExpressionWrapper, F, Q, Value
+from django.db.models.functions import Greatest
 from django.utils import timezone
 
 from agentprotocol import DEFAULT_STOP_GRACE_S
+from core.locks import advisory_lock
 from marketplace import lifecycle
 from marketplace.models import (
     Allocation,
@@ -22,6 +24,7 @@ from marketplace.models import (
     Rental,
     RentalKind,
     RentalStatus,
+    silence_timeout_s,
 )
 from provisioning.models import ContainerRun
 
@@ -31,36 +34,79 @@ log = logging.getLogger(__name__)
 def nodes_mark_silent(*, now: datetime | None = None) -> list[int]:
     """Nodes whose agent has been silent too long go OFFLINE; their rentals follow the policy:
     not yet started, or interruptible -> back to PENDING (re-queued elsewhere); started
-    on-demand -> FAILED (their state is on the lost host) unless NODE_LOST_POLICY is "requeue"."""
+    on-demand -> FAILED (their state is on the lost host) unless NODE_LOST_POLICY is "requeue".
+
+    Too long is the node's own silence timeout: three of the intervals it was last asked to
+    heartbeat at, at least NODE_SILENCE_TIMEOUT_S. One sweep runs at a time (a second one
+    returns at once), the nodes that hold nothing go together in one transaction, and a node
+    whose row a heartbeat holds is skipped: it is not silent."""
     now = now or timezone.now()
-    timeout = timedelta(seconds=settings.GPUMARKET["NODE_SILENCE_TIMEOUT_S"])
     policy = settings.GPUMARKET.get("NODE_LOST_POLICY", "fail")
-    silent = list(
-        Node.objects.filter(status__in=[NodeStatus.ONLINE, NodeStatus.DRAINING])
-        .filter(Q(last_seen_at__lt=now - timeout) | Q(last_seen_at__isnull=True))
-        .values_list("pk", flat=True)
+    with advisory_lock("provisioning:nodes_mark_silent") as mine:
+        if not mine:
+            return []
+        silent = list(_silent(now).values_list("pk", flat=True))
+        if not silent:
+            return []
+        holding = set(
+            Allocation.objects.filter(node_id__in=silent, released_at__isnull=True).values_list(
+                "node_id", flat=True
+            )
+        )
+        marked = _mark_offline(now, [pk for pk in silent if pk not in holding])
+        for node_id in sorted(holding):
+            with transaction.atomic():
+                node = _silent(now).select_for_update(skip_locked=True).filter(pk=node_id).first()
+                if node is None:
+                    continue
+                _mark_offline(now, [node.pk])
+                rental_ids = (
+                    Allocation.objects.filter(node=node, released_at__isnull=True)
+                    .values_list("rental_id", flat=True)
+                    .distinct()
+                )
+                for rental in Rental.objects.select_for_update().filter(pk__in=list(rental_ids)):
+                    _node_lost(rental, node, now, policy)
+                marked.append(node.pk)
+    return sorted(marked)
+
+
+def _silent(now: datetime):
+    """The listed nodes (ONLINE, DRAINING) not heard from within their silence timeout."""
+    timeout = settings.GPUMARKET["NODE_SILENCE_TIMEOUT_S"]
+    silence = Greatest(Value(timeout), F("heartbeat_interval_s") * 3) * Value(
+        timedelta(seconds=1), output_field=DurationField()
     )
-    for node_id in silent:
-        with transaction.atomic():
-            node = Node.objects.select_for_update().get(pk=node_id)
-            if node.status not in (NodeStatus.ONLINE, NodeStatus.DRAINING):
-                continue
-            NodeEvent.objects.create(
-                node=node,
-                from_status=node.status,
+    return (
+        Node.objects.filter(status__in=[NodeStatus.ONLINE, NodeStatus.DRAINING])
+        .alias(heard_until=ExpressionWrapper(F("last_seen_at") + silence, DateTimeField()))
+        .filter(Q(heard_until__lt=now) | Q(last_seen_at__isnull=True))
+    )
+
+
+def _mark_offline(now: datetime, node_ids: list[int]) -> list[int]:
+    """Take the nodes among `node_ids` still silent OFFLINE, with their events, in one
+    transaction (the caller's, if it holds one); returns those taken."""
+    if not node_ids:
+        return []
+    with transaction.atomic():
+        rows = list(
+            _silent(now)
+            .select_for_update(skip_locked=True)
+            .filter(pk__in=node_ids)
+            .values_list("pk", "status", "heartbeat_interval_s")
+        )
+        NodeEvent.objects.bulk_create(
+            NodeEvent(
+                node_id=pk,
+                from_status=status,
                 to_status=NodeStatus.OFFLINE,
-                reason=f"no heartbeat for {int(timeout.total_seconds())} s",
+                reason=f"no heartbeat for {silence_timeout_s(interval)} s",
             )
-            node.status = NodeStatus.OFFLINE
-            node.save(update_fields=["status"])
-            rental_ids = (
-                Allocation.objects.filter(node=node, released_at__isnull=True)
-                .values_list("rental_id", flat=True)
-                .distinct()
-            )
-            for rental in Rental.objects.select_for_update().filter(pk__in=list(rental_ids)):
-                _node_lost(rental, node, now, policy)
-    return silent
+            for pk, status, interval in rows
+        )
+        Node.objects.filter(pk__in=[pk for pk, _, _ in rows]).update(status=NodeStatus.OFFLINE)
+    return [pk for pk, _, _ in rows]
 
 
 def _node_lost(rental: Rental, node: Node, now: datetime, policy: str) -> None:

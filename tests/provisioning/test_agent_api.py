@@ -1,12 +1,14 @@
 """The agent API as the node agent speaks it: join, heartbeat, desired state, state changes."""
 
 import json
+from datetime import timedelta
 from decimal import Decimal
 
 import pytest
+from django.utils import timezone
 from rest_framework.test import APIClient
 
-from marketplace.models import Allocation, Node, NodeStatus, Rental, RentalStatus
+from marketplace.models import Allocation, Node, NodeEvent, NodeStatus, Rental, RentalStatus
 from provisioning.models import ContainerRun, NodeCredential, RunMetric
 from provisioning.services import join_token_create, node_credential_revoke, nodes_mark_silent
 from scheduler.services import scheduler_cycle_run
@@ -358,6 +360,90 @@ def test_a_silent_node_goes_offline_and_its_rentals_follow_the_policy(agent, ren
     _beat(agent)
     agent.node.refresh_from_db()
     assert agent.node.status == NodeStatus.ONLINE
+
+
+@pytest.fixture
+def fleet_of(make_node, settings):
+    """A wake server named, one idle heartbeat a second for the whole fleet: `n` listed nodes
+    beside the agent's own, counted afresh."""
+    from provisioning.services import heartbeat
+
+    settings.GPUMARKET = {
+        **settings.GPUMARKET, "WAKE_URL": "http://wake.invalid/wake/v1/",
+        "IDLE_HEARTBEATS_PER_S": 1, "IDLE_HEARTBEAT_MAX_S": 30, "NODE_SILENCE_TIMEOUT_S": 60,
+    }  # fmt: skip
+
+    def grow(n):
+        for _ in range(n):
+            make_node(gpus=1)
+        heartbeat._listed_nodes[:] = [0, float("-inf")]
+
+    yield grow
+    heartbeat._listed_nodes[:] = [0, float("-inf")]
+
+
+def test_an_idle_node_of_a_large_fleet_is_asked_to_heartbeat_less_often(agent, rent, fleet_of):
+    fleet_of(19)  # 20 nodes listed at one idle heartbeat a second: every 20 s each
+    assert _beat(agent).json()["heartbeat_interval_s"] == 20
+    assert Node.objects.get(pk=agent.node.pk).heartbeat_interval_s == 20
+    fleet_of(40)  # past the ceiling
+    assert _beat(agent).json()["heartbeat_interval_s"] == 30
+    # A node that holds GPUs reports at the base interval, and is lost after the base timeout.
+    running = _schedule(rent, 2)
+    assert _beat(agent).json()["heartbeat_interval_s"] == 1
+    assert Node.objects.get(pk=agent.node.pk).heartbeat_interval_s == 0
+    Rental.objects.filter(pk=running.pk).update(status=RentalStatus.CANCELLED)
+    Allocation.objects.filter(rental=running).update(released_at=timezone.now())
+    assert _beat(agent).json()["heartbeat_interval_s"] == 30
+
+
+def test_without_a_wake_server_every_node_heartbeats_at_the_base_interval(
+    agent, fleet_of, settings
+):
+    settings.GPUMARKET = {**settings.GPUMARKET, "WAKE_URL": ""}
+    fleet_of(50)
+    assert _beat(agent).json()["heartbeat_interval_s"] == 1
+    assert Node.objects.get(pk=agent.node.pk).heartbeat_interval_s == 0
+
+
+def test_a_node_is_lost_after_three_of_its_own_intervals(agent, fleet_of, make_node):
+    fleet_of(39)  # 40 nodes: every 30 s (the ceiling), silent after 90 s
+    _beat(agent)
+    quiet = make_node(gpus=1)  # heard from at the base interval: silent after 60 s
+    now = timezone.now()
+    Node.objects.filter(pk__in=[agent.node.pk, quiet.pk]).update(last_seen_at=now)
+    # The rest of the fleet was told the long interval too (nodes never heard from are lost).
+    Node.objects.exclude(pk__in=[agent.node.pk, quiet.pk]).update(
+        last_seen_at=now, heartbeat_interval_s=30
+    )
+    assert nodes_mark_silent(now=now + timedelta(seconds=59)) == []
+    assert nodes_mark_silent(now=now + timedelta(seconds=61)) == [quiet.pk]
+    assert nodes_mark_silent(now=now + timedelta(seconds=89)) == []
+    lost = nodes_mark_silent(now=now + timedelta(seconds=91))
+    assert len(lost) == 40 and agent.node.pk in lost and quiet.pk not in lost
+    event = NodeEvent.objects.get(node=agent.node, to_status=NodeStatus.OFFLINE)
+    assert event.reason == "no heartbeat for 90 s"
+    assert Node.objects.get(pk=agent.node.pk).status == NodeStatus.OFFLINE
+
+
+def test_one_silent_node_sweep_at_a_time(agent):
+    from django.db import connections
+
+    from core.locks import advisory_key
+
+    Node.objects.filter(pk=agent.node.pk).update(last_seen_at=timezone.now() - timedelta(hours=1))
+    # Another process's sweep holds the lock: this one leaves everything as it was.
+    other = connections.create_connection("default")
+    try:
+        with other.cursor() as cursor:
+            cursor.execute(
+                "SELECT pg_advisory_lock(%s)", [advisory_key("provisioning:nodes_mark_silent")]
+            )
+        assert nodes_mark_silent() == []
+        assert Node.objects.get(pk=agent.node.pk).status == NodeStatus.ONLINE
+    finally:
+        other.close()
+    assert nodes_mark_silent() == [agent.node.pk]
 
 
 def test_a_benchmark_result_is_recorded_and_shown_in_offers(agent, api):

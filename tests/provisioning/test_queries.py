@@ -89,8 +89,8 @@ def test_an_idle_heartbeat_marks_the_node_seen_and_says_what_the_orm_says_it_hol
     now = rental.scheduled_start + timedelta(minutes=1)
     for node, key_hash in ((idle, idle_hash), (busy, busy_hash)):
         node_id, seen, benchmark, holds, degraded, failed = queries.idle_heartbeat(
-            key_hash=key_hash, now=now, offline=NodeStatus.OFFLINE.value, statuses=WANTED,
-            health=HEALTH,
+            key_hash=key_hash, now=now, interval_s=40, offline=NodeStatus.OFFLINE.value,
+            statuses=WANTED, health=HEALTH,
         )  # fmt: skip
         stored = Node.objects.get(pk=node.pk)
         assert (node_id, seen, benchmark, holds, degraded, failed) == (
@@ -105,7 +105,7 @@ def test_an_idle_heartbeat_marks_the_node_seen_and_says_what_the_orm_says_it_hol
                 .values_list("index", flat=True)
             ),
         )
-        assert stored.last_seen_at == now
+        assert (stored.last_seen_at, stored.heartbeat_interval_s) == (now, 40)
     assert holds and not degraded
 
 
@@ -115,16 +115,18 @@ def test_an_idle_heartbeat_leaves_an_offline_node_and_refuses_an_unknown_token(m
     before = Node.objects.get(pk=node.pk).last_seen_at
     now = timezone.now()
     assert queries.idle_heartbeat(
-        key_hash=key_hash, now=now, offline=NodeStatus.OFFLINE.value, statuses=WANTED,
-        health=HEALTH,
+        key_hash=key_hash, now=now, interval_s=40, offline=NodeStatus.OFFLINE.value,
+        statuses=WANTED, health=HEALTH,
     ) == (node.pk, False, None, False, False, [])  # fmt: skip
-    assert Node.objects.get(pk=node.pk).last_seen_at == before
+    stored = Node.objects.get(pk=node.pk)
+    assert (stored.last_seen_at, stored.heartbeat_interval_s) == (before, 0)
     NodeCredential.objects.filter(node=node).update(revoked_at=now)
     for unknown in (key_hash, "d" * 64):
         assert (
             queries.idle_heartbeat(
                 key_hash=unknown,
                 now=now,
+                interval_s=0,
                 offline=NodeStatus.OFFLINE.value,
                 statuses=WANTED,
                 health=HEALTH,
