@@ -137,3 +137,19 @@ def _publish(ids: set[int], due: float) -> None:
         client.publish(wake_settings()["channel"], message)
     except Exception as exc:  # a lost wake-up costs one heartbeat interval, never the change
         clients.hot_failed(exc)
+
+
+def wake_listeners() -> int:
+    """How many wake servers listen on the channel now (PUBSUB NUMSUB); 0 when none does or
+    Redis does not answer: nothing would wake an idle agent."""
+    clients = redis_clients()
+    client = clients.hot()
+    if client is None:
+        return 0
+    channel = wake_settings()["channel"]
+    try:
+        counts = dict(client.pubsub_numsub(channel))
+    except Exception as exc:  # the caller then keeps agents at the base interval
+        clients.hot_failed(exc)
+        return 0
+    return int(counts.get(channel.encode(), counts.get(channel, 0)))

@@ -45,7 +45,7 @@ from billing.services.metering import UsageReport as MeteredUsage
 from billing.services.metering import usage_reports_apply
 from core.errors import ValidationFailed
 from core.metrics import BENCHMARKS_UNASKED
-from core.wake import wake_channel, wake_enabled
+from core.wake import wake_channel, wake_enabled, wake_listeners
 from marketplace import lifecycle
 from marketplace.models import (
     GpuHealth,
@@ -96,16 +96,19 @@ def heartbeat_interval_s() -> int:
 
 
 _LISTED_NODES_TTL_S = 30.0
-_listed_nodes: list[float] = [0.0, -_LISTED_NODES_TTL_S]  # [count, when counted (monotonic)]
+# [listed nodes, wake servers listening, when counted (monotonic)]
+_listed_nodes: list[float] = [0.0, 0.0, -_LISTED_NODES_TTL_S]
 
 
 def _listed_nodes_count() -> int:
-    """The nodes that heartbeat (every status but OFFLINE), counted at most every 30 s per
-    process: the fleet's size changes slowly, and an idle heartbeat must stay one statement."""
-    count, when = _listed_nodes
+    """The nodes that heartbeat (every status but OFFLINE) when a wake server listens, else 0;
+    counted at most every 30 s per process: the fleet's size changes slowly, and an idle
+    heartbeat must stay one statement."""
+    count, listeners, when = _listed_nodes
     if time.monotonic() - when >= _LISTED_NODES_TTL_S:
-        count = Node.objects.exclude(status=NodeStatus.OFFLINE).count()
-        _listed_nodes[:] = [count, time.monotonic()]
+        listeners = wake_listeners()
+        count = Node.objects.exclude(status=NodeStatus.OFFLINE).count() if listeners else 0
+        _listed_nodes[:] = [count, listeners, time.monotonic()]
     return int(count)
 
 
@@ -113,8 +116,8 @@ def idle_heartbeat_interval_s() -> int:
     """The interval an idle node is asked for (Nomad's `max_heartbeats_per_second`): with a
     wake server, work reaches an idle node at once and its heartbeat only says it is alive, so
     the whole idle fleet offers at most IDLE_HEARTBEATS_PER_S; never under HEARTBEAT_INTERVAL_S
-    nor over IDLE_HEARTBEAT_MAX_S. Without a wake server, the base interval: a placement would
-    otherwise wait that long."""
+    nor over IDLE_HEARTBEAT_MAX_S. Without a wake server (none configured, or none listening on
+    its channel), the base interval: a placement would otherwise wait that long."""
     base = heartbeat_interval_s()
     rate = settings.GPUMARKET.get("IDLE_HEARTBEATS_PER_S", 0)
     if rate <= 0 or not wake_enabled():

@@ -1,10 +1,12 @@
 """The agent API as the node agent speaks it: join, heartbeat, desired state, state changes."""
 
 import json
+import os
 from datetime import timedelta
 from decimal import Decimal
 
 import pytest
+import redis
 from django.utils import timezone
 from rest_framework.test import APIClient
 
@@ -376,10 +378,16 @@ def fleet_of(make_node, settings):
     def grow(n):
         for _ in range(n):
             make_node(gpus=1)
-        heartbeat._listed_nodes[:] = [0, float("-inf")]
+        heartbeat._listed_nodes[:] = [0, 0, float("-inf")]
 
+    # A wake server listens on the channel (a real Redis subscriber standing in for it).
+    listener = redis.Redis.from_url(os.environ["REDIS_URL"]).pubsub()
+    listener.subscribe(settings.GPUMARKET["WAKE_CHANNEL"])
+    listener.get_message(timeout=2)
+    grow.listener = listener
     yield grow
-    heartbeat._listed_nodes[:] = [0, float("-inf")]
+    listener.close()
+    heartbeat._listed_nodes[:] = [0, 0, float("-inf")]
 
 
 def test_an_idle_node_of_a_large_fleet_is_asked_to_heartbeat_less_often(agent, rent, fleet_of):
@@ -402,6 +410,14 @@ def test_without_a_wake_server_every_node_heartbeats_at_the_base_interval(
 ):
     settings.GPUMARKET = {**settings.GPUMARKET, "WAKE_URL": ""}
     fleet_of(50)
+    assert _beat(agent).json()["heartbeat_interval_s"] == 1
+    assert Node.objects.get(pk=agent.node.pk).heartbeat_interval_s == 0
+
+
+def test_with_no_wake_server_listening_idle_nodes_keep_the_base_interval(agent, fleet_of):
+    fleet_of.listener.unsubscribe()
+    fleet_of.listener.get_message(timeout=2)
+    fleet_of(50)  # configured, but nothing would wake them
     assert _beat(agent).json()["heartbeat_interval_s"] == 1
     assert Node.objects.get(pk=agent.node.pk).heartbeat_interval_s == 0
 
