@@ -260,3 +260,15 @@ def gunicorn(
     finally:
         server.terminate()
         server.wait(20)
+
+
+def funded_team(username: str, *, micros: int = 10**14):
+    """A customer whose account never runs dry during a bench, and its personal team."""
+    from accounts.services import team_personal_ensure, user_create
+    from billing.services.ledger import account_adjust, account_for_team
+
+    customer = user_create(username=username, email=f"{username}@example.invalid", password="x")
+    team = team_personal_ensure(user=customer)
+    account = account_for_team(team=team)
+    account_adjust(account_id=account.pk, amount_micros=micros, reason="bench credit", actor=None)
+    return customer, team

@@ -45,7 +45,16 @@ from decimal import Decimal
 from pathlib import Path
 from urllib.parse import urljoin
 
-from _common import ROOT, bench_database, emit, gunicorn, median, parse_args, percentile
+from _common import (
+    ROOT,
+    bench_database,
+    emit,
+    funded_team,
+    gunicorn,
+    median,
+    parse_args,
+    percentile,
+)
 from agents import Host, join_agents, server_cpu_seconds
 
 GPU_SLUG = "rtx4090-24gb"
@@ -135,21 +144,6 @@ def provider_tokens(region: str, n: int) -> list[str]:
         )[1]
         for _ in range(n)
     ]  # fmt: skip
-
-
-def funded_team(username: str):
-    from accounts.services import team_personal_ensure, user_create
-    from billing.services.ledger import account_adjust, account_for_team
-
-    customer = user_create(username=username, email=f"{username}@example.invalid", password="x")
-    team = team_personal_ensure(user=customer)
-    account_adjust(
-        account_id=account_for_team(team=team).pk,
-        amount_micros=10**13,
-        reason="benchmark credit",
-        actor=None,
-    )
-    return customer, team
 
 
 def wait_nodes(region: str, n: int, timeout_s: float = 120) -> None:

@@ -41,7 +41,16 @@ import time
 from contextlib import ExitStack, contextmanager
 from urllib.parse import urlsplit
 
-from _common import ROOT, bench_database, build_inventory, emit, gunicorn, parse_args, percentile
+from _common import (
+    ROOT,
+    bench_database,
+    build_inventory,
+    emit,
+    funded_team,
+    gunicorn,
+    parse_args,
+    percentile,
+)
 from agents import Host, run_agents
 from launch import wake_server
 from offers import QUERY
@@ -74,18 +83,6 @@ def node_tokens(url: str) -> list[str]:
     return tokens
 
 
-def funded_customer(username: str):
-    """A customer whose account never runs dry during the run, and its personal team."""
-    from accounts.services import team_personal_ensure, user_create
-    from billing.services.ledger import account_adjust, account_for_team
-
-    customer = user_create(username=username, email=f"{username}@example.invalid", password="x")
-    team = team_personal_ensure(user=customer)
-    account = account_for_team(team=team)
-    account_adjust(account_id=account.pk, amount_micros=10**14, reason="bench credit", actor=None)
-    return customer, team
-
-
 def book_busy(rentals: int) -> int:
     """`rentals` rentals of 4 GPUs booked through rental_create and placed by the scheduler
     (best fit puts two on a node): the busy nodes' runs. Returns how many were placed."""
@@ -93,7 +90,7 @@ def book_busy(rentals: int) -> int:
     from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
     from scheduler.services import scheduler_cycle_run
 
-    customer, team = funded_customer("busy")
+    customer, team = funded_team("busy")
     request = RentalRequest(
         gpus_per_node=4,
         duration_s=7200,
@@ -614,7 +611,7 @@ def main() -> None:
         build_inventory(url, args.nodes)
         hosts = [Host(token) for token in node_tokens(url)]
         placed = book_busy(int(args.nodes * args.busy_fraction) * 2)
-        customer, team = funded_customer("customer")
+        customer, team = funded_team("customer")
         from accounts.services.tokens import api_token_create
 
         _, api_token = api_token_create(user=customer, team=team, name="bench")
