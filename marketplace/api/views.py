@@ -66,7 +66,7 @@ class OfferListView(APIView):
         data = query.validated_data
         filters = selectors.offer_filters(data)
         limit, offset = data["limit"], data["offset"]
-        rows = selectors.offer_list(filters=filters, limit=limit + 1, offset=offset)
+        rows = selectors.offer_page(filters=filters, limit=limit + 1, offset=offset)
         return Response(
             {
                 "next": self._page_url(request, limit, offset + limit)
