@@ -187,27 +187,52 @@ def test_cached_pages_answer_each_question_with_its_own_rows(api, fleet, offers_
         assert _ids(api, fleet, **params) == expected, params
 
 
-def test_a_cached_page_is_served_at_most_its_ttl(api, fleet, offers_cache):
-    # Given a page read with the cache on for one second
-    client = offers_cache(1.0)
-    assert _ids(api, fleet, region="us-west") == ["n6"]
-    [key] = client.keys("gpumarket:offers:*")
-    # When its last free GPU is booked
+def _entries(client) -> list[bytes]:
+    return [k for k in client.keys("gpumarket:offers:*") if not k.endswith(b":refresh")]
+
+
+def _book_last_free_gpu(fleet) -> None:
+    """n6 has 3 of its 4 GPUs held: hold the 4th, so that it is no longer offered."""
     now = timezone.now()
-    _hold(
-        Node.objects.get(pk=fleet["n6"]),
-        1,
-        start=now - timedelta(hours=1),
-        end=now + timedelta(hours=1),
-        first=3,
-    )
-    # Then the page still lists it from the cache, and the entry lives no longer than the TTL
+    n6 = Node.objects.get(pk=fleet["n6"])
+    _hold(n6, 1, start=now - timedelta(hours=1), end=now + timedelta(hours=1), first=3)
+
+
+def test_a_cached_page_is_served_at_most_its_ttl(api, fleet, offers_cache):
+    # Given a page read with the cache on for 60 s
+    client = offers_cache(60.0)
     assert _ids(api, fleet, region="us-west") == ["n6"]
-    assert 0 < client.pttl(key) <= 1000
-    # Once the entry has expired, the statement runs again and the node is gone
-    while client.exists(key):
-        time.sleep(0.05)
+    [key] = _entries(client)
+    # When its last free GPU is booked
+    _book_last_free_gpu(fleet)
+    # Then the page still lists it from the cache, and Redis drops the entry within the TTL
+    assert _ids(api, fleet, region="us-west") == ["n6"]
+    assert 0 < client.pttl(key) <= 60_000
+    # Once the entry is gone (expired), the statement runs again and the node is not listed
+    client.delete(key)
     assert _ids(api, fleet, region="us-west") == []
+
+
+def test_past_half_its_ttl_one_request_refreshes_while_the_others_read(
+    api, fleet, offers_cache, monkeypatch
+):
+    # Given a page read with the cache on for 60 s, then its last free GPU booked
+    client = offers_cache(60.0)
+    assert _ids(api, fleet, region="us-west") == ["n6"]
+    [key] = _entries(client)
+    _book_last_free_gpu(fleet)
+    # When more than half the TTL has passed while another request is refreshing the entry
+    later = time.time() + 31
+    monkeypatch.setattr("marketplace.selectors.time.time", lambda: later)
+    client.set(key + b":refresh", 1, px=60_000)
+    # Then this one reads the entry as it was
+    assert _ids(api, fleet, region="us-west") == ["n6"]
+    # And once no refresh is under way, the next request runs the statement and stores its
+    # answer for another TTL from then
+    client.delete(key + b":refresh")
+    assert _ids(api, fleet, region="us-west") == []
+    assert _ids(api, fleet, region="us-west") == []
+    assert client.pttl(key) > 30_000
 
 
 def test_every_caller_gets_the_answer_of_the_statement(api, auth_api, fleet, offers_cache):
@@ -226,24 +251,37 @@ def test_every_caller_gets_the_answer_of_the_statement(api, auth_api, fleet, off
     ]
     # Then each gets exactly what the statement answers, from one entry
     assert answers == [fresh, fresh, fresh]
-    assert len(client.keys("gpumarket:offers:*")) == 1
+    assert len(_entries(client)) == 1
 
 
-def test_the_web_page_and_the_api_share_the_cached_rows(client, api, fleet, offers_cache):
-    # Given the cache on and the page read once
+def test_the_web_page_reads_through_the_cache_too(client, api, fleet, offers_cache):
+    # Given the cache on, and the page and the API read once
     redis = offers_cache()
     n6 = Node.objects.get(pk=fleet["n6"])
     first = client.get(reverse("web-offers"), {"region": "us-west"})
     assert first.status_code == 200
     assert n6.hostname in first.content.decode()
+    assert _ids(api, fleet, region="us-west") == ["n6"]
     # When the node's last free GPU is booked
-    now = timezone.now()
-    _hold(n6, 1, start=now - timedelta(hours=1), end=now + timedelta(hours=1), first=3)
-    # Then the page and the API (a page of 50 asks for 51 rows, as the page does) both list it
-    # from the one entry until its TTL
+    _book_last_free_gpu(fleet)
+    # Then both list it from their own entries (rows for the page, the serialized rows for the
+    # API) until their TTL
     assert n6.hostname in client.get(reverse("web-offers"), {"region": "us-west"}).content.decode()
     assert _ids(api, fleet, region="us-west") == ["n6"]
-    assert len(redis.keys("gpumarket:offers:*")) == 1
+    assert len(_entries(redis)) == 2
+
+
+def test_a_cached_api_page_is_the_same_json(api, fleet, offers_cache):
+    # Given a page as it is answered with no cache
+    params = {"limit": 2, "offset": 1, "ordering": "price_per_tflop"}
+    fresh = api.get("/api/v1/offers/", params).content
+    # When the same page is stored, then read from the cache
+    offers_cache()
+    stored = api.get("/api/v1/offers/", params).content
+    cached = api.get("/api/v1/offers/", params).content
+    # Then all three are the same bytes (rows, field order, decimals as strings, links)
+    assert stored == fresh
+    assert cached == fresh
 
 
 def test_bad_values_answer_400_with_the_cache_on(api, fleet, offers_cache):
