@@ -195,6 +195,11 @@ def offers(
 ) -> list[dict]:
     """offers_statement, run: one dict per node, keyed by the statement's column names."""
     sql, params = offers_statement(filters=filters, limit=limit, offset=offset, shares=shares)
+    return offers_run(sql, params)
+
+
+def offers_run(sql: str, params: list) -> list[dict]:
+    """Run an offers statement from offers_statement: one dict per node."""
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         columns = [c.name for c in cursor.description]

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import hashlib
+import pickle
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from decimal import Decimal
 
+import redis
+from django.conf import settings
 from django.db.models import (
     Count,
     OuterRef,
@@ -22,6 +27,7 @@ from advisor.engine.layouts import Run, fewest_fitting
 from advisor.engine.presets import ModelShape, with_run
 from agentprotocol.images import image_normalize
 from core.errors import NotFound
+from core.redis_clients import redis_clients
 from marketplace import queries
 from marketplace.lifecycle import ACTIVE
 from marketplace.models import (
@@ -168,6 +174,68 @@ def offer_list(*, filters: OfferFilters, limit: int, offset: int) -> list[dict]:
     show to know whether a next page exists (no count: it would double the cost).
     """
     return queries.offers(filters=filters, limit=limit, offset=offset, shares=_SHARES)
+
+
+# Bump when the rows' shape changes without the statement's text changing (a pickled row from
+# the previous release must not be served by the next one).
+_OFFER_PAGE_KEY_VERSION = 1
+
+
+def offer_page(
+    *,
+    filters: OfferFilters,
+    limit: int,
+    offset: int,
+    shape: Callable[[list[dict]], list[dict]] | None = None,
+) -> list[dict]:
+    """offer_list as customers browse it (API, web page, CLI): the same rows, or `shape(rows)`
+    (the API's serialized rows: a cached page then skips the serializer too), served from Redis
+    for up to GPUMARKET["OFFERS_CACHE_TTL_S"] seconds after the statement that made them began.
+
+    At 10,000 nodes the statement costs tens of milliseconds of PostgreSQL per page, and
+    browsers ask for the same few pages over and over (bench/offers.py, docs/benchmarks.md).
+    The key is a digest of the statement's text and every parameter it runs with, so whatever
+    changes the answer changes the key; the statement reads nothing of the caller (no account,
+    team or price per customer), so one answer serves everybody who asks the same question.
+    Past half its life an entry is refreshed by the one request that sets the refresh flag
+    while the others keep reading it, so that browsers never all wait for the statement when
+    an entry turns over. A GPU booked meanwhile stays listed until the entry expires: booking
+    checks capacity again, so a stale row costs a refused or re-planned booking, never a double
+    booking. When Redis fails the statement runs as if there were no cache."""
+    ttl_s = settings.GPUMARKET["OFFERS_CACHE_TTL_S"]
+    sql, params = offer_list_sql(filters=filters, limit=limit, offset=offset)
+    clients = redis_clients()
+    client = clients.hot() if ttl_s > 0 else None
+    shape = shape or list
+    if client is None:
+        return shape(queries.offers_run(sql, params))
+    shaped = f"{shape.__module__}.{shape.__qualname__}"
+    digest = hashlib.sha256(
+        f"{_OFFER_PAGE_KEY_VERSION}\n{shaped}\n{sql}\n{params!r}".encode()
+    ).hexdigest()
+    key = f"gpumarket:offers:{digest}"
+    try:
+        cached = client.get(key)
+        if cached is not None:
+            # Our own Redis, written only below (as Django's cache pickles).
+            refresh_at, rows = pickle.loads(cached)  # noqa: S301
+            if time.time() < refresh_at or not client.set(
+                f"{key}:refresh", 1, nx=True, px=max(1, int(ttl_s * 500))
+            ):
+                return rows
+    except redis.RedisError as exc:
+        clients.hot_failed(exc)
+        return shape(queries.offers_run(sql, params))
+    started = time.time()
+    rows = shape(queries.offers_run(sql, params))
+    # The entry lives TTL seconds from the statement's start: no row older than that is served.
+    left_ms = int((started + ttl_s - time.time()) * 1000)
+    if left_ms > 0:
+        try:
+            client.set(key, pickle.dumps((started + ttl_s / 2, rows)), px=left_ms)
+        except redis.RedisError as exc:
+            clients.hot_failed(exc)
+    return rows
 
 
 def rental_list(*, team: Team, status: str | None = None) -> QuerySet[Rental]:

@@ -439,6 +439,10 @@ GPUMARKET = {
     # this often (the check that brings the GPU back).
     "BENCHMARK_EVERY_S": env.int("BENCHMARK_EVERY_S", default=24 * 3600),
     "BENCHMARK_RECHECK_S": env.int("BENCHMARK_RECHECK_S", default=3600),
+    # An offers page (API, web page, CLI) is served from Redis for this long after one request
+    # ran its statement: a GPU booked meanwhile stays listed at most this long (booking checks
+    # capacity again). 0: every page runs the statement.
+    "OFFERS_CACHE_TTL_S": env.float("OFFERS_CACHE_TTL_S", default=5.0),
     # How long the live log of a run (its output lines) is kept.
     "LOG_RETENTION_DAYS": env.int("LOG_RETENTION_DAYS", default=7),
 }

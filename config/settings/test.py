@@ -32,7 +32,8 @@ BILLING_FUNDS_CHECK = os.environ.get("BILLING_FUNDS_CHECK") == "1"
 BILLING_MAX_CONCURRENT_GPUS = 0
 BILLING_MAX_RENTALS_PER_MINUTE = 0
 # Agents in the end-to-end tests report every second instead of every five.
-GPUMARKET = {**GPUMARKET, "HEARTBEAT_INTERVAL_S": 1}  # noqa: F405
+# Tests read the offers they just changed: no offers cache unless a test turns it on.
+GPUMARKET = {**GPUMARKET, "HEARTBEAT_INTERVAL_S": 1, "OFFERS_CACHE_TTL_S": 0}  # noqa: F405
 # The suite makes many requests a second from one address; the throttle tests lower these.
 REST_FRAMEWORK = {
     **REST_FRAMEWORK,  # noqa: F405

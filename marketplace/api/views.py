@@ -51,6 +51,11 @@ class GpuModelViewSet(viewsets.ReadOnlyModelViewSet):
         return selectors.gpu_model_list()
 
 
+def _offers_serialized(rows: list[dict]) -> list[dict]:
+    """The offers' rows as the API writes them (plain dicts: what the offers cache stores)."""
+    return [dict(row) for row in OfferSerializer(rows, many=True).data]
+
+
 class OfferListView(APIView):
     """GPUs free right now, one row per node, filtered and sorted; pages by limit and offset."""
 
@@ -66,7 +71,9 @@ class OfferListView(APIView):
         data = query.validated_data
         filters = selectors.offer_filters(data)
         limit, offset = data["limit"], data["offset"]
-        rows = selectors.offer_list(filters=filters, limit=limit + 1, offset=offset)
+        rows = selectors.offer_page(
+            filters=filters, limit=limit + 1, offset=offset, shape=_offers_serialized
+        )
         return Response(
             {
                 "next": self._page_url(request, limit, offset + limit)
@@ -75,7 +82,7 @@ class OfferListView(APIView):
                 "previous": self._page_url(request, limit, max(0, offset - limit))
                 if offset
                 else None,
-                "results": OfferSerializer(rows[:limit], many=True).data,
+                "results": rows[:limit],
             }
         )
 

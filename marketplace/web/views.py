@@ -54,7 +54,7 @@ def offers(request: HttpRequest) -> HttpResponse:
         return render(request, "web/offers.html", context, status=400)
     data = form.validated_data
     offset = data["offset"]
-    rows = selectors.offer_list(
+    rows = selectors.offer_page(
         filters=selectors.offer_filters(data), limit=OFFER_PAGE + 1, offset=offset
     )
     context["rows"] = rows[:OFFER_PAGE]
