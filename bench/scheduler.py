@@ -364,9 +364,13 @@ def _heartbeat_load(
     and the REST clients do not share one interpreter's lock); sends back what it measured."""
     from agents import run_agents
 
+    for host in hosts:
+        host.refused = 0  # the warm-up's are not this window's
     latencies, errors = asyncio.run(run_agents(base, hosts, seconds, interval, follow=follow))
     p99 = percentile(latencies, 99) if latencies else float("nan")
-    out.send((len(latencies), errors, p99, sum(h.refused for h in hosts)))
+    # At the end, each host at the interval the server last asked it for (or --interval).
+    offered = sum(1 / ((h.interval if follow else None) or interval) for h in hosts)
+    out.send((len(latencies), errors, p99, sum(h.refused for h in hosts), offered))
 
 
 def api_creates_busy(server, customer, hosts_n: int, busy: int, interval: float,
@@ -415,7 +419,7 @@ def api_creates_busy(server, customer, hosts_n: int, busy: int, interval: float,
     time.sleep(lead)
     health = rest_rate(server.base_url, "/healthz", headers, None, seconds)
     creates = rest_rate(server.base_url, "/api/v1/rentals/", headers, CREATE_BODY, seconds)
-    beats, errors, beat_p99, refused = receive.recv()
+    beats, errors, beat_p99, refused, offered = receive.recv()
     load.join(60)
     cpu = server_cpu_seconds(server) - cpu0
     return {
@@ -424,7 +428,7 @@ def api_creates_busy(server, customer, hosts_n: int, busy: int, interval: float,
         "creates": creates,
         "health": health,
         "heartbeats_per_s": (beats - errors) / window,
-        "offered_heartbeats_per_s": hosts_n / interval,
+        "offered_heartbeats_per_s": offered,
         "heartbeat_errors": errors,
         "heartbeats_refused_per_s": refused / window,
         "heartbeat_p99_ms": beat_p99,
@@ -553,8 +557,9 @@ def api_part(ceiling: float, service_rate: float, args: argparse.Namespace) -> d
             f" heartbeat every {args.interval:g} s: {busy['creates']:.0f} creates/s"
             f" ({busy['creates'] / api['creates']:.2f}x alone), /healthz {busy['health']:.0f}/s;"
             f" heartbeats handled {busy['heartbeats_per_s']:.1f}/s of"
-            f" {busy['offered_heartbeats_per_s']:g}/s offered ({busy['heartbeat_errors']}"
-            f" errors, {busy['heartbeats_refused_per_s']:.1f}/s refused with Retry-After),"
+            f" {busy['offered_heartbeats_per_s']:.1f}/s offered at the end"
+            f" ({busy['heartbeat_errors']} errors,"
+            f" {busy['heartbeats_refused_per_s']:.1f}/s refused with Retry-After),"
             f" p99 {busy['heartbeat_p99_ms']:.0f} ms; the server used"
             f" {busy['server_cpu_share']:.2f} cores"
         )
@@ -565,6 +570,7 @@ def api_part(ceiling: float, service_rate: float, args: argparse.Namespace) -> d
             api_creates_per_s_busy=round(busy["creates"], 1),
             api_health_per_s_busy=round(busy["health"], 1),
             busy_heartbeats_per_s=round(busy["heartbeats_per_s"], 1),
+            busy_offered_per_s=round(busy["offered_heartbeats_per_s"], 1),
             busy_heartbeat_p99_ms=round(busy["heartbeat_p99_ms"], 1),
             busy_heartbeat_errors=busy["heartbeat_errors"],
             busy_heartbeats_refused_per_s=round(busy["heartbeats_refused_per_s"], 1),
