@@ -578,6 +578,28 @@ class HeartbeatAnswer(Message):
         return dataclasses.replace(answer, desired=tuple(desired))
 
 
+# The most an agent waits on one Retry-After (a longer one is cut to this): a node silent for
+# three intervals, or NODE_SILENCE_TIMEOUT_S, is taken offline.
+RETRY_AFTER_MAX_S = 60.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class HeartbeatRefusal(Message):
+    """The body of a heartbeat the server refused before any of its work (503, with
+    `Retry-After` in whole seconds): the web process already serves its bound of heartbeats
+    (Kubernetes' API priority and fairness, in its simplest form). Nothing of the heartbeat was
+    applied; the agent does not resend it within the call, waits `retry_after_s` (jittered by
+    the server, so the refused nodes do not all come back at one instant; RETRY_AFTER_MAX_S at
+    most) and from then on heartbeats every `heartbeat_interval_s` until an answer says
+    otherwise."""
+
+    wire_name: ClassVar[str] = "heartbeat refusal"
+
+    detail: str
+    retry_after_s: int
+    heartbeat_interval_s: float
+
+
 # -- artifact sync: agent to server --------------------------------------------------------------
 
 
@@ -677,6 +699,7 @@ __all__ = [
     "HARDWARE_THROTTLE_REASONS",
     "HEARTBEAT_PATH",
     "JOIN_PATH",
+    "RETRY_AFTER_MAX_S",
     "WAKE_POLL_MAX_S",
     "ArtifactCommit",
     "ArtifactCommitAnswer",
@@ -695,6 +718,7 @@ __all__ = [
     "GpuSample",
     "Heartbeat",
     "HeartbeatAnswer",
+    "HeartbeatRefusal",
     "JoinAnswer",
     "LogLine",
     "Message",

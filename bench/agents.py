@@ -119,6 +119,7 @@ class Host:
         self.step = 0
         self.digest = ""  # of the desired state it holds, sent back as the real agent does
         self.interval: float | None = None  # what the server's last answer asked for
+        self.refused = 0  # heartbeats the server refused before any work (503 + Retry-After)
 
     def learn(self, answer: dict) -> None:
         if answer.get("heartbeat_interval_s"):
@@ -210,13 +211,16 @@ class Host:
 async def run_agents(
     base: str, hosts: list[Host], seconds: float, interval: float = 1.0, *, follow: bool = False
 ) -> tuple[list[float], int]:
-    """Every host heartbeats every `interval` seconds (with `follow`, at the interval the
-    server's last answer asked it for, as the real agent does) for `seconds`. As the real
-    agent, a host that fell behind does not catch up, and one whose heartbeat failed backs off
-    (nodeagent.client.backoff_delay). Returns the latencies (ms) and the errors."""
+    """Every host heartbeats every `interval` seconds for `seconds`; with `follow`, as the real
+    agent does, at the interval the server's last answer asked it for, and after a refusal
+    (503 with Retry-After, counted in `Host.refused`) at the Retry-After, then at the interval
+    the refusal names. Without `follow` (the raw load), a refusal is an error like any other.
+    As the real agent, a host that fell behind does not catch up, and one whose heartbeat
+    failed backs off (nodeagent.client.backoff_delay). Returns the latencies (ms) of the
+    heartbeats not refused, and the errors."""
     import aiohttp
 
-    from agentprotocol import HEARTBEAT_PATH
+    from agentprotocol import HEARTBEAT_PATH, RETRY_AFTER_MAX_S
     from nodeagent.client import backoff_delay
 
     latencies: list[float] = []
@@ -236,19 +240,28 @@ async def run_agents(
                 body = host.body(rng)
                 t0 = time.perf_counter()
                 failures += 1
+                retry_after = None
                 try:
                     async with session.post(base + HEARTBEAT_PATH, json=body, headers=headers) as r:
                         answer = await r.json(content_type=None)
-                        if r.status != 200:
-                            errors += 1
-                        else:
+                        if r.status == 200:
                             host.learn(answer)
                             failures = 0
+                        elif follow and r.status in (429, 503) and "Retry-After" in r.headers:
+                            retry_after = min(RETRY_AFTER_MAX_S, float(r.headers["Retry-After"]))
+                            host.interval = answer.get("heartbeat_interval_s") or host.interval
+                            host.refused += 1
+                            failures -= 1
+                        else:
+                            errors += 1
                 except (aiohttp.ClientError, TimeoutError, ValueError):
                     errors += 1
-                latencies.append((time.perf_counter() - t0) * 1000)
+                if retry_after is None:
+                    latencies.append((time.perf_counter() - t0) * 1000)
                 every = (host.interval or interval) if follow else interval
-                if failures:
+                if retry_after is not None:
+                    next_at = time.monotonic() + retry_after
+                elif failures:
                     next_at = time.monotonic() + backoff_delay(failures, base_s=every, max_s=60.0)
                 else:
                     next_at = max(next_at + every, time.monotonic())

@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 import uuid
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 from _common import (
     RENTAL_COPY,
@@ -46,6 +46,7 @@ from _common import (
     parse_args,
     percentile,
 )
+from launch import wake_server
 
 # gpus per node, nodes, weight %: about 2.25 GPUs a rental, so 20,000 rentals ask ~45,000 of the
 # ~57,000 GPUs free, and how they are packed decides how many whole nodes stay free.
@@ -356,21 +357,29 @@ def api_creates(server, customer, seconds: float = 10.0) -> dict:
     return {"creates": creates, "health": health, "cli_s": cli_s, "python_s": python_s}
 
 
-def _heartbeat_load(base: str, hosts: list, seconds: float, interval: float, out) -> None:
+def _heartbeat_load(
+    base: str, hosts: list, seconds: float, interval: float, follow: bool, out
+) -> None:
     """The busy hosts' heartbeats for `seconds` (a forked process, so that the load generator
     and the REST clients do not share one interpreter's lock); sends back what it measured."""
     from agents import run_agents
 
-    latencies, errors = asyncio.run(run_agents(base, hosts, seconds, interval))
-    out.send((len(latencies), errors, percentile(latencies, 99) if latencies else float("nan")))
+    for host in hosts:
+        host.refused = 0  # the warm-up's are not this window's
+    latencies, errors = asyncio.run(run_agents(base, hosts, seconds, interval, follow=follow))
+    p99 = percentile(latencies, 99) if latencies else float("nan")
+    # At the end, each host at the interval the server last asked it for (or --interval).
+    offered = sum(1 / ((h.interval if follow else None) or interval) for h in hosts)
+    out.send((len(latencies), errors, p99, sum(h.refused for h in hosts), offered))
 
 
 def api_creates_busy(server, customer, hosts_n: int, busy: int, interval: float,
-                     seconds: float) -> dict:  # fmt: skip
+                     seconds: float, follow: bool = True) -> dict:  # fmt: skip
     """REST creates while `hosts_n` simulated hosts, each running `busy` rentals, heartbeat
     every `interval` s (bench/agents.py's busy phase: per run a container report, a usage
     report, a step line and two log lines), beside the same server's /healthz rate under the
-    same heartbeats."""
+    same heartbeats. With `follow`, the hosts heartbeat as the real agent does: at the
+    interval the server asks for, and after a refusal at its Retry-After."""
     import multiprocessing
 
     from agents import (
@@ -394,7 +403,7 @@ def api_creates_busy(server, customer, hosts_n: int, busy: int, interval: float,
     # The hosts learn their runs and report them running (a start is a one-off, not measured).
     deadline = time.monotonic() + 180
     while running_count() < placed and time.monotonic() < deadline:
-        asyncio.run(run_agents(server.base_url, hosts, 2 * interval, interval))
+        asyncio.run(run_agents(server.base_url, hosts, 2 * interval, interval, follow=follow))
     running = running_count()
     headers = api_headers(customer)
     connections.close_all()  # the forked load generator shares no connection
@@ -403,14 +412,14 @@ def api_creates_busy(server, customer, hosts_n: int, busy: int, interval: float,
     lead = interval  # every host is in its rhythm before the creates start
     window = 2 * seconds + 2 * lead
     load = context.Process(
-        target=_heartbeat_load, args=(server.base_url, hosts, window, interval, send)
+        target=_heartbeat_load, args=(server.base_url, hosts, window, interval, follow, send)
     )
     cpu0 = server_cpu_seconds(server)
     load.start()
     time.sleep(lead)
     health = rest_rate(server.base_url, "/healthz", headers, None, seconds)
     creates = rest_rate(server.base_url, "/api/v1/rentals/", headers, CREATE_BODY, seconds)
-    beats, errors, beat_p99 = receive.recv()
+    beats, errors, beat_p99, refused, offered = receive.recv()
     load.join(60)
     cpu = server_cpu_seconds(server) - cpu0
     return {
@@ -419,8 +428,9 @@ def api_creates_busy(server, customer, hosts_n: int, busy: int, interval: float,
         "creates": creates,
         "health": health,
         "heartbeats_per_s": (beats - errors) / window,
-        "offered_heartbeats_per_s": hosts_n / interval,
+        "offered_heartbeats_per_s": offered,
         "heartbeat_errors": errors,
+        "heartbeats_refused_per_s": refused / window,
         "heartbeat_p99_ms": beat_p99,
         "server_cpu_share": cpu / window,
     }
@@ -514,7 +524,12 @@ def api_part(ceiling: float, service_rate: float, args: argparse.Namespace) -> d
     # One token creates far past the per-user request rate a deployment allows its customers;
     # the simulated hosts heartbeat far past the per-node rate.
     extra = {"API_USER_THROTTLE_RATE": "1000000/min", "AGENT_THROTTLE_RATE": "100000/min"}
-    with gunicorn(extra_env=extra) as server:
+    with ExitStack() as stack:
+        if args.wake:
+            # With a wake server listening, the busy nodes are asked for a longer interval
+            # (BUSY_HEARTBEATS_PER_S): the web started after it is told its URL.
+            stack.enter_context(wake_server())
+        server = stack.enter_context(gunicorn(extra_env=extra))
         api = api_creates(server, funded_customer("api"), args.api_seconds)
         busy = None
         if args.hosts:
@@ -522,7 +537,7 @@ def api_part(ceiling: float, service_rate: float, args: argparse.Namespace) -> d
             # the holds summed under it grow with the team's unfinished rentals.
             busy = api_creates_busy(
                 server, funded_customer("api-busy"), args.hosts, args.busy, args.interval,
-                args.api_seconds,
+                args.api_seconds, follow=not args.fixed_interval,
             )  # fmt: skip
             # Requests a saturated server still holds outlast any graceful stop: the server's
             # processes (started here) are ended at once.
@@ -542,8 +557,10 @@ def api_part(ceiling: float, service_rate: float, args: argparse.Namespace) -> d
             f" heartbeat every {args.interval:g} s: {busy['creates']:.0f} creates/s"
             f" ({busy['creates'] / api['creates']:.2f}x alone), /healthz {busy['health']:.0f}/s;"
             f" heartbeats handled {busy['heartbeats_per_s']:.1f}/s of"
-            f" {busy['offered_heartbeats_per_s']:g}/s offered ({busy['heartbeat_errors']}"
-            f" errors), p99 {busy['heartbeat_p99_ms']:.0f} ms; the server used"
+            f" {busy['offered_heartbeats_per_s']:.1f}/s offered at the end"
+            f" ({busy['heartbeat_errors']} errors,"
+            f" {busy['heartbeats_refused_per_s']:.1f}/s refused with Retry-After),"
+            f" p99 {busy['heartbeat_p99_ms']:.0f} ms; the server used"
             f" {busy['server_cpu_share']:.2f} cores"
         )
         figures.update(
@@ -553,8 +570,12 @@ def api_part(ceiling: float, service_rate: float, args: argparse.Namespace) -> d
             api_creates_per_s_busy=round(busy["creates"], 1),
             api_health_per_s_busy=round(busy["health"], 1),
             busy_heartbeats_per_s=round(busy["heartbeats_per_s"], 1),
+            busy_offered_per_s=round(busy["offered_heartbeats_per_s"], 1),
             busy_heartbeat_p99_ms=round(busy["heartbeat_p99_ms"], 1),
             busy_heartbeat_errors=busy["heartbeat_errors"],
+            busy_heartbeats_refused_per_s=round(busy["heartbeats_refused_per_s"], 1),
+            busy_fixed_interval=args.fixed_interval,
+            busy_wake=args.wake,
             busy_server_cores=round(busy["server_cpu_share"], 2),
         )
     print(
@@ -587,6 +608,16 @@ def main() -> None:
     parser.add_argument(
         "--interval", type=float, default=5.0,
         help="api: seconds between a host's heartbeats (the server's HEARTBEAT_INTERVAL_S)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--fixed-interval", action="store_true",
+        help="api: hosts heartbeat every --interval whatever the server answers, a refusal's "
+        "Retry-After ignored (the raw load; by default they follow the server, as the agent)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--wake", action="store_true",
+        help="api: a wake server beside the web, as deployed (busy nodes then asked for longer "
+        "intervals as the busy fleet grows)",
     )  # fmt: skip
     parser.add_argument("--api-seconds", type=float, default=10.0, help="api: each round")
     args = parse_args(parser, nodes=40, pending=60, rates=[10.0], seconds=2.0, hosts=4, busy=1,

@@ -9,6 +9,8 @@ from django.urls import get_resolver
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings.base")
 _site = get_wsgi_application()
 
+from provisioning.admission import HeartbeatAdmission  # noqa: E402  (the apps are loaded now)
+
 
 class AgentAPIHandler(type(_site)):
     """Django's handler with settings.AGENT_MIDDLEWARE instead of settings.MIDDLEWARE: the agent
@@ -25,13 +27,16 @@ class AgentAPIHandler(type(_site)):
             settings.MIDDLEWARE = site_middleware
 
 
-_agent_api = AgentAPIHandler()
+# Heartbeats past this process's bound are refused before any work (provisioning.admission).
+agent_api = HeartbeatAdmission(
+    AgentAPIHandler(), bound=settings.GPUMARKET["AGENT_HEARTBEATS_IN_FLIGHT"]
+)
 _AGENT_API_PREFIX = settings.AGENT_API_PREFIX
 
 
 def application(environ, start_response):
     if environ.get("PATH_INFO", "").startswith(_AGENT_API_PREFIX):
-        return _agent_api(environ, start_response)
+        return agent_api(environ, start_response)
     return _site(environ, start_response)
 
 

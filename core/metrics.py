@@ -32,6 +32,11 @@ SCHEDULER_PLACEMENTS = Counter(
     ["pool"],
 )
 
+HEARTBEATS_REFUSED = Counter(
+    "gpumarket_agent_heartbeats_refused_total",
+    "Agent heartbeats answered 503 before any work: the web process already served its bound"
+    " of them (AGENT_HEARTBEATS_IN_FLIGHT)",
+)
 BENCHMARKS_UNASKED = Counter(
     "gpumarket_benchmarks_unasked_total",
     "Benchmark results a node sent that the server had not asked for (dropped, not stored)",

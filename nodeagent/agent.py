@@ -34,10 +34,14 @@ sweeps what an earlier one left (`_sweep_leftovers`). Only the content-addressed
 The runtime is the source of truth for what runs (labels, so a restarted agent adopts its runs);
 the spool directory only keeps what billing and metrics need across restarts (see `spool`).
 
-Between rounds the agent waits for its interval, or less: a run that has just started, and the
-server's wake channel (`nodeagent.wake`: a long-poll named in the heartbeat answer, answered
-when the node's desired state changes), cut the wait short. The wake channel is only a hint:
-without it, or with it down, rounds come at the interval as before.
+Between rounds the agent waits for its interval, or less: a run that has just started or failed
+to, a run whose state changed in the runtime (listed every RUNS_POLL_S: an exit, a crash), and
+the server's wake channel (`nodeagent.wake`: a long-poll named in the heartbeat answer, answered
+when the node's desired state changes), cut the wait short, so a run's lifecycle reaches the
+server at once however long the interval. The wake channel is only a hint: without it, or with
+it down, rounds come at the interval as before. A heartbeat the server refused before any work
+(503 with Retry-After: it is at its bound of heartbeats in flight) is not resent at once: the
+next round comes after the Retry-After, at the interval the refusal names.
 
 If the server is unreachable, rounds go on with growing delays (bounded exponential backoff with
 jitter): runs keep running, usage keeps being spooled and is replayed later. A 401 means the node
@@ -91,6 +95,7 @@ from nodeagent.client import (
     AgentApiError,
     AuthRejectedError,
     RequestRejectedError,
+    ServerBusyError,
     TransientApiError,
     backoff_delay,
 )
@@ -162,6 +167,8 @@ LOG_LINE_MAX_CHARS = 2000
 LOG_TAIL_MAX_BYTES = 8192
 MIN_INTERVAL_S, MAX_INTERVAL_S = 1.0, 300.0
 MAX_RETRY_DELAY_S = 60.0
+# Between rounds the runtime's runs are listed this often: an exit is sent at once.
+RUNS_POLL_S = 1.0
 START_RETRY_BASE_S, START_RETRY_MAX_S = 10.0, 300.0
 TELEMETRY_TIMEOUT_S = 5.0
 OP_WORKERS = 16
@@ -420,6 +427,8 @@ class Agent:
         # restarted agent sends none and gets the whole state.
         self._desired: tuple[DesiredRun, ...] = ()
         self._desired_digest = ""
+        # The runs' states the last round observed: a change between rounds sends one at once.
+        self._observed: dict[str, ContainerStatus] = {}
 
     # -- the program ---------------------------------------------------------------------------
 
@@ -481,6 +490,7 @@ class Agent:
         failures = 0
         while not self._stopping.is_set():
             began = time.monotonic()
+            refused = False
             try:
                 self.tick()
                 metrics_module.RECONCILE_SECONDS.observe(time.monotonic() - began)
@@ -494,6 +504,20 @@ class Agent:
                     extra={"status": exc.status, "error": exc.message, "token_file": path},
                 )
                 return EXIT_REJECTED
+            except ServerBusyError as exc:
+                # Refused before any work: nothing was applied, the next round sends it all.
+                # Back when the server says (it spreads the refused nodes over the interval),
+                # not sooner: a retry at once is what overloads it.
+                refused = True
+                if exc.interval_s is not None:
+                    self._set_interval(exc.interval_s)
+                delay = exc.retry_after_s
+                logger.warning(
+                    "heartbeat refused: server busy",
+                    extra={"retry_in_s": round(delay, 1), "interval_s": self.interval_s},
+                )
+                if self.config.once:
+                    return EXIT_ERROR
             except (AgentApiError, RuntimeDriverError) as exc:
                 # Unreachable server, a refused heartbeat, a runtime that does not answer: the
                 # runs go on and usage keeps being spooled; retry with growing delays.
@@ -509,10 +533,40 @@ class Agent:
                 self._ops.wait()
                 self._harvest(self._clock())
                 return EXIT_OK
-            self._wake.wait(max(0.0, delay))
-            self._wake.clear()
+            if refused:
+                self._stopping.wait(max(0.0, delay))
+                self._wake.clear()
+            else:
+                self._wait_round(delay, watch_runs=failures == 0)
         logger.info("agent stopping")
         return EXIT_OK
+
+    def _wait_round(self, delay: float, *, watch_runs: bool) -> None:
+        """Until the next round: `delay`, or less when woken (a start, the server's wake
+        channel, stop()) or, with `watch_runs`, when a run's state changed in the runtime (an
+        exit, a crash, a run gone), as the kubelet relists its pods every second: the server
+        hears of a lifecycle change at once, however long the interval it asked for."""
+        deadline = time.monotonic() + max(0.0, delay)
+        while not self._wake.wait(max(0.0, min(RUNS_POLL_S, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline or (watch_runs and self._runs_changed()):
+                break
+        self._wake.clear()
+
+    def _runs_changed(self) -> bool:
+        """Whether the runtime's runs differ from those the last round observed; a run removed
+        after its exit was reported (the agent's own cleanup) is no change."""
+        if self._driver is None:
+            return False
+        try:
+            now = {state.run_id: state.status for state in self._driver.list_managed()}
+        except RuntimeDriverError:
+            return False  # the round at the interval tells
+        before = self._observed
+        return any(run_id not in before for run_id in now) or any(
+            now.get(run_id) != status
+            for run_id, status in before.items()
+            if not (status == ContainerStatus.EXITED and run_id not in now)
+        )
 
     def _close(self) -> None:
         self._listener.close()
@@ -545,6 +599,8 @@ class Agent:
                 if self.config.once:
                     raise
                 delay = backoff_delay(failures, base_s=self.interval_s, max_s=MAX_RETRY_DELAY_S)
+                if isinstance(exc, ServerBusyError):
+                    delay = exc.retry_after_s
                 failures += 1
                 logger.warning(
                     "join failed, retrying", extra={"error": str(exc), "retry_in_s": delay}
@@ -685,6 +741,7 @@ class Agent:
         now = self._clock()
         self._harvest(now)
         actual = self._driver.list_managed()
+        self._observed = {state.run_id: state.status for state in actual}
         metrics_module.containers_observe(state.status for state in actual)
         for state in actual:
             live = self._live.setdefault(state.run_id, _Live())
@@ -1104,7 +1161,8 @@ class Agent:
             with self._pull_lock:
                 self._starting.pop(entry.run_id, None)
                 self._pulls.pop(entry.run_id, None)
-        self._wake.set()
+            # Started or failed, the next round tells the server at once.
+            self._wake.set()
         self._image_cache.used(entry.image)
         self._images_pass(self._clock())  # what it pulled counts against the budget now
         return state, self._clock()

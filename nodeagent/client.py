@@ -2,14 +2,20 @@
 
 One retry policy for every call: connection errors, timeouts, 429 and 5xx are transient and
 retried a few times with bounded exponential backoff and jitter, then surface as
-`TransientApiError` (the agent keeps spooling and tries again later). 401/403 mean the token is
-invalid or revoked (`AuthRejectedError`: the agent stops); any other 4xx is `RequestRejectedError`
-carrying the server's message. Every request has a timeout.
+`TransientApiError` (the agent keeps spooling and tries again later). Two are not retried
+within the call, since sending again at once is what turns an overloaded server into a
+collapsed one: a 429/503 carrying `Retry-After` (`ServerBusyError`: the server said when to come
+back) and a heartbeat that timed out (the server may still be applying it; the agent's next
+round sends its newer state). 401/403 mean the token is invalid or revoked
+(`AuthRejectedError`: the agent stops); any other 4xx is `RequestRejectedError` carrying the
+server's message. Every request has a timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -17,7 +23,15 @@ from typing import Any
 
 import requests
 
-from agentprotocol import ARTIFACT_COMMIT_PATH, ARTIFACT_UPLOADS_PATH, HEARTBEAT_PATH, JOIN_PATH
+from agentprotocol import (
+    ARTIFACT_COMMIT_PATH,
+    ARTIFACT_UPLOADS_PATH,
+    HEARTBEAT_PATH,
+    JOIN_PATH,
+    RETRY_AFTER_MAX_S,
+    HeartbeatRefusal,
+    ProtocolError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +44,21 @@ class AgentApiError(Exception):
 
 class TransientApiError(AgentApiError):
     """Unreachable, timed out, throttled or a 5xx: the same request may succeed later."""
+
+
+class TimedOutError(TransientApiError):
+    """No answer within the timeout: the server may still be working on the request."""
+
+
+class ServerBusyError(TransientApiError):
+    """A 429 or 503 with `Retry-After`: the server refused the request before doing any of it
+    and says when to come back (`retry_after_s`, capped at RETRY_AFTER_MAX_S) and, for a
+    heartbeat, how often to heartbeat from then on (`interval_s`; None: not said)."""
+
+    def __init__(self, message: str, *, retry_after_s: float, interval_s: float | None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.interval_s = interval_s
 
 
 class RequestRejectedError(AgentApiError):
@@ -49,6 +78,25 @@ def backoff_delay(attempt: int, *, base_s: float, max_s: float) -> float:
     """Exponential backoff with "equal jitter": half fixed, half random, capped at max_s."""
     delay = min(max_s, base_s * 2**attempt)
     return delay / 2 + random.uniform(0, delay / 2)
+
+
+def server_busy(response: requests.Response) -> ServerBusyError | None:
+    """The refusal a 429/503 says it is when it carries `Retry-After` in seconds (an HTTP date,
+    or none: an ordinary transient error, retried with backoff)."""
+    try:
+        retry_after = float(response.headers.get("Retry-After", ""))
+    except ValueError:
+        return None
+    if not math.isfinite(retry_after) or retry_after < 0:
+        return None
+    interval = None
+    with contextlib.suppress(ValueError, ProtocolError):
+        interval = HeartbeatRefusal.from_payload(response.json()).heartbeat_interval_s
+    return ServerBusyError(
+        f"HTTP {response.status_code}: {error_message(response)}",
+        retry_after_s=min(retry_after, RETRY_AFTER_MAX_S),
+        interval_s=interval,
+    )
 
 
 def error_message(response: requests.Response) -> str:
@@ -95,8 +143,9 @@ class AgentApiClient:
         return self._post(JOIN_PATH, payload, token=None)
 
     def heartbeat(self, payload: dict[str, Any], *, token: str) -> dict[str, Any]:
-        """POST one heartbeat; the answer holds the desired state."""
-        return self._post(HEARTBEAT_PATH, payload, token=token)
+        """POST one heartbeat; the answer holds the desired state. Not resent after a timeout
+        (TimedOutError): the next round carries the newer state."""
+        return self._post(HEARTBEAT_PATH, payload, token=token, once_on=(TimedOutError,))
 
     def artifact_uploads(
         self, rental_id: str, payload: dict[str, Any], *, token: str
@@ -113,14 +162,21 @@ class AgentApiClient:
     def close(self) -> None:
         self._session.close()
 
-    def _post(self, path: str, payload: dict[str, Any], *, token: str | None) -> dict[str, Any]:
+    def _post(
+        self,
+        path: str,
+        payload: dict[str, Any],
+        *,
+        token: str | None,
+        once_on: tuple[type[TransientApiError], ...] = (),
+    ) -> dict[str, Any]:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         url = self.server_url + path
         for attempt in range(self.attempts):
             try:
                 return self._post_once(url, payload, headers)
             except TransientApiError as exc:
-                if attempt == self.attempts - 1:
+                if attempt == self.attempts - 1 or isinstance(exc, (ServerBusyError, *once_on)):
                     raise
                 delay = backoff_delay(attempt, base_s=self.backoff_base_s, max_s=self.backoff_max_s)
                 logger.warning(
@@ -136,12 +192,14 @@ class AgentApiClient:
                 url, json=payload, headers=headers, timeout=(_CONNECT_TIMEOUT_S, self.timeout_s)
             )
         except requests.Timeout as exc:
-            raise TransientApiError(f"timed out after {self.timeout_s}s: {exc}") from exc
+            raise TimedOutError(f"timed out after {self.timeout_s}s: {exc}") from exc
         except requests.RequestException as exc:
             raise TransientApiError(f"unreachable: {exc}") from exc
         status = response.status_code
         if status in (401, 403):
             raise AuthRejectedError(status, error_message(response))
+        if status in (429, 503) and (busy := server_busy(response)) is not None:
+            raise busy
         if status == 429 or status >= 500:
             raise TransientApiError(f"HTTP {status}: {error_message(response)}")
         if status >= 400:

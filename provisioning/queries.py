@@ -220,14 +220,15 @@ def gpus_held_versions(
         return _held_and_versions(*cursor.fetchone())
 
 
-# A busy heartbeat's reads in one statement, the node known: the node is marked seen unless it
-# is OFFLINE (the caller brings it back first), then what its GPUs' health is (as in _IDLE),
+# A busy heartbeat's reads in one statement, the node known: the node is marked seen (with the
+# interval it is asked for) unless it is OFFLINE (the caller brings it back first), then what
+# its GPUs' health is (as in _IDLE),
 # the reported runs of the node (`runs`: run id, rental id, whether its row and rental say it
 # runs steadily, its published ports, the rental's ports, SSH and JupyterLab, whether the rental
 # names secrets) and the GPUs it holds with their rentals' versions (gpus_held_versions).
 _BUSY = """
 WITH seen AS (
-  UPDATE {node} n SET {node.last_seen_at} = %(now)s, {node.heartbeat_interval_s} = 0
+  UPDATE {node} n SET {node.last_seen_at} = %(now)s, {node.heartbeat_interval_s} = %(interval)s
   WHERE n.{node.id} = %(node)s AND n.{node.status} <> %(offline)s
   RETURNING 1
 ), {held}, {versions}
@@ -281,19 +282,22 @@ def busy_heartbeat(
     *,
     node_id: int,
     now: datetime,
+    interval_s: int,
     offline: str,
     running: str,
     run_ids: Sequence[str],
     statuses: Sequence[str],
     health: tuple[str, str, str],
 ) -> BusyState:
-    """A heartbeat with reports of the node `node_id`: marks it seen at `now` unless its status
-    is `offline`, and reads its GPUs' health (`health`: ok, degraded, failed), its runs among
+    """A heartbeat with reports of the node `node_id`: marks it seen at `now`, asked to
+    heartbeat next within `interval_s` (0: the base interval), unless its status is `offline`,
+    and reads its GPUs' health (`health`: ok, degraded, failed), its runs among
     `run_ids` (`running`: the run's and the rental's status of a steady run) and the GPUs it
     holds for a rental in `statuses`, with their versions."""
     ok, degraded, failed = health
     params = {
-        "node": node_id, "now": now, "offline": offline, "running": running,
+        "node": node_id, "now": now, "interval": interval_s, "offline": offline,
+        "running": running,
         "runs": list(run_ids), "statuses": list(statuses),
         "ok": ok, "degraded": degraded, "failed": failed,
     }  # fmt: skip

@@ -411,6 +411,19 @@ GPUMARKET = {
     # missed intervals (or NODE_SILENCE_TIMEOUT_S, whichever is longer).
     "IDLE_HEARTBEATS_PER_S": env.int("IDLE_HEARTBEATS_PER_S", default=100),
     "IDLE_HEARTBEAT_MAX_S": env.int("IDLE_HEARTBEAT_MAX_S", default=120),
+    # The same for nodes holding GPUs: with a wake server, the busy fleet offers at most this
+    # many heartbeats a second, each node never less often than every BUSY_HEARTBEAT_MAX_S
+    # (15 s: three of them stay within NODE_SILENCE_TIMEOUT_S, so a dead busy node is noticed
+    # as soon as at the base interval). Usage is cumulative and a run's start, exit or failure
+    # is sent at once; only the live log, metric lines and telemetry arrive later.
+    "BUSY_HEARTBEATS_PER_S": env.int("BUSY_HEARTBEATS_PER_S", default=100),
+    "BUSY_HEARTBEAT_MAX_S": env.int("BUSY_HEARTBEAT_MAX_S", default=15),
+    # Heartbeats one web process serves at once (provisioning.admission); one more is answered
+    # 503 with Retry-After before any of its work, so the process's other threads stay free for
+    # customers. Default: one thread of WEB_THREADS kept for customers (0: refuse every one).
+    "AGENT_HEARTBEATS_IN_FLIGHT": env.int(
+        "AGENT_HEARTBEATS_IN_FLIGHT", default=max(1, env.int("WEB_THREADS", default=2) - 1)
+    ),
     # The wake server agents long-poll to hear of a change at once (provisioning.wakeserver):
     # its URL as agents reach it (absolute, or a path on the server URL behind one ingress);
     # empty: no wake server, agents hear of changes at their next heartbeat. Its pub/sub

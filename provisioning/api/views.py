@@ -215,8 +215,12 @@ class JoinView(APIView):
             gpus=[_message(GpuInfo, g) for g in data["gpus"]],
             host_key=data["host_key"],
         )
+        # The interval the idle fleet uses now: the agent's first heartbeat follows at once
+        # and is stored with it.
         answer = JoinAnswer(
-            node_id=node.pk, node_token=raw, heartbeat_interval_s=services.heartbeat_interval_s()
+            node_id=node.pk,
+            node_token=raw,
+            heartbeat_interval_s=services.idle_heartbeat_interval_s(),
         )
         return Response(answer.to_payload(), status=status.HTTP_201_CREATED)
 

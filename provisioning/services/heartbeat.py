@@ -48,6 +48,7 @@ from core.metrics import BENCHMARKS_UNASKED
 from core.wake import wake_channel, wake_enabled, wake_listeners
 from marketplace import lifecycle
 from marketplace.models import (
+    Allocation,
     GpuHealth,
     GpuModel,
     Node,
@@ -96,34 +97,82 @@ def heartbeat_interval_s() -> int:
 
 
 _LISTED_NODES_TTL_S = 30.0
-# [listed nodes, wake servers listening, when counted (monotonic)]
-_listed_nodes: list[float] = [0.0, 0.0, -_LISTED_NODES_TTL_S]
+# [listed nodes, busy nodes, wake servers listening, when counted (monotonic)]
+_listed_nodes: list[float] = [0.0, 0.0, 0.0, -_LISTED_NODES_TTL_S]
 
 
-def _listed_nodes_count() -> int:
-    """The nodes that heartbeat (every status but OFFLINE) when a wake server listens, else 0;
-    counted at most every 30 s per process: the fleet's size changes slowly, and an idle
-    heartbeat must stay one statement."""
-    count, listeners, when = _listed_nodes
-    if time.monotonic() - when >= _LISTED_NODES_TTL_S:
+def _fleet_counts(*, recount: bool = True) -> tuple[int, int]:
+    """The nodes that heartbeat (every status but OFFLINE) and those of them that hold GPUs
+    for a container that should run, when a wake server listens, else (0, 0); counted at most
+    every 30 s per process: the fleet's size changes slowly, and an idle heartbeat must stay
+    one statement. Without `recount`, the last counts whatever their age."""
+    listed, busy, listeners, when = _listed_nodes
+    if recount and time.monotonic() - when >= _LISTED_NODES_TTL_S:
         listeners = wake_listeners()
-        count = Node.objects.exclude(status=NodeStatus.OFFLINE).count() if listeners else 0
-        _listed_nodes[:] = [count, listeners, time.monotonic()]
-    return int(count)
+        listed = busy = 0
+        if listeners:
+            listed = Node.objects.exclude(status=NodeStatus.OFFLINE).count()
+            busy = (
+                Allocation.objects.filter(
+                    released_at__isnull=True,
+                    during__contains=timezone.now(),
+                    rental__status__in=_CONTAINER_WANTED,
+                )
+                .values("node_id")
+                .distinct()
+                .count()
+            )
+        _listed_nodes[:] = [listed, busy, listeners, time.monotonic()]
+    return int(listed), int(busy)
+
+
+def _scaled_interval(
+    *, count: int, rate_key: str, ceiling_key: str, ceiling: int, recount: bool = True
+) -> int:
+    """Nomad's `max_heartbeats_per_second`: the nodes counted by `_fleet_counts()[count]`
+    offer at most the setting `rate_key` heartbeats a second together, each never under
+    HEARTBEAT_INTERVAL_S nor over the setting `ceiling_key`. Without a wake server (none
+    configured, or none listening on its channel), the base interval: work would wait that
+    long."""
+    base = heartbeat_interval_s()
+    rate = settings.GPUMARKET.get(rate_key, 0)
+    if rate <= 0 or not wake_enabled():
+        return base
+    ceiling = max(base, settings.GPUMARKET.get(ceiling_key, ceiling))
+    return min(ceiling, max(base, math.ceil(_fleet_counts(recount=recount)[count] / rate)))
 
 
 def idle_heartbeat_interval_s() -> int:
-    """The interval an idle node is asked for (Nomad's `max_heartbeats_per_second`): with a
-    wake server, work reaches an idle node at once and its heartbeat only says it is alive, so
-    the whole idle fleet offers at most IDLE_HEARTBEATS_PER_S; never under HEARTBEAT_INTERVAL_S
-    nor over IDLE_HEARTBEAT_MAX_S. Without a wake server (none configured, or none listening on
-    its channel), the base interval: a placement would otherwise wait that long."""
-    base = heartbeat_interval_s()
-    rate = settings.GPUMARKET.get("IDLE_HEARTBEATS_PER_S", 0)
-    if rate <= 0 or not wake_enabled():
-        return base
-    ceiling = max(base, settings.GPUMARKET.get("IDLE_HEARTBEAT_MAX_S", 120))
-    return min(ceiling, max(base, math.ceil(_listed_nodes_count() / rate)))
+    """The interval an idle node is asked for: with a wake server, work reaches an idle node
+    at once and its heartbeat only says it is alive, so the whole idle fleet offers at most
+    IDLE_HEARTBEATS_PER_S, never less often than every IDLE_HEARTBEAT_MAX_S."""
+    return _scaled_interval(
+        count=0, rate_key="IDLE_HEARTBEATS_PER_S", ceiling_key="IDLE_HEARTBEAT_MAX_S",
+        ceiling=120,
+    )  # fmt: skip
+
+
+def busy_heartbeat_interval_s() -> int:
+    """The interval a node holding GPUs is asked for: the busy nodes together offer at most
+    BUSY_HEARTBEATS_PER_S, never less often than every BUSY_HEARTBEAT_MAX_S. A longer interval
+    loses nothing billing needs (a usage report confirms its run up to its instant, whenever
+    it arrives) and the agent sends a round at once when a run starts, exits or fails; only the
+    live log, metric lines and telemetry arrive later. The same wake-server condition as the
+    idle interval: a stop or a placement on the node's free GPUs reaches it through it."""
+    return _scaled_interval(
+        count=1, rate_key="BUSY_HEARTBEATS_PER_S", ceiling_key="BUSY_HEARTBEAT_MAX_S",
+        ceiling=15,
+    )  # fmt: skip
+
+
+def fleet_heartbeat_interval_s() -> int:
+    """The idle interval as this process last counted the fleet, counting nothing (no
+    statement, no Redis call): what a heartbeat refused before its work
+    (provisioning.admission) is told."""
+    return _scaled_interval(
+        count=0, rate_key="IDLE_HEARTBEATS_PER_S", ceiling_key="IDLE_HEARTBEAT_MAX_S",
+        ceiling=120, recount=False,
+    )  # fmt: skip
 
 
 def _dt(epoch: float | None) -> datetime | None:
@@ -678,10 +727,15 @@ def node_heartbeat(
     reported = {c.run_id for c in reports.containers}
     reported |= {run_id for _, run_id, _ in reports.metrics}
     reported |= {run_id for run_id, _, _ in reports.logs}
+    # A node on this path holds GPUs, or has just stopped holding them (its last runs' exits):
+    # the busy interval, stored as it is told (the silent-node sweep waits three of them).
+    interval = busy_heartbeat_interval_s()
+    stored = interval if interval > heartbeat_interval_s() else 0
     with transaction.atomic():
         state = queries.busy_heartbeat(
             node_id=node.pk,
             now=now,
+            interval_s=stored,
             offline=NodeStatus.OFFLINE.value,
             running=ContainerStatus.RUNNING.value,
             run_ids=sorted(reported),
@@ -689,7 +743,7 @@ def node_heartbeat(
             health=_HEALTH,
         )
         if not state.seen:
-            _node_back(node=node, now=now)
+            _node_back(node=node, now=now, interval_s=stored)
         # What may have changed the GPUs the node holds, or their rentals: re-read below.
         changed = False
         failed = state.failed
@@ -756,7 +810,7 @@ def node_heartbeat(
         failed = failed_gpu_indices(node_id=node.pk)
     return _answer(node_id=node.pk, reports=reports, desired=desired, ack=ack, counts=counts,
                    now=now, run_benchmark=run_benchmark, failed=failed or (), digest=digest,
-                   unchanged=unchanged)  # fmt: skip
+                   unchanged=unchanged, interval=interval)  # fmt: skip
 
 
 def _answer(
@@ -790,10 +844,10 @@ def _answer(
     )
 
 
-def _node_back(*, node: Node, now: datetime) -> None:
+def _node_back(*, node: Node, now: datetime, interval_s: int) -> None:
     """A node that was OFFLINE heartbeats again: ONLINE, under its row lock, with the event."""
     locked = Node.objects.select_for_update().get(pk=node.pk)
-    update: dict = {"last_seen_at": now, "heartbeat_interval_s": 0}
+    update: dict = {"last_seen_at": now, "heartbeat_interval_s": interval_s}
     if locked.status == NodeStatus.OFFLINE:
         # Only an OFFLINE node comes back: a status set meanwhile (maintenance by its
         # provider, say) is not overwritten.

@@ -36,10 +36,11 @@ class Request:
     path: str
     headers: dict[str, str]
     body: Any
+    at: float = 0.0  # when it arrived (time.monotonic)
 
 
-# (status, JSON body or raw text[, seconds to wait before answering])
-Answer = tuple[int, Any] | tuple[int, Any, float]
+# (status, JSON body or raw text[, seconds to wait before answering[, response headers]])
+Answer = tuple[int, Any] | tuple[int, Any, float] | tuple[int, Any, float, dict[str, str]]
 Responder = Callable[[Request], Answer]
 
 
@@ -88,19 +89,22 @@ def fake_server() -> Iterator[FakeServer]:
                 body = json.loads(raw) if raw else None
             except ValueError:
                 body = raw.decode(errors="replace")
-            request = Request(self.path, dict(self.headers), body)
+            request = Request(self.path, dict(self.headers), body, time.monotonic())
             with server_state.lock:
                 server_state.requests.append(request)
             responder = server_state.responders.get(self.path)
             answer = responder(request) if responder else (404, {"detail": "not found"})
             status, payload = answer[0], answer[1]
-            if len(answer) == 3:
+            if len(answer) >= 3:
                 time.sleep(answer[2])
+            headers = answer[3] if len(answer) == 4 else {}
             data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
             try:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                for name, value in headers.items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(data)
             except (BrokenPipeError, ConnectionResetError):

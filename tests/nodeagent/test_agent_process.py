@@ -26,6 +26,7 @@ from agentprotocol import (
     JOIN_PATH,
     DesiredRun,
     HeartbeatAnswer,
+    HeartbeatRefusal,
     JoinAnswer,
     SecretValue,
 )
@@ -49,6 +50,9 @@ class Server:
         self.token = NODE_TOKEN
         self.run_benchmark = False
         self.heartbeat_status = 200
+        self.interval = 1
+        # Heartbeats still to refuse as a server at its bound does (503 with Retry-After).
+        self.refusals: list[HeartbeatRefusal] = []
         self.acked = 0
         # Whether answers name the desired state with a digest, as the real server does.
         self.digests = False
@@ -66,6 +70,9 @@ class Server:
             return 401, {"detail": "invalid or revoked node token"}
         if self.heartbeat_status != 200:
             return self.heartbeat_status, {"detail": "down for maintenance"}
+        if self.refusals:
+            refusal = self.refusals.pop(0)
+            return 503, refusal.to_payload(), 0.0, {"Retry-After": str(refusal.retry_after_s)}
         self.acked = max([self.acked] + [u["seq"] for u in request.body["usage"]])
         digest = ""
         if self.digests:
@@ -75,7 +82,7 @@ class Server:
         answer = HeartbeatAnswer(
             desired=() if unchanged else tuple(self.desired),
             ack_usage_seq=self.acked,
-            heartbeat_interval_s=1,
+            heartbeat_interval_s=self.interval,
             run_benchmark=self.run_benchmark,
             desired_digest=digest,
             desired_unchanged=unchanged,
@@ -507,6 +514,45 @@ def test_a_run_that_cannot_start_is_reported_missing(server, agent_loop, driver)
     )
     assert report["run_id"] == entry.run_id and report["rental_id"] == entry.rental_id
     assert "needs a command" in report["log_tail"]
+
+
+def test_a_refused_heartbeat_is_sent_again_after_the_retry_after_not_within_the_call(
+    server, agent_loop
+):
+    # given a server that refuses the first heartbeat: come back in 2 s, then every 3 s
+    server.refusals = [HeartbeatRefusal(detail="busy", retry_after_s=2, heartbeat_interval_s=3)]
+    status, stderr = agent_loop(lambda: len(server.heartbeats()) >= 2)
+    assert status == 0, stderr
+    # then the refused heartbeat was not resent within the call: the next one is the next
+    # round's, sent once the Retry-After had passed (the loop's own interval is 0.2 s)
+    first, second = [r for r in server.fake.requests if r.path == HEARTBEAT_PATH][:2]
+    assert second.at - first.at >= 2.0
+    assert "heartbeat refused: server busy" in stderr
+
+
+def test_a_run_that_exits_between_rounds_is_reported_at_once_whatever_the_interval(
+    server, agent_loop
+):
+    # given a server asking for a heartbeat a minute, and a run that exits after a second
+    server.interval = 60
+    entry = desired_entry(
+        str(uuid.uuid4()), script="import time; time.sleep(1); raise SystemExit(4)"
+    )
+    server.desired = [entry]
+
+    def reported(status: str) -> Callable[[], bool]:
+        return lambda: any(
+            c["status"] == status for hb in server.heartbeats() for c in hb["containers"]
+        )
+
+    # then its start and its exit each reach the server at once, not a minute later
+    status, stderr = agent_loop(reported("exited"))
+    assert status == 0, stderr
+    assert reported("running")()
+    exit_report = next(
+        c for hb in server.heartbeats() for c in hb["containers"] if c["status"] == "exited"
+    )
+    assert exit_report["exit_code"] == 4
 
 
 def test_revoked_token_exits_non_zero_without_retrying(server, agent):

@@ -7,11 +7,20 @@ import time
 
 import pytest
 
-from agentprotocol import HEARTBEAT_PATH, JOIN_PATH, HeartbeatAnswer, JoinAnswer
+from agentprotocol import (
+    HEARTBEAT_PATH,
+    JOIN_PATH,
+    RETRY_AFTER_MAX_S,
+    HeartbeatAnswer,
+    HeartbeatRefusal,
+    JoinAnswer,
+)
 from nodeagent.client import (
     AgentApiClient,
     AuthRejectedError,
     RequestRejectedError,
+    ServerBusyError,
+    TimedOutError,
     TransientApiError,
     backoff_delay,
 )
@@ -116,3 +125,49 @@ def test_backoff_is_bounded_and_jittered():
     for attempt, delay in enumerate(delays):
         cap = min(8.0, 2.0**attempt)
         assert cap / 2 <= delay <= cap
+
+
+def test_a_refusal_with_retry_after_is_not_retried_and_says_when_and_how_often(fake_server):
+    # given a server at its bound of heartbeats in flight
+    refusal = HeartbeatRefusal(detail="busy", retry_after_s=7, heartbeat_interval_s=20)
+    fake_server.on(
+        HEARTBEAT_PATH, lambda request: (503, refusal.to_payload(), 0.0, {"Retry-After": "7"})
+    )
+    # when the client heartbeats with attempts to spare
+    with pytest.raises(ServerBusyError) as raised:
+        client_for(fake_server, attempts=3).heartbeat({}, token="t")
+    # then it sent once, and the error carries the server's delay and interval
+    assert len(fake_server.requests) == 1
+    assert raised.value.retry_after_s == 7.0
+    assert raised.value.interval_s == 20.0
+
+
+def test_a_429_with_retry_after_is_not_retried_and_the_wait_is_bounded(fake_server):
+    fake_server.on(
+        JOIN_PATH, lambda request: (429, {"detail": "slow down"}, 0.0, {"Retry-After": "3600"})
+    )
+    with pytest.raises(ServerBusyError) as raised:
+        client_for(fake_server, attempts=3).join({"join_token": "gpj_x"})
+    assert len(fake_server.requests) == 1
+    assert raised.value.retry_after_s == RETRY_AFTER_MAX_S
+    assert raised.value.interval_s is None
+
+
+def test_a_retry_after_that_is_a_date_is_an_ordinary_transient_error(fake_server):
+    date = "Wed, 21 Oct 2026 07:28:00 GMT"
+    fake_server.on(
+        HEARTBEAT_PATH, lambda request: (503, {"detail": "x"}, 0.0, {"Retry-After": date})
+    )
+    with pytest.raises(TransientApiError) as raised:
+        client_for(fake_server, attempts=2).heartbeat({}, token="t")
+    assert not isinstance(raised.value, ServerBusyError)
+    assert len(fake_server.requests) == 2
+
+
+def test_a_heartbeat_that_timed_out_is_not_resent_within_the_call(fake_server):
+    # given a server that answers after the client's timeout
+    fake_server.on(HEARTBEAT_PATH, lambda request: (200, DESIRED, 1.0))
+    with pytest.raises(TimedOutError):
+        client_for(fake_server, attempts=3, timeout_s=0.2).heartbeat({}, token="t")
+    # then one request: the server may still apply it, the next round sends newer state
+    assert len(fake_server.requests) == 1

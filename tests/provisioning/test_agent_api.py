@@ -378,7 +378,7 @@ def fleet_of(make_node, settings):
     def grow(n):
         for _ in range(n):
             make_node(gpus=1)
-        heartbeat._listed_nodes[:] = [0, 0, float("-inf")]
+        heartbeat._listed_nodes[:] = [0, 0, 0, float("-inf")]
 
     # A wake server listens on the channel (a real Redis subscriber standing in for it).
     listener = redis.Redis.from_url(os.environ["REDIS_URL"]).pubsub()
@@ -387,7 +387,7 @@ def fleet_of(make_node, settings):
     grow.listener = listener
     yield grow
     listener.close()
-    heartbeat._listed_nodes[:] = [0, 0, float("-inf")]
+    heartbeat._listed_nodes[:] = [0, 0, 0, float("-inf")]
 
 
 def test_an_idle_node_of_a_large_fleet_is_asked_to_heartbeat_less_often(agent, rent, fleet_of):
@@ -403,6 +403,43 @@ def test_an_idle_node_of_a_large_fleet_is_asked_to_heartbeat_less_often(agent, r
     Rental.objects.filter(pk=running.pk).update(status=RentalStatus.CANCELLED)
     Allocation.objects.filter(rental=running).update(released_at=timezone.now())
     assert _beat(agent).json()["heartbeat_interval_s"] == 30
+
+
+def test_a_busy_node_of_a_large_busy_fleet_is_asked_to_heartbeat_less_often(
+    agent, rent, fleet_of, make_node, settings
+):
+    # given two nodes holding GPUs (the agent's and another), one busy heartbeat a second
+    settings.GPUMARKET = {
+        **settings.GPUMARKET, "BUSY_HEARTBEATS_PER_S": 1, "BUSY_HEARTBEAT_MAX_S": 30
+    }  # fmt: skip
+    make_node(gpus=4)
+    first, second = _schedule(rent, 4), _schedule(rent, 4)
+    assert {
+        Allocation.objects.filter(rental=r).values_list("node_id", flat=True).first()
+        for r in (first, second)
+    } >= {agent.node.pk}
+    fleet_of(0)
+    # when the agent's node heartbeats (the full path: it holds GPUs)
+    answer = _beat(agent).json()
+    # then it is asked for one every 2 s, and stored so: the sweep waits three of them
+    assert answer["heartbeat_interval_s"] == 2
+    assert answer["desired"]
+    assert Node.objects.get(pk=agent.node.pk).heartbeat_interval_s == 2
+    # and never past BUSY_HEARTBEAT_MAX_S: at the base interval again, stored as 0
+    settings.GPUMARKET = {**settings.GPUMARKET, "BUSY_HEARTBEAT_MAX_S": 1}
+    assert _beat(agent).json()["heartbeat_interval_s"] == 1
+    assert Node.objects.get(pk=agent.node.pk).heartbeat_interval_s == 0
+
+
+def test_a_node_that_joins_is_told_the_interval_the_idle_fleet_uses(api, fleet_of, make_join_token):
+    # given 19 listed nodes at one idle heartbeat a second
+    fleet_of(19)
+    body = {"join_token": make_join_token(), "hostname": "gpu-host-2", "host": HOST,
+            "gpus": _gpus()}  # fmt: skip
+    r = api.post("/api/agent/v1/join/", body, format="json")
+    assert r.status_code == 201, r.content
+    # then the joined node (the 20th) is told the idle fleet's interval at once
+    assert r.json()["heartbeat_interval_s"] == 20
 
 
 def test_without_a_wake_server_every_node_heartbeats_at_the_base_interval(

@@ -179,7 +179,7 @@ def test_a_busy_heartbeat_reads_what_the_orm_reads(make_node, user):
     run_ids = [f"run-{first.pk}", f"run-{second.pk}", "run-of-another-node"]
     # When a heartbeat reading them runs
     state = queries.busy_heartbeat(
-        node_id=node.pk, now=now, offline=NodeStatus.OFFLINE.value,
+        node_id=node.pk, now=now, interval_s=15, offline=NodeStatus.OFFLINE.value,
         running=ContainerRun.Status.RUNNING.value, run_ids=run_ids, statuses=WANTED,
         health=HEALTH,
     )  # fmt: skip
@@ -188,7 +188,9 @@ def test_a_busy_heartbeat_reads_what_the_orm_reads(make_node, user):
     assert sorted(state.runs) == _orm_runs(node, run_ids)
     assert state.held == _orm_held(node, now)
     assert set(state.versions) == {first.pk, second.pk} and state.runs_recorded
-    assert Node.objects.get(pk=node.pk).last_seen_at == now
+    assert Node.objects.values_list("last_seen_at", "heartbeat_interval_s").get(pk=node.pk) == (
+        now, 15
+    )  # fmt: skip
     # and gpus_held_versions reads the same held GPUs and versions
     assert queries.gpus_held_versions(node_id=node.pk, now=now, statuses=WANTED) == (
         state.held, state.versions, True

@@ -1,0 +1,78 @@
+"""Admission of agent heartbeats before any of their work: Kubernetes' API priority and
+fairness in its simplest form, one bound per web process.
+
+Without it, a fleet heartbeating faster than the web tier serves collapses it: every thread
+holds a heartbeat, customers' requests and /healthz queue behind them, the agents time out and
+send again. Here a heartbeat beyond AGENT_HEARTBEATS_IN_FLIGHT in this process is answered 503
+at once, before Django builds a request, reads its body or touches the database: a
+`Retry-After` jittered over the interval the fleet is asked for (never past a third of the
+silence timeout, so a node refused twice in a row is not taken offline), and
+agentprotocol.HeartbeatRefusal as the body. Nothing of a refused heartbeat is applied; the agent
+sends its state again at its next round. Every other request passes untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from django.conf import settings
+
+from agentprotocol import HEARTBEAT_PATH, HeartbeatRefusal
+from core.metrics import HEARTBEATS_REFUSED
+from provisioning.services.heartbeat import fleet_heartbeat_interval_s
+
+WsgiApp = Callable[[dict, Callable], Iterable[bytes]]
+
+
+def retry_after_s(interval_s: int) -> int:
+    """Whole seconds (HTTP's Retry-After) between half and all of the fleet's interval, at most
+    a third of NODE_SILENCE_TIMEOUT_S: the refused nodes spread over the interval they were
+    going to wait anyway."""
+    window = max(1, min(interval_s, settings.GPUMARKET["NODE_SILENCE_TIMEOUT_S"] // 3))
+    return random.randint(math.ceil(window / 2), window)
+
+
+class HeartbeatAdmission:
+    """WSGI middleware around the agent API: at most `bound` heartbeats in flight."""
+
+    def __init__(self, app: WsgiApp, *, bound: int) -> None:
+        self._app = app
+        self.slots = threading.BoundedSemaphore(bound) if bound > 0 else None
+
+    def __call__(self, environ: dict, start_response: Callable) -> Any:
+        if environ.get("PATH_INFO") != HEARTBEAT_PATH or environ.get("REQUEST_METHOD") != "POST":
+            return self._app(environ, start_response)
+        if self.slots is None or not self.slots.acquire(blocking=False):
+            return _refuse(start_response)
+        try:
+            # Django's handler builds the whole response here; iterating it is only writing.
+            return self._app(environ, start_response)
+        finally:
+            self.slots.release()
+
+
+def _refuse(start_response: Callable) -> list[bytes]:
+    HEARTBEATS_REFUSED.inc()
+    interval = fleet_heartbeat_interval_s()
+    retry = retry_after_s(interval)
+    body = json.dumps(
+        HeartbeatRefusal(
+            detail="the server is at its bound of heartbeats in flight; retry after the delay",
+            retry_after_s=retry,
+            heartbeat_interval_s=interval,
+        ).to_payload()
+    ).encode()
+    start_response(
+        "503 Service Unavailable",
+        [
+            ("Content-Type", "application/json"),
+            ("Content-Length", str(len(body))),
+            ("Retry-After", str(retry)),
+        ],
+    )
+    return [body]

@@ -1,0 +1,122 @@
+"""Heartbeat admission (provisioning.admission) through the production WSGI entry point
+(config.wsgi.application): a heartbeat beyond the process's bound is refused before any work,
+customers' requests never are."""
+
+import io
+import json
+
+import pytest
+from django.core.signals import request_finished, request_started
+from django.db import close_old_connections
+from prometheus_client import REGISTRY
+
+from agentprotocol import HEARTBEAT_PATH, HeartbeatRefusal
+from marketplace.models import Node
+from provisioning.admission import HeartbeatAdmission, retry_after_s
+
+pytestmark = pytest.mark.django_db
+
+
+def _call(app, path, *, method="POST", token="", body=b"{}"):
+    """One request through a WSGI app: (status, headers, body)."""
+    environ = {
+        "REQUEST_METHOD": method, "PATH_INFO": path, "QUERY_STRING": "",
+        "SERVER_NAME": "testserver", "SERVER_PORT": "443", "HTTP_HOST": "testserver",
+        "wsgi.url_scheme": "https",
+        "REMOTE_ADDR": "127.0.0.1", "CONTENT_TYPE": "application/json",
+        "CONTENT_LENGTH": str(len(body)), "wsgi.input": io.BytesIO(body),
+        "wsgi.errors": io.StringIO(), "wsgi.version": (1, 0), "wsgi.multithread": True,
+        "wsgi.multiprocess": True, "wsgi.run_once": False,
+    }  # fmt: skip
+    if token:
+        environ["HTTP_AUTHORIZATION"] = f"Bearer {token}"
+    started = {}
+
+    def start_response(status, headers, exc_info=None):
+        started.update(status=int(status.split()[0]), headers=dict(headers))
+
+    # The test's database connection is kept open across the request, as Django's test client
+    # keeps it: the test's transaction holds its rows.
+    request_started.disconnect(close_old_connections)
+    request_finished.disconnect(close_old_connections)
+    try:
+        response = app(environ, start_response)
+        content = b"".join(response)
+        getattr(response, "close", lambda: None)()
+    finally:
+        request_started.connect(close_old_connections)
+        request_finished.connect(close_old_connections)
+    return started["status"], started["headers"], content
+
+
+@pytest.fixture
+def node_token(api, join_token):
+    body = {"join_token": join_token, "hostname": "gpu-host-1",
+            "host": {"cpu_cores": 32, "ram_gb": 256, "disk_gb": 2000},
+            "gpus": [{"index": 0, "uuid": "GPU-adm-0", "name": "NVIDIA A100-SXM4-80GB",
+                      "memory_mb": 81920}]}  # fmt: skip
+    r = api.post("/api/agent/v1/join/", body, format="json")
+    assert r.status_code == 201, r.content
+    return r.json()["node_token"]
+
+
+@pytest.fixture
+def wsgi():
+    """The production entry point."""
+    from config import wsgi
+
+    return wsgi
+
+
+def _refused_count() -> float:
+    return REGISTRY.get_sample_value("gpumarket_agent_heartbeats_refused_total") or 0.0
+
+
+def test_a_heartbeat_past_the_bound_is_refused_before_any_work(wsgi, node_token):
+    # given the process's one heartbeat slot taken (a heartbeat in flight)
+    node = Node.objects.get()
+    seen = node.last_seen_at
+    before = _refused_count()
+    assert wsgi.agent_api.slots.acquire(blocking=False)
+    try:
+        # when another heartbeat arrives
+        status, headers, body = _call(wsgi.application, HEARTBEAT_PATH, token=node_token)
+    finally:
+        wsgi.agent_api.slots.release()
+    # then 503, when to come back and how often to heartbeat, and it is counted
+    assert status == 503
+    refusal = HeartbeatRefusal.from_payload(json.loads(body))
+    assert headers["Retry-After"] == str(refusal.retry_after_s)
+    # (no wake server: the fleet's interval is the base one, 1 s in the tests)
+    assert (refusal.heartbeat_interval_s, refusal.retry_after_s) == (1, 1)
+    assert _refused_count() == before + 1
+    # and nothing of it was applied: the node was not marked seen
+    assert Node.objects.get(pk=node.pk).last_seen_at == seen
+    # once the slot is free, the same heartbeat is served
+    status, _, body = _call(wsgi.application, HEARTBEAT_PATH, token=node_token)
+    assert status == 200, body
+    assert Node.objects.get(pk=node.pk).last_seen_at > seen
+
+
+def test_with_a_bound_of_zero_every_heartbeat_is_refused_and_customers_are_not(
+    wsgi, node_token, auth_api
+):
+    app = HeartbeatAdmission(wsgi.agent_api, bound=0)
+    status, _, _ = _call(app, HEARTBEAT_PATH, token=node_token)
+    assert status == 503
+    # the agent API's other endpoints, and a heartbeat's GET, pass
+    status, _, _ = _call(app, "/api/agent/v1/join/", body=b'{"join_token": "gpj_x"}')
+    assert status == 400
+    status, _, _ = _call(app, HEARTBEAT_PATH, method="GET", token=node_token)
+    assert status == 405
+    # customers' requests take the site's handler: never refused, whatever the bound
+    for _ in range(3):
+        status, _, _ = _call(wsgi.application, "/healthz", method="GET")
+        assert status == 200
+
+
+def test_retry_after_spreads_over_the_interval_and_stays_within_the_silence_timeout(settings):
+    settings.GPUMARKET = {**settings.GPUMARKET, "NODE_SILENCE_TIMEOUT_S": 60}
+    assert {retry_after_s(5) for _ in range(200)} == {3, 4, 5}
+    assert {retry_after_s(120) for _ in range(400)} == set(range(10, 21))
+    assert {retry_after_s(1) for _ in range(20)} == {1}
