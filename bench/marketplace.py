@@ -230,9 +230,12 @@ class Watch(_Sampler):
     """What the database shows while the load runs, from one connection in a thread:
     - every second, what each busy backend of this database is doing (its wait event, or CPU,
       and the start of its statement): where the time goes when something is the bottleneck;
-    - every 5 s, the billing lag: how long the oldest usage not yet rated has waited (now - the
-      rating time, or the creation, of each meter with reports newer than its rating), and how
-      long ago the newest rating was (the last pass that rated anything)."""
+    - every 5 s, the billing lag: how long the oldest usage not yet rated has waited, from the
+      sample that first saw its meter's reports newer than its rating (so up to 5 s short);
+      beside it the /metrics gauge's figure, now - the meter's last rating, which overstates
+      the wait of a meter whose reports resume after a gap (a pass rates only meters with new
+      reports): a minute-long heartbeat outage reads as a minute of billing lag; and how long
+      ago the newest rating was (the last pass that rated anything)."""
 
     def __init__(self, url: str) -> None:
         from collections import Counter
@@ -244,7 +247,9 @@ class Watch(_Sampler):
         super().__init__()
         self.table = UsageMeter._meta.db_table
         self.conn = psycopg.connect(url, autocommit=True)
-        self.billing: list[tuple[float, float | None]] = []  # (lag, since the newest rating)
+        # (lag, the gauge's lag, since the newest rating)
+        self.billing: list[tuple[float, float, float | None]] = []
+        self.unrated: dict[int, tuple[int, float]] = {}  # meter -> (rated_version, first seen)
         self.activity: Counter = Counter()
         self.ticks = 0
 
@@ -259,20 +264,32 @@ class Watch(_Sampler):
             self.activity[(wait, query)] += 1
         if self.ticks % 5:
             return
-        lag, since = self.conn.execute(
+        now = time.monotonic()
+        gauge, since = self.conn.execute(
             "SELECT EXTRACT(EPOCH FROM now() - min(coalesce(rated_at, created_at))"
             " FILTER (WHERE rated_version < usage_version)),"
             f" EXTRACT(EPOCH FROM now() - max(rated_at)) FROM {self.table}"
         ).fetchone()
-        self.billing.append((float(lag or 0.0), None if since is None else float(since)))
+        rows = self.conn.execute(
+            f"SELECT id, rated_version FROM {self.table} WHERE rated_version < usage_version"
+        ).fetchall()
+        unrated = {}
+        for meter, rated in rows:
+            before, seen = self.unrated.get(meter, (rated, now))
+            # A meter rated since the last sample has waited only since this one.
+            unrated[meter] = (rated, seen if rated == before else now)
+        self.unrated = unrated
+        lag = now - min((seen for _, seen in self.unrated.values()), default=now)
+        self.billing.append((lag, float(gauge or 0.0), None if since is None else float(since)))
 
     def figures(self) -> dict:
-        lags = [lag for lag, _ in self.billing]
+        lags = [lag for lag, _, _ in self.billing]
         return {
             "samples": len(lags),
             "max_lag_s": max(lags, default=0.0),
             "end_lag_s": lags[-1] if lags else 0.0,
-            "since_last_rating_s": self.billing[-1][1] if self.billing else None,
+            "gauge_max_lag_s": max((g for _, g, _ in self.billing), default=0.0),
+            "since_last_rating_s": self.billing[-1][2] if self.billing else None,
             # Busy backends on average (per second sampled), by what they were doing.
             "db_busy": [(round(n / max(1, self.ticks), 2), wait, query)
                         for (wait, query), n in self.activity.most_common(8)],
@@ -533,7 +550,8 @@ def report(args, setup: dict, alone: dict, whole: dict, billing: dict) -> dict:
     passes = billing["passes"]
     print(
         f"billing: lag max {billing['max_lag_s']:.0f} s, at the end {billing['end_lag_s']:.0f} s"
-        f" ({billing['samples']} samples every 5 s; the pass runs every 60 s);"
+        f" ({billing['samples']} samples every 5 s; the pass runs every 60 s); the gauge's"
+        f" (since the meter's last rating) max {billing['gauge_max_lag_s']:.0f} s;"
         f" newest rating {_fmt(billing['since_last_rating_s'], '.0f')} s before the end;"
         f" {len(passes)} passes in the run (warm-up included), longest"
         f" {max(passes, default=0):.1f} s"
@@ -601,6 +619,7 @@ def report(args, setup: dict, alone: dict, whole: dict, billing: dict) -> dict:
         "advisor_p95_ms": ad["p95"] and round(ad["p95"], 1),
         "billing_lag_max_s": round(billing["max_lag_s"], 1),
         "billing_lag_end_s": round(billing["end_lag_s"], 1),
+        "billing_lag_gauge_max_s": round(billing["gauge_max_lag_s"], 1),
         "billing_pass_max_s": round(max(passes, default=0.0), 2),
         "cpu_s": {k: round(v, 1) for k, v in whole_cpu.items()},
         "db_busy_top": billing["db_busy"][:3],
@@ -680,10 +699,6 @@ def main() -> None:
             # The agent API in gunicorn processes of its own (deploy/: its own pods), the same
             # server: heartbeats never wait for threads that customers' pages hold.
             agent_api = stack.enter_context(gunicorn(workers=args.agent_workers, extra_env=extra))
-            from config.celery import app
-
-            # A broker shared with an earlier run holds its messages, for rows that are gone.
-            app.control.purge()
             pools = {
                 queue: stack.enter_context(celery(
                     "worker", "-Q", queue, "-c", str(processes), "-n", f"{queue}@%h",
