@@ -1,17 +1,19 @@
 """The whole marketplace on one control plane: 10,000 simulated nodes, customers, billing at once.
 
-Runs the real deployables on this machine: the web app under gunicorn in the production layout
-(config/gunicorn.py), a Celery worker (prefork, one process per core, as the Kubernetes
-manifest runs it), Celery beat with the product's own schedule (scheduler tick, node sweeps,
-telemetry flush, the billing pass every minute), PostgreSQL and Redis. Against them one
-asyncio process (aiohttp) plays, at once:
+Runs the real deployables on this machine in the production layout (deploy/): the customers'
+web and the agent API, each under its own gunicorn (config/gunicorn.py) so that neither's
+slow requests hold the threads the other's wait for; Celery workers in one pool per queue
+(CELERY_TASK_ROUTES: the scheduler's cycles, the billing pass, the rest), Celery beat with the
+product's own schedule (scheduler tick, node sweeps, telemetry flush, the billing pass every
+minute), PostgreSQL and Redis. Against them one asyncio process (aiohttp) plays, at once:
 
 - every node's agent, heartbeating at the production interval (HEARTBEAT_INTERVAL_S) with
   telemetry for its 8 GPUs; the nodes that run rentals also send, per run, a container report,
   a usage report, a harness step line and two log lines (bench/agents.py's Host, imported);
-- customers creating rentals through the REST API at 50/s (open loop: a slow answer does not
-  slow the arrivals), stopping each one a while later, and browsing offers (GET offers) and
-  the advisor (POST advisor).
+- customers of `--teams` teams (50) creating rentals through the REST API at 50/s, in turn
+  (open loop: a slow answer does not slow the arrivals), stopping each one a while later, and
+  browsing offers (GET offers) and the advisor (POST advisor). Many teams, as a marketplace
+  has: a create locks its team's billing account row, so one team's creates queue on it.
 
 Set-up is not measured: the inventory is COPYed (bench/_common.build_inventory), the nodes'
 credentials COPYed beside it, and the busy nodes' rentals booked through rental_create and one
@@ -22,10 +24,11 @@ Printed: heartbeat p50 / p99 and handled vs offered rate, create->SCHEDULED p50 
 rental's event rows), offers and advisor p95, the billing lag (the age of the oldest usage not
 yet rated: now - the rating time of the meters with newer reports, sampled every 5 s), and the
 CPU seconds each process group used (web, worker, beat, the database's backends, Redis, the
-load generator; psutil), beside the same figures of the single-component phases.
+load generator; psutil), beside the same figures of the single-component phases; and each
+billing pass's duration (its log line in the billing pool's log).
 
     python bench/marketplace.py [--nodes 10000] [--seconds 300] [--busy-fraction 0.2]
-                                [--create-rate 50] [--baseline-seconds 30]
+                                [--create-rate 50] [--teams 50] [--baseline-seconds 30]
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -115,15 +119,21 @@ def busy_statuses() -> dict[str, int]:
     return dict(rows.annotate(n=Count("id")).order_by())
 
 
+LOG_DIR = ROOT / ".var" / "bench"
+# The worker pools of deploy/ (one per queue of CELERY_TASK_QUEUES), with their process counts.
+WORKER_POOLS = {"celery": 2, "scheduler": 1, "billing": 1}
+
+
 @contextmanager
-def celery(*args: str, name: str):
+def celery(*args: str, name: str, level: str = "warning"):
     """A Celery process of the project (`celery -A config ARGS`), its log under .var/bench."""
-    log_path = ROOT / ".var" / "bench" / f"marketplace-{name}.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_path = LOG_DIR / f"marketplace-{name}.log"
     process = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "config", *args, "-l", "warning"],
-        cwd=ROOT, env=dict(os.environ), stdout=log_path.open("wb"), stderr=subprocess.STDOUT,
+        [sys.executable, "-m", "celery", "-A", "config", *args, "-l", level],
+        cwd=ROOT, env={**os.environ, "LOG_LEVEL": level.upper()}, stdout=log_path.open("wb"),
+        stderr=subprocess.STDOUT,
     )  # fmt: skip
+    process.log_path = log_path
     try:
         yield process
     finally:
@@ -166,11 +176,11 @@ class CpuMeter(_Sampler):
     short-lived processes (database backends) count up to their last sample. A group's total
     is the sum over every process it ever had of that process's last sampled counter."""
 
-    def __init__(self, roots: dict[str, int], database: str, redis_port: int) -> None:
+    def __init__(self, roots: dict[str, list[int]], database: str, redis_port: int) -> None:
         import psutil
 
         super().__init__()
-        self.roots = {name: psutil.Process(pid) for name, pid in roots.items()}
+        self.roots = {name: [psutil.Process(pid) for pid in pids] for name, pids in roots.items()}
         self.database, self.redis_port = database, str(redis_port)
         self.last: dict[int, tuple[str, float]] = {}
         self.lock = threading.Lock()
@@ -178,14 +188,15 @@ class CpuMeter(_Sampler):
     def _members(self):
         import psutil
 
-        for name, root in self.roots.items():
-            try:
-                yield name, root
-                if name != "loadgen":
-                    for child in root.children(recursive=True):
-                        yield name, child
-            except psutil.NoSuchProcess:
-                continue
+        for name, roots in self.roots.items():
+            for root in roots:
+                try:
+                    yield name, root
+                    if name != "loadgen":
+                        for child in root.children(recursive=True):
+                            yield name, child
+                except psutil.NoSuchProcess:
+                    continue
         for proc in psutil.process_iter(["name", "cmdline"]):
             cmdline = " ".join(proc.info["cmdline"] or ())
             if (proc.info["name"] or "").startswith("postgres") and (
@@ -219,9 +230,12 @@ class Watch(_Sampler):
     """What the database shows while the load runs, from one connection in a thread:
     - every second, what each busy backend of this database is doing (its wait event, or CPU,
       and the start of its statement): where the time goes when something is the bottleneck;
-    - every 5 s, the billing lag: how long the oldest usage not yet rated has waited (now - the
-      rating time, or the creation, of each meter with reports newer than its rating), and how
-      long ago the newest rating was (the last pass that rated anything)."""
+    - every 5 s, the billing lag: how long the oldest usage not yet rated has waited, from the
+      sample that first saw its meter's reports newer than its rating (so up to 5 s short);
+      beside it the /metrics gauge's figure, now - the meter's last rating, which overstates
+      the wait of a meter whose reports resume after a gap (a pass rates only meters with new
+      reports): a minute-long heartbeat outage reads as a minute of billing lag; and how long
+      ago the newest rating was (the last pass that rated anything)."""
 
     def __init__(self, url: str) -> None:
         from collections import Counter
@@ -233,7 +247,9 @@ class Watch(_Sampler):
         super().__init__()
         self.table = UsageMeter._meta.db_table
         self.conn = psycopg.connect(url, autocommit=True)
-        self.billing: list[tuple[float, float | None]] = []  # (lag, since the newest rating)
+        # (lag, the gauge's lag, since the newest rating)
+        self.billing: list[tuple[float, float, float | None]] = []
+        self.unrated: dict[int, tuple[int, float]] = {}  # meter -> (rated_version, first seen)
         self.activity: Counter = Counter()
         self.ticks = 0
 
@@ -248,20 +264,32 @@ class Watch(_Sampler):
             self.activity[(wait, query)] += 1
         if self.ticks % 5:
             return
-        lag, since = self.conn.execute(
+        now = time.monotonic()
+        gauge, since = self.conn.execute(
             "SELECT EXTRACT(EPOCH FROM now() - min(coalesce(rated_at, created_at))"
             " FILTER (WHERE rated_version < usage_version)),"
             f" EXTRACT(EPOCH FROM now() - max(rated_at)) FROM {self.table}"
         ).fetchone()
-        self.billing.append((float(lag or 0.0), None if since is None else float(since)))
+        rows = self.conn.execute(
+            f"SELECT id, rated_version FROM {self.table} WHERE rated_version < usage_version"
+        ).fetchall()
+        unrated = {}
+        for meter, rated in rows:
+            before, seen = self.unrated.get(meter, (rated, now))
+            # A meter rated since the last sample has waited only since this one.
+            unrated[meter] = (rated, seen if rated == before else now)
+        self.unrated = unrated
+        lag = now - min((seen for _, seen in self.unrated.values()), default=now)
+        self.billing.append((lag, float(gauge or 0.0), None if since is None else float(since)))
 
     def figures(self) -> dict:
-        lags = [lag for lag, _ in self.billing]
+        lags = [lag for lag, _, _ in self.billing]
         return {
             "samples": len(lags),
             "max_lag_s": max(lags, default=0.0),
             "end_lag_s": lags[-1] if lags else 0.0,
-            "since_last_rating_s": self.billing[-1][1] if self.billing else None,
+            "gauge_max_lag_s": max((g for _, g, _ in self.billing), default=0.0),
+            "since_last_rating_s": self.billing[-1][2] if self.billing else None,
             # Busy backends on average (per second sampled), by what they were doing.
             "db_busy": [(round(n / max(1, self.ticks), 2), wait, query)
                         for (wait, query), n in self.activity.most_common(8)],
@@ -274,11 +302,13 @@ class Watch(_Sampler):
 
 class Customers:
     """The customers' side, open loop over one aiohttp session: creates (each stopped `life`
-    seconds later), offers pages and advisor answers, each at its own rate."""
+    seconds later, the teams' tokens in turn), offers pages and advisor answers, each at its
+    own rate."""
 
-    def __init__(self, session, base: str, token: str, life: float) -> None:
+    def __init__(self, session, base: str, tokens: list[str], life: float) -> None:
         self.session, self.base, self.life = session, base, life
-        self.headers = {"Authorization": f"Bearer {token}"}
+        self.teams = [{"Authorization": f"Bearer {token}"} for token in tokens]
+        self.turn = 0
         self.created: list[tuple[str, float]] = []  # (rental id, create latency ms)
         self.create_errors: list[str] = []
         self.stops: dict[int, int] = {}
@@ -304,10 +334,12 @@ class Customers:
     async def create(self, deadline: float) -> None:
         import aiohttp
 
+        headers = self.teams[self.turn % len(self.teams)]
+        self.turn += 1
         t0 = time.perf_counter()
         try:
             async with self.session.post(
-                self.base + "/api/v1/rentals/", json=RENTAL_BODY, headers=self.headers
+                self.base + "/api/v1/rentals/", json=RENTAL_BODY, headers=headers
             ) as r:
                 answer = await r.json(content_type=None)
                 if r.status != 201:
@@ -323,7 +355,7 @@ class Customers:
         await asyncio.sleep(wait)
         try:
             path = f"{self.base}/api/v1/rentals/{answer['id']}/stop/"
-            async with self.session.post(path, headers=self.headers) as r:
+            async with self.session.post(path, headers=headers) as r:
                 await r.read()
                 self.stops[r.status] = self.stops.get(r.status, 0) + 1
         except (aiohttp.ClientError, TimeoutError):
@@ -354,12 +386,12 @@ async def open_loop(rate: float, seconds: float, fire) -> None:
     await asyncio.gather(*tasks)
 
 
-async def customers_run(base: str, token: str, seconds: float, rates: dict, life: float):
+async def customers_run(base: str, tokens: list[str], seconds: float, rates: dict, life: float):
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        people = Customers(session, base, token, life)
+        people = Customers(session, base, tokens, life)
         await asyncio.gather(
             open_loop(rates.get("create", 0), seconds, people.create),
             open_loop(rates.get("offers", 0), seconds, people.offer),
@@ -401,22 +433,24 @@ def phase(
     seconds: float,
     *,
     base: str,
-    token: str,
+    agent_base: str,
+    tokens: list[str],
     hosts: list[Host] | None,
     interval: float,
     rates: dict,
     life: float,
 ) -> dict:
-    """One measured phase: the heartbeats of `hosts` (if any) and the customers at `rates`,
-    together in one event loop; its figures and each process group's CPU seconds."""
+    """One measured phase: the heartbeats of `hosts` (if any, to the agent API at `agent_base`)
+    and the customers at `rates` (to the web at `base`), together in one event loop; its
+    figures and each process group's CPU seconds."""
 
     async def both():
         agents = (
-            run_agents(base, hosts, seconds, interval, follow=True)
+            run_agents(agent_base, hosts, seconds, interval, follow=True)
             if hosts
             else asyncio.sleep(0, ([], 0))
         )
-        return await asyncio.gather(agents, customers_run(base, token, seconds, rates, life))
+        return await asyncio.gather(agents, customers_run(base, tokens, seconds, rates, life))
 
     cpu0 = meter.totals()
     t0 = time.monotonic()
@@ -436,7 +470,7 @@ def phase(
             "p50": percentile(latencies, 50),
             "p99": percentile(latencies, 99),
             # Per heartbeat answered: one the agent gave up on may never have been served.
-            "cpu_ms_web": cpu["web"] * 1000 / max(1, len(latencies) - errors),
+            "cpu_ms_agent_api": cpu["agent_api"] * 1000 / max(1, len(latencies) - errors),
         }
     if rates.get("create"):
         ids = [rental_id for rental_id, _ in people.created]
@@ -469,6 +503,15 @@ def phase(
     return out
 
 
+_PASS_LINE = re.compile(r"Task billing\.pass\[[^\]]+\] succeeded in ([\d.]+)s")
+
+
+def billing_passes(log_path) -> list[float]:
+    """The seconds each billing pass took (one that found another running takes none), from
+    the billing pool's log."""
+    return [float(t) for t in _PASS_LINE.findall(log_path.read_text(errors="replace"))]
+
+
 def _fmt(value, spec: str = ".1f") -> str:
     return "n/a" if value is None else format(value, spec)
 
@@ -478,7 +521,8 @@ def report(args, setup: dict, alone: dict, whole: dict, billing: dict) -> dict:
     cr, cr0 = whole["create"], alone["create"]["create"]
     of, of0 = whole["offers"], alone["offers"]["offers"]
     print(
-        f"{args.nodes} nodes x 8 GPUs, heartbeat every {args.interval:g} s"
+        f"{args.nodes} nodes x 8 GPUs, heartbeat every {args.interval:g} s to the agent API's"
+        f" own processes; creates from {args.teams} teams"
         f"{', idle nodes as the server asks (wake server)' if setup['wake'] else ''}"
         f" ({hb['offered_per_s']:.0f}/s offered); {setup['busy_nodes']} nodes busy with"
         f" {setup['runs']} runs; set-up {setup['seconds']:.0f} s (not measured)"
@@ -503,10 +547,14 @@ def report(args, setup: dict, alone: dict, whole: dict, billing: dict) -> dict:
         f" p95 {_fmt(of['p95'])} ms; alone p95 {_fmt(of0['p95'])} ms;"
         f" advisor p95 {_fmt(ad['p95'])} ms, alone {_fmt(ad0['p95'])} ms"
     )
+    passes = billing["passes"]
     print(
         f"billing: lag max {billing['max_lag_s']:.0f} s, at the end {billing['end_lag_s']:.0f} s"
-        f" ({billing['samples']} samples every 5 s; the pass runs every 60 s);"
-        f" newest rating {_fmt(billing['since_last_rating_s'], '.0f')} s before the end"
+        f" ({billing['samples']} samples every 5 s; the pass runs every 60 s); the gauge's"
+        f" (since the meter's last rating) max {billing['gauge_max_lag_s']:.0f} s;"
+        f" newest rating {_fmt(billing['since_last_rating_s'], '.0f')} s before the end;"
+        f" {len(passes)} passes in the run (warm-up included), longest"
+        f" {max(passes, default=0):.1f} s"
     )
     print("database backends busy (average per second, by wait event or CPU, and statement):")
     for busy, wait, query in billing["db_busy"]:
@@ -514,7 +562,7 @@ def report(args, setup: dict, alone: dict, whole: dict, billing: dict) -> dict:
     # CPU per request in the single-component phases: what one core of each tier serves.
     per_request = {
         name: {g: round(part["cpu"][g] * 1000 / max(1, part["served"]), 2)
-               for g in ("web", "worker", "postgres")}
+               for g in ("web", "agent_api", "worker", "postgres")}
         for name, part in alone.items()
     }  # fmt: skip
     print("CPU ms per request alone (heartbeat; create; offers and advisor):")
@@ -557,7 +605,8 @@ def report(args, setup: dict, alone: dict, whole: dict, billing: dict) -> dict:
         "heartbeat_p99_ms": round(hb["p99"], 1),
         "heartbeat_p99_alone_ms": round(hb0["p99"], 1),
         "heartbeats_handled_alone_per_s": round(hb0["handled_per_s"], 1),
-        "web_cpu_ms_per_heartbeat_alone": round(hb0["cpu_ms_web"], 2),
+        "agent_api_cpu_ms_per_heartbeat_alone": round(hb0["cpu_ms_agent_api"], 2),
+        "teams": args.teams,
         "creates_offered_per_s": cr["offered_per_s"],
         "creates_per_s": round(cr["achieved_per_s"], 1),
         "create_errors": cr["errors"],
@@ -570,6 +619,8 @@ def report(args, setup: dict, alone: dict, whole: dict, billing: dict) -> dict:
         "advisor_p95_ms": ad["p95"] and round(ad["p95"], 1),
         "billing_lag_max_s": round(billing["max_lag_s"], 1),
         "billing_lag_end_s": round(billing["end_lag_s"], 1),
+        "billing_lag_gauge_max_s": round(billing["gauge_max_lag_s"], 1),
+        "billing_pass_max_s": round(max(passes, default=0.0), 2),
         "cpu_s": {k: round(v, 1) for k, v in whole_cpu.items()},
         "db_busy_top": billing["db_busy"][:3],
         "cpu_ms_per_request_alone": per_request,
@@ -593,7 +644,11 @@ def main() -> None:
     parser.add_argument(
         "--interval", type=float, help="seconds between heartbeats (default HEARTBEAT_INTERVAL_S)"
     )
-    parser.add_argument("--workers", type=int, help="gunicorn processes (default: 2 per core)")
+    parser.add_argument("--teams", type=int, default=50, help="customers' teams creating in turn")
+    parser.add_argument("--workers", type=int, help="web gunicorn processes (default: 2 per core)")
+    parser.add_argument(
+        "--agent-workers", type=int, help="agent API gunicorn processes (default: 2 per core)"
+    )
     parser.add_argument(
         "--no-wake",
         dest="wake",
@@ -601,7 +656,14 @@ def main() -> None:
         help="run without the wake server (every node at the base interval)",
     )
     args = parse_args(parser, nodes=50, seconds=10.0, baseline_seconds=2.0, create_rate=5.0,
-                      offers_rate=2.0, advisor_rate=1.0, life=4.0, interval=1.0)  # fmt: skip
+                      offers_rate=2.0, advisor_rate=1.0, life=4.0, interval=1.0,
+                      teams=3)  # fmt: skip
+    # The processes' logs; wake_server (launch.py) writes there too, and a fresh clone has none.
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    # The customers' mail (a rental started, failed) goes to a relay that takes it at once, as
+    # production's does: with none listening here every delivery would fail, and the
+    # notification sweep's retries would fill the default queue.
+    os.environ.setdefault("EMAIL_BACKEND", "django.core.mail.backends.dummy.EmailBackend")
     with bench_database("gpumarket_bench_marketplace") as url:
         from django.conf import settings
 
@@ -611,10 +673,12 @@ def main() -> None:
         build_inventory(url, args.nodes)
         hosts = [Host(token) for token in node_tokens(url)]
         placed = book_busy(int(args.nodes * args.busy_fraction) * 2)
-        customer, team = funded_team("customer")
         from accounts.services.tokens import api_token_create
 
-        _, api_token = api_token_create(user=customer, team=team, name="bench")
+        api_tokens = []
+        for i in range(args.teams):
+            customer, team = funded_team(f"customer{i}")
+            api_tokens.append(api_token_create(user=customer, team=team, name="bench")[1])
         setup_s = time.monotonic() - t0
         print(f"set-up: {args.nodes} nodes, {placed} busy rentals placed in {setup_s:.1f} s",
               flush=True)  # fmt: skip
@@ -632,23 +696,37 @@ def main() -> None:
             # placement reaches its node at once and idle nodes heartbeat less often.
             wake_url = stack.enter_context(wake_server()) if args.wake else None
             server = stack.enter_context(gunicorn(workers=args.workers, extra_env=extra))
-            worker = stack.enter_context(celery("worker", name="worker"))
+            # The agent API in gunicorn processes of its own (deploy/: its own pods), the same
+            # server: heartbeats never wait for threads that customers' pages hold.
+            agent_api = stack.enter_context(gunicorn(workers=args.agent_workers, extra_env=extra))
+            pools = {
+                queue: stack.enter_context(celery(
+                    "worker", "-Q", queue, "-c", str(processes), "-n", f"{queue}@%h",
+                    name=f"worker-{queue}",
+                    # The billing pool logs each pass (its duration, for the report).
+                    level="info" if queue == "billing" else "warning",
+                ))
+                for queue, processes in WORKER_POOLS.items()
+            }  # fmt: skip
             beat = stack.enter_context(
                 celery("beat", "-s", os.path.join(beat_dir, "schedule"), name="beat")
             )
-            roots = {"web": server.pid, "worker": worker.pid, "beat": beat.pid,
-                     "loadgen": os.getpid()}  # fmt: skip
+            roots = {"web": [server.pid], "agent_api": [agent_api.pid],
+                     "worker": [p.pid for p in pools.values()], "beat": [beat.pid],
+                     "loadgen": [os.getpid()]}  # fmt: skip
             database = urlsplit(url).path.strip("/")
             redis_port = urlsplit(os.environ["REDIS_URL"]).port
             meter = stack.enter_context(CpuMeter(roots, database, redis_port))
-            base = server.base_url
+            base, agent_base = server.base_url, agent_api.base_url
             up = time.monotonic()
             # The busy nodes learn their runs from the answers and report them running (a
             # start is a one-off, not the steady state measured).
             # Until all run, or three rounds change nothing.
             deadline, seen = time.monotonic() + max(60.0, 6 * args.interval), []
             while time.monotonic() < deadline:
-                asyncio.run(run_agents(base, hosts, args.interval, args.interval, follow=True))
+                asyncio.run(
+                    run_agents(agent_base, hosts, args.interval, args.interval, follow=True)
+                )
                 seen.append(statuses := busy_statuses())
                 if statuses.get("running", 0) >= placed or seen[-3:] == [statuses] * 3:
                     break
@@ -660,8 +738,8 @@ def main() -> None:
             )
             setup = {"seconds": setup_s, "busy_nodes": sum(1 for h in hosts if h.runs),
                      "runs": runs, "wake": bool(wake_url)}  # fmt: skip
-            common = {"base": base, "token": api_token, "interval": args.interval,
-                      "life": args.life}  # fmt: skip
+            common = {"base": base, "agent_base": agent_base, "tokens": api_tokens,
+                      "interval": args.interval, "life": args.life}  # fmt: skip
             rates = {"create": args.create_rate, "offers": args.offers_rate,
                      "advisor": args.advisor_rate}  # fmt: skip
             alone = {
@@ -674,6 +752,7 @@ def main() -> None:
             with Watch(url) as watch:
                 whole = phase(meter, args.seconds, hosts=hosts, rates=rates, **common)
             billing = watch.figures()
+        billing["passes"] = billing_passes(pools["billing"].log_path)
     emit(report(args, setup, alone, whole, billing))
 
 

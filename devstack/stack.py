@@ -336,14 +336,18 @@ def wake_port(port: int) -> int:
 
 def stack_commands(*, port: int, beat_schedule: Path) -> list[tuple[str, list[str]]]:
     """The stack's processes: web, the wake server, a worker, beat and the demo hosts' agents."""
-    # The production layout (config/gunicorn.py), at most 4 processes on a bigger machine.
+    # The production layout (config/gunicorn.py), at most 4 processes on a bigger machine. One
+    # gunicorn serves customers and the demo hosts' agents alike: a few agents cannot starve
+    # anyone, and two pools would halve the processes each gets. Production gives the agent API
+    # processes of its own (deploy/), where a fleet's heartbeats could.
     workers = os.environ.get("WEB_WORKERS") or str(min(4, 2 * len(os.sched_getaffinity(0))))
     gunicorn = [
         str(BIN / "gunicorn"), "config.wsgi", "-c", "python:config.gunicorn",
         "--workers", workers, "--bind", f"127.0.0.1:{port}", "--access-logfile", "-",
     ]  # fmt: skip
     # The dev stack runs as whoever starts it, root on many a sandbox: Celery's warning against
-    # a root worker is for production hosts, and only alarms a newcomer here.
+    # a root worker is for production hosts, and only alarms a newcomer here. Without -Q it
+    # consumes every queue (CELERY_TASK_QUEUES); production runs a pool per queue.
     worker = [
         sys.executable, "-W", "ignore:You're running the worker with superuser privileges",
         "-m", "celery", "-A", "config", "worker", "-l", "info", "-c", "2",

@@ -336,6 +336,18 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BROKER_TRANSPORT_OPTIONS = {"socket_timeout": 10, "socket_connect_timeout": 5}
 CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=False)
+# A queue per worker pool, so that no latency-bound task waits for a process another holds: the
+# scheduler's placement cycles (create -> SCHEDULED), the billing pass (a singleton whose run
+# grows with the running rentals; usage must be rated every minute), and the rest (sweeps, the
+# telemetry flush, notifications, hourly housekeeping). A worker started without -Q consumes
+# every queue (dev.py up, a small install); production runs a pool per queue (deploy/).
+CELERY_TASK_DEFAULT_QUEUE = "celery"
+CELERY_TASK_QUEUES = {"celery": {}, "scheduler": {}, "billing": {}}
+CELERY_TASK_ROUTES = {
+    "scheduler.cycle": {"queue": "scheduler"},
+    "scheduler.tick": {"queue": "scheduler"},
+    "billing.pass": {"queue": "billing"},
+}
 # The periodic work, defined here once: name -> (task, every). Nothing depends on a message
 # getting through: each periodic task re-reads its work from PostgreSQL, so a lost message, a
 # broker restart or a killed worker delays that work by one interval at most.
