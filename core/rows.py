@@ -110,7 +110,15 @@ def models_insert(*objs: models.Model) -> None:
                 model_insert(each)
             return
         params += values
-    ((*row,),) = pipelined([(sql, params)], raw=True)[0]
+    # A raw cursor of the connection, as pipelined uses psycopg's own: Django's query log does
+    # not see the statement, Django's error types are still raised.
+    with (
+        connection.cursor() as checked,
+        connection.wrap_database_errors,
+        psycopg.RawCursor(checked.cursor.connection) as cursor,
+    ):
+        cursor.execute(sql, params)
+        row = cursor.fetchone()
     returned = iter(row)
     for obj, (_, returning) in zip(objs, shapes, strict=True):
         for field in returning:
@@ -147,8 +155,7 @@ def pipelined(
     sent behind a `FOR UPDATE` sees what the lock's previous holder committed. The rows of
     each; a failing statement raises, as Django's cursors do, and the ones after it do not
     run. The statements go through psycopg's cursors, so Django's execute wrappers (and its
-    query log) do not see them. `raw`: the statements' placeholders are PostgreSQL's own
-    ($1, $2, ...), sent unconverted."""
+    query log) do not see them."""
     with connection.cursor() as checked:  # Django's checks: connected, no broken atomic block
         pg = checked.cursor.connection
         with connection.wrap_database_errors:
@@ -156,7 +163,7 @@ def pipelined(
             try:
                 with pg.pipeline():
                     for sql, params in statements:
-                        cursor = psycopg.RawCursor(pg) if raw else pg.cursor()
+                        cursor = pg.cursor()
                         cursors.append(cursor)
                         cursor.execute(sql, params)
                 return [cursor.fetchall() if cursor.description else [] for cursor in cursors]
