@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -178,8 +179,67 @@ def funded_customer(username: str):
     return customer
 
 
-def offered_load(rate: float, seconds: float, customer) -> dict:
-    """rental_create at `rate`/s for `seconds` from 4 threads; create->SCHEDULED of each."""
+class CpuMeter:
+    """CPU seconds (user + system) of some processes (`roots`: group -> (pid, with its
+    children)) and of this database's PostgreSQL backends, sampled every 0.5 s in a thread so
+    that a backend that exits counts up to its last sample: what one create costs each side,
+    whatever share of the machine's cores the run got."""
+
+    def __init__(self, roots: dict[str, tuple[int, bool]], database: str) -> None:
+        import psutil
+
+        self.roots = {group: (psutil.Process(pid), kids) for group, (pid, kids) in roots.items()}
+        self.database = f" {database} "
+        self.start: dict[int, float] = {}
+        self.last: dict[int, tuple[str, float]] = {}
+        self.stop = threading.Event()
+        self.tick()
+        self.start = {pid: seconds for pid, (_, seconds) in self.last.items()}
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.5):
+            self.tick()
+
+    def _members(self):
+        import psutil
+
+        for group, (root, kids) in self.roots.items():
+            yield group, root
+            if kids:
+                with contextlib.suppress(psutil.Error):
+                    yield from ((group, child) for child in root.children(recursive=True))
+        for proc in psutil.process_iter(["name", "cmdline"]):
+            if (proc.info["name"] or "").startswith("postgres") and self.database in " ".join(
+                proc.info["cmdline"] or ()
+            ):
+                yield "postgres", proc
+
+    def tick(self) -> None:
+        import psutil
+
+        for group, proc in list(self._members()):
+            try:
+                times = proc.cpu_times()
+            except psutil.Error:
+                continue
+            self.last[proc.pid] = (group, times.user + times.system)
+
+    def totals(self) -> dict[str, float]:
+        self.stop.set()
+        self.thread.join()
+        self.tick()
+        out = dict.fromkeys([*self.roots, "postgres"], 0.0)
+        for pid, (group, seconds) in self.last.items():
+            out[group] += seconds - self.start.get(pid, 0.0)
+        return out
+
+
+def offered_load(rate: float, seconds: float, customer, worker=None) -> dict:
+    """rental_create at `rate`/s for `seconds` from 4 threads; create->SCHEDULED of each, and
+    (with the worker's process) the CPU per create of the creators, the worker and
+    PostgreSQL."""
     from django.db import connection, connections
 
     from accounts.services import team_personal_ensure
@@ -215,6 +275,10 @@ def offered_load(rate: float, seconds: float, customer) -> dict:
         connections.close_all()
 
     threads = [threading.Thread(target=create_loop, args=(k,)) for k in range(threads_n)]
+    meter = None
+    if worker:
+        roots = {"creator": (os.getpid(), False), "worker": (worker.pid, True)}
+        meter = CpuMeter(roots, connection.settings_dict["NAME"])
     t0 = time.perf_counter()
     for t in threads:
         t.start()
@@ -232,6 +296,8 @@ def offered_load(rate: float, seconds: float, customer) -> dict:
             if cursor.fetchone()[0] == 0:
                 break
             time.sleep(0.5)
+        cpu = meter.totals() if meter else {}
+        load_average = os.getloadavg()[0]
         cursor.execute(
             """
             SELECT EXTRACT(EPOCH FROM (e.created_at - r.created_at))
@@ -250,6 +316,8 @@ def offered_load(rate: float, seconds: float, customer) -> dict:
         "p50": percentile(latencies, 50) if latencies else float("nan"),
         "p99": percentile(latencies, 99) if latencies else float("nan"),
         "max_create_lag_s": lag,
+        **{f"cpu_ms_per_create_{k}": 1000 * v / max(1, len(created)) for k, v in cpu.items()},
+        "load_average": load_average,
     }
 
 
@@ -342,9 +410,17 @@ def api_headers(customer) -> dict:
 def api_creates(server, customer, seconds: float = 10.0) -> dict:
     """Creates through the REST API under gunicorn, 4 keep-alive clients; beside the same
     server's GET /healthz rate from the same clients (the HTTP stack's ceiling)."""
+    from django.db import connection
+
+    from marketplace.models import Rental
+
     headers = api_headers(customer)
     health = rest_rate(server.base_url, "/healthz", headers, None, seconds)
+    before = Rental.objects.filter(customer=customer).count()
+    meter = CpuMeter({"web": (server.pid, True)}, connection.settings_dict["NAME"])
     creates = rest_rate(server.base_url, "/api/v1/rentals/", headers, CREATE_BODY, seconds)
+    cpu = meter.totals()
+    made = max(1, Rental.objects.filter(customer=customer).count() - before)
     env = dict(
         os.environ,
         GPUMARKET_SERVER_URL=server.base_url,
@@ -354,7 +430,15 @@ def api_creates(server, customer, seconds: float = 10.0) -> dict:
     python = [sys.executable, "-c", "pass"]
     cli_s = median([_wall(cli, env) for _ in range(10)])
     python_s = median([_wall(python, env) for _ in range(10)])
-    return {"creates": creates, "health": health, "cli_s": cli_s, "python_s": python_s}
+    return {
+        "creates": creates,
+        "health": health,
+        "cli_s": cli_s,
+        "python_s": python_s,
+        "web_ms": 1000 * cpu["web"] / made,
+        "postgres_ms": 1000 * cpu["postgres"] / made,
+        "load_average": os.getloadavg()[0],
+    }
 
 
 def _heartbeat_load(
@@ -487,14 +571,18 @@ def cycle_part(ceiling: float) -> dict:
 
 def stream_part(rates: list[float], seconds: float, service_rate: float) -> dict:
     stream = []
-    with celery_worker():
+    with celery_worker() as worker:
         for rate in rates:
-            load = offered_load(rate, seconds, funded_customer(f"load{rate:g}"))
+            load = offered_load(rate, seconds, funded_customer(f"load{rate:g}"), worker)
             stream.append(load)
             print(
                 f"stream {load['offered']:.0f}/s offered (achieved {load['achieved']:.1f}/s):"
                 f" {load['scheduled']}/{load['created']} scheduled, create->SCHEDULED p50 "
-                f"{load['p50']:.3f} s, p99 {load['p99']:.3f} s"
+                f"{load['p50']:.3f} s, p99 {load['p99']:.3f} s; CPU per create: creators "
+                f"{load['cpu_ms_per_create_creator']:.1f} ms, worker "
+                f"{load['cpu_ms_per_create_worker']:.1f} ms, PostgreSQL "
+                f"{load['cpu_ms_per_create_postgres']:.1f} ms; load average "
+                f"{load['load_average']:.1f}"
             )
     # The highest offered rate the machine kept up with (achieved within 10%).
     kept = [x for x in stream if x["achieved"] >= 0.9 * x["offered"]] or stream[:1]
@@ -545,11 +633,16 @@ def api_part(ceiling: float, service_rate: float, args: argparse.Namespace) -> d
     print(
         f"REST API alone, 4 keep-alive clients: {api['creates']:.0f} creates/s, "
         f"{api['creates'] / api['health']:.2f}x the same server's /healthz rate "
-        f"({api['health']:.0f}/s) and {api['creates'] / ceiling:.3f}x the INSERT ceiling"
+        f"({api['health']:.0f}/s) and {api['creates'] / ceiling:.3f}x the INSERT ceiling; CPU"
+        f" per create: web {api['web_ms']:.1f} ms, PostgreSQL {api['postgres_ms']:.1f} ms;"
+        f" load average {api['load_average']:.1f}"
     )
     figures = {
         "api_creates_per_s": round(api["creates"], 1),
         "api_health_per_s": round(api["health"], 1),
+        "api_web_cpu_ms_per_create": round(api["web_ms"], 2),
+        "api_postgres_cpu_ms_per_create": round(api["postgres_ms"], 2),
+        "api_load_average": round(api["load_average"], 1),
     }
     if busy:
         print(

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from functools import cache
 from typing import TypeVar
 
+import psycopg
 from django.db import connection, models
 from django.db.models.expressions import DatabaseDefault, Value
 
@@ -24,20 +25,28 @@ def _insert_statement(model: type[models.Model]) -> tuple[str, tuple, tuple]:
     """The INSERT of one row of `model`: its SQL, the fields it writes, the fields it returns.
     The fields are those Model.save() inserts when the auto primary key is left to the
     database."""
+    fields, returning = _insert_fields(model)
+    return _insert_sql(model, fields, returning, ["%s"] * len(fields)), fields, returning
+
+
+def _insert_fields(model: type[models.Model]) -> tuple[tuple, tuple]:
     meta = model._meta
     if meta.parents or meta.order_with_respect_to:
         raise TypeError(f"{model.__name__}: multi-table or ordered models are not inserted here")
     fields = tuple(
         f for f in meta.local_concrete_fields if not f.generated and f is not meta.auto_field
     )
-    returning = tuple(meta.db_returning_fields)
+    return fields, tuple(meta.db_returning_fields)
+
+
+def _insert_sql(model: type[models.Model], fields, returning, placeholders: list[str]) -> str:
     quote = connection.ops.quote_name
     columns = ", ".join(quote(f.column) for f in fields)
-    placeholders = ", ".join(["%s"] * len(fields))
-    sql = f"INSERT INTO {quote(meta.db_table)} ({columns}) VALUES ({placeholders})"  # noqa: S608
+    table = quote(model._meta.db_table)
+    sql = f"INSERT INTO {table} ({columns}) VALUES ({', '.join(placeholders)})"  # noqa: S608
     if returning:
         sql += f" RETURNING {', '.join(quote(f.column) for f in returning)}"
-    return sql, fields, returning
+    return sql
 
 
 def model_insert(obj: M) -> M:
@@ -61,6 +70,62 @@ def model_insert(obj: M) -> M:
     return mark_saved(obj)
 
 
+@cache
+def _chained_insert_statement(models_: tuple[type[models.Model], ...]) -> tuple[str, tuple]:
+    """One statement inserting a row of each model in turn (a data-modifying WITH per row),
+    answering every row's returned columns in one row; and each model's insert fields and
+    returned fields, in order."""
+    quote = connection.ops.quote_name
+    steps, selected, shapes = [], [], []
+    numbered = 0
+    for i, model in enumerate(models_):
+        fields, returning = _insert_fields(model)
+        # Numbered ($n) placeholders, sent as they are (a raw cursor): psycopg converts `%s`
+        # anew on every call for a statement of more than 50 parameters, which a rental's
+        # columns and its event's are.
+        placeholders = [f"${numbered + k + 1}" for k in range(len(fields))]
+        numbered += len(fields)
+        sql = _insert_sql(model, fields, returning, placeholders)
+        steps.append(f"_row{i} AS ({sql if returning else sql + ' RETURNING 1'})")
+        selected += [f"_row{i}.{quote(f.column)}" for f in returning]
+        shapes.append((fields, returning))
+    sources = ", ".join(f"_row{i}" for i in range(len(models_)))
+    sql = f"WITH {', '.join(steps)} SELECT {', '.join(selected) or '1'} FROM {sources}"  # noqa: S608
+    return sql, tuple(shapes)
+
+
+def models_insert(*objs: models.Model) -> None:
+    """Insert new, unsaved instances (a row each, in order: a later one may point at an
+    earlier one, whose key is set in Python) as model_insert does, in one prepared statement:
+    a create writes its rental and its first event in one round trip instead of two."""
+    sql, shapes = _chained_insert_statement(tuple(type(obj) for obj in objs))
+    params: list = []
+    for obj, (fields, _) in zip(objs, shapes, strict=True):
+        meta = obj._meta
+        if meta.auto_field is not None and getattr(obj, meta.auto_field.attname) is not None:
+            raise ValueError(f"{type(obj).__name__}: its auto primary key is already set")
+        values = insert_values(obj, fields)
+        if values is None:  # an expression: only the ORM's compiler writes it
+            for each in objs:
+                model_insert(each)
+            return
+        params += values
+    # A raw cursor of the connection, as pipelined uses psycopg's own: Django's query log does
+    # not see the statement, Django's error types are still raised.
+    with (
+        connection.cursor() as checked,
+        connection.wrap_database_errors,
+        psycopg.RawCursor(checked.cursor.connection) as cursor,
+    ):
+        cursor.execute(sql, params)
+        row = cursor.fetchone()
+    returned = iter(row)
+    for obj, (_, returning) in zip(objs, shapes, strict=True):
+        for field in returning:
+            setattr(obj, field.attname, _converted(field, next(returned)))
+        mark_saved(obj)
+
+
 def mark_saved(obj: M) -> M:
     """The instance is a row of the database now (its INSERT went through a statement here)."""
     obj._state.adding = False
@@ -81,7 +146,9 @@ def insert_values(obj: models.Model, fields) -> list | None:
     ]
 
 
-def pipelined(statements: Sequence[tuple[str, Sequence]]) -> list[list[tuple]]:
+def pipelined(
+    statements: Sequence[tuple[str, Sequence]], *, raw: bool = False
+) -> list[list[tuple]]:
     """Run the statements in order, sent together and answered together (psycopg's pipeline
     mode): one round trip instead of one each. The server runs each as soon as the one before
     it ends, each with a snapshot of its own as any statement in READ COMMITTED, so a read

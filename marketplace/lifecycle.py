@@ -31,7 +31,7 @@ from django.utils import timezone
 
 from accounts.models import Team
 from core.errors import Conflict, NotFound
-from core.rows import model_insert
+from core.rows import models_insert
 from core.wake import nodes_wake
 from marketplace.models import (
     Allocation,
@@ -214,26 +214,23 @@ def rental_submit(*, customer: User, team: Team, **fields) -> Rental:
     """Store a validated request as a PENDING rental of the team, created by `customer`, with
     its first event; a scheduler cycle for its pool is queued after commit."""
     _require_transaction()
-    # Every create writes these two rows: through statements prepared once (core.rows).
-    rental = model_insert(
-        Rental(
-            customer=customer,
-            team=team,
-            status=S.PENDING,
-            status_reason="waiting for the scheduler",
-            **fields,
-        )
+    rental = Rental(
+        customer=customer,
+        team=team,
+        status=S.PENDING,
+        status_reason="waiting for the scheduler",
+        **fields,
     )
-    created = model_insert(
-        RentalEvent(
-            rental=rental,
-            from_status="",
-            to_status=S.PENDING,
-            actor_kind=A.CUSTOMER,
-            actor=customer,
-            reason="created",
-        )
+    created = RentalEvent(
+        rental=rental,
+        from_status="",
+        to_status=S.PENDING,
+        actor_kind=A.CUSTOMER,
+        actor=customer,
+        reason="created",
     )
+    # Every create writes these two rows: in one statement, prepared once (core.rows).
+    models_insert(rental, created)
     # Its whole history so far, for the create's answer (selectors.rental_created_detail).
     rental.created_event = created
     pool = rental.pool

@@ -300,6 +300,11 @@ FAST_PATH_NODES = 24
 # A cycle keeps running rounds while work arrives for at most this long, then hands the pool
 # to a fresh task so that other pools' cycles on the same worker get their turn.
 CYCLE_BUDGET_S = 60.0
+# While creates stream in, a cycle's rounds begin at least this far apart, so that each round
+# places what arrived meanwhile together: a round costs the worker about as much for one rental
+# as for ten (bench/scheduler.py --parts stream, docs/benchmarks.md). A create that finds no
+# cycle running is placed at once; one that arrives mid-stream waits at most this much more.
+ROUND_GATHER_S = 0.1
 
 
 def _fast_path_fits(req: engine.Request, now: float, policy: engine.Policy) -> bool:
@@ -450,6 +455,7 @@ def _rounds(*, pool: str, policy: engine.Policy, result: CycleResult, until: flo
         if time.monotonic() > until:
             result.more = True
             return
+        time.sleep(max(0.0, ROUND_GATHER_S - (time.perf_counter() - t0)))
 
 
 def scheduler_cycle_run(

@@ -14,7 +14,7 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from billing.models import Account, AccountKind, FundsHold
-from core.rows import model_insert, pipelined
+from core.rows import model_insert, models_insert, pipelined
 from marketplace.models import Rental, RentalEvent
 from tests.factories import personal_team
 
@@ -201,3 +201,43 @@ def test_a_column_left_to_its_database_default_is_written_by_the_prepared_insert
     assert all("DEFAULT" not in q["sql"] for q in queries), [q["sql"] for q in queries]
     assert Rental.objects.get(pk=rental.pk).end_cause == "" == rental.end_cause
     assert RentalEvent.objects.get(pk=event.pk).cause == "" == event.cause
+
+
+@pytest.mark.django_db
+def test_rows_inserted_together_are_the_rows_inserted_one_by_one(user):
+    # Given a rental and its event, inserted in one statement, and their twins one by one
+    rental = _rental(user)
+    event = RentalEvent(rental=rental, to_status="pending", actor_kind="customer", reason="x")
+    models_insert(rental, event)
+    twin = model_insert(_rental(user))
+    twin_event = model_insert(
+        RentalEvent(rental=twin, to_status="pending", actor_kind="customer", reason="x")
+    )
+
+    # Then both rows are stored as their twins are, and each instance has what the database
+    # returned (the event's id, the columns left to their db_default) and knows it is saved
+    made = {"id", "rental_id", "created_at", "updated_at"}
+    for ours, theirs in ((rental, twin), (event, twin_event)):
+        assert not ours._state.adding and ours._state.db == "default"
+        read = _columns(type(ours).objects.get(pk=ours.pk))
+        assert read == _columns(ours)
+        assert {k: v for k, v in read.items() if k not in made} == {
+            k: v for k, v in _columns(theirs).items() if k not in made
+        }
+    assert isinstance(event.pk, int) and event.rental_id == rental.pk
+
+
+@pytest.mark.django_db
+def test_a_failing_row_of_rows_inserted_together_writes_none_of_them(user):
+    # Given a rental already stored
+    stored = model_insert(_rental(user))
+    rentals, events = Rental.objects.count(), RentalEvent.objects.count()
+
+    # When a new event is inserted together with a rental under the stored one's key
+    duplicate = _rental(user, id=stored.pk)
+    event = RentalEvent(rental=duplicate, to_status="pending", actor_kind="customer")
+    with pytest.raises(IntegrityError), transaction.atomic():
+        models_insert(duplicate, event)
+
+    # Then Django's IntegrityError is raised and neither row is written
+    assert (Rental.objects.count(), RentalEvent.objects.count()) == (rentals, events)
