@@ -379,6 +379,36 @@ def rental_mark_container_started(*, rental: Rental, hostname: str, waiting_for:
         )
 
 
+def rentals_mark_running(*, rentals: Sequence[Rental], hostname: str) -> set[str]:
+    """The agent on `hostname` reports the containers of these rentals running, in one
+    heartbeat: each single-node PROVISIONING rental becomes RUNNING, as
+    rental_mark_container_started moves one, set-based (one INSERT of the events, one UPDATE of
+    the rentals, then the recorder for each). The caller holds their row locks. Returns the ids
+    moved; a rental in any other state, or of several nodes, is left to the one-by-one path."""
+    _require_transaction()
+    moving = [r for r in rentals if r.status == S.PROVISIONING and r.node_count == 1]
+    if not moving:
+        return set()
+    reason = f"container running on {hostname}"[:500]
+    events = RentalEvent.objects.bulk_create(
+        RentalEvent(rental=r, from_status=r.status, to_status=S.RUNNING, actor_kind=A.AGENT,
+                    reason=reason)
+        for r in moving
+    )  # fmt: skip
+    now = timezone.now()
+    for rental, event in zip(moving, events, strict=True):
+        rental.status, rental.status_reason, rental.updated_at = S.RUNNING, reason, now
+        # Billable time starts at the server's own RUNNING event, whatever the agent reports.
+        rental.started_at = event.created_at
+    Rental.objects.bulk_update(moving, ["status", "status_reason", "started_at", "updated_at"])
+    if _event_recorder is None:
+        raise ImproperlyConfigured(MISSING_EVENT_RECORDER)
+    if _recorded(S.RUNNING):
+        for rental, event in zip(moving, events, strict=True):
+            _event_recorder(rental=rental, event=event)
+    return {str(rental.pk) for rental in moving}
+
+
 # What an agent's start error says when the customer's image or command is at fault (the node
 # refuses the image, the registry has no such image, the command cannot be executed), not the
 # node. Matched case-insensitively on the error the agent reports.

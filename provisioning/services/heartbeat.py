@@ -335,12 +335,9 @@ def _staging(rentals) -> dict:
     return staging
 
 
-def _steady_reports(*, runs: Sequence[list], reports: Sequence[ContainerReport]) -> set[str]:
-    """The reported runs a report changes nothing of but its time: running, as their row says,
-    for a RUNNING rental, with the same ports shown (`runs`: queries.BusyState.runs). Most
-    reports of a busy node are these; they are marked in one statement instead of being locked
-    and folded one by one."""
-    running = {
+def _plainly_running(reports: Sequence[ContainerReport]) -> dict[str, ContainerReport]:
+    """run id -> its report, for the reports that say only "running": no exit, no text."""
+    return {
         r.run_id: r
         for r in reports
         if r.status == ContainerStatus.RUNNING
@@ -349,6 +346,14 @@ def _steady_reports(*, runs: Sequence[list], reports: Sequence[ContainerReport])
         and not r.log_tail
         and not r.error
     }
+
+
+def _steady_reports(*, runs: Sequence[list], reports: Sequence[ContainerReport]) -> set[str]:
+    """The reported runs a report changes nothing of but its time: running, as their row says,
+    for a RUNNING rental, with the same ports shown (`runs`: queries.BusyState.runs). Most
+    reports of a busy node are these; they are marked in one statement instead of being locked
+    and folded one by one."""
+    running = _plainly_running(reports)
     steady = set()
     for run_id, _, steadily, published, ports, ssh, jupyter, _ in runs:
         report = running.get(run_id)
@@ -380,6 +385,48 @@ def _masks(*, runs: Sequence[list], reports: HeartbeatReports) -> dict:
     if not rental_ids:
         return {}
     return rentals_mask_terms(Rental.objects.filter(pk__in=rental_ids))
+
+
+def _apply_started(*, node: Node, reports: Sequence[ContainerReport], now: datetime) -> set[str]:
+    """The first RUNNING reports of the node's single-node PROVISIONING rentals, the reports a
+    launch brings: their runs read and locked together (run and rental rows, in rental order),
+    written in one UPDATE, and their rentals moved by lifecycle.rentals_mark_running, instead of
+    a savepoint, two locking reads and a transition each. Returns the run ids applied; every
+    other report goes through _apply_container."""
+    fresh = _plainly_running(reports)
+    if not fresh:
+        return set()
+    runs = list(
+        ContainerRun.objects.select_for_update(of=("self", "rental"))
+        .select_related("rental__team", "rental__customer")
+        .filter(
+            node=node,
+            run_id__in=sorted(fresh),
+            rental__status=RentalStatus.PROVISIONING,
+            rental__node_count=1,
+        )
+        .order_by("rental_id")
+    )
+    if not runs:
+        return set()
+    for run in runs:
+        report = fresh[run.run_id]
+        run.status = report.status
+        run.exit_code = None
+        run.started_at = run.started_at or _dt(report.started_at)
+        # As _apply_container shows them: only the ports the rental asked for.
+        wanted_ports = set(_ports(run.rental))
+        run.published = [
+            p.to_payload() for p in report.published if p.container_port in wanted_ports
+        ]
+        run.last_report_at = now
+    ContainerRun.objects.bulk_update(
+        runs, ["status", "exit_code", "started_at", "published", "last_report_at"]
+    )
+    moved = lifecycle.rentals_mark_running(
+        rentals=[run.rental for run in runs], hostname=node.hostname
+    )
+    return {run.run_id for run in runs if str(run.rental_id) in moved}
 
 
 def _apply_container(
@@ -701,10 +748,20 @@ def node_heartbeat(
             failed = None
         steady = _steady_reports(runs=state.runs, reports=reports.containers)
         masks = _masks(runs=state.runs, reports=reports)
-        for report in sorted(reports.containers, key=lambda c: c.run_id):
-            if report.run_id in steady:
-                continue
+        changing = [c for c in reports.containers if c.run_id not in steady]
+        started: set[str] = set()
+        if changing:
             changed = True
+        if any(c.status == ContainerStatus.RUNNING for c in changing):
+            try:
+                with transaction.atomic():
+                    started = _apply_started(node=node, reports=changing, now=now)
+            except DatabaseError as exc:
+                # Each is then applied on its own, below.
+                log.warning("started runs not applied together node=%s: %s", node.pk, exc)
+        for report in sorted(changing, key=lambda c: c.run_id):
+            if report.run_id in started:
+                continue
             try:
                 with transaction.atomic():
                     _apply_container(node, report, now, masks)
