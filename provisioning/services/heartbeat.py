@@ -895,14 +895,26 @@ def _node_images_apply(
 
 def _runs_request(*, node: Node, desired: list[DesiredRun]) -> None:
     """Record the runs handed to the agent; the first hand-over moves SCHEDULED->PROVISIONING.
-    The runs recorded before (every heartbeat hands them over again) are read in one go."""
+    The runs recorded before (every heartbeat hands them over again) are read in one go; the
+    new runs of single-node rentals are recorded together (_runs_request_alone), a gang
+    member's one by one (its rank is stored with it)."""
     known = set(
         ContainerRun.objects.filter(run_id__in=[e.run_id for e in desired]).values_list(
             "run_id", flat=True
         )
     )
-    for entry in desired:
-        if entry.run_id in known:
+    new = [entry for entry in desired if entry.run_id not in known]
+    if not new:
+        return
+    together: set[str] = set()
+    try:
+        with transaction.atomic():
+            together = _runs_request_alone(node=node, entries=new)
+    except DatabaseError as exc:
+        # Each is then recorded on its own, below.
+        log.warning("handed-over runs not recorded together node=%s: %s", node.pk, exc)
+    for entry in new:
+        if entry.run_id in together:
             continue
         try:
             with transaction.atomic():
@@ -921,6 +933,39 @@ def _runs_request(*, node: Node, desired: list[DesiredRun]) -> None:
                 lifecycle.rental_mark_provisioning(rental=rental, hostname=node.hostname)
         except IntegrityError:
             continue  # a concurrent heartbeat recorded it first
+
+
+def _runs_request_alone(*, node: Node, entries: list[DesiredRun]) -> set[str]:
+    """The new runs of single-node rentals, as a launch hands them over: their rentals locked
+    in one read (pk order), the runs inserted in one statement, the rentals moved by
+    lifecycle.rentals_mark_provisioning; returns the run ids now recorded. A run refused by a
+    constraint (its rental has an older run on this node) is left out, as get_or_create's
+    IntegrityError leaves it."""
+    rentals = list(
+        Rental.objects.select_for_update()
+        .filter(pk__in={entry.rental_id for entry in entries}, node_count=1)
+        .order_by("pk")
+    )
+    alone = {str(rental.pk) for rental in rentals}
+    wanted = {entry.run_id: entry.rental_id for entry in entries if entry.rental_id in alone}
+    if not wanted:
+        return set()
+    ContainerRun.objects.bulk_create(
+        [ContainerRun(run_id=run_id, rental_id=rental_id, node=node)
+         for run_id, rental_id in wanted.items()],
+        ignore_conflicts=True,
+    )  # fmt: skip
+    recorded = dict(
+        ContainerRun.objects.filter(node=node, run_id__in=list(wanted)).values_list(
+            "run_id", "rental_id"
+        )
+    )
+    with_run = {str(rental_id) for rental_id in recorded.values()}
+    lifecycle.rentals_mark_provisioning(
+        rentals=[rental for rental in rentals if str(rental.pk) in with_run],
+        hostname=node.hostname,
+    )
+    return set(recorded)
 
 
 def _usage_apply(*, node: Node, usage: list[UsageReport]) -> tuple[int, int]:

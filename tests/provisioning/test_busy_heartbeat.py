@@ -267,14 +267,19 @@ def test_a_runtime_change_reported_by_the_agent_is_folded_and_the_state_follows(
     assert answer["desired"] == [] and "desired_unchanged" not in answer
 
 
-def test_runs_reported_running_together_become_running_together(node_agent, rent):
-    # Given three rentals handed over to one node (PROVISIONING)
+def test_runs_handed_over_and_reported_running_together_move_together(node_agent, rent):
+    # Given three rentals placed on one node, handed over in one heartbeat (PROVISIONING)
     for _ in range(3):
         rent(2)
     scheduler_cycle_run()
     host = Host(node_agent)
     host.beat()
     assert set(Rental.objects.values_list("status", flat=True)) == {RentalStatus.PROVISIONING}
+    assert ContainerRun.objects.count() == 3
+    for rental in Rental.objects.all():
+        [event] = RentalEvent.objects.filter(rental=rental, to_status=RentalStatus.PROVISIONING)
+        assert event.from_status == RentalStatus.SCHEDULED
+        assert event.reason == "starting on busy-1"
     # When its next heartbeat reports the three running
     host.beat()
     # Then each is RUNNING from its one RUNNING event, its run row running, its start notified
