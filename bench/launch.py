@@ -335,10 +335,14 @@ class LaunchHost(Host):
         self.reported: set[str] = set()  # runs whose RUNNING the server has
         self.first_step: dict[str, float] = {}  # rental id -> its first step delivered
         self.channel: dict | None = None  # the wake-up channel the last answer named
+        self.fresh = asyncio.Event()  # an answer named a new channel (a fresh ticket)
 
     def learn(self, answer: dict) -> None:
         before = set(self.runs)
-        self.channel = answer.get("wake") or self.channel
+        channel = answer.get("wake") or self.channel
+        if channel != self.channel:
+            self.channel = channel
+            self.fresh.set()
         super().learn(answer)
         if set(self.runs) - before:
             self.wake.set()
@@ -387,7 +391,9 @@ async def heartbeat_loop(base: str, hosts: list[LaunchHost], interval: float, st
                 host.wake.clear()
 
         async def listen(host: LaunchHost) -> None:
-            """The agent's long-poll on the wake-up channel, where the answers name one."""
+            """The agent's long-poll on the wake-up channel, where the answers name one; after a
+            wake-up it waits for the ticket of the heartbeat that follows, as nodeagent/wake.py
+            does (the old one would be answered "woken" again at once)."""
             async with aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=40)
             ) as polls:
@@ -406,7 +412,10 @@ async def heartbeat_loop(base: str, hosts: list[LaunchHost], interval: float, st
                         woken = False
                         await asyncio.sleep(1)
                     if woken:
+                        host.fresh.clear()
                         host.wake.set()
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(host.fresh.wait(), 30)
 
         offsets = [i * interval / len(hosts) for i in range(len(hosts))]
         listeners = [asyncio.create_task(listen(h)) for h in hosts]

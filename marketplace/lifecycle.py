@@ -376,6 +376,61 @@ def rental_mark_container_started(*, rental: Rental, hostname: str, waiting_for:
         )
 
 
+def rentals_mark_provisioning(*, rentals: Sequence[Rental], hostname: str) -> set[str]:
+    """The runs of these rentals were handed to the agent on `hostname` in one heartbeat: each
+    single-node SCHEDULED rental starts provisioning, as rental_mark_provisioning moves one,
+    set-based (_rentals_move). Returns the ids moved."""
+    return _rentals_move(
+        rentals=rentals, source=S.SCHEDULED, target=S.PROVISIONING,
+        reason=f"starting on {hostname}",
+    )  # fmt: skip
+
+
+def rentals_mark_running(*, rentals: Sequence[Rental], hostname: str) -> set[str]:
+    """The agent on `hostname` reports the containers of these rentals running, in one
+    heartbeat: each single-node PROVISIONING rental becomes RUNNING, as
+    rental_mark_container_started moves one, set-based (_rentals_move). Returns the ids
+    moved."""
+    return _rentals_move(
+        rentals=rentals, source=S.PROVISIONING, target=S.RUNNING,
+        reason=f"container running on {hostname}",
+    )  # fmt: skip
+
+
+def _rentals_move(*, rentals: Sequence[Rental], source: str, target: str, reason: str) -> set[str]:
+    """An agent's edge `source` -> `target` for a batch of rentals whose row locks the caller
+    holds: one INSERT of the events, one UPDATE of the rentals, then the recorder for each, as
+    rental_transition does one by one (neither edge changes what the nodes run: no wake-up).
+    A rental in another state, or of several nodes (a gang waits for its barrier), is left to
+    the one-by-one path."""
+    _require_transaction()
+    moving = [r for r in rentals if r.status == source and r.node_count == 1]
+    if not moving:
+        return set()
+    reason = reason[:500]
+    events = RentalEvent.objects.bulk_create(
+        RentalEvent(rental=r, from_status=source, to_status=target, actor_kind=A.AGENT,
+                    reason=reason)
+        for r in moving
+    )  # fmt: skip
+    now = timezone.now()
+    fields = ["status", "status_reason", "updated_at"]
+    for rental, event in zip(moving, events, strict=True):
+        rental.status, rental.status_reason, rental.updated_at = target, reason, now
+        if target == S.RUNNING:
+            # Billable time starts at the server's own RUNNING event, whatever the agent says.
+            rental.started_at = event.created_at
+    if target == S.RUNNING:
+        fields.append("started_at")
+    Rental.objects.bulk_update(moving, fields)
+    if _event_recorder is None:
+        raise ImproperlyConfigured(MISSING_EVENT_RECORDER)
+    if _recorded(target):
+        for rental, event in zip(moving, events, strict=True):
+            _event_recorder(rental=rental, event=event)
+    return {str(rental.pk) for rental in moving}
+
+
 # What an agent's start error says when the customer's image or command is at fault (the node
 # refuses the image, the registry has no such image, the command cannot be executed), not the
 # node. Matched case-insensitively on the error the agent reports.

@@ -176,6 +176,10 @@ OP_WORKERS = 16
 # for it); the cached images are listed and pruned to their budget this often besides after
 # each start.
 PULL_REPORT_S = 2.0
+# Runs handed over together start together: the last of their starts to end wakes the loop,
+# so one heartbeat reports them all RUNNING (each report is a lifecycle transition on the
+# server). One that ends while others still start waits at most this long for them.
+START_REPORT_GRACE_S = 1.0
 IMAGE_PASS_S = 60.0
 MAX_REPORTED_IMAGES = 1000
 
@@ -1131,6 +1135,8 @@ class Agent:
             gpus_of={run_id: r.gpu_indices for run_id, r in records.items() if r is not None},
             grace_of={run_id: r.stop_grace_s for run_id, r in records.items() if r is not None},
         )
+        with self._pull_lock:
+            self._starting.update((entry.run_id, entry.image) for entry in plan.start)
         for entry in plan.start:
             logger.info(
                 "starting run", extra={"run_id": entry.run_id, "rental_id": entry.rental_id}
@@ -1150,19 +1156,25 @@ class Agent:
 
     def _start(self, driver: RuntimeDriver, entry: DesiredRun) -> tuple[ContainerState, float]:
         """Stage the run's files, then start it (in a worker thread); the state and when it
-        was seen so. Staging is provisioning: nothing runs, nothing is billed until it is done."""
-        self.spec_for(entry)  # a run that cannot be placed downloads nothing
-        with self._pull_lock:
-            self._starting[entry.run_id] = entry.image
+        was seen so. Staging is provisioning: nothing runs, nothing is billed until it is done.
+        The run is in `_starting` from its submission (_reconcile) until its start ends."""
         try:
+            self.spec_for(entry)  # a run that cannot be placed downloads nothing
             staged = stage_run(entry, cache=self._cache, stage_root=self._stage_root)
             state = driver.start(self.spec_for(entry, staged=staged))
         finally:
             with self._pull_lock:
                 self._starting.pop(entry.run_id, None)
                 self._pulls.pop(entry.run_id, None)
-            # Started or failed, the next round tells the server at once.
-            self._wake.set()
+                # Started or failed, the next round tells the server at once (the last of a
+                # batch at once, an earlier one within START_REPORT_GRACE_S).
+                last = not self._starting
+            if last:
+                self._wake.set()
+            else:
+                grace = threading.Timer(START_REPORT_GRACE_S, self._wake.set)
+                grace.daemon = True
+                grace.start()
         self._image_cache.used(entry.image)
         self._images_pass(self._clock())  # what it pulled counts against the budget now
         return state, self._clock()

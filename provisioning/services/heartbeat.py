@@ -384,12 +384,9 @@ def _staging(rentals) -> dict:
     return staging
 
 
-def _steady_reports(*, runs: Sequence[list], reports: Sequence[ContainerReport]) -> set[str]:
-    """The reported runs a report changes nothing of but its time: running, as their row says,
-    for a RUNNING rental, with the same ports shown (`runs`: queries.BusyState.runs). Most
-    reports of a busy node are these; they are marked in one statement instead of being locked
-    and folded one by one."""
-    running = {
+def _plainly_running(reports: Sequence[ContainerReport]) -> dict[str, ContainerReport]:
+    """run id -> its report, for the reports that say only "running": no exit, no text."""
+    return {
         r.run_id: r
         for r in reports
         if r.status == ContainerStatus.RUNNING
@@ -398,6 +395,14 @@ def _steady_reports(*, runs: Sequence[list], reports: Sequence[ContainerReport])
         and not r.log_tail
         and not r.error
     }
+
+
+def _steady_reports(*, runs: Sequence[list], reports: Sequence[ContainerReport]) -> set[str]:
+    """The reported runs a report changes nothing of but its time: running, as their row says,
+    for a RUNNING rental, with the same ports shown (`runs`: queries.BusyState.runs). Most
+    reports of a busy node are these; they are marked in one statement instead of being locked
+    and folded one by one."""
+    running = _plainly_running(reports)
     steady = set()
     for run_id, _, steadily, published, ports, ssh, jupyter, _ in runs:
         report = running.get(run_id)
@@ -429,6 +434,48 @@ def _masks(*, runs: Sequence[list], reports: HeartbeatReports) -> dict:
     if not rental_ids:
         return {}
     return rentals_mask_terms(Rental.objects.filter(pk__in=rental_ids))
+
+
+def _apply_started(*, node: Node, reports: Sequence[ContainerReport], now: datetime) -> set[str]:
+    """The first RUNNING reports of the node's single-node PROVISIONING rentals, the reports a
+    launch brings: their runs read and locked together (run and rental rows, in rental order),
+    written in one UPDATE, and their rentals moved by lifecycle.rentals_mark_running, instead of
+    a savepoint, two locking reads and a transition each. Returns the run ids applied; every
+    other report goes through _apply_container."""
+    fresh = _plainly_running(reports)
+    if not fresh:
+        return set()
+    runs = list(
+        ContainerRun.objects.select_for_update(of=("self", "rental"))
+        .select_related("rental__team", "rental__customer")
+        .filter(
+            node=node,
+            run_id__in=sorted(fresh),
+            rental__status=RentalStatus.PROVISIONING,
+            rental__node_count=1,
+        )
+        .order_by("rental_id")
+    )
+    if not runs:
+        return set()
+    for run in runs:
+        report = fresh[run.run_id]
+        run.status = report.status
+        run.exit_code = None
+        run.started_at = run.started_at or _dt(report.started_at)
+        # As _apply_container shows them: only the ports the rental asked for.
+        wanted_ports = set(_ports(run.rental))
+        run.published = [
+            p.to_payload() for p in report.published if p.container_port in wanted_ports
+        ]
+        run.last_report_at = now
+    ContainerRun.objects.bulk_update(
+        runs, ["status", "exit_code", "started_at", "published", "last_report_at"]
+    )
+    moved = lifecycle.rentals_mark_running(
+        rentals=[run.rental for run in runs], hostname=node.hostname
+    )
+    return {run.run_id for run in runs if str(run.rental_id) in moved}
 
 
 def _apply_container(
@@ -755,10 +802,20 @@ def node_heartbeat(
             failed = None
         steady = _steady_reports(runs=state.runs, reports=reports.containers)
         masks = _masks(runs=state.runs, reports=reports)
-        for report in sorted(reports.containers, key=lambda c: c.run_id):
-            if report.run_id in steady:
-                continue
+        changing = [c for c in reports.containers if c.run_id not in steady]
+        started: set[str] = set()
+        if changing:
             changed = True
+        if any(c.status == ContainerStatus.RUNNING for c in changing):
+            try:
+                with transaction.atomic():
+                    started = _apply_started(node=node, reports=changing, now=now)
+            except DatabaseError as exc:
+                # Each is then applied on its own, below.
+                log.warning("started runs not applied together node=%s: %s", node.pk, exc)
+        for report in sorted(changing, key=lambda c: c.run_id):
+            if report.run_id in started:
+                continue
             try:
                 with transaction.atomic():
                     _apply_container(node, report, now, masks)
@@ -892,14 +949,26 @@ def _node_images_apply(
 
 def _runs_request(*, node: Node, desired: list[DesiredRun]) -> None:
     """Record the runs handed to the agent; the first hand-over moves SCHEDULED->PROVISIONING.
-    The runs recorded before (every heartbeat hands them over again) are read in one go."""
+    The runs recorded before (every heartbeat hands them over again) are read in one go; the
+    new runs of single-node rentals are recorded together (_runs_request_alone), a gang
+    member's one by one (its rank is stored with it)."""
     known = set(
         ContainerRun.objects.filter(run_id__in=[e.run_id for e in desired]).values_list(
             "run_id", flat=True
         )
     )
-    for entry in desired:
-        if entry.run_id in known:
+    new = [entry for entry in desired if entry.run_id not in known]
+    if not new:
+        return
+    together: set[str] = set()
+    try:
+        with transaction.atomic():
+            together = _runs_request_alone(node=node, entries=new)
+    except DatabaseError as exc:
+        # Each is then recorded on its own, below.
+        log.warning("handed-over runs not recorded together node=%s: %s", node.pk, exc)
+    for entry in new:
+        if entry.run_id in together:
             continue
         try:
             with transaction.atomic():
@@ -918,6 +987,39 @@ def _runs_request(*, node: Node, desired: list[DesiredRun]) -> None:
                 lifecycle.rental_mark_provisioning(rental=rental, hostname=node.hostname)
         except IntegrityError:
             continue  # a concurrent heartbeat recorded it first
+
+
+def _runs_request_alone(*, node: Node, entries: list[DesiredRun]) -> set[str]:
+    """The new runs of single-node rentals, as a launch hands them over: their rentals locked
+    in one read (pk order), the runs inserted in one statement, the rentals moved by
+    lifecycle.rentals_mark_provisioning; returns the run ids now recorded. A run refused by a
+    constraint (its rental has an older run on this node) is left out, as get_or_create's
+    IntegrityError leaves it."""
+    rentals = list(
+        Rental.objects.select_for_update()
+        .filter(pk__in={entry.rental_id for entry in entries}, node_count=1)
+        .order_by("pk")
+    )
+    alone = {str(rental.pk) for rental in rentals}
+    wanted = {entry.run_id: entry.rental_id for entry in entries if entry.rental_id in alone}
+    if not wanted:
+        return set()
+    ContainerRun.objects.bulk_create(
+        [ContainerRun(run_id=run_id, rental_id=rental_id, node=node)
+         for run_id, rental_id in wanted.items()],
+        ignore_conflicts=True,
+    )  # fmt: skip
+    recorded = dict(
+        ContainerRun.objects.filter(node=node, run_id__in=list(wanted)).values_list(
+            "run_id", "rental_id"
+        )
+    )
+    with_run = {str(rental_id) for rental_id in recorded.values()}
+    lifecycle.rentals_mark_provisioning(
+        rentals=[rental for rental in rentals if str(rental.pk) in with_run],
+        hostname=node.hostname,
+    )
+    return set(recorded)
 
 
 def _usage_apply(*, node: Node, usage: list[UsageReport]) -> tuple[int, int]:

@@ -56,6 +56,7 @@ class Server:
         self.acked = 0
         # Whether answers name the desired state with a digest, as the real server does.
         self.digests = False
+        self.interval = 1
         fake_server.on(JOIN_PATH, self.join)
         fake_server.on(HEARTBEAT_PATH, self.heartbeat)
 
@@ -553,6 +554,28 @@ def test_a_run_that_exits_between_rounds_is_reported_at_once_whatever_the_interv
         c for hb in server.heartbeats() for c in hb["containers"] if c["status"] == "exited"
     )
     assert exit_report["exit_code"] == 4
+
+
+def test_runs_handed_over_together_are_reported_running_in_one_heartbeat(
+    server, agent_loop, driver
+):
+    # Given an answer that hands over two runs, and no regular round for a minute
+    entries = [desired_entry(str(uuid.uuid4()), gpu_indices=(gpu,)) for gpu in (0, 1)]
+    server.desired = entries
+    server.interval = 60
+
+    def reported() -> list[set[str]]:
+        return [
+            {c["run_id"] for c in hb["containers"] if c["status"] == "running"}
+            for hb in server.heartbeats()
+        ]
+
+    # When both start
+    status, stderr = agent_loop(lambda: any(reported()))
+    assert status == 0, stderr
+    # Then the heartbeat their starts bring reports both RUNNING at once
+    first = next(runs for runs in reported() if runs)
+    assert first == {entry.run_id for entry in entries}
 
 
 def test_revoked_token_exits_non_zero_without_retrying(server, agent):

@@ -9,16 +9,17 @@ import struct
 import time
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 from rest_framework.test import APIClient
 
 from accounts.services.secrets import secret_set
 from accounts.services.sshkeys import ssh_key_add
 from billing.models import UsageSegment
-from marketplace.lifecycle import rental_stop
-from marketplace.models import Node, Rental, RentalStatus
+from marketplace.lifecycle import rental_stop, rentals_mark_running
+from marketplace.models import Node, Rental, RentalEvent, RentalStatus
 from marketplace.services.rentals import RuntimeSpec
+from notifications.models import Notification
 from provisioning.models import ContainerRun, RunLogLine, RunMetric
 from scheduler.services import scheduler_cycle_run
 from tests.factories import personal_team
@@ -264,3 +265,55 @@ def test_a_runtime_change_reported_by_the_agent_is_folded_and_the_state_follows(
     # Then the rental completes and the same answer no longer desires it
     assert Rental.objects.get(pk=entry["rental_id"]).status == RentalStatus.COMPLETED
     assert answer["desired"] == [] and "desired_unchanged" not in answer
+
+
+def test_runs_handed_over_and_reported_running_together_move_together(node_agent, rent):
+    # Given three rentals placed on one node, handed over in one heartbeat (PROVISIONING)
+    for _ in range(3):
+        rent(2)
+    scheduler_cycle_run()
+    host = Host(node_agent)
+    host.beat()
+    assert set(Rental.objects.values_list("status", flat=True)) == {RentalStatus.PROVISIONING}
+    assert ContainerRun.objects.count() == 3
+    for rental in Rental.objects.all():
+        [event] = RentalEvent.objects.filter(rental=rental, to_status=RentalStatus.PROVISIONING)
+        assert event.from_status == RentalStatus.SCHEDULED
+        assert event.reason == "starting on busy-1"
+    # When its next heartbeat reports the three running
+    host.beat()
+    # Then each is RUNNING from its one RUNNING event, its run row running, its start notified
+    for rental in Rental.objects.all():
+        [event] = RentalEvent.objects.filter(rental=rental, to_status=RentalStatus.RUNNING)
+        assert rental.status == RentalStatus.RUNNING
+        assert event.from_status == RentalStatus.PROVISIONING
+        assert event.reason == "container running on busy-1"
+        assert rental.started_at == event.created_at
+        run = ContainerRun.objects.get(rental=rental)
+        assert run.status == "running" and run.started_at is not None
+        assert Notification.objects.filter(rental=rental, kind="rental.started").count() == 1
+    # and a report of them again changes nothing
+    before = RentalEvent.objects.count()
+    host.beat()
+    assert RentalEvent.objects.count() == before
+
+
+def test_a_batch_moves_only_single_node_provisioning_rentals(node_agent, rent):
+    # Given one rental handed over (PROVISIONING) and one still SCHEDULED
+    rent(2)
+    scheduler_cycle_run()
+    Host(node_agent).beat()
+    rent(2)
+    scheduler_cycle_run()
+    scheduled = Rental.objects.get(status=RentalStatus.SCHEDULED)
+    events = RentalEvent.objects.count()
+    # When both are marked running together
+    with transaction.atomic():
+        rentals = list(Rental.objects.select_for_update().order_by("pk"))
+        moved = rentals_mark_running(rentals=rentals, hostname="busy-1")
+    # Then only the PROVISIONING one moved, with one event
+    provisioning = Rental.objects.exclude(pk=scheduled.pk).get()
+    assert moved == {str(provisioning.pk)}
+    assert provisioning.status == RentalStatus.RUNNING
+    assert Rental.objects.get(pk=scheduled.pk).status == RentalStatus.SCHEDULED
+    assert RentalEvent.objects.count() == events + 1
