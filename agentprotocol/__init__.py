@@ -96,13 +96,13 @@ def _parse(cls: type[_M], payload: Any) -> _M:
     if not isinstance(payload, Mapping):
         raise ProtocolError(cls.wire_name, "(payload)", "must be an object")
     values = {}
-    for name, (hint, required) in _fields(cls).items():
+    for name, load, required in _field_loaders(cls):
         if name not in payload:
             if required:
                 raise ProtocolError(cls.wire_name, name, "missing")
             continue
         try:
-            values[name] = _load(hint, payload[name])
+            values[name] = load(payload[name])
         except _Bad as exc:
             raise ProtocolError(cls.wire_name, name + exc.path, exc.why) from None
     return cls(**values)
@@ -130,54 +130,97 @@ def _fields(cls: type) -> dict[str, tuple[Any, bool]]:
     }
 
 
-def _load(hint: Any, value: Any) -> Any:
+@functools.cache
+def _field_loaders(cls: type) -> tuple[tuple[str, Callable[[Any], Any], bool], ...]:
+    """(name, loader, required) per field of a message class: what each field's annotation
+    asks of a value is worked out once per class, not once per value (a busy node's heartbeat
+    holds dozens of reports)."""
+    return tuple((name, _loader(hint), required) for name, (hint, required) in _fields(cls).items())
+
+
+@functools.cache
+def _loader(hint: Any) -> Callable[[Any], Any]:
+    """The function that loads a value of type `hint`, raising _Bad when it is not one."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is Any:
-        return value
+        return _same
     if origin in (types.UnionType, typing.Union):  # only `T | None` is used
-        if value is None:
-            return None
         (inner,) = (arg for arg in args if arg is not type(None))
-        return _load(inner, value)
+        load_inner = _loader(inner)
+        return lambda value: None if value is None else load_inner(value)
     if origin is tuple:
-        if not isinstance(value, list | tuple):
-            raise _Bad(f"expected a list, got {type(value).__name__}")
-        items = []
-        for index, item in enumerate(value):
-            try:
-                items.append(_load(args[0], item))
-            except _Bad as exc:
-                raise _Bad(exc.why, f"[{index}]{exc.path}") from None
-        return tuple(items)
+        return functools.partial(_load_tuple, _loader(args[0]))
     if origin is Mapping:
-        if not isinstance(value, Mapping):
-            raise _Bad(f"expected an object, got {type(value).__name__}")
-        loaded = {}
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise _Bad(f"expected string keys, got {type(key).__name__}")
-            try:
-                loaded[key] = _load(args[1], item)
-            except _Bad as exc:
-                raise _Bad(exc.why, f"[{key!r}]{exc.path}") from None
-        return loaded
+        return functools.partial(_load_mapping, _loader(args[1]))
     if isinstance(hint, type) and issubclass(hint, Message):
-        try:
-            return hint.from_payload(value)
-        except ProtocolError as exc:
-            raise _Bad(exc.why, f".{exc.field}") from None
+        return functools.partial(_load_message, hint)
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        try:
-            return hint(value)
-        except ValueError:
-            raise _Bad(f"{value!r} is not one of {', '.join(m.value for m in hint)}") from None
+        return functools.partial(_load_enum, hint)
     if hint is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif isinstance(value, hint):  # str, bool
+        return _load_float
+    if hint is int:
+        return _load_int
+    return functools.partial(_load_instance, hint)  # str, bool
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _load_tuple(load: Callable[[Any], Any], value: Any) -> tuple:
+    if not isinstance(value, list | tuple):
+        raise _Bad(f"expected a list, got {type(value).__name__}")
+    items = []
+    for index, item in enumerate(value):
+        try:
+            items.append(load(item))
+        except _Bad as exc:
+            raise _Bad(exc.why, f"[{index}]{exc.path}") from None
+    return tuple(items)
+
+
+def _load_mapping(load: Callable[[Any], Any], value: Any) -> dict:
+    if not isinstance(value, Mapping):
+        raise _Bad(f"expected an object, got {type(value).__name__}")
+    loaded = {}
+    for key, item in value.items():
+        if not isinstance(key, str):
+            raise _Bad(f"expected string keys, got {type(key).__name__}")
+        try:
+            loaded[key] = load(item)
+        except _Bad as exc:
+            raise _Bad(exc.why, f"[{key!r}]{exc.path}") from None
+    return loaded
+
+
+def _load_message(hint: type[Message], value: Any) -> Message:
+    try:
+        return hint.from_payload(value)
+    except ProtocolError as exc:
+        raise _Bad(exc.why, f".{exc.field}") from None
+
+
+def _load_enum(hint: type[enum.Enum], value: Any) -> enum.Enum:
+    try:
+        return hint(value)
+    except ValueError:
+        raise _Bad(f"{value!r} is not one of {', '.join(m.value for m in hint)}") from None
+
+
+def _load_float(value: Any) -> float:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    raise _Bad(f"expected float, got {type(value).__name__}")
+
+
+def _load_int(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise _Bad(f"expected int, got {type(value).__name__}")
+
+
+def _load_instance(hint: type, value: Any) -> Any:
+    if isinstance(value, hint):
         return value
     raise _Bad(f"expected {hint.__name__}, got {type(value).__name__}")
 

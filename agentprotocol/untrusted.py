@@ -47,10 +47,12 @@ _INTEGER_FIELDS = frozenset({"step", "steps", "start_step", "steps_this_run"})
 # C0 controls but tab, newline and carriage return; DEL; and lone surrogates (a JSON "\ud800"
 # decodes to one, and no database or UTF-8 encoder takes it).
 _UNSAFE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]")
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_STRING_BYTES = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_NOT_BRACKET = re.compile(r"[^\[\]{}]")
-_NOT_BRACKET_BYTES = re.compile(rb"[^\[\]{}]")
+# A JSON string, written as "unrolled loop" (runs of plain characters between escapes): the same
+# strings as `"(?:[^"\\]|\\.)*"`, matched a run at a time instead of a character at a time, which
+# took ten times longer than parsing a heartbeat.
+_STRING_BYTES = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+_OPENING = frozenset(b"[{")
 
 
 def text_sanitize(text: str) -> str:
@@ -66,13 +68,12 @@ def json_depth(document: str | bytes) -> int:
     does not recurse. Brackets inside strings do not count; on text that is not JSON at all the
     count errs high, and the parser refuses that text anyway.
     """
-    if isinstance(document, bytes):
-        brackets = _NOT_BRACKET_BYTES.sub(b"", _STRING_BYTES.sub(b"", document)).decode()
-    else:
-        brackets = _NOT_BRACKET.sub("", _STRING.sub("", document))
+    if isinstance(document, str):
+        # Quotes, backslashes and brackets are ASCII, which no other character's UTF-8 holds.
+        document = document.encode(errors="surrogatepass")
     depth = deepest = 0
-    for char in brackets:
-        if char in "[{":
+    for char in _STRING_BYTES.sub(b"", document).translate(None, _NOT_BRACKETS):
+        if char in _OPENING:
             depth += 1
             deepest = max(deepest, depth)
         else:

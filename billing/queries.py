@@ -28,7 +28,7 @@ from billing.models import (
     UsageSegment,
 )
 from core.money import cost_micros_sql
-from core.rows import model_from_row, sql_named
+from core.rows import model_from_row, sql_compact, sql_named
 from marketplace.models import Allocation, Gpu, Node, Rental, RentalCredit, RentalEvent
 
 
@@ -405,8 +405,10 @@ FROM judged
 
 @cache
 def _apply_sql() -> str:
-    return sql_named(
-        _APPLY, allocation=Allocation, segment=UsageSegment, meter=UsageMeter, rental=Rental
+    return sql_compact(
+        sql_named(
+            _APPLY, allocation=Allocation, segment=UsageSegment, meter=UsageMeter, rental=Rental
+        )
     )
 
 

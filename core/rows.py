@@ -218,3 +218,16 @@ def sql_named(template: str, **tables: type[models.Model]) -> str:
     table of tables["rental"], `{rental.team}` the column of its field (braces of the SQL
     itself doubled). Build a statement once per process (functools.cache) and keep it."""
     return template.format(**{key: _Names(model) for key, model in tables.items()})
+
+
+# psycopg keeps a statement's parsed text (where its parameters are) for statements up to this
+# long (psycopg._queries.MAX_CACHED_STATEMENT_LENGTH) and parses a longer one again each time.
+PARSED_TEXT_CACHED_CHARS = 4096
+
+
+def sql_compact(sql: str) -> str:
+    """`sql` without its indentation and its comment lines, for a statement run on a hot path
+    that would otherwise be longer than PARSED_TEXT_CACHED_CHARS (no string literal of ours
+    spans lines)."""
+    lines = (line.strip() for line in sql.splitlines())
+    return "\n".join(line for line in lines if line and not line.startswith("--"))

@@ -10,6 +10,7 @@ test_queries.py asks each one's question again through the ORM.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from functools import cache
 from django.db import connection
 
 from accounts.models import SshKey, TeamSecret
-from core.rows import model_from_row, sql_named
+from core.rows import model_from_row, sql_compact, sql_named
 from marketplace.models import Allocation, Gpu, Node, Rental
 from provisioning.models import ContainerRun, NodeCredential, RunLogLine, RunMetric
 
@@ -278,39 +279,91 @@ class BusyState:
     runs_recorded: bool
 
 
-def busy_heartbeat(
-    *,
-    node_id: int,
-    now: datetime,
-    interval_s: int,
-    offline: str,
-    running: str,
-    run_ids: Sequence[str],
-    statuses: Sequence[str],
-    health: tuple[str, str, str],
-) -> BusyState:
-    """A heartbeat with reports of the node `node_id`: marks it seen at `now`, asked to
-    heartbeat next within `interval_s` (0: the base interval), unless its status is `offline`,
-    and reads its GPUs' health (`health`: ok, degraded, failed), its runs among
-    `run_ids` (`running`: the run's and the rental's status of a steady run) and the GPUs it
-    holds for a rental in `statuses`, with their versions."""
-    ok, degraded, failed = health
-    params = {
-        "node": node_id, "now": now, "interval": interval_s, "offline": offline,
-        "running": running,
-        "runs": list(run_ids), "statuses": list(statuses),
-        "ok": ok, "degraded": degraded, "failed": failed,
-    }  # fmt: skip
-    with connection.cursor() as cursor:
-        cursor.execute(_busy_sql(), params)
-        seen, is_degraded, failed_indices, runs, held, versions = cursor.fetchone()
+@dataclass(frozen=True, slots=True)
+class BusyRead:
+    """What a busy heartbeat reads besides its node: marked seen at `now`, asked to heartbeat
+    next within `interval_s` (0: the base interval), unless its status is `offline`; its GPUs'
+    health (`health`: ok, degraded, failed); its runs among `run_ids` (`running`: the run's and
+    the rental's status of a steady run); the GPUs it holds for a rental in `statuses`, with
+    their versions."""
+
+    now: datetime
+    interval_s: int
+    offline: str
+    running: str
+    run_ids: Sequence[str]
+    statuses: Sequence[str]
+    health: tuple[str, str, str]
+
+    def params(self) -> dict:
+        ok, degraded, failed = self.health
+        return {
+            "now": self.now, "interval": self.interval_s, "offline": self.offline,
+            "running": self.running,
+            "runs": list(self.run_ids), "statuses": list(self.statuses),
+            "ok": ok, "degraded": degraded, "failed": failed,
+        }  # fmt: skip
+
+
+def _busy_state(row: Sequence) -> BusyState:
+    seen, is_degraded, failed_indices, runs, held, versions = row
     return BusyState(
         bool(seen), is_degraded, failed_indices, runs or [], *_held_and_versions(held, versions)
     )
 
 
+def busy_heartbeat(*, node_id: int, read: BusyRead) -> BusyState:
+    """A heartbeat with reports of the node `node_id`: marks it seen and reads (BusyRead)."""
+    with connection.cursor() as cursor:
+        cursor.execute(_busy_sql(), {**read.params(), "node": node_id})
+        return _busy_state(cursor.fetchone())
+
+
+# busy_heartbeat of the node whose token is given, its token checked and its row read in the
+# same statement: one round trip less per busy heartbeat (bench/agents.py, busy phase).
+_TOKEN_NODE = """
+WITH token_node AS (
+  SELECT c.{credential.node} AS id FROM {credential} c
+  WHERE c.{credential.key_hash} = %(key)s AND c.{credential.revoked_at} IS NULL LIMIT 1
+), """
+
+
+@cache
+def _busy_by_token_sql() -> tuple[str, tuple]:
+    fields = tuple(Node._meta.concrete_fields)
+    quote = connection.ops.quote_name
+    node_id = "(SELECT t.id FROM token_node t)"
+    busy = _busy_sql().removeprefix("\nWITH ").replace("%(node)s", node_id)
+    # The node's columns first, NULL for an unknown or revoked token; nothing is written then,
+    # since every part of the statement names the node through token_node.
+    columns = ", ".join(f"node_row.{quote(f.column)}" for f in fields)
+    busy = busy.replace("\nSELECT\n", f"\nSELECT {columns},\n", 1)
+    busy = busy.replace(
+        ") unhealthy\n",
+        f") unhealthy LEFT JOIN {quote(Node._meta.db_table)} node_row"
+        f" ON node_row.{quote(Node._meta.pk.column)} = {node_id}\n",
+        1,
+    )
+    return sql_compact(sql_named(_TOKEN_NODE, **_TABLES) + busy), fields
+
+
+def busy_heartbeat_by_token(*, key_hash: str, read: BusyRead) -> tuple[Node, BusyState] | None:
+    """busy_heartbeat of the node of the unrevoked token with `key_hash` (node_by_token), with
+    the node as that returns it; None, and nothing changed, for an unknown or revoked token."""
+    sql, fields = _busy_by_token_sql()
+    with connection.cursor() as cursor:
+        cursor.execute(sql, {**read.params(), "key": key_hash})
+        row = cursor.fetchone()
+    if row[fields.index(Node._meta.pk)] is None:
+        return None
+    return model_from_row(Node, fields, row[: len(fields)]), _busy_state(row[len(fields) :])
+
+
 # A heartbeat's writes in one statement: its steady runs marked reported, its metric lines and
-# its log lines stored (a line stored before is kept once). Each part may be empty.
+# its log lines stored (a line stored before is kept once). Each part may be empty. The rows come
+# as one JSON array each: psycopg writes a Python list as an array literal element by element
+# (a quoting check per element), which cost a busy heartbeat more server time than the rows'
+# JSON text (bench/agents.py, busy phase).
 _WRITES = """
 WITH steady AS (
   UPDATE {run} c SET {run.last_report_at} = %(now)s
@@ -319,17 +372,15 @@ WITH steady AS (
 ), metrics AS (
   INSERT INTO {metric} ({metric.rental}, {metric.run_id}, {metric.line_hash}, {metric.event},
                         {metric.step}, {metric.data}, {metric.received_at})
-  SELECT m.rental, m.run, m.hash, m.event, m.step, m.data, %(now)s
-  FROM unnest(%(m_rental)s::uuid[], %(m_run)s::text[], %(m_hash)s::text[], %(m_event)s::text[],
-              %(m_step)s::int[], %(m_data)s::jsonb[]) AS m(rental, run, hash, event, step, data)
+  SELECT (m->>0)::uuid, m->>1, m->>2, m->>3, (m->>4)::int, (m->>5)::jsonb, %(now)s
+  FROM json_array_elements(%(metrics)s::json) m
   ON CONFLICT DO NOTHING
   RETURNING 1
 ), logs AS (
   INSERT INTO {logline} ({logline.rental}, {logline.run_id}, {logline.line_no}, {logline.line},
                          {logline.received_at})
-  SELECT l.rental, l.run, l.no, l.line, %(now)s
-  FROM unnest(%(l_rental)s::uuid[], %(l_run)s::text[], %(l_no)s::bigint[], %(l_line)s::text[])
-    AS l(rental, run, no, line)
+  SELECT (l->>0)::uuid, l->>1, (l->>2)::bigint, l->>3, %(now)s
+  FROM json_array_elements(%(logs)s::json) l
   ON CONFLICT DO NOTHING
   RETURNING 1
 )
@@ -343,13 +394,14 @@ def _writes_sql() -> str:
 
 
 class Rows:
-    """The rows of one INSERT of _WRITES, by column: metric rows (rental, run, line hash,
-    event, step, JSON text) or log rows (rental, run, line number, line)."""
+    """The rows of one INSERT of _WRITES: metric rows (rental, run, line hash, event, step,
+    JSON text) or log rows (rental, run, line number, line)."""
 
-    __slots__ = ("columns",)
+    __slots__ = ("rows", "width")
 
     def __init__(self, width: int) -> None:
-        self.columns: tuple[list, ...] = tuple([] for _ in range(width))
+        self.width = width
+        self.rows: list[tuple] = []
 
     @classmethod
     def metrics(cls) -> Rows:
@@ -360,8 +412,13 @@ class Rows:
         return cls(4)
 
     def add(self, *values) -> None:
-        for column, value in zip(self.columns, values, strict=True):
-            column.append(value)
+        if len(values) != self.width:
+            raise ValueError(f"a row of {self.width} values, got {len(values)}")
+        self.rows.append(values)
+
+    def json(self) -> str:
+        """The rows as a JSON array of arrays (a rental id as its text)."""
+        return json.dumps(self.rows, default=str)
 
 
 def heartbeat_writes(
@@ -370,13 +427,9 @@ def heartbeat_writes(
     """Mark the runs `steady` of the node reported at `now`, and insert the metric and log
     rows (Rows), received at `now`; those already stored are left as they are. Returns how
     many runs were marked and rows inserted."""
-    m_rental, m_run, m_hash, m_event, m_step, m_data = metrics.columns
-    l_rental, l_run, l_no, l_line = logs.columns
     params = {
         "node": node_id, "now": now, "steady": list(steady),
-        "m_rental": m_rental, "m_run": m_run, "m_hash": m_hash, "m_event": m_event,
-        "m_step": m_step, "m_data": m_data,
-        "l_rental": l_rental, "l_run": l_run, "l_no": l_no, "l_line": l_line,
+        "metrics": metrics.json(), "logs": logs.json(),
     }  # fmt: skip
     with connection.cursor() as cursor:
         cursor.execute(_writes_sql(), params)

@@ -76,7 +76,6 @@ from provisioning.services.health import (
     samples_clean,
     verdicts_by_index,
 )
-from provisioning.services.join import node_authenticate
 from provisioning.services.logs import log_rows
 from provisioning.services.telemetry import telemetry_buffer
 from storage import objectstore
@@ -701,11 +700,12 @@ def node_heartbeat_by_token(
     A heartbeat with no report but telemetry, the common case, is one statement: the token
     names the node, the node is marked seen and its held GPUs are read together. Only a node
     that holds GPUs, or is coming back from OFFLINE, is read whole and takes the full path."""
+    key_hash = token_hash(raw_token)
     if reports.idle():
         now = timezone.now()
         interval = idle_heartbeat_interval_s()
         row = queries.idle_heartbeat(
-            key_hash=token_hash(raw_token),
+            key_hash=key_hash,
             now=now,
             # Stored only when longer than the base: the sweep then waits three of them.
             interval_s=interval if interval > heartbeat_interval_s() else 0,
@@ -721,10 +721,10 @@ def node_heartbeat_by_token(
                                     counts=Counter(reports.dropped), now=now,
                                     run_benchmark=run_benchmark, failed=failed,
                                     interval=interval)  # fmt: skip
-    node = node_authenticate(raw_token)
-    if node is None:
-        return None
-    return node.pk, node_heartbeat(node=node, reports=reports, desired_digest=desired_digest)
+    applied = _heartbeat_apply(
+        node=None, key_hash=key_hash, reports=reports, desired_digest=desired_digest
+    )
+    return None if applied is None else (applied[0].pk, applied[1])
 
 
 # How long a desired state's digest stands at most (capped at a third of the presigned URLs'
@@ -764,13 +764,26 @@ def node_heartbeat(
     rolled back to its savepoint, counted with the edge's `dropped` and logged: one bad report
     never fails the others, and never the answer.
 
-    A busy node's steady heartbeat is four statements (its token's included): the reads
-    (queries.busy_heartbeat), the usage, the writes (queries.heartbeat_writes). The desired
+    A busy node's steady heartbeat is three statements: the reads (queries.busy_heartbeat;
+    through node_heartbeat_by_token, with the token's check and the node's row), the usage,
+    the writes (queries.heartbeat_writes). The desired
     state is built only when its digest differs from the one the agent holds
     (`desired_digest`, desired_digest_for); else the answer says it is unchanged."""
+    applied = _heartbeat_apply(
+        node=node, key_hash="", reports=reports, desired_digest=desired_digest
+    )
+    assert applied is not None  # the node was given: no token to refuse
+    return applied[1]
+
+
+def _heartbeat_apply(
+    *, node: Node | None, key_hash: str, reports: HeartbeatReports, desired_digest: str
+) -> tuple[Node, HeartbeatAnswer] | None:
+    """node_heartbeat of `node`, or without one of the node whose unrevoked token has
+    `key_hash`, the token checked and the node read by the heartbeat's first statement (None,
+    and nothing changed, for an unknown or revoked token)."""
     now = timezone.now()
     counts: Counter[str] = Counter(reports.dropped)
-    run_benchmark = node.benchmark_requested
     reported = {c.run_id for c in reports.containers}
     reported |= {run_id for _, run_id, _ in reports.metrics}
     reported |= {run_id for run_id, _, _ in reports.logs}
@@ -779,8 +792,7 @@ def node_heartbeat(
     interval = busy_heartbeat_interval_s()
     stored = interval if interval > heartbeat_interval_s() else 0
     with transaction.atomic():
-        state = queries.busy_heartbeat(
-            node_id=node.pk,
+        read = queries.BusyRead(
             now=now,
             interval_s=stored,
             offline=NodeStatus.OFFLINE.value,
@@ -789,6 +801,14 @@ def node_heartbeat(
             statuses=_CONTAINER_WANTED,
             health=_HEALTH,
         )
+        if node is None:
+            by_token = queries.busy_heartbeat_by_token(key_hash=key_hash, read=read)
+            if by_token is None:
+                return None
+            node, state = by_token
+        else:
+            state = queries.busy_heartbeat(node_id=node.pk, read=read)
+        run_benchmark = node.benchmark_requested
         if not state.seen:
             _node_back(node=node, now=now, interval_s=stored)
         # What may have changed the GPUs the node holds, or their rentals: re-read below.
@@ -865,9 +885,10 @@ def node_heartbeat(
             _runs_request(node=node, desired=desired)
     if run_benchmark and failed is None:
         failed = failed_gpu_indices(node_id=node.pk)
-    return _answer(node_id=node.pk, reports=reports, desired=desired, ack=ack, counts=counts,
-                   now=now, run_benchmark=run_benchmark, failed=failed or (), digest=digest,
-                   unchanged=unchanged, interval=interval)  # fmt: skip
+    return node, _answer(node_id=node.pk, reports=reports, desired=desired, ack=ack,
+                         counts=counts, now=now, run_benchmark=run_benchmark,
+                         failed=failed or (), digest=digest, unchanged=unchanged,
+                         interval=interval)  # fmt: skip
 
 
 def _answer(

@@ -30,7 +30,7 @@ def test_many_shallow_brackets_and_brackets_in_strings_are_not_nesting():
 
 
 _JSON = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.text(alphabet='[]{}"\\ab', max_size=6),
+    st.none() | st.booleans() | st.integers() | st.text(alphabet='[]{}"\\aé€', max_size=6),
     lambda inner: (
         st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3)
     ),
@@ -46,11 +46,11 @@ def _depth(value) -> int:
     return 0
 
 
-@given(value=_JSON, max_depth=st.integers(0, 6))
+@given(value=_JSON, max_depth=st.integers(0, 6), ascii_only=st.booleans())
 @settings(max_examples=500, deadline=None)
-def test_a_document_is_refused_exactly_when_it_nests_past_the_bound(value, max_depth):
-    text = json.dumps(value)
-    assert json_depth(text) == _depth(value)
+def test_a_document_is_refused_exactly_when_it_nests_past_the_bound(value, max_depth, ascii_only):
+    text = json.dumps(value, ensure_ascii=ascii_only)
+    assert json_depth(text) == json_depth(text.encode()) == _depth(value)
     if _depth(value) > max_depth:
         with pytest.raises(ValueError, match="deeper than"):
             json_loads_bounded(text, max_depth=max_depth)

@@ -21,15 +21,16 @@ from marketplace.models import Node, Rental, RentalEvent, RentalStatus
 from marketplace.services.rentals import RuntimeSpec
 from notifications.models import Notification
 from provisioning.models import ContainerRun, RunLogLine, RunMetric
+from provisioning.services import node_credential_revoke
 from scheduler.services import scheduler_cycle_run
 from tests.factories import personal_team
 from tests.provisioning.test_agent_api import HOST, _gpus
 
 pytestmark = pytest.mark.django_db
 
-# The token check, the reads, the usage, the writes (tests/provisioning/test_agent_api.py
+# The reads with the token check, the usage, the writes (tests/provisioning/test_agent_api.py
 # counts the idle heartbeat's one).
-BUSY_STATEMENTS = 4
+BUSY_STATEMENTS = 3
 
 
 @pytest.fixture
@@ -108,7 +109,7 @@ def _running(node_agent, rent, n: int = 4, **kwargs) -> Host:
     return host
 
 
-def test_a_busy_heartbeat_is_four_statements_and_applies_every_report(node_agent, rent):
+def test_a_busy_heartbeat_is_three_statements_and_applies_every_report(node_agent, rent):
     # Given a node running 4 rentals whose agent holds the desired state's digest
     host = _running(node_agent, rent)
     first = host.beat()
@@ -317,3 +318,33 @@ def test_a_batch_moves_only_single_node_provisioning_rentals(node_agent, rent):
     assert provisioning.status == RentalStatus.RUNNING
     assert Rental.objects.get(pk=scheduled.pk).status == RentalStatus.SCHEDULED
     assert RentalEvent.objects.count() == events + 1
+
+
+def test_a_busy_heartbeat_with_a_token_revoked_since_it_was_seen_is_401_and_writes_nothing(
+    node_agent, rent
+):
+    # Given a node running 4 rentals, whose token this process has seen valid
+    host = _running(node_agent, rent)
+    host.beat()
+    node = Node.objects.get(pk=node_agent.node.pk)
+    before = (
+        RunMetric.objects.count(),
+        RunLogLine.objects.count(),
+        sorted(UsageSegment.objects.values_list("run_id", "last_seq")),
+        sorted(ContainerRun.objects.values_list("run_id", "last_report_at")),
+    )
+    # When its token is revoked and it sends a heartbeat with reports of every kind
+    node_credential_revoke(node_id=node.pk, actor=None)
+    with CaptureQueriesContext(connection) as queries:
+        r = node_agent.post("/api/agent/v1/heartbeat/", host.body(), format="json")
+    # Then it is told so, after one statement (the token is checked with the reads), and
+    # nothing of the heartbeat is applied
+    assert r.status_code == 401 and r.json() == {"detail": "invalid or revoked node token"}
+    assert len([q for q in queries if "SAVEPOINT" not in q["sql"]]) == 1
+    assert Node.objects.get(pk=node.pk).last_seen_at == node.last_seen_at
+    assert before == (
+        RunMetric.objects.count(),
+        RunLogLine.objects.count(),
+        sorted(UsageSegment.objects.values_list("run_id", "last_seq")),
+        sorted(ContainerRun.objects.values_list("run_id", "last_report_at")),
+    )

@@ -163,6 +163,13 @@ def _orm_runs(node: Node, run_ids) -> list[list]:
     return sorted(runs)
 
 
+def _read(now, run_ids, interval_s: int = 15) -> queries.BusyRead:
+    return queries.BusyRead(
+        now=now, interval_s=interval_s, offline=NodeStatus.OFFLINE.value,
+        running=ContainerRun.Status.RUNNING.value, run_ids=run_ids, statuses=WANTED, health=HEALTH,
+    )  # fmt: skip
+
+
 def test_a_busy_heartbeat_reads_what_the_orm_reads(make_node, user):
     # Given a node holding two rentals, one of them running, with a FAILED and a DEGRADED GPU
     node = make_node(gpus=8)
@@ -178,11 +185,7 @@ def test_a_busy_heartbeat_reads_what_the_orm_reads(make_node, user):
     Gpu.objects.filter(node=node, index=6).update(health=GpuHealth.DEGRADED)
     run_ids = [f"run-{first.pk}", f"run-{second.pk}", "run-of-another-node"]
     # When a heartbeat reading them runs
-    state = queries.busy_heartbeat(
-        node_id=node.pk, now=now, interval_s=15, offline=NodeStatus.OFFLINE.value,
-        running=ContainerRun.Status.RUNNING.value, run_ids=run_ids, statuses=WANTED,
-        health=HEALTH,
-    )  # fmt: skip
+    state = queries.busy_heartbeat(node_id=node.pk, read=_read(now, run_ids))
     # Then it says what the ORM says
     assert (state.seen, state.degraded, state.failed) == (True, True, [7])
     assert sorted(state.runs) == _orm_runs(node, run_ids)
@@ -195,6 +198,45 @@ def test_a_busy_heartbeat_reads_what_the_orm_reads(make_node, user):
     assert queries.gpus_held_versions(node_id=node.pk, now=now, statuses=WANTED) == (
         state.held, state.versions, True
     )  # fmt: skip
+
+
+def test_a_busy_heartbeat_by_token_reads_the_node_and_what_busy_heartbeat_reads(make_node, user):
+    # Given a node holding a rental with a run, and its token
+    node = make_node(gpus=8)
+    rental = _placed(user, gpus=2)
+    now = rental.scheduled_start + timedelta(minutes=1)
+    ContainerRun.objects.create(rental=rental, node=node, run_id="run-1")
+    key_hash = _credential(node, "f")
+    read = _read(now, ["run-1"])
+    before = Node.objects.get(pk=node.pk)
+    # When a busy heartbeat names the node by its token
+    found, state = queries.busy_heartbeat_by_token(key_hash=key_hash, read=read)
+    # Then the node is the one node_by_token reads (its row as it was before the heartbeat)
+    assert _fields(found) == _fields(before)
+    # and the rest is what busy_heartbeat reads of the node, which it marked seen
+    assert Node.objects.get(pk=node.pk).last_seen_at == now
+    assert state == queries.busy_heartbeat(node_id=node.pk, read=read)
+
+
+@pytest.mark.parametrize("revoked", [True, False])
+def test_a_busy_heartbeat_by_an_unknown_or_revoked_token_changes_nothing(make_node, user, revoked):
+    # Given a node holding a rental with a run, whose token is revoked (or another token)
+    node = make_node(gpus=8)
+    rental = _placed(user, gpus=2)
+    ContainerRun.objects.create(rental=rental, node=node, run_id="run-1")
+    key_hash = _credential(node, "g")
+    if revoked:
+        NodeCredential.objects.filter(node=node).update(revoked_at=timezone.now())
+    else:
+        key_hash = "h" * 64
+    before = _fields(Node.objects.get(pk=node.pk))
+    # When a busy heartbeat comes with it
+    found = queries.busy_heartbeat_by_token(
+        key_hash=key_hash, read=_read(rental.scheduled_start + timedelta(minutes=1), ["run-1"])
+    )
+    # Then it finds no node and the node is as it was
+    assert found is None
+    assert _fields(Node.objects.get(pk=node.pk)) == before
 
 
 def test_a_held_rental_s_version_changes_with_its_row_keys_secrets_and_run(make_node, user):
