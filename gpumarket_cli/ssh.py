@@ -41,6 +41,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
 
 
+TUNNEL_STOP_GRACE_S = 5.0
+
+
 def _free_port() -> int:
     import socket
 
@@ -82,8 +85,13 @@ def jupyter(args: argparse.Namespace, api: Api) -> str | None:
     try:
         code = tunnel.wait()
     except KeyboardInterrupt:
+        # Ctrl-C ends the tunnel: asked first, killed if ssh has not gone within the grace.
         tunnel.terminate()
-        tunnel.wait()
+        try:
+            tunnel.wait(TUNNEL_STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            tunnel.kill()
+            tunnel.wait()
         return None
     if code != 0:
         raise CliError(f"ssh ended with exit code {code}")
