@@ -10,6 +10,7 @@ import random
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from contextlib import contextmanager
@@ -272,3 +273,94 @@ def funded_team(username: str, *, micros: int = 10**14):
     account = account_for_team(team=team)
     account_adjust(account_id=account.pk, amount_micros=micros, reason="bench credit", actor=None)
     return customer, team
+
+
+class Sampler:
+    """A daemon thread that calls `tick` every `period` seconds while in its `with` block."""
+
+    period = 1.0
+
+    def __init__(self) -> None:
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def tick(self) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while not self.stopped.wait(self.period):
+            self.tick()
+
+    def __enter__(self):
+        self.tick()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopped.set()
+        self.thread.join(10)
+
+
+class CpuMeter(Sampler):
+    """CPU seconds (user + system) per process group, sampled every second in a thread so that
+    short-lived processes (database backends) count up to their last sample. A group's total
+    is the sum over every process it ever had of that process's last sampled counter. `roots`:
+    group -> pids, each counted with its children but for the `alone` groups (the load
+    generator's own process, say); PostgreSQL's backends of `database` count as "postgres", and
+    the Redis server on `redis_port` (if given) as "redis"."""
+
+    def __init__(
+        self,
+        roots: dict[str, list[int]],
+        database: str,
+        redis_port: int | None = None,
+        *,
+        alone: frozenset[str] = frozenset({"loadgen"}),
+    ) -> None:
+        import psutil
+
+        super().__init__()
+        self.roots = {name: [psutil.Process(pid) for pid in pids] for name, pids in roots.items()}
+        self.database, self.redis_port, self.alone = database, redis_port, alone
+        self.last: dict[int, tuple[str, float]] = {}
+        self.lock = threading.Lock()
+
+    def _members(self):
+        import psutil
+
+        for name, roots in self.roots.items():
+            for root in roots:
+                try:
+                    yield name, root
+                    if name not in self.alone:
+                        for child in root.children(recursive=True):
+                            yield name, child
+                except psutil.NoSuchProcess:
+                    continue
+        for proc in psutil.process_iter(["name", "cmdline"]):
+            cmdline = " ".join(proc.info["cmdline"] or ())
+            if (proc.info["name"] or "").startswith("postgres") and (
+                f" {self.database} " in cmdline
+            ):
+                yield "postgres", proc
+            elif self.redis_port and "redis-server" in cmdline and f":{self.redis_port}" in cmdline:
+                yield "redis", proc
+
+    def tick(self) -> None:
+        import psutil
+
+        for group, proc in list(self._members()):
+            try:
+                times = proc.cpu_times()
+            except psutil.Error:
+                continue
+            with self.lock:
+                self.last[proc.pid] = (group, times.user + times.system)
+
+    def totals(self) -> dict[str, float]:
+        self.tick()
+        out = dict.fromkeys([*self.roots, "postgres", *(["redis"] if self.redis_port else [])], 0.0)
+        with self.lock:
+            for group, seconds in self.last.values():
+                out[group] += seconds
+        return out

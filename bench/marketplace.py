@@ -40,13 +40,14 @@ import re
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from contextlib import ExitStack, contextmanager
 from urllib.parse import urlsplit
 
 from _common import (
     ROOT,
+    CpuMeter,
+    Sampler,
     bench_database,
     build_inventory,
     emit,
@@ -145,88 +146,7 @@ def celery(*args: str, name: str, level: str = "warning"):
             process.wait(10)
 
 
-class _Sampler:
-    """A daemon thread that calls `tick` every `period` seconds while in its `with` block."""
-
-    period = 1.0
-
-    def __init__(self) -> None:
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def tick(self) -> None:
-        raise NotImplementedError
-
-    def _run(self) -> None:
-        while not self.stopped.wait(self.period):
-            self.tick()
-
-    def __enter__(self):
-        self.tick()
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stopped.set()
-        self.thread.join(10)
-
-
-class CpuMeter(_Sampler):
-    """CPU seconds (user + system) per process group, sampled every second in a thread so that
-    short-lived processes (database backends) count up to their last sample. A group's total
-    is the sum over every process it ever had of that process's last sampled counter."""
-
-    def __init__(self, roots: dict[str, list[int]], database: str, redis_port: int) -> None:
-        import psutil
-
-        super().__init__()
-        self.roots = {name: [psutil.Process(pid) for pid in pids] for name, pids in roots.items()}
-        self.database, self.redis_port = database, str(redis_port)
-        self.last: dict[int, tuple[str, float]] = {}
-        self.lock = threading.Lock()
-
-    def _members(self):
-        import psutil
-
-        for name, roots in self.roots.items():
-            for root in roots:
-                try:
-                    yield name, root
-                    if name != "loadgen":
-                        for child in root.children(recursive=True):
-                            yield name, child
-                except psutil.NoSuchProcess:
-                    continue
-        for proc in psutil.process_iter(["name", "cmdline"]):
-            cmdline = " ".join(proc.info["cmdline"] or ())
-            if (proc.info["name"] or "").startswith("postgres") and (
-                f" {self.database} " in cmdline
-            ):
-                yield "postgres", proc
-            elif "redis-server" in cmdline and f":{self.redis_port}" in cmdline:
-                yield "redis", proc
-
-    def tick(self) -> None:
-        import psutil
-
-        for group, proc in list(self._members()):
-            try:
-                times = proc.cpu_times()
-            except psutil.Error:
-                continue
-            with self.lock:
-                self.last[proc.pid] = (group, times.user + times.system)
-
-    def totals(self) -> dict[str, float]:
-        self.tick()
-        out = dict.fromkeys([*self.roots, "postgres", "redis"], 0.0)
-        with self.lock:
-            for group, seconds in self.last.values():
-                out[group] += seconds
-        return out
-
-
-class Watch(_Sampler):
+class Watch(Sampler):
     """What the database shows while the load runs, from one connection in a thread:
     - every second, what each busy backend of this database is doing (its wait event, or CPU,
       and the start of its statement): where the time goes when something is the bottleneck;

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import io
 import json
 import os
@@ -38,6 +37,7 @@ from contextlib import ExitStack, contextmanager
 from _common import (
     RENTAL_COPY,
     ROOT,
+    CpuMeter,
     bench_database,
     bench_team,
     build_inventory,
@@ -179,61 +179,22 @@ def funded_customer(username: str):
     return customer
 
 
-class CpuMeter:
-    """CPU seconds (user + system) of some processes (`roots`: group -> (pid, with its
-    children)) and of this database's PostgreSQL backends, sampled every 0.5 s in a thread so
-    that a backend that exits counts up to its last sample: what one create costs each side,
-    whatever share of the machine's cores the run got."""
+def meter_start(roots: dict[str, list[int]], **kwargs) -> tuple[CpuMeter, dict[str, float]]:
+    """A CpuMeter of `roots` and this database's backends, sampling every 0.5 s from now, and
+    its totals now: what one create costs each side, whatever share of the cores the run got."""
+    from django.db import connection
 
-    def __init__(self, roots: dict[str, tuple[int, bool]], database: str) -> None:
-        import psutil
+    meter = CpuMeter(roots, connection.settings_dict["NAME"], **kwargs)
+    meter.period = 0.5
+    meter.__enter__()
+    return meter, meter.totals()
 
-        self.roots = {group: (psutil.Process(pid), kids) for group, (pid, kids) in roots.items()}
-        self.database = f" {database} "
-        self.start: dict[int, float] = {}
-        self.last: dict[int, tuple[str, float]] = {}
-        self.stop = threading.Event()
-        self.tick()
-        self.start = {pid: seconds for pid, (_, seconds) in self.last.items()}
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
 
-    def _run(self) -> None:
-        while not self.stop.wait(0.5):
-            self.tick()
-
-    def _members(self):
-        import psutil
-
-        for group, (root, kids) in self.roots.items():
-            yield group, root
-            if kids:
-                with contextlib.suppress(psutil.Error):
-                    yield from ((group, child) for child in root.children(recursive=True))
-        for proc in psutil.process_iter(["name", "cmdline"]):
-            if (proc.info["name"] or "").startswith("postgres") and self.database in " ".join(
-                proc.info["cmdline"] or ()
-            ):
-                yield "postgres", proc
-
-    def tick(self) -> None:
-        import psutil
-
-        for group, proc in list(self._members()):
-            try:
-                times = proc.cpu_times()
-            except psutil.Error:
-                continue
-            self.last[proc.pid] = (group, times.user + times.system)
-
-    def totals(self) -> dict[str, float]:
-        self.stop.set()
-        self.thread.join()
-        self.tick()
-        out = dict.fromkeys([*self.roots, "postgres"], 0.0)
-        for pid, (group, seconds) in self.last.items():
-            out[group] += seconds - self.start.get(pid, 0.0)
-        return out
+def meter_since(meter: CpuMeter, before: dict[str, float]) -> dict[str, float]:
+    """CPU seconds per group since `before` (meter.totals() then); the meter stops."""
+    after = meter.totals()
+    meter.__exit__(None, None, None)
+    return {group: seconds - before.get(group, 0.0) for group, seconds in after.items()}
 
 
 def offered_load(rate: float, seconds: float, customer, worker=None) -> dict:
@@ -277,8 +238,9 @@ def offered_load(rate: float, seconds: float, customer, worker=None) -> dict:
     threads = [threading.Thread(target=create_loop, args=(k,)) for k in range(threads_n)]
     meter = None
     if worker:
-        roots = {"creator": (os.getpid(), False), "worker": (worker.pid, True)}
-        meter = CpuMeter(roots, connection.settings_dict["NAME"])
+        meter, cpu_before = meter_start(
+            {"creator": [os.getpid()], "worker": [worker.pid]}, alone=frozenset({"creator"})
+        )
     t0 = time.perf_counter()
     for t in threads:
         t.start()
@@ -296,7 +258,7 @@ def offered_load(rate: float, seconds: float, customer, worker=None) -> dict:
             if cursor.fetchone()[0] == 0:
                 break
             time.sleep(0.5)
-        cpu = meter.totals() if meter else {}
+        cpu = meter_since(meter, cpu_before) if meter else {}
         load_average = os.getloadavg()[0]
         cursor.execute(
             """
@@ -410,16 +372,15 @@ def api_headers(customer) -> dict:
 def api_creates(server, customer, seconds: float = 10.0) -> dict:
     """Creates through the REST API under gunicorn, 4 keep-alive clients; beside the same
     server's GET /healthz rate from the same clients (the HTTP stack's ceiling)."""
-    from django.db import connection
 
     from marketplace.models import Rental
 
     headers = api_headers(customer)
     health = rest_rate(server.base_url, "/healthz", headers, None, seconds)
     before = Rental.objects.filter(customer=customer).count()
-    meter = CpuMeter({"web": (server.pid, True)}, connection.settings_dict["NAME"])
+    meter, cpu_before = meter_start({"web": [server.pid]})
     creates = rest_rate(server.base_url, "/api/v1/rentals/", headers, CREATE_BODY, seconds)
-    cpu = meter.totals()
+    cpu = meter_since(meter, cpu_before)
     made = max(1, Rental.objects.filter(customer=customer).count() - before)
     env = dict(
         os.environ,
