@@ -15,7 +15,7 @@ from selenium.webdriver.common.by import By
 from billing.models import Account, AccountKind
 from marketplace.models import Provider, User
 from provisioning.models import JoinToken
-from tests.e2e.test_web_ui import _landed, _wait
+from tests.e2e.test_web_ui import _landed, _log_out, _wait
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
@@ -95,8 +95,7 @@ def test_a_person_signs_up_verifies_by_mail_and_signs_in(browser, live_server, s
 def test_a_taken_address_is_named_on_the_form_in_the_browser(browser, live_server, smtp_server):
     base = live_server.url
     sign_up(browser, base, smtp_server, username="hal")
-    browser.find_element(By.CSS_SELECTOR, "header .who form button").click()  # log out
-    _landed(browser, "/")
+    _log_out(browser)
     browser.get(f"{base}/accounts/signup/")
     _wait(browser, lambda d: d.find_element(By.ID, "id_email"), what="the sign-up form")
     _fill(

@@ -78,6 +78,15 @@ def _landed(driver, path: str) -> None:
     )
 
 
+def _log_out(driver) -> None:
+    """Log out with the header's button and wait until the header offers "Log in": the log-out
+    lands on "/", so waiting for the path alone returns at once when the page already was "/",
+    and a get() issued then can still carry the old session."""
+    driver.find_element(By.CSS_SELECTOR, "header .who form[action$='/logout/'] button").click()
+    _wait(driver, lambda d: d.find_element(By.LINK_TEXT, "Log in"), what="the logged-out header")
+    _landed(driver, "/")
+
+
 def _status_badge(driver) -> str:
     return driver.find_element(By.ID, "status").text
 
@@ -214,8 +223,7 @@ def test_a_customer_finds_a_card_books_the_advice_and_stops_it_in_the_browser(
     assert "COMPLETED" in _text(browser, "rentals")
     other = UserFactory()
     browser.get(f"{base}/")
-    browser.find_element(By.CSS_SELECTOR, "header form button").click()  # log out
-    _landed(browser, "/")
+    _log_out(browser)
     _log_in(browser, base, other, "/rentals/")
     browser.get(f"{base}/rentals/{rental_id}/")
     _landed(browser, f"/rentals/{rental_id}/")
