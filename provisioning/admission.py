@@ -5,10 +5,15 @@ Without it, a fleet heartbeating faster than the web tier serves collapses it: e
 holds a heartbeat, customers' requests and /healthz queue behind them, the agents time out and
 send again. Here a heartbeat beyond AGENT_HEARTBEATS_IN_FLIGHT in this process is answered 503
 at once, before Django builds a request, reads its body or touches the database: a
-`Retry-After` jittered over the interval the fleet is asked for (never past a third of the
-silence timeout, so a node refused twice in a row is not taken offline), and
+`Retry-After` jittered over the interval the fleet is asked for, and
 agentprotocol.HeartbeatRefusal as the body. Nothing of a refused heartbeat is applied; the agent
 sends its state again at its next round. Every other request passes untouched.
+
+The refusal leaves a note for the silence sweep (provisioning.services.refusals), so the
+refused nodes may wait the whole interval: the fleet settles on the rate the server set
+(IDLE_HEARTBEATS_PER_S) instead of coming back every few seconds. Without the note (Redis
+down) the Retry-After stays within a third of the silence timeout, so a node refused twice in a
+row is not taken offline.
 """
 
 from __future__ import annotations
@@ -22,18 +27,23 @@ from typing import Any
 
 from django.conf import settings
 
-from agentprotocol import HEARTBEAT_PATH, HeartbeatRefusal
+from agentprotocol import HEARTBEAT_PATH, RETRY_AFTER_MAX_S, HeartbeatRefusal
 from core.metrics import HEARTBEATS_REFUSED
 from provisioning.services.heartbeat import fleet_heartbeat_interval_s
+from provisioning.services.refusals import heartbeats_refused_note
 
 WsgiApp = Callable[[dict, Callable], Iterable[bytes]]
 
 
-def retry_after_s(interval_s: int) -> int:
-    """Whole seconds (HTTP's Retry-After) between half and all of the fleet's interval, at most
-    a third of NODE_SILENCE_TIMEOUT_S: the refused nodes spread over the interval they were
-    going to wait anyway."""
-    window = max(1, min(interval_s, settings.GPUMARKET["NODE_SILENCE_TIMEOUT_S"] // 3))
+def retry_after_s(interval_s: int, *, sweep_knows: bool = False) -> int:
+    """Whole seconds (HTTP's Retry-After) between half and all of the fleet's interval: the
+    refused nodes spread over the interval they were going to wait anyway. At most what an agent
+    waits (RETRY_AFTER_MAX_S), and, unless the silence sweep knows of the refusal
+    (`sweep_knows`), a third of NODE_SILENCE_TIMEOUT_S."""
+    window = min(interval_s, int(RETRY_AFTER_MAX_S))
+    if not sweep_knows:
+        window = min(window, settings.GPUMARKET["NODE_SILENCE_TIMEOUT_S"] // 3)
+    window = max(1, window)
     return random.randint(math.ceil(window / 2), window)
 
 
@@ -59,7 +69,7 @@ class HeartbeatAdmission:
 def _refuse(start_response: Callable) -> list[bytes]:
     HEARTBEATS_REFUSED.inc()
     interval = fleet_heartbeat_interval_s()
-    retry = retry_after_s(interval)
+    retry = retry_after_s(interval, sweep_knows=heartbeats_refused_note(interval_s=interval))
     body = json.dumps(
         HeartbeatRefusal(
             detail="the server is at its bound of heartbeats in flight; retry after the delay",

@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import math
+import threading
 import time
 import uuid
 from collections import Counter
@@ -19,6 +20,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import DatabaseError, IntegrityError, transaction
+from django.db import connection as db_connection
 from django.utils import timezone
 
 from accounts.services import token_hash
@@ -164,10 +166,37 @@ def busy_heartbeat_interval_s() -> int:
     )  # fmt: skip
 
 
+_recounting = threading.Lock()
+
+
+def _recount_in_background() -> None:
+    """Count the fleet on a thread of its own, one at a time per process, when the counts are
+    stale: a process that has refused every heartbeat since it started (a storm at start-up)
+    has never counted, and would tell the refused nodes the base interval."""
+    if time.monotonic() - _listed_nodes[3] < _LISTED_NODES_TTL_S or not _recounting.acquire(
+        blocking=False
+    ):
+        return
+
+    def count() -> None:
+        try:
+            _fleet_counts()
+        except Exception:
+            log.warning("fleet count failed", exc_info=True)
+            _listed_nodes[3] = time.monotonic() - _LISTED_NODES_TTL_S + 5  # again in 5 s
+        finally:
+            db_connection.close()
+            _recounting.release()
+
+    threading.Thread(target=count, name="fleet-count", daemon=True).start()
+
+
 def fleet_heartbeat_interval_s() -> int:
-    """The idle interval as this process last counted the fleet, counting nothing (no
-    statement, no Redis call): what a heartbeat refused before its work
-    (provisioning.admission) is told."""
+    """The idle interval as this process last counted the fleet, counting nothing on the
+    caller's thread (no statement, no Redis call; a stale count is renewed on a thread of its
+    own): what a heartbeat refused before its work (provisioning.admission) is told."""
+    if settings.GPUMARKET.get("IDLE_HEARTBEATS_PER_S", 0) > 0 and wake_enabled():
+        _recount_in_background()
     return _scaled_interval(
         count=0, rate_key="IDLE_HEARTBEATS_PER_S", ceiling_key="IDLE_HEARTBEAT_MAX_S",
         ceiling=120, recount=False,

@@ -27,6 +27,7 @@ from marketplace.models import (
     silence_timeout_s,
 )
 from provisioning.models import ContainerRun
+from provisioning.services.refusals import refused_silence_floor_s
 
 log = logging.getLogger(__name__)
 
@@ -37,15 +38,18 @@ def nodes_mark_silent(*, now: datetime | None = None) -> list[int]:
     on-demand -> FAILED (their state is on the lost host) unless NODE_LOST_POLICY is "requeue".
 
     Too long is the node's own silence timeout: three of the intervals it was last asked to
-    heartbeat at, at least NODE_SILENCE_TIMEOUT_S. One sweep runs at a time (a second one
-    returns at once), the nodes that hold nothing go together in one transaction, and a node
-    whose row a heartbeat holds is skipped: it is not silent."""
+    heartbeat at, at least NODE_SILENCE_TIMEOUT_S, and, while the web tier refuses heartbeats,
+    at least three of the intervals the refused were told (provisioning.services.refusals): a
+    refused heartbeat writes nothing, and the server's own overload is no node's silence. One
+    sweep runs at a time (a second one returns at once), the nodes that hold nothing go together
+    in one transaction, and a node whose row a heartbeat holds is skipped: it is not silent."""
     now = now or timezone.now()
     policy = settings.GPUMARKET.get("NODE_LOST_POLICY", "fail")
     with advisory_lock("provisioning:nodes_mark_silent") as mine:
         if not mine:
             return []
-        silent = list(_silent(now).values_list("pk", flat=True))
+        floor = refused_silence_floor_s(now=now.timestamp())
+        silent = list(_silent(now, floor).values_list("pk", flat=True))
         if not silent:
             return []
         holding = set(
@@ -53,13 +57,18 @@ def nodes_mark_silent(*, now: datetime | None = None) -> list[int]:
                 "node_id", flat=True
             )
         )
-        marked = _mark_offline(now, [pk for pk in silent if pk not in holding])
+        marked = _mark_offline(now, [pk for pk in silent if pk not in holding], floor)
         for node_id in sorted(holding):
             with transaction.atomic():
-                node = _silent(now).select_for_update(skip_locked=True).filter(pk=node_id).first()
+                node = (
+                    _silent(now, floor)
+                    .select_for_update(skip_locked=True)
+                    .filter(pk=node_id)
+                    .first()
+                )
                 if node is None:
                     continue
-                _mark_offline(now, [node.pk])
+                _mark_offline(now, [node.pk], floor)
                 rental_ids = (
                     Allocation.objects.filter(node=node, released_at__isnull=True)
                     .values_list("rental_id", flat=True)
@@ -71,9 +80,10 @@ def nodes_mark_silent(*, now: datetime | None = None) -> list[int]:
     return sorted(marked)
 
 
-def _silent(now: datetime):
-    """The listed nodes (ONLINE, DRAINING) not heard from within their silence timeout."""
-    timeout = settings.GPUMARKET["NODE_SILENCE_TIMEOUT_S"]
+def _silent(now: datetime, floor_s: int = 0):
+    """The listed nodes (ONLINE, DRAINING) not heard from within their silence timeout, or
+    within `floor_s` if that is longer."""
+    timeout = max(settings.GPUMARKET["NODE_SILENCE_TIMEOUT_S"], floor_s)
     silence = Greatest(Value(timeout), F("heartbeat_interval_s") * 3) * Value(
         timedelta(seconds=1), output_field=DurationField()
     )
@@ -84,14 +94,14 @@ def _silent(now: datetime):
     )
 
 
-def _mark_offline(now: datetime, node_ids: list[int]) -> list[int]:
+def _mark_offline(now: datetime, node_ids: list[int], floor_s: int = 0) -> list[int]:
     """Take the nodes among `node_ids` still silent OFFLINE, with their events, in one
     transaction (the caller's, if it holds one); returns those taken."""
     if not node_ids:
         return []
     with transaction.atomic():
         rows = list(
-            _silent(now)
+            _silent(now, floor_s)
             .select_for_update(skip_locked=True)
             .filter(pk__in=node_ids)
             .values_list("pk", "status", "heartbeat_interval_s")
@@ -101,7 +111,7 @@ def _mark_offline(now: datetime, node_ids: list[int]) -> list[int]:
                 node_id=pk,
                 from_status=status,
                 to_status=NodeStatus.OFFLINE,
-                reason=f"no heartbeat for {silence_timeout_s(interval)} s",
+                reason=f"no heartbeat for {max(silence_timeout_s(interval), floor_s)} s",
             )
             for pk, status, interval in rows
         )

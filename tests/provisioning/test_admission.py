@@ -4,15 +4,21 @@ customers' requests never are."""
 
 import io
 import json
+import os
+import time
+from datetime import timedelta
 
 import pytest
+import redis
 from django.core.signals import request_finished, request_started
 from django.db import close_old_connections
+from django.utils import timezone
 from prometheus_client import REGISTRY
 
 from agentprotocol import HEARTBEAT_PATH, HeartbeatRefusal
-from marketplace.models import Node
+from marketplace.models import Node, NodeEvent, NodeStatus
 from provisioning.admission import HeartbeatAdmission, retry_after_s
+from provisioning.services import nodes_mark_silent
 
 pytestmark = pytest.mark.django_db
 
@@ -120,3 +126,93 @@ def test_retry_after_spreads_over_the_interval_and_stays_within_the_silence_time
     assert {retry_after_s(5) for _ in range(200)} == {3, 4, 5}
     assert {retry_after_s(120) for _ in range(400)} == set(range(10, 21))
     assert {retry_after_s(1) for _ in range(20)} == {1}
+
+
+def test_retry_after_spans_the_whole_interval_when_the_sweep_knows(settings):
+    settings.GPUMARKET = {**settings.GPUMARKET, "NODE_SILENCE_TIMEOUT_S": 60}
+    assert {retry_after_s(40, sweep_knows=True) for _ in range(600)} == set(range(20, 41))
+    # never past what an agent waits on one Retry-After
+    assert {retry_after_s(120, sweep_knows=True) for _ in range(900)} == set(range(30, 61))
+
+
+@pytest.fixture
+def refusing_fleet(settings, make_node):
+    """A wake server listening (a real Redis subscriber standing in for it), one idle heartbeat
+    a second for the whole fleet, this process's counts and refusal notes forgotten."""
+    from provisioning.services import heartbeat, refusals
+
+    settings.GPUMARKET = {
+        **settings.GPUMARKET, "WAKE_URL": "http://wake.invalid/wake/v1/",
+        "IDLE_HEARTBEATS_PER_S": 1, "IDLE_HEARTBEAT_MAX_S": 120, "NODE_SILENCE_TIMEOUT_S": 60,
+    }  # fmt: skip
+    store = redis.Redis.from_url(os.environ["REDIS_URL"])
+
+    def forget():
+        heartbeat._listed_nodes[:] = [0, 0, 0, float("-inf")]
+        refusals._noted[:] = [float("-inf"), 0.0, 0.0]
+        store.delete(refusals.REFUSED_KEY)
+
+    forget()
+    listener = store.pubsub()
+    listener.subscribe(settings.GPUMARKET["WAKE_CHANNEL"])
+    listener.get_message(timeout=2)
+    yield store
+    listener.close()
+    forget()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_refused_fleet_waits_its_whole_interval_and_is_not_taken_for_lost(
+    wsgi, node_token, make_node, refusing_fleet
+):
+    from provisioning.services import heartbeat
+
+    # given 40 listed nodes heard from now, and a web process that has never counted them
+    for _ in range(39):
+        make_node(gpus=1)
+    now = timezone.now()
+    Node.objects.update(last_seen_at=now)
+    app = HeartbeatAdmission(wsgi.agent_api, bound=0)
+    # when it refuses heartbeats: the first refusal counts the fleet on a thread of its own
+    _call(app, HEARTBEAT_PATH, token=node_token)
+    deadline = time.monotonic() + 10
+    while heartbeat._listed_nodes[0] != 40 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    refusals = [HeartbeatRefusal.from_payload(json.loads(_call(app, HEARTBEAT_PATH,
+                                                               token=node_token)[2]))
+                for _ in range(60)]  # fmt: skip
+    # then the refused are told the fleet's interval (40 nodes at one a second) and spread over
+    # all of it, past a third of the silence timeout
+    assert {r.heartbeat_interval_s for r in refusals} == {40}
+    assert all(20 <= r.retry_after_s <= 40 for r in refusals)
+    assert max(r.retry_after_s for r in refusals) > 20
+    # and nothing of them was applied
+    assert set(Node.objects.values_list("last_seen_at", flat=True)) == {now}
+    # the sweep gives every node three of those intervals from the last refusal, not the 60 s
+    # of the silence timeout
+    assert nodes_mark_silent(now=now + timedelta(seconds=61)) == []
+    assert nodes_mark_silent(now=now + timedelta(seconds=115)) == []
+    assert set(Node.objects.values_list("status", flat=True)) == {NodeStatus.ONLINE}
+    assert not NodeEvent.objects.exists()
+    # and once refusals have stopped for three intervals, a node still silent is lost
+    assert len(nodes_mark_silent(now=now + timedelta(seconds=125))) == 40
+
+
+@pytest.mark.django_db(transaction=True)
+def test_without_a_refusal_the_sweep_keeps_the_silence_timeout(node_token, refusing_fleet):
+    from provisioning.services.refusals import REFUSED_KEY, heartbeats_refused_note
+
+    now = timezone.now()
+    Node.objects.update(last_seen_at=now)
+    # a refusal 50 s ago that named 40 s: every node is given 120 s from it
+    refusing_fleet.hset(REFUSED_KEY, "40", f"{now.timestamp() - 50:.3f}")
+    assert nodes_mark_silent(now=now + timedelta(seconds=65)) == []
+    # once three of its intervals have passed, the node's own silence timeout again
+    assert nodes_mark_silent(now=now + timedelta(seconds=71)) == [Node.objects.get().pk]
+    assert NodeEvent.objects.get().reason == "no heartbeat for 60 s"
+    # and a short interval never shortens the silence timeout
+    refusing_fleet.delete(REFUSED_KEY)
+    Node.objects.update(status=NodeStatus.ONLINE, last_seen_at=now)
+    assert heartbeats_refused_note(interval_s=5)
+    assert nodes_mark_silent(now=now + timedelta(seconds=59)) == []
+    assert nodes_mark_silent(now=now + timedelta(seconds=61)) == [Node.objects.get().pk]
