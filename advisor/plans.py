@@ -37,7 +37,7 @@ from marketplace.models import (
     User,
     interconnect_label,
 )
-from marketplace.selectors import OfferFilters, nodes_internet_capable, offer_list
+from marketplace.selectors import OfferFilters, nodes_internet_capable, offer_list, offer_page
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 
 # Preemption rate of a pool with little history: one per 50 node-hours, worth 10 node-hours of
@@ -95,10 +95,16 @@ def preemption_rates() -> dict[str, float]:
     }
 
 
-def offers(*, card: str, region: str | None, rates: dict[str, float]) -> list[Offer]:
-    rows = offer_list(
-        filters=OfferFilters(gpu_models=(card,), region=region), limit=OFFERS_PER_CARD, offset=0
-    )
+def offers(
+    *, card: str, region: str | None, rates: dict[str, float], fresh: bool = False
+) -> list[Offer]:
+    """The card's cheapest offers free now. An answer reads them as customers browse them
+    (marketplace.selectors.offer_page: one statement a card every few seconds however many ask,
+    where each card's statement costs tens of milliseconds of PostgreSQL at 10,000 nodes);
+    a booking (`fresh`) reads them at its instant."""
+    filters = OfferFilters(gpu_models=(card,), region=region)
+    read = offer_list if fresh else offer_page
+    rows = read(filters=filters, limit=OFFERS_PER_CARD, offset=0)
     nodes = {
         n["id"]: n
         for n in Node.objects.filter(id__in=[r["node_id"] for r in rows]).values(
@@ -134,14 +140,15 @@ def offers(*, card: str, region: str | None, rates: dict[str, float]) -> list[Of
     return result
 
 
-def advise(query: Query, *, only_card: str | None = None) -> Answer:
-    """Every card's plans from the offers free now, filtered by deadline and budget."""
+def advise(query: Query, *, only_card: str | None = None, fresh: bool = False) -> Answer:
+    """Every card's plans from the offers free now, filtered by deadline and budget; with
+    `fresh`, offers read at this instant rather than from the offers cache (a booking)."""
     rates = preemption_rates() if query.interruptible else {}
     plans, reasons = [], []
     for card in advisor_cards():
         if only_card is not None and card.slug != only_card:
             continue
-        card_offers = offers(card=card.slug, region=query.region, rates=rates)
+        card_offers = offers(card=card.slug, region=query.region, rates=rates, fresh=fresh)
         if not card_offers:
             continue
         found, why = card_plans(
@@ -208,7 +215,7 @@ def plan_book(
     if plan_id:
         chosen = _price_gang(query, plan_id)
     else:
-        chosen = next(iter(advise(query, only_card=card).plans), None)
+        chosen = next(iter(advise(query, only_card=card, fresh=True).plans), None)
     field = "plan" if plan_id else "card"
     if chosen is None:
         raise Conflict(f"no free offers can run {plan_id or card} now", field=field)
@@ -338,7 +345,8 @@ def _price_gang(query: Query, plan_id: str) -> Plan | None:
         return None
     rates = preemption_rates() if query.interruptible else {}
     gangs = placements(
-        offers(card=slug, region=query.region, rates=rates), interruptible=query.interruptible
+        offers(card=slug, region=query.region, rates=rates, fresh=True),
+        interruptible=query.interruptible,
     )
     for placement in gangs:
         if f"{len(placement.offers)}x{placement.gpus_per_node}" == gang:

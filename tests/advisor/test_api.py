@@ -286,3 +286,39 @@ def test_a_booked_plan_holds_exactly_what_the_plan_said_for_as_long(
     assert hold.price_per_gpu_hour == Decimal(plan["price_per_gpu_hour"])
     assert rental.advisor_estimate["booked_s"] == plan["booked_s"]
     assert rental.advisor_estimate["hold_micros"] == plan["hold_micros"]
+
+
+@pytest.fixture
+def offers_cache(settings):
+    """The offers cache on for 60 s (the test settings turn it off), no entry left over."""
+    from core.redis_clients import redis_clients
+
+    client = redis_clients().background()
+    for key in client.scan_iter("gpumarket:offers:*"):
+        client.delete(key)
+    settings.GPUMARKET = {**settings.GPUMARKET, "OFFERS_CACHE_TTL_S": 60}
+    yield client
+    for key in client.scan_iter("gpumarket:offers:*"):
+        client.delete(key)
+
+
+def test_answers_read_the_offers_cache_and_bookings_the_offers_now(
+    auth_api, eight_nodes, offers_cache
+):
+    from marketplace.models import NodeStatus
+
+    # Given an answer with the cache on: its card's offers are stored
+    first = auth_api.post("/api/v1/advisor/", NEEDS_17, format="json").json()["plans"]
+    assert [p["id"] for p in first if p["gpus"] == 24] == ["a100-sxm4-40gb:3x8"]
+    assert list(offers_cache.scan_iter("gpumarket:offers:*"))
+    # When six of the eight nodes go offline
+    Node.objects.filter(pk__in=[n.pk for n in eight_nodes[:6]]).update(status=NodeStatus.OFFLINE)
+    # Then an answer within the cache's TTL still shows the plans of the offers it read
+    again = auth_api.post("/api/v1/advisor/", NEEDS_17, format="json").json()["plans"]
+    assert [p["id"] for p in again] == [p["id"] for p in first]
+    # But booking prices the plan on the offers free now: two nodes cannot hold it, and no
+    # rental is stored, whether the plan or only its card is named
+    for named in ({"plan": "a100-sxm4-40gb:3x8"}, {"card": "a100-sxm4-40gb"}):
+        r = auth_api.post("/api/v1/advisor/book/", {**NEEDS_17, **named}, format="json")
+        assert r.status_code == 409, r.content
+    assert Rental.objects.count() == 0
