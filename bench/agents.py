@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import random
 import subprocess
@@ -120,6 +121,10 @@ class Host:
         self.digest = ""  # of the desired state it holds, sent back as the real agent does
         self.interval: float | None = None  # what the server's last answer asked for
         self.refused = 0  # heartbeats the server refused before any work (503 + Retry-After)
+        # When its next heartbeat is due (time.monotonic()), kept from one run_agents call to
+        # the next: a fleet does not restart in step at each phase of a benchmark.
+        self.next_at: float | None = None
+        self.node_id: int | None = None
 
     def learn(self, answer: dict) -> None:
         if answer.get("heartbeat_interval_s"):
@@ -216,8 +221,10 @@ async def run_agents(
     (503 with Retry-After, counted in `Host.refused`) at the Retry-After, then at the interval
     the refusal names. Without `follow` (the raw load), a refusal is an error like any other.
     As the real agent, a host that fell behind does not catch up, and one whose heartbeat
-    failed backs off (nodeagent.client.backoff_delay). Returns the latencies (ms) of the
-    heartbeats not refused, and the errors."""
+    failed backs off (nodeagent.client.backoff_delay). A host goes on from its own schedule
+    (`Host.next_at`, kept for the next call: nothing waits past `seconds`), or, with none yet,
+    starts at its place in one `interval`. Returns the latencies (ms) of the heartbeats not
+    refused, and the errors."""
     import aiohttp
 
     from agentprotocol import HEARTBEAT_PATH, RETRY_AFTER_MAX_S
@@ -232,8 +239,14 @@ async def run_agents(
         async def agent(host: Host, offset: float) -> None:
             nonlocal errors
             headers = {"Authorization": f"Bearer {host.token}"}
-            await asyncio.sleep(offset)
-            next_at = time.monotonic()
+            now = time.monotonic()
+            next_at = host.next_at if host.next_at is not None else now + offset
+            if next_at < now:  # beats missed between calls are skipped, the host's phase kept
+                every = (host.interval or interval) if follow else interval
+                next_at += math.ceil((now - next_at) / every) * every
+            if next_at >= deadline:
+                return
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
             rng = random.Random(host.token)
             failures = 0
             while time.monotonic() < deadline:
@@ -265,6 +278,9 @@ async def run_agents(
                     next_at = time.monotonic() + backoff_delay(failures, base_s=every, max_s=60.0)
                 else:
                     next_at = max(next_at + every, time.monotonic())
+                host.next_at = next_at
+                if next_at >= deadline:
+                    return
                 await asyncio.sleep(max(0.0, next_at - time.monotonic()))
 
         await asyncio.gather(*(agent(h, i * interval / len(hosts)) for i, h in enumerate(hosts)))

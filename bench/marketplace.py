@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import re
 import subprocess
 import sys
@@ -67,8 +68,9 @@ RENTAL_BODY = {"gpus_per_node": 1, "duration_s": 3600, "network": "internal",
 ADVISOR_BODY = {"params_b": 0.5, "tokens_b": 1}
 
 
-def node_tokens(url: str) -> list[str]:
-    """A live node token for every node of the inventory, COPYed as the join would store it."""
+def node_tokens(url: str) -> list[tuple[int, str]]:
+    """A live node token for every node of the inventory, COPYed as the join would store it:
+    (node id, token)."""
     import io
 
     import psycopg
@@ -85,7 +87,7 @@ def node_tokens(url: str) -> list[str]:
             rows.write(f"{node_id}\t{token_hash(raw)}\tnow\n")
         with conn.cursor().copy(f"COPY {table} (node_id, key_hash, created_at) FROM STDIN") as cp:
             cp.write(rows.getvalue())
-    return tokens
+    return list(zip(ids, tokens, strict=True))
 
 
 def book_busy(rentals: int) -> int:
@@ -109,6 +111,40 @@ def book_busy(rentals: int) -> int:
         if not Rental.objects.filter(team=team, status=RentalStatus.PENDING).exists():
             break
     return Rental.objects.filter(team=team, status=RentalStatus.SCHEDULED).count()
+
+
+def busy_node_ids() -> set[int]:
+    """The nodes holding the busy rentals' GPUs."""
+    from marketplace.models import Allocation
+
+    rows = Allocation.objects.filter(rental__customer__username="busy", released_at__isnull=True)
+    return set(rows.values_list("node_id", flat=True))
+
+
+def steady_idle(agent_base: str, hosts: list[Host], interval: float) -> float:
+    """Put the idle `hosts` where a fleet that has been running has them: one heartbeat of the
+    first says the interval the server asks idle nodes for; every host is then heard from now,
+    stored at that interval (as its own heartbeat stores it), and due at a random phase of it.
+    Returns the interval."""
+    if not hosts:
+        return interval
+    asyncio.run(run_agents(agent_base, hosts[:1], interval, interval, follow=True))
+    idle = hosts[0].interval or interval
+    from django.utils import timezone
+
+    from marketplace.models import Node
+    from provisioning.services import heartbeat_interval_s
+
+    stored = int(idle) if idle > heartbeat_interval_s() else 0
+    Node.objects.filter(pk__in=[h.node_id for h in hosts]).update(
+        last_seen_at=timezone.now(), heartbeat_interval_s=stored
+    )
+    rng = random.Random(7)
+    now = time.monotonic()
+    for host in hosts:
+        host.interval = idle
+        host.next_at = now + rng.uniform(0, idle)
+    return idle
 
 
 def busy_statuses() -> dict[str, int]:
@@ -515,6 +551,7 @@ def report(args, setup: dict, alone: dict, whole: dict, billing: dict) -> dict:
     return {
         "nodes": args.nodes,
         "interval_s": args.interval,
+        "idle_interval_s": setup["idle_interval_s"],
         "wake": setup["wake"],
         "seconds": round(whole["seconds"], 1),
         "busy_nodes": setup["busy_nodes"],
@@ -591,7 +628,10 @@ def main() -> None:
             args.interval = float(settings.GPUMARKET["HEARTBEAT_INTERVAL_S"])
         t0 = time.monotonic()
         build_inventory(url, args.nodes)
-        hosts = [Host(token) for token in node_tokens(url)]
+        hosts = []
+        for node_id, token in node_tokens(url):
+            hosts.append(Host(token))
+            hosts[-1].node_id = node_id
         placed = book_busy(int(args.nodes * args.busy_fraction) * 2)
         from accounts.services.tokens import api_token_create
 
@@ -639,25 +679,34 @@ def main() -> None:
             meter = stack.enter_context(CpuMeter(roots, database, redis_port))
             base, agent_base = server.base_url, agent_api.base_url
             up = time.monotonic()
-            # The busy nodes learn their runs from the answers and report them running (a
-            # start is a one-off, not the steady state measured).
-            # Until all run, or three rounds change nothing.
-            deadline, seen = time.monotonic() + max(60.0, 6 * args.interval), []
+            # The steady state is measured, not a start: first the busy nodes alone learn
+            # their runs from the answers and report them running, until all run or three
+            # rounds change nothing; then every idle node is as in a fleet that has been
+            # running: heard from, asked for the interval the server gives idle nodes (one
+            # real heartbeat's answer says which), each at its own phase of it.
+            busy_ids = busy_node_ids()
+            busy_hosts = [h for h in hosts if h.node_id in busy_ids]
+            # (Rounds of at least 15 s: a refused node comes back after up to a minute.)
+            deadline, seen = time.monotonic() + max(300.0, 6 * args.interval), []
             while time.monotonic() < deadline:
                 asyncio.run(
-                    run_agents(agent_base, hosts, args.interval, args.interval, follow=True)
-                )
+                    run_agents(agent_base, busy_hosts, max(15.0, args.interval), args.interval,
+                               follow=True)
+                )  # fmt: skip
                 seen.append(statuses := busy_statuses())
-                if statuses.get("running", 0) >= placed or seen[-3:] == [statuses] * 3:
+                if statuses.get("running", 0) >= placed or seen[-5:] == [statuses] * 5:
                     break
+            idle_hosts = [h for h in hosts if h.node_id not in busy_ids]
+            idle_s = steady_idle(agent_base, idle_hosts, args.interval)
             runs = sum(len(h.runs) for h in hosts)
             print(
                 f"warm-up: busy rentals {busy_statuses()} after {time.monotonic() - up:.0f} s"
-                f" of heartbeats (processes up in {up - t0 - setup_s:.0f} s)",
+                f" of heartbeats (processes up in {up - t0 - setup_s:.0f} s); idle nodes asked"
+                f" for one every {idle_s:g} s",
                 flush=True,
             )
             setup = {"seconds": setup_s, "busy_nodes": sum(1 for h in hosts if h.runs),
-                     "runs": runs, "wake": bool(wake_url)}  # fmt: skip
+                     "runs": runs, "wake": bool(wake_url), "idle_interval_s": idle_s}  # fmt: skip
             common = {"base": base, "agent_base": agent_base, "tokens": api_tokens,
                       "interval": args.interval, "life": args.life}  # fmt: skip
             rates = {"create": args.create_rate, "offers": args.offers_rate,
