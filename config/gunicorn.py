@@ -8,6 +8,13 @@ Stripe). bench/scheduler.py on 2 cores (4 clients creating, from cold connection
 layouts within its noise of each other: 4 processes of 2 threads 204.9-214.7 creates/s, 2 of 4
 211.7-212.3/s, 4 of 1 208.4/s.
 
+Idle keep-alive connections are kept 75 s (WEB_KEEPALIVE_S), longer than the proxies and
+clients in front keep theirs (nginx's upstream and AWS load balancers 60 s, aiohttp 15 s):
+with gunicorn's 2 s, a client reusing a connection the server was closing at that instant lost
+its request ("server disconnected"), and a POST is not retried. bench/marketplace.py at 10,000
+nodes lost 2,606 of 6,000 creates that way when the web was busy. In gthread a kept connection
+waits in the poller, not on a thread.
+
 WEB_WORKERS and WEB_THREADS override both. In a container limited by a CPU quota, set
 WEB_WORKERS to twice the pod's cores: the processor count seen here is the node's.
 """
@@ -17,3 +24,4 @@ import os
 worker_class = "gthread"
 workers = int(os.environ.get("WEB_WORKERS") or 2 * len(os.sched_getaffinity(0)))
 threads = int(os.environ.get("WEB_THREADS") or 2)
+keepalive = int(os.environ.get("WEB_KEEPALIVE_S") or 75)

@@ -5,6 +5,7 @@ listens."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from agentprotocol import (
     JOIN_PATH,
 )
 from billing.tasks import billing_pass
+from config import gunicorn
 from config.celery import app
 from provisioning.wakeserver import WAKE_PATH
 from scheduler.tasks import scheduler_cycle, scheduler_tick
@@ -50,6 +52,8 @@ def _caddy_routes(caddyfile: str) -> list[tuple[str, str]]:
     routes = []
     for line in caddyfile.splitlines():
         words = line.split()
+        if words[-1:] == ["{"]:
+            words = words[:-1]
         if words[:1] == ["reverse_proxy"]:
             matcher, upstream = (words[1], words[2]) if len(words) == 3 else ("", words[1])
             assert matcher == "" or matcher.endswith("*"), matcher
@@ -85,6 +89,11 @@ def test_compose_routes_agent_paths_to_the_agent_api_and_the_rest_to_the_web():
     assert agent_api["command"][:4] == ["gunicorn", "config.wsgi", "-c", "python:config.gunicorn"]
     assert "0.0.0.0:8000" in agent_api["command"] and "--workers" in agent_api["command"]
     assert services["wake"]["command"][-2:] == ["--port", "8001"]
+    # The proxy drops an idle connection to the web or the agent API before gunicorn does, so
+    # it never sends a request on one gunicorn is closing.
+    kept = re.findall(r"keepalive (\d+)s", caddyfile)
+    assert kept and all(int(k) < gunicorn.keepalive for k in kept)
+    assert caddyfile.count("import upstream") == 2
     # The web believes the proxy's X-Forwarded-For: the proxy is in the trusted network.
     subnet = _compose()["networks"]["default"]["ipam"]["config"][0]["subnet"]
     assert web["environment"]["TRUSTED_PROXIES"] == subnet
