@@ -4,6 +4,7 @@ rental: its ssh command, and its JupyterLab through an SSH tunnel opened with th
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from gpumarket_cli.api import CliError
@@ -82,6 +83,9 @@ def jupyter(args: argparse.Namespace, api: Api) -> str | None:
         raise CliError(f"cannot run ssh: {exc.strerror}") from None
     print(f"http://127.0.0.1:{local}/lab?token={rental['jupyter_token']}", flush=True)
     print("(the tunnel stays open until you press Ctrl-C)", file=sys.stderr, flush=True)
+    # A process started in the background of a script inherits SIGINT ignored, and Python then
+    # never raises KeyboardInterrupt: `kill -INT` would leave the tunnel open for good.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         code = tunnel.wait()
     except KeyboardInterrupt:
