@@ -631,15 +631,15 @@ class HeartbeatRefusal(Message):
     """The body of a heartbeat the server refused before any of its work (503, with
     `Retry-After` in whole seconds): the web process already serves its bound of heartbeats
     (Kubernetes' API priority and fairness, in its simplest form). Nothing of the heartbeat was
-    applied; the agent does not resend it within the call, waits `retry_after_s` (jittered by
-    the server, so the refused nodes do not all come back at one instant; RETRY_AFTER_MAX_S at
-    most) and from then on heartbeats every `heartbeat_interval_s` until an answer says
-    otherwise."""
+    applied; the agent does not resend it within the call, waits `retry_after_s` (seconds, to
+    the millisecond: a turn the server booked for it, or a delay jittered over the interval so
+    the refused nodes do not all come back at one instant; RETRY_AFTER_MAX_S at most) and from
+    then on heartbeats every `heartbeat_interval_s` until an answer says otherwise."""
 
     wire_name: ClassVar[str] = "heartbeat refusal"
 
     detail: str
-    retry_after_s: int
+    retry_after_s: float
     heartbeat_interval_s: float
 
 

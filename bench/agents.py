@@ -213,6 +213,24 @@ class Host:
         ).to_payload()
 
 
+def refusal_delay(response, answer) -> float | None:
+    """The wait a refused heartbeat (429/503 with Retry-After) was told, as the real agent reads
+    it (nodeagent.client.server_busy): the body's turn to the millisecond when it is within the
+    header's whole seconds, else the header; None when the answer is no refusal."""
+    from agentprotocol import RETRY_AFTER_MAX_S
+
+    if response.status not in (429, 503) or "Retry-After" not in response.headers:
+        return None
+    try:
+        delay = float(response.headers["Retry-After"])
+    except ValueError:
+        return None
+    said = answer.get("retry_after_s") if isinstance(answer, dict) else None
+    if isinstance(said, int | float) and 0 <= said <= delay:
+        delay = float(said)
+    return min(RETRY_AFTER_MAX_S, delay)
+
+
 async def run_agents(
     base: str, hosts: list[Host], seconds: float, interval: float = 1.0, *, follow: bool = False
 ) -> tuple[list[float], int]:
@@ -227,7 +245,7 @@ async def run_agents(
     refused, and the errors."""
     import aiohttp
 
-    from agentprotocol import HEARTBEAT_PATH, RETRY_AFTER_MAX_S
+    from agentprotocol import HEARTBEAT_PATH
     from nodeagent.client import backoff_delay
 
     latencies: list[float] = []
@@ -260,8 +278,8 @@ async def run_agents(
                         if r.status == 200:
                             host.learn(answer)
                             failures = 0
-                        elif follow and r.status in (429, 503) and "Retry-After" in r.headers:
-                            retry_after = min(RETRY_AFTER_MAX_S, float(r.headers["Retry-After"]))
+                        elif follow and (retry_after := refusal_delay(r, answer)) is not None:
+                            r.close()  # as the agent: back on a new connection
                             host.interval = answer.get("heartbeat_interval_s") or host.interval
                             host.refused += 1
                             failures -= 1

@@ -55,7 +55,7 @@ from _common import (
     parse_args,
     percentile,
 )
-from agents import Host, join_agents, server_cpu_seconds
+from agents import Host, join_agents, refusal_delay, server_cpu_seconds
 
 GPU_SLUG = "rtx4090-24gb"
 LOG_DIR = ROOT / ".var" / "bench"
@@ -375,18 +375,30 @@ async def heartbeat_loop(base: str, hosts: list[LaunchHost], interval: float, st
             while not stop.is_set():
                 began = time.monotonic()
                 body = host.body(rng)
+                retry = None
                 try:
                     async with session.post(base + HEARTBEAT_PATH, json=body, headers=headers) as r:
                         answer = await r.json(content_type=None)
+                        if (retry := refusal_delay(r, answer)) is not None:
+                            r.close()  # as the agent: back on a new connection
                     if r.status == 200:
                         host.delivered(body, time.time())
                         host.learn(answer)
+                    elif retry is not None:
+                        # As the real agent: back at the time said, whatever wakes it meanwhile.
+                        host.refused += 1
+                        host.interval = answer.get("heartbeat_interval_s") or host.interval
                     else:
                         errors += 1
                 except (aiohttp.ClientError, TimeoutError, ValueError):
                     errors += 1
+                if retry is not None:
+                    await asyncio.sleep(retry)
+                    continue
+                # At the interval the server asks for (the real agent's), woken sooner by a run
+                # to report or the wake-up channel.
                 with contextlib.suppress(TimeoutError):
-                    left = interval - (time.monotonic() - began)
+                    left = (host.interval or interval) - (time.monotonic() - began)
                     await asyncio.wait_for(host.wake.wait(), max(0.0, left))
                 host.wake.clear()
 
@@ -498,6 +510,8 @@ def simulated_agents(base: str, *, hosts_n: int, rentals: int, rate: float, inte
         "running": len(running),
         "stepped": len(first),
         "errors": errors,
+        "refused": sum(h.refused for h in hosts),
+        "told_interval_s": median([h.interval for h in hosts if h.interval] or [interval]),
         "to_scheduled": spread([at - created_at[r] for r, at in scheduled.items()]),
         "to_running": spread([at - created_at[r] for r, at in running.items()]),
         "to_first_step": spread([at - created_at[r] for r, at in first.items() if r in created_at]),
@@ -612,7 +626,8 @@ def print_sim(args, sim: dict) -> None:
         f"simulated agents: {sim['agents']} hosts, {sim['rentals']} rentals created through the"
         f" API at {args.sim_rate:g}/s ({sim['failed_creates']} failed): {sim['running']} RUNNING,"
         f" {sim['stepped']} stepped,"
-        f" {sim['errors']} heartbeat errors"
+        f" {sim['errors']} heartbeat errors, {sim['refused']} refused (503, back at the turn"
+        f" said); the interval the server asked of them: {sim['told_interval_s']:g} s (median)"
     )
     print(f"  create -> SCHEDULED (the worker placed it): {fmt(sim['to_scheduled'])}")
     print(f"  create -> RUNNING: {fmt(sim['to_running'])}")
@@ -696,6 +711,8 @@ def main() -> None:
         "sim_create_to_first_step_p50_s": round(sim["to_first_step"]["p50"], 2),
         "sim_create_to_first_step_p99_s": round(sim["to_first_step"]["p99"], 2),
         "sim_errors": sim["errors"],
+        "sim_refused": sim["refused"],
+        "sim_interval_s": sim["told_interval_s"],
     }
     if dock:
         figures.update(

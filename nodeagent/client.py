@@ -91,7 +91,12 @@ def server_busy(response: requests.Response) -> ServerBusyError | None:
         return None
     interval = None
     with contextlib.suppress(ValueError, ProtocolError):
-        interval = HeartbeatRefusal.from_payload(response.json()).heartbeat_interval_s
+        refusal = HeartbeatRefusal.from_payload(response.json())
+        interval = refusal.heartbeat_interval_s
+        # The body says it to the millisecond (a turn the server booked), the header in whole
+        # seconds; a body past the header's bound is not believed.
+        if math.isfinite(refusal.retry_after_s) and 0 <= refusal.retry_after_s <= retry_after:
+            retry_after = refusal.retry_after_s
     return ServerBusyError(
         f"HTTP {response.status_code}: {error_message(response)}",
         retry_after_s=min(retry_after, RETRY_AFTER_MAX_S),
@@ -199,6 +204,11 @@ class AgentApiClient:
         if status in (401, 403):
             raise AuthRejectedError(status, error_message(response))
         if status in (429, 503) and (busy := server_busy(response)) is not None:
+            # Come back on a new connection: a kept one goes back to the web process that
+            # refused, and a fleet that connected at one instant can sit on one process of
+            # several while the others idle (seen at 222 heartbeats against 16). A new
+            # connection goes to whichever process accepts it first, usually an idle one.
+            self._session.close()
             raise busy
         if status == 429 or status >= 500:
             raise TransientApiError(f"HTTP {status}: {error_message(response)}")

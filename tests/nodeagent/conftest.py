@@ -37,6 +37,7 @@ class Request:
     headers: dict[str, str]
     body: Any
     at: float = 0.0  # when it arrived (time.monotonic)
+    port: int = 0  # the client's end of the connection it came on
 
 
 # (status, JSON body or raw text[, seconds to wait before answering[, response headers]])
@@ -50,6 +51,7 @@ class FakeServer:
     requests: list[Request] = field(default_factory=list)
     responders: dict[str, Responder] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    keep_alive: bool = False  # HTTP/1.1 connections kept between requests (else one each)
 
     def on(self, path: str, responder: Responder) -> None:
         self.responders[path] = responder
@@ -89,7 +91,11 @@ def fake_server() -> Iterator[FakeServer]:
                 body = json.loads(raw) if raw else None
             except ValueError:
                 body = raw.decode(errors="replace")
-            request = Request(self.path, dict(self.headers), body, time.monotonic())
+            if server_state.keep_alive:
+                self.protocol_version, self.close_connection = "HTTP/1.1", False
+            request = Request(
+                self.path, dict(self.headers), body, time.monotonic(), self.client_address[1]
+            )
             with server_state.lock:
                 server_state.requests.append(request)
             responder = server_state.responders.get(self.path)

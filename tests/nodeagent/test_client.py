@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 
@@ -140,6 +141,46 @@ def test_a_refusal_with_retry_after_is_not_retried_and_says_when_and_how_often(f
     assert len(fake_server.requests) == 1
     assert raised.value.retry_after_s == 7.0
     assert raised.value.interval_s == 20.0
+
+
+def test_a_refusal_s_turn_is_taken_to_the_millisecond_from_its_body(fake_server):
+    # given a server that booked the refused heartbeat a turn 0.25 s away (Retry-After: 1)
+    refusal = HeartbeatRefusal(detail="busy", retry_after_s=0.25, heartbeat_interval_s=5)
+    fake_server.on(
+        HEARTBEAT_PATH, lambda request: (503, refusal.to_payload(), 0.0, {"Retry-After": "1"})
+    )
+    with pytest.raises(ServerBusyError) as raised:
+        client_for(fake_server).heartbeat({}, token="t")
+    assert raised.value.retry_after_s == 0.25
+    # a body past the header's whole seconds is not believed: the header is
+    refusal = HeartbeatRefusal(detail="busy", retry_after_s=900.0, heartbeat_interval_s=5)
+    fake_server.on(
+        HEARTBEAT_PATH, lambda request: (503, refusal.to_payload(), 0.0, {"Retry-After": "2"})
+    )
+    with pytest.raises(ServerBusyError) as raised:
+        client_for(fake_server).heartbeat({}, token="t")
+    assert raised.value.retry_after_s == 2.0
+
+
+def test_after_a_refusal_the_client_comes_back_on_a_new_connection(fake_server):
+    # given a server keeping connections, that answers, refuses once, then answers
+    fake_server.keep_alive = True
+    answers = iter([
+        (200, {}), (200, {}),
+        (503, HeartbeatRefusal(detail="busy", retry_after_s=0.1,
+                               heartbeat_interval_s=5).to_payload(), 0.0, {"Retry-After": "1"}),
+        (200, {}), (200, {}),
+    ])  # fmt: skip
+    fake_server.on(HEARTBEAT_PATH, lambda request: next(answers))
+    client = client_for(fake_server)
+    for _ in range(5):
+        with contextlib.suppress(ServerBusyError):
+            client.heartbeat({}, token="t")
+    ports = [r.port for r in fake_server.requests]
+    # then the answered requests kept their connection, and the one after the refusal came on
+    # another, kept from then on
+    assert ports[0] == ports[1] == ports[2]
+    assert ports[3] != ports[2] and ports[3] == ports[4]
 
 
 def test_a_429_with_retry_after_is_not_retried_and_the_wait_is_bounded(fake_server):

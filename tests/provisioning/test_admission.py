@@ -17,7 +17,7 @@ from prometheus_client import REGISTRY
 
 from agentprotocol import HEARTBEAT_PATH, HeartbeatRefusal
 from marketplace.models import Node, NodeEvent, NodeStatus
-from provisioning.admission import HeartbeatAdmission, retry_after_s
+from provisioning.admission import HeartbeatAdmission, Turns, retry_after_s
 from provisioning.services import nodes_mark_silent
 
 pytestmark = pytest.mark.django_db
@@ -92,9 +92,11 @@ def test_a_heartbeat_past_the_bound_is_refused_before_any_work(wsgi, node_token)
     # then 503, when to come back and how often to heartbeat, and it is counted
     assert status == 503
     refusal = HeartbeatRefusal.from_payload(json.loads(body))
-    assert headers["Retry-After"] == str(refusal.retry_after_s)
-    # (no wake server: the fleet's interval is the base one, 1 s in the tests)
-    assert (refusal.heartbeat_interval_s, refusal.retry_after_s) == (1, 1)
+    # (no wake server: the fleet's interval is the base one, 1 s in the tests): a turn within
+    # half of it, said to the millisecond in the body and in whole seconds in Retry-After
+    assert refusal.heartbeat_interval_s == 1
+    assert 0 < refusal.retry_after_s <= 0.5
+    assert headers["Retry-After"] == "1"
     assert _refused_count() == before + 1
     # and nothing of it was applied: the node was not marked seen
     assert Node.objects.get(pk=node.pk).last_seen_at == seen
@@ -102,6 +104,61 @@ def test_a_heartbeat_past_the_bound_is_refused_before_any_work(wsgi, node_token)
     status, _, body = _call(wsgi.application, HEARTBEAT_PATH, token=node_token)
     assert status == 200, body
     assert Node.objects.get(pk=node.pk).last_seen_at > seen
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_refused_heartbeats_get_turns_a_service_time_apart_then_the_interval():
+    clock = _Clock()
+    turns = Turns(2, clock=clock)
+    turns.service_s = 0.08
+    # a burst: each refused is booked 0.08 s / 2 slots after the one before it
+    booked = [turns.book(within_s=0.5) for _ in range(6)]
+    assert booked == pytest.approx([0.04, 0.08, 0.12, 0.16, 0.2, 0.24])
+    # time passes: the next turn follows the last one booked, not now
+    clock.now += 0.1
+    assert turns.book(within_s=0.5) == pytest.approx(0.18)
+    # past the window nothing is booked (the caller spreads over the interval instead), and the
+    # refusal did not take a turn: the next within the window is still the one after
+    turns.service_s = 0.4
+    assert turns.book(within_s=0.3) is None
+    assert turns.book(within_s=1.0) == pytest.approx(0.18 + 0.2)
+    # the service time follows what the heartbeats took
+    for _ in range(40):
+        turns.served(0.01)
+    assert turns.service_s == pytest.approx(0.01, abs=1e-3)
+    # a process that serves no heartbeat gives no turn
+    assert Turns(0, clock=clock).book(within_s=10) is None
+
+
+def test_a_burst_past_the_bound_is_told_turns_then_the_fleets_interval(wsgi, node_token):
+    # given the process's slot taken and a heartbeat's service time of 0.12 s here
+    app = HeartbeatAdmission(wsgi.agent_api, bound=1)
+    app.turns.service_s = 0.12
+    assert app.slots.acquire(blocking=False)
+    try:
+        answers = [_call(app, HEARTBEAT_PATH, token=node_token) for _ in range(8)]
+    finally:
+        app.slots.release()
+    refusals = [HeartbeatRefusal.from_payload(json.loads(body)) for _, _, body in answers]
+    retries = [r.retry_after_s for r in refusals]
+    # then the first four are given turns 0.12 s apart within half the interval (1 s in the
+    # tests), later ones the interval's spread (whole seconds, the test's 1 s)
+    assert all(status == 503 for status, _, _ in answers)
+    assert retries[:4] == sorted(retries[:4])
+    assert 0.06 <= retries[0] <= 0.12 and 0.1 <= retries[3] - retries[2] <= 0.14
+    assert retries[3] <= 0.5 and retries[4:] == [1, 1, 1, 1]
+    assert [headers["Retry-After"] for _, headers, _ in answers] == ["1"] * 8
+    # a heartbeat served updates the service time the turns are booked with
+    status, _, _ = _call(app, HEARTBEAT_PATH, token=node_token)
+    assert status == 200
+    assert app.turns.service_s != 0.12
 
 
 def test_with_a_bound_of_zero_every_heartbeat_is_refused_and_customers_are_not(
