@@ -143,23 +143,23 @@ def test_a_refusal_with_retry_after_is_not_retried_and_says_when_and_how_often(f
     assert raised.value.interval_s == 20.0
 
 
-def test_a_refusal_s_turn_is_taken_to_the_millisecond_from_its_body(fake_server):
-    # given a server that booked the refused heartbeat a turn 0.25 s away (Retry-After: 1)
-    refusal = HeartbeatRefusal(detail="busy", retry_after_s=0.25, heartbeat_interval_s=5)
+@pytest.mark.parametrize(
+    ("said_s", "header", "waited_s"),
+    [
+        (0.25, "1", 0.25),  # a turn booked 0.25 s away: the body, to the millisecond
+        (900.0, "2", 2.0),  # a body past the header's whole seconds is not believed
+    ],
+)
+def test_a_refusal_s_turn_is_taken_from_its_body_within_retry_after(
+    fake_server, said_s, header, waited_s
+):
+    refusal = HeartbeatRefusal(detail="busy", retry_after_s=said_s, heartbeat_interval_s=5)
     fake_server.on(
-        HEARTBEAT_PATH, lambda request: (503, refusal.to_payload(), 0.0, {"Retry-After": "1"})
+        HEARTBEAT_PATH, lambda request: (503, refusal.to_payload(), 0.0, {"Retry-After": header})
     )
     with pytest.raises(ServerBusyError) as raised:
         client_for(fake_server).heartbeat({}, token="t")
-    assert raised.value.retry_after_s == 0.25
-    # a body past the header's whole seconds is not believed: the header is
-    refusal = HeartbeatRefusal(detail="busy", retry_after_s=900.0, heartbeat_interval_s=5)
-    fake_server.on(
-        HEARTBEAT_PATH, lambda request: (503, refusal.to_payload(), 0.0, {"Retry-After": "2"})
-    )
-    with pytest.raises(ServerBusyError) as raised:
-        client_for(fake_server).heartbeat({}, token="t")
-    assert raised.value.retry_after_s == 2.0
+    assert raised.value.retry_after_s == waited_s
 
 
 def test_after_a_refusal_the_client_comes_back_on_a_new_connection(fake_server):
