@@ -15,9 +15,9 @@ here, a moving average, divided among the slots), as a clinic books the next fre
 A burst (64 agents woken by one scheduler pass, each sending its heartbeat at once) is then
 served in about the time its heartbeats take, instead of coming back in clumps a few seconds
 apart. The turn is said to the millisecond in the body (`retry_after_s`), Retry-After carrying
-the whole seconds HTTP allows. Turns are given only within half the shortest wait a refusal
-would otherwise name: past that the process is overloaded, not in a burst, and the refused
-are spread over the fleet's interval as below.
+the whole seconds HTTP allows. Turns are given only within TURNS_AHEAD_S, and within half the
+shortest wait a refusal would otherwise name: past that the process is overloaded, not in a
+burst, and the refused are spread over the fleet's interval as below.
 
 That refusal leaves a note for the silence sweep (provisioning.services.refusals), so the
 refused nodes may wait the whole interval: the fleet settles on the rate the server set
@@ -50,6 +50,11 @@ WsgiApp = Callable[[dict, Callable], Iterable[bytes]]
 # the newest in the moving average.
 FIRST_SERVICE_S = 0.05
 SERVICE_WEIGHT = 0.2
+# How far ahead turns are given: a burst's worth. Past it the process is overloaded, and turns
+# further out would only bring the refused back to be refused again (bench/scheduler.py, 1,000
+# busy hosts offering twice what the web serves: 206 refusals a second with turns up to 2.5 s
+# ahead, 113 without turns).
+TURNS_AHEAD_S = 1.0
 
 
 def _window_s(interval_s: int, *, sweep_knows: bool) -> int:
@@ -122,7 +127,8 @@ class HeartbeatAdmission:
     def _refuse(self, start_response: Callable) -> list[bytes]:
         HEARTBEATS_REFUSED.inc()
         interval = fleet_heartbeat_interval_s()
-        retry: float | None = self.turns.book(within_s=_window_s(interval, sweep_knows=False) / 2)
+        ahead = min(TURNS_AHEAD_S, _window_s(interval, sweep_knows=False) / 2)
+        retry: float | None = self.turns.book(within_s=ahead)
         if retry is None:
             retry = retry_after_s(
                 interval, sweep_knows=heartbeats_refused_note(interval_s=interval)
