@@ -251,6 +251,25 @@ def run_records(folder: Path) -> dict[str, tuple[float, float | None]]:
     return records
 
 
+def stop_all(team, customer, timeout_s: float = 90) -> None:
+    """Stop the team's rentals while their agents still run, and wait until they have ended:
+    what comes after is measured on a quiet control plane (otherwise the silent-node sweep and
+    the requeueing of 180 rentals of agents gone run beside it)."""
+    from marketplace.lifecycle import TERMINAL, rental_stop
+    from marketplace.models import Rental
+
+    for rental_id in (
+        Rental.objects.filter(team=team).exclude(status__in=TERMINAL).values_list("pk", flat=True)
+    ):
+        rental_stop(team=team, actor=customer, rental_id=rental_id, reason="benchmark done")
+    deadline = time.monotonic() + timeout_s
+    while Rental.objects.filter(team=team).exclude(status__in=TERMINAL).exists():
+        if time.monotonic() > deadline:
+            print("  (some rentals had not ended after the stop; going on)")
+            return
+        time.sleep(0.5)
+
+
 def real_agents(server, *, hosts: int, rentals: int, settle_s: float) -> dict:
     from marketplace.models import Rental, RentalStatus
     from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
@@ -297,6 +316,7 @@ def real_agents(server, *, hosts: int, rentals: int, settle_s: float) -> dict:
             time.process_time() - cpu0[2],
         )
         records = run_records(folder)
+        stop_all(team, customer)
     handover, start, report = [], [], []
     for rental_id, at_running in running.items():
         began, ran = records.get(rental_id, (None, None))

@@ -432,9 +432,10 @@ GPUMARKET = {
     "BUSY_HEARTBEAT_MAX_S": env.int("BUSY_HEARTBEAT_MAX_S", default=15),
     # Heartbeats one web process serves at once (provisioning.admission); one more is answered
     # 503 with Retry-After before any of its work, so the process's other threads stay free for
-    # customers. Default: one thread of WEB_THREADS kept for customers (0: refuse every one).
+    # customers. Default: half of WEB_THREADS (config/gunicorn.py), at least one; the other
+    # half kept for customers (0: refuse every one).
     "AGENT_HEARTBEATS_IN_FLIGHT": env.int(
-        "AGENT_HEARTBEATS_IN_FLIGHT", default=max(1, env.int("WEB_THREADS", default=2) - 1)
+        "AGENT_HEARTBEATS_IN_FLIGHT", default=max(1, env.int("WEB_THREADS", default=4) // 2)
     ),
     # The wake server agents long-poll to hear of a change at once (provisioning.wakeserver):
     # its URL as agents reach it (absolute, or a path on the server URL behind one ingress);

@@ -10,6 +10,7 @@ from datetime import timedelta
 
 import pytest
 import redis
+from django.conf import settings
 from django.core.signals import request_finished, request_started
 from django.db import close_old_connections
 from django.utils import timezone
@@ -79,16 +80,20 @@ def _refused_count() -> float:
 
 
 def test_a_heartbeat_past_the_bound_is_refused_before_any_work(wsgi, node_token):
-    # given the process's one heartbeat slot taken (a heartbeat in flight)
+    # given the process's heartbeat slots taken (half its threads: two heartbeats in flight)
     node = Node.objects.get()
     seen = node.last_seen_at
     before = _refused_count()
-    assert wsgi.agent_api.slots.acquire(blocking=False)
+    bound = settings.GPUMARKET["AGENT_HEARTBEATS_IN_FLIGHT"]
+    assert bound == 2
+    for _ in range(bound):
+        assert wsgi.agent_api.slots.acquire(blocking=False)
     try:
         # when another heartbeat arrives
         status, headers, body = _call(wsgi.application, HEARTBEAT_PATH, token=node_token)
     finally:
-        wsgi.agent_api.slots.release()
+        for _ in range(bound):
+            wsgi.agent_api.slots.release()
     # then 503, when to come back and how often to heartbeat, and it is counted
     assert status == 503
     refusal = HeartbeatRefusal.from_payload(json.loads(body))
