@@ -50,10 +50,11 @@ WsgiApp = Callable[[dict, Callable], Iterable[bytes]]
 # the newest in the moving average.
 FIRST_SERVICE_S = 0.05
 SERVICE_WEIGHT = 0.2
-# How far ahead turns are given: a burst's worth. Past it the process is overloaded, and turns
-# further out would only bring the refused back to be refused again (bench/scheduler.py, 1,000
-# busy hosts offering twice what the web serves: 206 refusals a second with turns up to 2.5 s
-# ahead, 113 without turns).
+# How far ahead turns are given: a burst's worth (64 agents woken at once, a few of them per
+# process). Past it the process is overloaded, not in a burst. Under a lasting overload turns
+# still bring the refused back sooner to be refused again: bench/scheduler.py with 1,000 busy
+# hosts offering twice what the web serves counted 206-241 refusals a second with turns (2.5 s
+# or 1 s ahead alike) against 113 without.
 TURNS_AHEAD_S = 1.0
 
 
