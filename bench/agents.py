@@ -214,21 +214,14 @@ class Host:
 
 
 def refusal_delay(response, answer) -> float | None:
-    """The wait a refused heartbeat (429/503 with Retry-After) was told, as the real agent reads
-    it (nodeagent.client.server_busy): the body's turn to the millisecond when it is within the
-    header's whole seconds, else the header; None when the answer is no refusal."""
-    from agentprotocol import RETRY_AFTER_MAX_S
+    """The wait a refused heartbeat (429/503 with Retry-After) was told, read as the real agent
+    reads it (nodeagent.client.refusal_wait); None when the answer is no refusal."""
+    from nodeagent.client import refusal_wait
 
-    if response.status not in (429, 503) or "Retry-After" not in response.headers:
+    if response.status not in (429, 503):
         return None
-    try:
-        delay = float(response.headers["Retry-After"])
-    except ValueError:
-        return None
-    said = answer.get("retry_after_s") if isinstance(answer, dict) else None
-    if isinstance(said, int | float) and 0 <= said <= delay:
-        delay = float(said)
-    return min(RETRY_AFTER_MAX_S, delay)
+    said = refusal_wait(response.headers.get("Retry-After"), answer)
+    return None if said is None else said[0]
 
 
 async def run_agents(

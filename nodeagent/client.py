@@ -80,27 +80,41 @@ def backoff_delay(attempt: int, *, base_s: float, max_s: float) -> float:
     return delay / 2 + random.uniform(0, delay / 2)
 
 
+def refusal_wait(retry_after: str | None, body: Any) -> tuple[float, float | None] | None:
+    """What a refusal says from its `Retry-After` header and its decoded body: the seconds to
+    wait (RETRY_AFTER_MAX_S at most) and, for a heartbeat, the interval to use from then on;
+    None when the header is no delay in seconds (an HTTP date, or none). The body says the wait
+    to the millisecond (a turn the server booked), the header in whole seconds; a body past the
+    header's bound is not believed."""
+    try:
+        wait = float(retry_after or "")
+    except ValueError:
+        return None
+    if not math.isfinite(wait) or wait < 0:
+        return None
+    interval = None
+    with contextlib.suppress(ProtocolError):
+        refusal = HeartbeatRefusal.from_payload(body)
+        interval = refusal.heartbeat_interval_s
+        if math.isfinite(refusal.retry_after_s) and 0 <= refusal.retry_after_s <= wait:
+            wait = refusal.retry_after_s
+    return min(wait, RETRY_AFTER_MAX_S), interval
+
+
 def server_busy(response: requests.Response) -> ServerBusyError | None:
     """The refusal a 429/503 says it is when it carries `Retry-After` in seconds (an HTTP date,
     or none: an ordinary transient error, retried with backoff)."""
     try:
-        retry_after = float(response.headers.get("Retry-After", ""))
+        body = response.json()
     except ValueError:
+        body = None
+    said = refusal_wait(response.headers.get("Retry-After"), body)
+    if said is None:
         return None
-    if not math.isfinite(retry_after) or retry_after < 0:
-        return None
-    interval = None
-    with contextlib.suppress(ValueError, ProtocolError):
-        refusal = HeartbeatRefusal.from_payload(response.json())
-        interval = refusal.heartbeat_interval_s
-        # The body says it to the millisecond (a turn the server booked), the header in whole
-        # seconds; a body past the header's bound is not believed.
-        if math.isfinite(refusal.retry_after_s) and 0 <= refusal.retry_after_s <= retry_after:
-            retry_after = refusal.retry_after_s
     return ServerBusyError(
         f"HTTP {response.status_code}: {error_message(response)}",
-        retry_after_s=min(retry_after, RETRY_AFTER_MAX_S),
-        interval_s=interval,
+        retry_after_s=said[0],
+        interval_s=said[1],
     )
 
 
