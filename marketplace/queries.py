@@ -228,8 +228,42 @@ NODE_COLUMNS = (
 MODEL_COLUMNS = ("slug", "family", "memory_gb", "tensor_tflops")
 
 
+# Each optional filter's clause, in the statement only when the request sets it: one statement
+# per combination in use (a handful), each prepared with a plan for what it filters. Written as
+# `(%(price)s IS NULL OR ...)` in one statement, PostgreSQL's generic plan (which it may keep
+# after five executions of a prepared statement) guessed one matching node, joined every node
+# of the pool and sorted them: 3-4 ms a create at 1,000 nodes where it kept it (30 ms at 10,000
+# forced; where it kept custom plans, 0.6 ms of planning a create), against 0.3 ms for the
+# pool's price index read up to the limit (docs/benchmarks.md, 2026-12-07 night).
+_CHEAPEST_FILTERS = {
+    "region": "(n.{node.region} = %(region)s OR n.{node.region} LIKE %(zones)s)",
+    "models": "m.{gpu_model.slug} = ANY(%(models)s::text[])",
+    "families": "m.{gpu_model.family} = ANY(%(families)s::text[])",
+    "memory": "m.{gpu_model.memory_gb} >= %(memory)s",
+    "tflops": "m.{gpu_model.tensor_tflops} >= %(tflops)s",
+    "bid": "n.{node.min_bid_per_gpu_hour} <= %(bid)s",
+    "price": "n.{node.price_per_gpu_hour} <= %(price)s",
+    "ssh": "n.{node.ssh_capable}",
+    "internet": "n.{node.internet_capable}",
+    "clustered": "c.{cluster.bandwidth_gbps} >= %(gbps)s",
+}
+# The parameters each optional clause reads, besides its own.
+_CHEAPEST_ALSO = {"region": ("zones",), "clustered": ("gbps",)}
+
+
+def _filters(params: dict) -> frozenset[str]:
+    """The optional filters `params` sets: a price or bid that is not None (a price of 0 is a
+    filter, that no node passes), any other that is not false, zero or empty (a minimum of 0
+    memory or TFLOPS passes every card)."""
+    return frozenset(
+        name
+        for name in _CHEAPEST_FILTERS
+        if (params.get(name) is not None if name in ("bid", "price") else params.get(name))
+    )
+
+
 @cache
-def _cheapest_nodes_sql() -> str:
+def _cheapest_nodes_sql(filters: frozenset[str]) -> str:
     quote = connection.ops.quote_name
     node = ", ".join(f"n.{quote(Node._meta.get_field(f).column)}" for f in NODE_COLUMNS)
     model = ", ".join(f"m.{quote(GpuModel._meta.get_field(f).column)}" for f in MODEL_COLUMNS)
@@ -238,26 +272,25 @@ def _cheapest_nodes_sql() -> str:
         " WHERE g.{gpu.node} = n.{node.id} ORDER BY g.{gpu.index})"
         for name in ("id", "index", "topology_group")
     )
+    optional = "".join(f" AND {_CHEAPEST_FILTERS[name]}" for name in sorted(filters))
     return sql_named(
         f"SELECT {node}, c.{{cluster.bandwidth_gbps}}, {model}, {arrays}"  # noqa: S608
         " FROM {node} n JOIN {gpu_model} m ON m.{gpu_model.id} = n.{node.gpu_model}"
         " LEFT JOIN {cluster} c ON c.{cluster.id} = n.{node.cluster}"
-        " WHERE n.{node.pool} = %(pool)s"
-        " AND (%(region)s = '' OR n.{node.region} = %(region)s"
-        "      OR n.{node.region} LIKE %(zones)s)"
-        " AND (cardinality(%(models)s::text[]) = 0 OR m.{gpu_model.slug} = ANY(%(models)s::text[]))"
-        " AND (cardinality(%(families)s::text[]) = 0"
-        "      OR m.{gpu_model.family} = ANY(%(families)s::text[]))"
-        " AND m.{gpu_model.memory_gb} >= %(memory)s AND m.{gpu_model.tensor_tflops} >= %(tflops)s"
-        " AND n.{node.gpu_count} >= %(gpus)s"
-        " AND (%(bid)s::numeric IS NULL OR n.{node.min_bid_per_gpu_hour} <= %(bid)s::numeric)"
-        " AND (%(price)s::numeric IS NULL OR n.{node.price_per_gpu_hour} <= %(price)s::numeric)"
-        " AND (NOT %(ssh)s OR n.{node.ssh_capable})"
-        " AND (NOT %(internet)s OR n.{node.internet_capable})"
-        " AND (NOT %(clustered)s OR c.{cluster.bandwidth_gbps} >= %(gbps)s)"
+        " WHERE n.{node.pool} = %(pool)s AND n.{node.gpu_count} >= %(gpus)s"
+        f"{optional}"
         " ORDER BY n.{node.price_per_gpu_hour}, n.{node.id} LIMIT %(limit)s",
         **_TABLES,
     )
+
+
+def nodes_cheapest_statement(*, params: dict) -> tuple[str, dict]:
+    """The statement of nodes_cheapest for `params`, and the parameters it reads."""
+    filters = _filters(params)
+    used = {"pool", "gpus", "limit"}.union(
+        filters, *(_CHEAPEST_ALSO.get(name, ()) for name in filters)
+    )
+    return _cheapest_nodes_sql(filters), {name: params[name] for name in used}
 
 
 def nodes_cheapest(*, params: dict) -> list[tuple]:
@@ -265,7 +298,7 @@ def nodes_cheapest(*, params: dict) -> list[tuple]:
     families, memory, tflops, GPUs, bid, price, ssh, internet, clustered with at least gbps),
     whatever their state: the NODE_COLUMNS, their cluster's bandwidth (None: no cluster), the
     MODEL_COLUMNS of their card, then their GPUs' ids, indexes and groups as arrays."""
-    return _all(_cheapest_nodes_sql(), params)
+    return _all(*nodes_cheapest_statement(params=params))
 
 
 # --- Metrics ----------------------------------------------------------------------------------

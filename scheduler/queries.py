@@ -155,7 +155,9 @@ def snapshot_isolation_set() -> None:
 
 # Candidate nodes for one simple request: online nodes of the pool that match its hardware and
 # have enough GPUs free over its window, fullest first (best fit), then cheapest. The engine
-# still checks everything on what this returns; the SQL only chooses what it reads.
+# still checks everything on what this returns; the SQL only chooses what it reads. Each
+# optional filter is in the statement only when the request sets it (one statement per
+# combination, each with its own plan: marketplace.queries' refusal check says why).
 _CANDIDATES = """
 SELECT n.{node.id}
 FROM {node} n
@@ -168,32 +170,42 @@ LEFT JOIN (
     GROUP BY x.{allocation.node}
 ) b ON b.node_id = n.{node.id}
 WHERE n.{node.pool} = %(pool)s AND n.{node.status} = %(online)s
-  AND (%(region)s = '' OR n.{node.region} = %(region)s)
-  AND (cardinality(%(models)s::text[]) = 0 OR m.{gpu_model.slug} = ANY(%(models)s::text[]))
-  AND (cardinality(%(families)s::text[]) = 0
-       OR m.{gpu_model.family} = ANY(%(families)s::text[]))
-  AND m.{gpu_model.memory_gb} >= %(memory)s AND m.{gpu_model.tensor_tflops} >= %(tflops)s
-  AND (%(max_price)s::numeric IS NULL
-       OR n.{node.price_per_gpu_hour} <= %(max_price)s::numeric)
-  AND (NOT %(ssh)s OR n.{node.ssh_capable})
-  AND (NOT %(internet)s OR n.{node.internet_capable})
-  AND n.{node.gpu_count} - coalesce(b.held, 0) >= %(k)s
+  AND n.{node.gpu_count} - coalesce(b.held, 0) >= %(k)s{optional}
 ORDER BY n.{node.gpu_count} - coalesce(b.held, 0), n.{node.price_per_gpu_hour}, n.{node.id}
 LIMIT %(limit)s
 """
+_CANDIDATE_FILTERS = {
+    "region": "n.{node.region} = %(region)s",
+    "models": "m.{gpu_model.slug} = ANY(%(models)s::text[])",
+    "families": "m.{gpu_model.family} = ANY(%(families)s::text[])",
+    "memory": "m.{gpu_model.memory_gb} >= %(memory)s",
+    "tflops": "m.{gpu_model.tensor_tflops} >= %(tflops)s",
+    "max_price": "n.{node.price_per_gpu_hour} <= %(max_price)s",
+    "ssh": "n.{node.ssh_capable}",
+    "internet": "n.{node.internet_capable}",
+}
+_CANDIDATE_ALWAYS = ("pool", "online", "start", "end", "k", "limit")
 
 
 @cache
-def _candidates_sql() -> str:
-    return sql_named(_CANDIDATES, **_TABLES)
+def _candidates_sql(filters: frozenset[str]) -> str:
+    optional = "".join(f"\n  AND {_CANDIDATE_FILTERS[name]}" for name in sorted(filters))
+    return sql_named(_CANDIDATES.replace("{optional}", optional), **_TABLES)
 
 
 def candidate_nodes(*, params: dict) -> list[int]:
     """The ids of the candidate nodes for one request shape (`params`: pool, online, start,
     end, region, models, families, memory, tflops, max_price, k, ssh, internet, limit), best
-    fit first."""
+    fit first. A max_price of None, and any other optional filter false, zero or empty, does
+    not filter."""
+    filters = frozenset(
+        name
+        for name in _CANDIDATE_FILTERS
+        if (params.get(name) is not None if name == "max_price" else params.get(name))
+    )
+    used = {name: params[name] for name in (*_CANDIDATE_ALWAYS, *filters)}
     with connection.cursor() as cursor:
-        cursor.execute(_candidates_sql(), params)
+        cursor.execute(_candidates_sql(filters), used)
         return [row[0] for row in cursor.fetchall()]
 
 
