@@ -41,7 +41,7 @@ import time
 from decimal import Decimal
 from pathlib import Path
 
-from _common import ROOT, bench_database, emit, gunicorn, parse_args, percentile
+from _common import ROOT, CpuMeter, bench_database, emit, gunicorn, parse_args, percentile
 
 BIN = Path(sys.executable).parent
 GPUS_PER_HOST = 8
@@ -341,11 +341,18 @@ def running_count() -> int:
 
 
 def measure(server, hosts: list[Host], seconds: float, interval: float) -> dict:
-    """Heartbeats for `seconds`: handled rate, latencies, and the server's CPU per heartbeat."""
+    """Heartbeats for `seconds`: handled rate, latencies, and the server's and the database's
+    CPU per heartbeat."""
+    from django.db import connection
+
     cpu0 = server_cpu_seconds(server)
-    latencies, errors = asyncio.run(run_agents(server.base_url, hosts, seconds, interval))
+    with CpuMeter({"web": [server.pid]}, connection.settings_dict["NAME"]) as meter:
+        pg0 = meter.totals().get("postgres", 0.0)
+        latencies, errors = asyncio.run(run_agents(server.base_url, hosts, seconds, interval))
+        pg = meter.totals().get("postgres", 0.0) - pg0
     cpu = server_cpu_seconds(server) - cpu0
     return {
+        "pg_ms": pg * 1000 / max(1, len(latencies)),
         "handled_per_s": (len(latencies) - errors) / seconds,
         "errors": errors,
         "p50": percentile(latencies, 50),
@@ -538,6 +545,7 @@ def main() -> None:
             f" ({phase['errors']} errors), p50 {phase['p50']:.1f} ms, p99 {phase['p99']:.1f} ms;"
             f" server CPU {phase['cpu_ms']:.2f} ms per heartbeat,"
             f" {phase['cpu_ms'] / health_ms:.1f}x the {health_ms:.2f} ms of a /healthz;"
+            f" PostgreSQL {phase['pg_ms']:.2f} ms;"
             f" {phase['statements']} SQL statements per heartbeat"
         )
     print(f"SCHEDULED -> RUNNING with a real agent ({runtime} runtime): {to_running:.2f} s")
@@ -547,6 +555,7 @@ def main() -> None:
         "heartbeat_p99_ms": round(idle["p99"], 1),
         "server_cpu_ms_per_heartbeat": round(idle["cpu_ms"], 2),
         "server_cpu_ms_per_healthz": round(health_ms, 2),
+        "postgres_cpu_ms_per_heartbeat": round(idle["pg_ms"], 2),
         "heartbeat_cpu_to_healthz": round(idle["cpu_ms"] / health_ms, 2),
         "statements_per_heartbeat": idle["statements"],
         "scheduled_to_running_s": round(to_running, 2),
@@ -564,6 +573,7 @@ def main() -> None:
             busy_heartbeat_p99_ms=round(busy["p99"], 1),
             busy_server_cpu_ms_per_heartbeat=round(busy["cpu_ms"], 2),
             busy_to_healthz=round(busy["cpu_ms"] / health_ms, 2),
+            busy_postgres_cpu_ms_per_heartbeat=round(busy["pg_ms"], 2),
             busy_statements_per_heartbeat=busy["statements"],
             busy_errors=busy["errors"],
         )

@@ -91,6 +91,7 @@ def wake_server():
     os.environ.update(SECRET_KEY=settings.SECRET_KEY, WAKE_URL=wake_url)
     # This process places rentals too (part 1's pass): its settings were read before.
     settings.GPUMARKET = {**settings.GPUMARKET, "WAKE_URL": wake_url}
+    LOG_DIR.mkdir(parents=True, exist_ok=True)  # also entered from bench/scheduler.py
     log = (LOG_DIR / "launch-wake.log").open("wb")
     process = subprocess.Popen(
         [sys.executable, "manage.py", "wake_server", "--port", str(port)],

@@ -463,7 +463,14 @@ def api_creates_busy(server, customer, hosts_n: int, busy: int, interval: float,
     load.start()
     time.sleep(lead)
     health = rest_rate(server.base_url, "/healthz", headers, None, seconds)
+    # Where the cores go while the creates run: this process (the REST clients) and the load
+    # generator apart from their children (the server is one of this process's).
+    roots = {"web": [server.pid], "loadgen": [load.pid], "clients": [os.getpid()]}
+    meter, split0 = meter_start(roots, alone=frozenset({"loadgen", "clients"}))
+    t0 = time.perf_counter()
     creates = rest_rate(server.base_url, "/api/v1/rentals/", headers, CREATE_BODY, seconds)
+    split = meter_since(meter, split0)
+    cores = {group: cpu_s / (time.perf_counter() - t0) for group, cpu_s in split.items()}
     beats, errors, beat_p99, refused, offered = receive.recv()
     load.join(60)
     cpu = server_cpu_seconds(server) - cpu0
@@ -478,6 +485,7 @@ def api_creates_busy(server, customer, hosts_n: int, busy: int, interval: float,
         "heartbeats_refused_per_s": refused / window,
         "heartbeat_p99_ms": beat_p99,
         "server_cpu_share": cpu / window,
+        "cores_during_creates": cores,
     }
 
 
@@ -615,7 +623,11 @@ def api_part(ceiling: float, service_rate: float, args: argparse.Namespace) -> d
             f" ({busy['heartbeat_errors']} errors,"
             f" {busy['heartbeats_refused_per_s']:.1f}/s refused with Retry-After),"
             f" p99 {busy['heartbeat_p99_ms']:.0f} ms; the server used"
-            f" {busy['server_cpu_share']:.2f} cores"
+            f" {busy['server_cpu_share']:.2f} cores; during the creates, cores used by the web"
+            f" {busy['cores_during_creates'].get('web', 0):.2f}, PostgreSQL"
+            f" {busy['cores_during_creates'].get('postgres', 0):.2f}, the hosts' load generator"
+            f" {busy['cores_during_creates'].get('loadgen', 0):.2f}, the REST clients"
+            f" {busy['cores_during_creates'].get('clients', 0):.2f}"
         )
         figures.update(
             busy_hosts=busy["hosts"],
@@ -631,6 +643,10 @@ def api_part(ceiling: float, service_rate: float, args: argparse.Namespace) -> d
             busy_fixed_interval=args.fixed_interval,
             busy_wake=args.wake,
             busy_server_cores=round(busy["server_cpu_share"], 2),
+            **{
+                f"busy_creates_cores_{group}": round(share, 2)
+                for group, share in busy["cores_during_creates"].items()
+            },
         )
     print(
         f"CLI: `gpumarket rent` {api['cli_s'] * 1000:.0f} ms (median of 10), "
