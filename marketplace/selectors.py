@@ -181,6 +181,17 @@ def offer_list(*, filters: OfferFilters, limit: int, offset: int) -> list[dict]:
 _OFFER_PAGE_KEY_VERSION = 1
 
 
+# A page whose statement took longer than the TTL is still kept this long, for the requests
+# that waited for it (below): without it, a database slow enough to take the TTL answered every
+# request with the statement, which made it slower still (offers p95 23 s at 10,000 nodes under
+# the whole load of bench/marketplace.py, the statement on 0.96 of PostgreSQL's backends).
+OFFER_PAGE_GRACE_S = 1.0
+# How long a request waits for another's answer to the same question (at most the TTL), and
+# how often it looks for it.
+OFFER_PAGE_FILL_WAIT_S = 5.0
+_FILL_POLL_S = (0.01, 0.1)  # first, then doubled up to the second
+
+
 def offer_page(
     *,
     filters: OfferFilters,
@@ -197,11 +208,14 @@ def offer_page(
     The key is a digest of the statement's text and every parameter it runs with, so whatever
     changes the answer changes the key; the statement reads nothing of the caller (no account,
     team or price per customer), so one answer serves everybody who asks the same question.
-    Past half its life an entry is refreshed by the one request that sets the refresh flag
-    while the others keep reading it, so that browsers never all wait for the statement when
-    an entry turns over. A GPU booked meanwhile stays listed until the entry expires: booking
-    checks capacity again, so a stale row costs a refused or re-planned booking, never a double
-    booking. When Redis fails the statement runs as if there were no cache."""
+    One statement runs per question at a time: with no entry, the one request that sets the
+    fill flag runs it and the others wait for its answer (up to OFFER_PAGE_FILL_WAIT_S or the
+    TTL, then they run it themselves); past half its life an entry is refreshed by the one
+    request that sets the refresh flag while the others keep reading it. An answer whose
+    statement outlasted the TTL is kept OFFER_PAGE_GRACE_S for those who waited. A GPU booked
+    meanwhile stays listed until the entry expires: booking checks capacity again, so a stale
+    row costs a refused or re-planned booking, never a double booking. When Redis fails the
+    statement runs as if there were no cache."""
     ttl_s = settings.GPUMARKET["OFFERS_CACHE_TTL_S"]
     sql, params = offer_list_sql(filters=filters, limit=limit, offset=offset)
     clients = redis_clients()
@@ -214,6 +228,8 @@ def offer_page(
         f"{_OFFER_PAGE_KEY_VERSION}\n{shaped}\n{sql}\n{params!r}".encode()
     ).hexdigest()
     key = f"gpumarket:offers:{digest}"
+    fill = f"{key}:fill"
+    wait_s = min(ttl_s, OFFER_PAGE_FILL_WAIT_S)
     try:
         cached = client.get(key)
         if cached is not None:
@@ -223,19 +239,51 @@ def offer_page(
                 f"{key}:refresh", 1, nx=True, px=max(1, int(ttl_s * 500))
             ):
                 return rows
+            fill = None  # refreshing: the others read the entry meanwhile
+        elif not client.set(fill, 1, nx=True, px=max(1, int(wait_s * 1000))):
+            filled = _offer_page_awaited(client, key, wait_s=wait_s)
+            if filled is not None:
+                return filled
+            fill = None  # the filler is gone or too slow: run it here, as it would
     except redis.RedisError as exc:
         clients.hot_failed(exc)
         return shape(queries.offers_run(sql, params))
-    started = time.time()
-    rows = shape(queries.offers_run(sql, params))
-    # The entry lives TTL seconds from the statement's start: no row older than that is served.
-    left_ms = int((started + ttl_s - time.time()) * 1000)
-    if left_ms > 0:
+    try:
+        started = time.time()
+        rows = shape(queries.offers_run(sql, params))
+        # The entry lives TTL seconds from the statement's start: no row older than that is
+        # served, but for the grace of an answer others waited for.
+        left_ms = int((started + ttl_s - time.time()) * 1000)
         try:
-            client.set(key, pickle.dumps((started + ttl_s / 2, rows)), px=left_ms)
+            client.set(
+                key,
+                pickle.dumps((started + ttl_s / 2, rows)),
+                px=max(left_ms, int(OFFER_PAGE_GRACE_S * 1000)),
+            )
         except redis.RedisError as exc:
             clients.hot_failed(exc)
-    return rows
+        return rows
+    finally:
+        if fill is not None:
+            try:
+                client.delete(fill)
+            except redis.RedisError as exc:
+                clients.hot_failed(exc)
+
+
+def _offer_page_awaited(client, key: str, *, wait_s: float) -> list[dict] | None:
+    """The entry at `key` once another request has stored it, looked for at growing intervals
+    for up to `wait_s`; None when it did not appear."""
+    deadline = time.monotonic() + wait_s
+    pause = _FILL_POLL_S[0]
+    while True:
+        time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+        cached = client.get(key)
+        if cached is not None:
+            return pickle.loads(cached)[1]  # noqa: S301 - our own Redis, as above
+        if time.monotonic() >= deadline:
+            return None
+        pause = min(2 * pause, _FILL_POLL_S[1])
 
 
 def rental_list(*, team: Team, status: str | None = None) -> QuerySet[Rental]:

@@ -1,5 +1,6 @@
 """Offers: exact rows and exact order against hand-computed expectations."""
 
+import threading
 import time
 from datetime import timedelta
 
@@ -10,7 +11,9 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from accounts.services.tokens import api_token_create
+from marketplace import selectors
 from marketplace.models import Allocation, Node, NodeStatus, Rental
+from marketplace.selectors import OFFER_PAGE_GRACE_S
 from tests.factories import UserFactory, personal_team
 
 pytestmark = pytest.mark.django_db
@@ -188,7 +191,7 @@ def test_cached_pages_answer_each_question_with_its_own_rows(api, fleet, offers_
 
 
 def _entries(client) -> list[bytes]:
-    return [k for k in client.keys("gpumarket:offers:*") if not k.endswith(b":refresh")]
+    return [k for k in client.keys("gpumarket:offers:*") if not k.endswith((b":refresh", b":fill"))]
 
 
 def _book_last_free_gpu(fleet) -> None:
@@ -233,6 +236,61 @@ def test_past_half_its_ttl_one_request_refreshes_while_the_others_read(
     assert _ids(api, fleet, region="us-west") == []
     assert _ids(api, fleet, region="us-west") == []
     assert client.pttl(key) > 30_000
+
+
+def test_with_no_entry_the_others_wait_for_the_one_running_the_statement(api, fleet, offers_cache):
+    # Given a page's answer, then its entry gone and another request running the statement
+    # again (its fill flag set), and the page's last free GPU booked meanwhile
+    client = offers_cache(60.0)
+    assert _ids(api, fleet, region="us-west") == ["n6"]
+    [key] = _entries(client)
+    answer = client.get(key)
+    client.delete(key)
+    client.set(key + b":fill", 1, px=60_000)
+    _book_last_free_gpu(fleet)
+    # When that request stores its answer 0.3 s later
+    stored = threading.Timer(0.3, client.set, args=(key, answer), kwargs={"px": 60_000})
+    stored.start()
+    # Then this one waited for it and answers with it (its own statement would list nothing)
+    assert _ids(api, fleet, region="us-west") == ["n6"]
+    stored.join()
+
+
+def test_a_request_waits_for_another_s_answer_at_most_the_ttl(api, fleet, offers_cache):
+    # Given a fill flag left by a request that never answers (a process killed, say)
+    client = offers_cache(0.5)
+    assert _ids(api, fleet, region="us-west") == ["n6"]
+    [key] = _entries(client)
+    client.delete(key)
+    client.set(key + b":fill", 1, px=60_000)
+    _book_last_free_gpu(fleet)
+    # When a request asks the same question
+    # Then past the TTL it runs the statement itself, and stores the answer
+    assert _ids(api, fleet, region="us-west") == []
+    assert _entries(client) == [key]
+
+
+def test_an_answer_that_outlasted_the_ttl_is_kept_for_those_who_waited(
+    api, fleet, offers_cache, monkeypatch
+):
+    # Given the cache on for 5 s, and a statement that takes longer than that (the clock moves
+    # 10 s while it runs)
+    client = offers_cache(5.0)
+    clock = [time.time()]
+    statement = selectors.queries.offers_run
+
+    def slow_statement(sql, params):
+        rows = statement(sql, params)
+        clock[0] += 10
+        return rows
+
+    monkeypatch.setattr(selectors.queries, "offers_run", slow_statement)
+    monkeypatch.setattr("marketplace.selectors.time.time", lambda: clock[0])
+    # When a page is read
+    assert _ids(api, fleet, region="us-west") == ["n6"]
+    # Then its answer is stored for the grace, no longer
+    [key] = _entries(client)
+    assert 0 < client.pttl(key) <= OFFER_PAGE_GRACE_S * 1000
 
 
 def test_every_caller_gets_the_answer_of_the_statement(api, auth_api, fleet, offers_cache):
