@@ -220,6 +220,19 @@ def sql_named(template: str, **tables: type[models.Model]) -> str:
     return template.format(**{key: _Names(model) for key, model in tables.items()})
 
 
+def filters_set(params: dict, names, *, nullable=()) -> frozenset[str]:
+    """Which of the optional filters `names` `params` sets, for a statement built with a clause
+    per filter set (one statement per combination, each planned for itself: a clause written
+    `(%(x)s IS NULL OR ...)` lets PostgreSQL's generic plan of a prepared statement guess one
+    row and read everything, marketplace.queries). A `nullable` filter is set when it is not
+    None (a price of 0 filters), any other when it is not false, zero or empty."""
+    return frozenset(
+        name
+        for name in names
+        if (params.get(name) is not None if name in nullable else params.get(name))
+    )
+
+
 # psycopg keeps a statement's parsed text (where its parameters are) for statements up to this
 # long (psycopg._queries.MAX_CACHED_STATEMENT_LENGTH) and parses a longer one again each time.
 PARSED_TEXT_CACHED_CHARS = 4096

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from django.db import connection
 
-from core.rows import sql_named
+from core.rows import filters_set, sql_named
 from marketplace.models import (
     Allocation,
     Cluster,
@@ -251,17 +251,6 @@ _CHEAPEST_FILTERS = {
 _CHEAPEST_ALSO = {"region": ("zones",), "clustered": ("gbps",)}
 
 
-def _filters(params: dict) -> frozenset[str]:
-    """The optional filters `params` sets: a price or bid that is not None (a price of 0 is a
-    filter, that no node passes), any other that is not false, zero or empty (a minimum of 0
-    memory or TFLOPS passes every card)."""
-    return frozenset(
-        name
-        for name in _CHEAPEST_FILTERS
-        if (params.get(name) is not None if name in ("bid", "price") else params.get(name))
-    )
-
-
 @cache
 def _cheapest_nodes_sql(filters: frozenset[str]) -> str:
     quote = connection.ops.quote_name
@@ -286,7 +275,7 @@ def _cheapest_nodes_sql(filters: frozenset[str]) -> str:
 
 def nodes_cheapest_statement(*, params: dict) -> tuple[str, dict]:
     """The statement of nodes_cheapest for `params`, and the parameters it reads."""
-    filters = _filters(params)
+    filters = filters_set(params, _CHEAPEST_FILTERS, nullable=("bid", "price"))
     used = {"pool", "gpus", "limit"}.union(
         filters, *(_CHEAPEST_ALSO.get(name, ()) for name in filters)
     )

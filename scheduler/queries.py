@@ -17,7 +17,7 @@ from functools import cache
 
 from django.db import connection
 
-from core.rows import sql_named
+from core.rows import filters_set, sql_named
 from marketplace.models import Allocation, Cluster, Gpu, GpuModel, Node, Rental
 
 _TABLES = {
@@ -197,12 +197,8 @@ def candidate_nodes(*, params: dict) -> list[int]:
     """The ids of the candidate nodes for one request shape (`params`: pool, online, start,
     end, region, models, families, memory, tflops, max_price, k, ssh, internet, limit), best
     fit first. A max_price of None, and any other optional filter false, zero or empty, does
-    not filter."""
-    filters = frozenset(
-        name
-        for name in _CANDIDATE_FILTERS
-        if (params.get(name) is not None if name == "max_price" else params.get(name))
-    )
+    not filter (core.rows.filters_set)."""
+    filters = filters_set(params, _CANDIDATE_FILTERS, nullable=("max_price",))
     used = {name: params[name] for name in (*_CANDIDATE_ALWAYS, *filters)}
     with connection.cursor() as cursor:
         cursor.execute(_candidates_sql(filters), used)
