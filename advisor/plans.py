@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from decimal import Decimal
 
@@ -28,7 +28,6 @@ from advisor.engine.runs import harness_config, harness_problems
 from advisor.selectors import advisor_card_get, advisor_cards
 from core.errors import Conflict, ValidationFailed
 from marketplace.models import (
-    Node,
     Rental,
     RentalEvent,
     RentalKind,
@@ -37,7 +36,7 @@ from marketplace.models import (
     User,
     interconnect_label,
 )
-from marketplace.selectors import OfferFilters, nodes_internet_capable, offer_list, offer_page
+from marketplace.selectors import OfferFilters, nodes_internet_capable, offers_by_card
 from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
 
 # Preemption rate of a pool with little history: one per 50 node-hours, worth 10 node-hours of
@@ -96,47 +95,57 @@ def preemption_rates() -> dict[str, float]:
 
 
 def offers(
-    *, card: str, region: str | None, rates: dict[str, float], fresh: bool = False
-) -> list[Offer]:
-    """The card's cheapest offers free now. An answer reads them as customers browse them
-    (marketplace.selectors.offer_page: one statement a card every few seconds however many ask,
-    where each card's statement costs tens of milliseconds of PostgreSQL at 10,000 nodes);
-    a booking (`fresh`) reads them at its instant."""
-    filters = OfferFilters(gpu_models=(card,), region=region)
-    read = offer_list if fresh else offer_page
-    rows = read(filters=filters, limit=OFFERS_PER_CARD, offset=0)
-    nodes = {
-        n["id"]: n
-        for n in Node.objects.filter(id__in=[r["node_id"] for r in rows]).values(
-            "id", "pool", "net_up_mbps", "net_down_mbps"
-        )
+    *, cards: tuple[str, ...], region: str | None, rates: dict[str, float], fresh: bool = False
+) -> dict[str, list[Offer]]:
+    """Each card's cheapest offers free now, by card slug (a card with none is absent). An
+    answer reads every card in one statement as customers browse the offers
+    (marketplace.selectors.offers_by_card through the offers cache: one statement every few
+    seconds however many ask, where it costs tens of milliseconds of PostgreSQL at 10,000
+    nodes); a booking (`fresh`) reads them at its instant."""
+    found = offers_by_card(
+        filters=OfferFilters(gpu_models=cards, region=region),
+        per_card=OFFERS_PER_CARD,
+        shape=_card_offers,
+        cached=not fresh,
+    )
+    if not rates:
+        return {card: [offer for _, offer in rows] for card, rows in found.items()}
+    return {
+        card: [
+            replace(offer, preemptions_per_node_hour=rates[pool]) if pool in rates else offer
+            for pool, offer in rows
+        ]
+        for card, rows in found.items()
     }
-    result = []
+
+
+def _card_offers(rows: list[dict]) -> dict[str, list[tuple[str, Offer]]]:
+    """The offers statement's rows as (the node's pool, its Offer at the prior preemption
+    rate), by card: what the offers cache keeps for the advisor."""
+    result: dict[str, list[tuple[str, Offer]]] = {}
     for row in rows:
-        node = nodes[row["node_id"]]
         # A clustered node's fabric is what its provider declared for the cluster (what a
         # multi-node plan on it crosses); a node on its own has only its uplink.
         if row["interconnect"] is not None:
             net = float(row["interconnect_gbps"])
         else:
-            net = min(node["net_up_mbps"], node["net_down_mbps"]) / 1000
-        result.append(
-            Offer(
-                node_id=row["node_id"],
-                card=row["gpu_model"],
-                free_gpus=row["free_gpus"],
-                nvlink=row["nvlink"],
-                price_per_gpu_hour=row["price_per_gpu_hour"],
-                min_bid_per_gpu_hour=row["min_bid_per_gpu_hour"],
-                network_gbits=net or None,
-                preemptions_per_node_hour=rates.get(node["pool"], PRIOR_PREEMPTIONS_PER_NODE_HOUR),
-                cluster=row["cluster_id"],
-                interconnect_gbps=row["interconnect_gbps"] or 0,
-                interconnect=interconnect_label(row["interconnect"], row["interconnect_gbps"])
-                if row["interconnect"] is not None
-                else None,
-            )
+            net = min(row["net_up_mbps"], row["net_down_mbps"]) / 1000
+        offer = Offer(
+            node_id=row["node_id"],
+            card=row["gpu_model"],
+            free_gpus=row["free_gpus"],
+            nvlink=row["nvlink"],
+            price_per_gpu_hour=row["price_per_gpu_hour"],
+            min_bid_per_gpu_hour=row["min_bid_per_gpu_hour"],
+            network_gbits=net or None,
+            preemptions_per_node_hour=PRIOR_PREEMPTIONS_PER_NODE_HOUR,
+            cluster=row["cluster_id"],
+            interconnect_gbps=row["interconnect_gbps"] or 0,
+            interconnect=interconnect_label(row["interconnect"], row["interconnect_gbps"])
+            if row["interconnect"] is not None
+            else None,
         )
+        result.setdefault(row["gpu_model"], []).append((row["pool"], offer))
     return result
 
 
@@ -145,10 +154,12 @@ def advise(query: Query, *, only_card: str | None = None, fresh: bool = False) -
     `fresh`, offers read at this instant rather than from the offers cache (a booking)."""
     rates = preemption_rates() if query.interruptible else {}
     plans, reasons = [], []
-    for card in advisor_cards():
-        if only_card is not None and card.slug != only_card:
-            continue
-        card_offers = offers(card=card.slug, region=query.region, rates=rates, fresh=fresh)
+    cards = [c for c in advisor_cards() if only_card is None or c.slug == only_card]
+    by_card = offers(
+        cards=tuple(c.slug for c in cards), region=query.region, rates=rates, fresh=fresh
+    )
+    for card in cards:
+        card_offers = by_card.get(card.slug)
         if not card_offers:
             continue
         found, why = card_plans(
@@ -345,7 +356,7 @@ def _price_gang(query: Query, plan_id: str) -> Plan | None:
         return None
     rates = preemption_rates() if query.interruptible else {}
     gangs = placements(
-        offers(card=slug, region=query.region, rates=rates, fresh=True),
+        offers(cards=(slug,), region=query.region, rates=rates, fresh=True).get(slug, []),
         interruptible=query.interruptible,
     )
     for placement in gangs:

@@ -7,7 +7,9 @@ twice in the same run: with the offers cache off (`OFFERS_CACHE_TTL_S=0`: every 
 statement, as before the cache) and on (the settings' TTL), one client after another and then
 `--clients` clients at once (browsers arriving together: what the whole-marketplace benchmark
 saw). `--distinct` gives every request of the cached phases its own query (a price a cent
-apart), so each one misses: what the cache costs when it never helps.
+apart), so each one misses: what the cache costs when it never helps. Last, the advisor's
+question (every card's cheapest offers) on one raw connection, a statement per card beside the
+one statement for all cards that answers read now.
 
     python bench/offers.py [--nodes 10000] [--requests 300] [--clients 8] [--distinct]
 """
@@ -162,6 +164,47 @@ def measure_raw(url: str, n: int) -> tuple[list[float], float]:
     return latencies, cpu_ms
 
 
+def measure_advisor_raw(url: str, n: int) -> dict[str, tuple[list[float], float]]:
+    """The advisor's question (every card's cheapest offers, what an answer reads) `n` times on
+    one connection, asked two ways: a statement per card (as answers read them before) and all
+    cards in one statement (as they read them now). Per way: the latencies of the whole
+    question in ms, and its backend's CPU ms a question."""
+    import psutil
+    import psycopg
+
+    from advisor.plans import OFFERS_PER_CARD
+    from advisor.selectors import advisor_cards
+    from marketplace.selectors import OfferFilters, offer_list_sql, offers_by_card_sql
+
+    slugs = tuple(card.slug for card in advisor_cards())
+    ways = {
+        "a statement per card": [
+            offer_list_sql(
+                filters=OfferFilters(gpu_models=(slug,)), limit=OFFERS_PER_CARD, offset=0
+            )
+            for slug in slugs
+        ],
+        "one statement": [
+            offers_by_card_sql(filters=OfferFilters(gpu_models=slugs), per_card=OFFERS_PER_CARD)
+        ],
+    }
+    out = {}
+    with psycopg.connect(url) as conn:
+        backend = psutil.Process(conn.info.backend_pid)
+        for way, statements in ways.items():
+            for sql, params in statements * 2:
+                conn.execute(sql, params).fetchall()
+            latencies = []
+            cpu0 = sum(backend.cpu_times()[:2])
+            for _ in range(n):
+                t0 = time.perf_counter()
+                for sql, params in statements:
+                    conn.execute(sql, params).fetchall()
+                latencies.append((time.perf_counter() - t0) * 1000)
+            out[way] = (latencies, (sum(backend.cpu_times()[:2]) - cpu0) * 1000 / n)
+    return out
+
+
 def _line(name: str, values: list[float], extra: str = "") -> str:
     p50, p95 = percentile(values, 50), percentile(values, 95)
     return f"{name:<34} p50 {p50:7.2f} ms   p95 {p95:7.2f} ms   ({len(values)} req{extra})"
@@ -187,6 +230,7 @@ def main() -> None:
             args.requests, args.clients, args.ttl, distinct=args.distinct, database=database
         )
         raw, raw_cpu_ms = measure_raw(url, args.requests)
+        advisor = measure_advisor_raw(url, max(3, args.requests // 20))
     print(f"query: {QUERY}" + ("  (cached phases: a price of its own per request)" * args.distinct))
     print(_line("raw psycopg (same statement)", raw, f", PostgreSQL CPU {raw_cpu_ms:.2f} ms each"))
     for name, run in (("no cache", off), (f"cache {args.ttl} s", on)):
@@ -202,6 +246,12 @@ def main() -> None:
         print(
             f"{'':<34} CPU a request: web {cpu['web']:.2f} ms, PostgreSQL {cpu['postgres']:.2f} ms"
         )
+    for way, (latencies, cpu_ms) in advisor.items():
+        print(_line(f"advisor: {way}", latencies, f", PostgreSQL CPU {cpu_ms:.1f} ms"))
+    (per_card, per_card_cpu), (one, one_cpu) = advisor.values()
+    print(
+        f"advisor's offers, PostgreSQL CPU one statement / per card: {one_cpu / per_card_cpu:.2f}"
+    )
     raw_p95 = percentile(raw, 95)
     off_p95, on_p95 = percentile(off["serial"], 95), percentile(on["serial"], 95)
     off_c95, on_c95 = percentile(off["concurrent"], 95), percentile(on["concurrent"], 95)
@@ -229,6 +279,10 @@ def main() -> None:
             "postgres_cpu_ms": round(off["cpu_ms"]["postgres"], 2),
             "cached_web_cpu_ms": round(on["cpu_ms"]["web"], 2),
             "cached_postgres_cpu_ms": round(on["cpu_ms"]["postgres"], 2),
+            "advisor_per_card_p95_ms": round(percentile(per_card, 95), 1),
+            "advisor_per_card_postgres_cpu_ms": round(per_card_cpu, 1),
+            "advisor_one_statement_p95_ms": round(percentile(one, 95), 1),
+            "advisor_one_statement_postgres_cpu_ms": round(one_cpu, 1),
         }
     )
 

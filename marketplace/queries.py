@@ -71,7 +71,7 @@ OFFER_ORDERINGS = {
     "-free_gpus": "free_gpus DESC, n.{node.price_per_gpu_hour}, n.{node.id}",
 }
 
-_OFFERS = """
+_OFFER_ROWS = """
 SELECT n.{node.id} AS node_id, n.{node.hostname}, p.{provider.name} AS provider,
        n.{node.region}, n.{node.nvlink}, n.{node.simulated}, n.{node.reliability},
        n.{node.internet_capable} AS internet, n.{node.price_per_gpu_hour},
@@ -88,7 +88,7 @@ SELECT n.{node.id} AS node_id, n.{node.hostname}, p.{provider.name} AS provider,
            AS price_per_measured_tflop_hour,
        n.{node.cluster} AS cluster_id, c.{cluster.name} AS cluster,
        c.{cluster.interconnect} AS interconnect,
-       c.{cluster.bandwidth_gbps} AS interconnect_gbps, sizes.nodes AS cluster_nodes
+       c.{cluster.bandwidth_gbps} AS interconnect_gbps, sizes.nodes AS cluster_nodes{extra}
 FROM {node} n
 JOIN {gpu_model} m ON m.{gpu_model.id} = n.{node.gpu_model}
 -- A measured rate outside the plausible band is not shown nor divided by (1e-20 TFLOPS would
@@ -121,11 +121,27 @@ LEFT JOIN (
 ) sizes ON sizes.cluster_id = n.{node.cluster}
 WHERE n.{node.status} = '{online}'
   AND n.{node.gpu_count} - COALESCE(busy.held, 0) - unhealthy.failed >= %s{where}
--- A node whose benchmark drifted below its card's band is ranked after the others, and one with
--- degraded GPUs after the healthy ones.
-ORDER BY n.{node.benchmark_below_band}, unhealthy.degraded > 0, {order}
-LIMIT %s OFFSET %s
 """
+# A node whose benchmark drifted below its card's band is ranked after the others, and one with
+# degraded GPUs after the healthy ones.
+_OFFER_RANK = "n.{node.benchmark_below_band}, unhealthy.degraded > 0, {order}"
+_OFFERS = _OFFER_ROWS.replace("{extra}", "") + f"ORDER BY {_OFFER_RANK}\nLIMIT %s OFFSET %s\n"
+# Each card's first rows by price, in one statement: the advisor's question. The busy and
+# cluster-size aggregates cost the same for one card as for all, so one card a statement cost
+# sixteen of them every few seconds at 10,000 nodes (bench/marketplace.py, docs/benchmarks.md).
+# The node's pool and uplink come along: what the advisor reads of the node besides the offer.
+_OFFERS_BY_CARD = (
+    "SELECT * FROM ({rows}) ranked WHERE card_rank <= %s ORDER BY gpu_model, card_rank\n".replace(
+        "{rows}", _OFFER_ROWS
+    )
+    .replace(
+        "{extra}",
+        ",\n       n.{node.pool}, n.{node.net_up_mbps}, n.{node.net_down_mbps},"
+        " row_number() OVER (PARTITION BY m.{gpu_model.slug} ORDER BY {rank}) AS card_rank",
+    )
+    # A window's ORDER BY cannot name the list's output columns: each card by price.
+    .replace("{rank}", _OFFER_RANK.replace("{order}", "{by_card_order}"))
+)
 
 # filter -> its condition (each value a parameter).
 _OFFER_CONDITIONS = {
@@ -147,11 +163,14 @@ _OFFER_CONDITIONS = {
 
 
 @cache
-def _offers_sql(conditions: tuple[str, ...], ordering: str, shares: tuple[float, float]) -> str:
-    template = _OFFERS.replace(
+def _offers_sql(
+    conditions: tuple[str, ...], ordering: str, shares: tuple[float, float], by_card: bool = False
+) -> str:
+    template = (_OFFERS_BY_CARD if by_card else _OFFERS).replace(
         "{where}", "".join(f" AND {_OFFER_CONDITIONS[name]}" for name in conditions)
     )
     template = template.replace("{order}", OFFER_ORDERINGS[ordering])
+    template = template.replace("{by_card_order}", OFFER_ORDERINGS["price"])
     template = template.replace("{min_share}", repr(shares[0]))
     template = template.replace("{max_share}", repr(shares[1]))
     template = template.replace("{online}", NodeStatus.ONLINE.value)
@@ -169,6 +188,22 @@ def offers_statement(
 ) -> tuple[str, list]:
     """The offers statement and its parameters: nodes with free GPUs now, filtered and sorted,
     measured TFLOPS shown within `shares` (least, most) of the card's rating."""
+    conditions, params = _offer_conditions(filters)
+    params.extend([limit, offset])
+    return _offers_sql(conditions, filters.ordering, shares), params
+
+
+def offers_by_card_statement(
+    *, filters: OfferFilters, per_card: int, shares: tuple[float, float]
+) -> tuple[str, list]:
+    """offers_statement's rows (filters' ordering aside), each card's `per_card` cheapest, ordered
+    by card then price, with each node's pool, net_up_mbps and net_down_mbps."""
+    conditions, params = _offer_conditions(filters)
+    params.append(per_card)
+    return _offers_sql(conditions, "price", shares, by_card=True), params
+
+
+def _offer_conditions(filters: OfferFilters) -> tuple[tuple[str, ...], list]:
     f = filters
     conditions: list[str] = []
     params: list = [f.min_free_gpus or 1]
@@ -186,8 +221,7 @@ def offers_statement(
         if values is not None:
             conditions.append(name)
             params.extend(values)
-    params.extend([limit, offset])
-    return _offers_sql(tuple(conditions), f.ordering, shares), params
+    return tuple(conditions), params
 
 
 def offers(

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from decimal import Decimal
+from typing import TypeVar
 
 import redis
 from django.conf import settings
@@ -45,6 +46,8 @@ from marketplace.models import (
     User,
 )
 from scheduler.engine import types as engine
+
+T = TypeVar("T")
 
 # The most GPUs one node is listed with (the `fits=` filter looks no further).
 MAX_GPUS_PER_NODE = 16
@@ -167,6 +170,11 @@ def offer_list_sql(*, filters: OfferFilters, limit: int, offset: int) -> tuple[s
     return queries.offers_statement(filters=filters, limit=limit, offset=offset, shares=_SHARES)
 
 
+def offers_by_card_sql(*, filters: OfferFilters, per_card: int) -> tuple[str, list]:
+    """offers_by_card's statement and its parameters (the benchmark runs it raw)."""
+    return queries.offers_by_card_statement(filters=filters, per_card=per_card, shares=_SHARES)
+
+
 def offer_list(*, filters: OfferFilters, limit: int, offset: int) -> list[dict]:
     """Offers: one row per node with the GPUs free right now, filtered and sorted.
 
@@ -216,11 +224,27 @@ def offer_page(
     meanwhile stays listed until the entry expires: booking checks capacity again, so a stale
     row costs a refused or re-planned booking, never a double booking. When Redis fails the
     statement runs as if there were no cache."""
-    ttl_s = settings.GPUMARKET["OFFERS_CACHE_TTL_S"]
     sql, params = offer_list_sql(filters=filters, limit=limit, offset=offset)
+    return _offers_cached(sql, params, shape or list)
+
+
+def offers_by_card(
+    *, filters: OfferFilters, per_card: int, shape: Callable[[list[dict]], T], cached: bool
+) -> T:
+    """Each card's `per_card` cheapest offers (the filters' ordering aside), all cards in one
+    statement (marketplace.queries.offers_by_card_statement), as `shape(rows)`: served from the
+    offers cache as offer_page serves a page when `cached`, else read at this instant."""
+    sql, params = offers_by_card_sql(filters=filters, per_card=per_card)
+    if not cached:
+        return shape(queries.offers_run(sql, params))
+    return _offers_cached(sql, params, shape)
+
+
+def _offers_cached(sql: str, params: list, shape: Callable[[list[dict]], T]) -> T:
+    """shape(the statement's rows), through the offers cache (offer_page says how)."""
+    ttl_s = settings.GPUMARKET["OFFERS_CACHE_TTL_S"]
     clients = redis_clients()
     client = clients.hot() if ttl_s > 0 else None
-    shape = shape or list
     if client is None:
         return shape(queries.offers_run(sql, params))
     shaped = f"{shape.__module__}.{shape.__qualname__}"
@@ -271,7 +295,7 @@ def offer_page(
                 clients.hot_failed(exc)
 
 
-def _offer_page_awaited(client, key: str, *, wait_s: float) -> list[dict] | None:
+def _offer_page_awaited(client, key: str, *, wait_s: float) -> object | None:
     """The entry at `key` once another request has stored it, looked for at growing intervals
     for up to `wait_s`; None when it did not appear."""
     deadline = time.monotonic() + wait_s

@@ -302,6 +302,27 @@ def offers_cache(settings):
         client.delete(key)
 
 
+def test_an_answer_reads_every_card_s_offers_in_one_statement(auth_api, make_node, offers_cache):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    # Given offers of three cards, three nodes each
+    for card in ("a100-sxm4-80gb", "h100-sxm5-80gb", "a100-sxm4-40gb"):
+        for price in ("2.00", "2.50", "3.00"):
+            make_node(card=card, price=price)
+    # When an answer is asked with the offers cache on
+    with CaptureQueriesContext(connection) as first_queries:
+        first = auth_api.post("/api/v1/advisor/", NEEDS_17, format="json").json()["plans"]
+    # Then one statement read every card's offers, and the answer plans on all three cards
+    assert len([q for q in first_queries if "card_rank" in q["sql"]]) == 1
+    assert {p["card"] for p in first} == {"a100-sxm4-80gb", "h100-sxm5-80gb", "a100-sxm4-40gb"}
+    # And the next answer reads them from the cache: no offers statement, the same plans
+    with CaptureQueriesContext(connection) as again_queries:
+        again = auth_api.post("/api/v1/advisor/", NEEDS_17, format="json").json()["plans"]
+    assert not [q for q in again_queries if "card_rank" in q["sql"]]
+    assert again == first
+
+
 def test_answers_read_the_offers_cache_and_bookings_the_offers_now(
     auth_api, eight_nodes, offers_cache
 ):

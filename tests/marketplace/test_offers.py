@@ -365,3 +365,46 @@ def test_offers_answer_from_the_statement_while_redis_is_unreachable(api, fleet,
         # Then pages still answer, with the statement's rows
         assert _ids(api, fleet, region="eu") == ["n3", "n1", "n2"]
         assert _ids(api, fleet, region="eu") == ["n3", "n1", "n2"]
+
+
+# --- Every card's cheapest offers in one statement (the advisor's question) ----------------------
+
+
+def test_each_card_s_cheapest_in_one_statement_are_the_list_s_per_card(fleet, make_node):
+    # Given more nodes of two cards, at prices that interleave, one of them degraded
+    for price in ("1.20", "1.90", "1.40", "0.95"):
+        make_node(card="a100-sxm4-80gb", price=price, pool="spot")
+    for price in ("2.10", "2.70"):
+        make_node(card="h100-sxm5-80gb", price=price, region="us-east", cluster=None)
+    degraded = make_node(card="a100-sxm4-80gb", price="0.50")
+    degraded.gpus.filter(index=0).update(health="degraded")
+    for filters in (selectors.OfferFilters(), selectors.OfferFilters(region="eu")):
+        # When every card's two cheapest are read in one statement
+        by_card = selectors.offers_by_card(filters=filters, per_card=2, shape=list, cached=False)
+        # Then they are, card by card, the list's first two rows of that card, in its order
+        expected = []
+        for card in sorted({row["gpu_model"] for row in selectors.offer_list(
+            filters=filters, limit=100, offset=0
+        )}):  # fmt: skip
+            one = selectors.offer_list(
+                filters=selectors.OfferFilters(gpu_models=(card,), region=filters.region),
+                limit=2,
+                offset=0,
+            )
+            expected += [(row["gpu_model"], row["node_id"], row["free_gpus"]) for row in one]
+        assert [(r["gpu_model"], r["node_id"], r["free_gpus"]) for r in by_card] == expected
+        # With each node's pool and uplink besides
+        nodes = {n.pk: n for n in Node.objects.filter(pk__in=[r["node_id"] for r in by_card])}
+        for row in by_card:
+            node = nodes[row["node_id"]]
+            assert (row["pool"], row["net_up_mbps"], row["net_down_mbps"]) == (
+                node.pool, node.net_up_mbps, node.net_down_mbps
+            )  # fmt: skip
+    # And the degraded node, cheapest of its card, is ranked after its card's healthy ones
+    rows = selectors.offers_by_card(
+        filters=selectors.OfferFilters(gpu_models=("a100-sxm4-80gb",)),
+        per_card=10,
+        shape=list,
+        cached=False,
+    )
+    assert rows[-1]["node_id"] == degraded.pk and len(rows) == 6
