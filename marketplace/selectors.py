@@ -186,7 +186,7 @@ def offer_list(*, filters: OfferFilters, limit: int, offset: int) -> list[dict]:
 
 # Bump when the rows' shape changes without the statement's text changing (a pickled row from
 # the previous release must not be served by the next one).
-_OFFER_PAGE_KEY_VERSION = 1
+_OFFER_PAGE_KEY_VERSION = 2
 
 
 # A page whose statement took longer than the TTL is still kept this long, for the requests

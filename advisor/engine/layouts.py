@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from advisor.engine.compute import (
     NETWORK_GBITS_PER_GPU_NVLINK,
@@ -129,11 +130,20 @@ def candidates(
     return layouts
 
 
+# Estimates a process keeps (a few kilobytes each): an answer at 10,000 nodes estimates about
+# 230 topologies, and the same question comes again (the advisor's presets, a page reloaded).
+ESTIMATES_KEPT = 4096
+
+
+@lru_cache(maxsize=ESTIMATES_KEPT)
 def estimate(
     run: Run, card: Card, topology: Topology, *, fixed: Layout | None = None
 ) -> Estimate | None:
     """The fastest layout that fits; if none fits, the one needing the least memory (fits False);
-    None when the GPUs admit no layout at all (more replicas than the batch has sequences)."""
+    None when the GPUs admit no layout at all (more replicas than the batch has sequences).
+
+    Kept per process for its arguments: it reads nothing else, and they and the answer are
+    frozen values (estimating the same topologies again was over half of an answer's CPU)."""
     precision = card.precision_used(run.precision)
     best: tuple[float, float, Layout, Memory, StepTime] | None = None
     smallest: tuple[float, Layout, Memory] | None = None

@@ -179,13 +179,15 @@ def placements(offers: list[Offer], *, interruptible: bool) -> list[Placement]:
             clusters.setdefault(o.cluster, []).append(o)
     for members in clusters.values():
         frees = sorted((o.free_gpus for o in members), reverse=True)
+        # The members with at least `share` free, per share (a power of two: a handful).
+        holding: dict[int, list[Offer]] = {}
         for k in range(2, len(members) + 1):
             share = 1 << int(math.log2(frees[k - 1]))
-            nodes = [o for o in members if o.free_gpus >= share][:k]
-            result.append(Placement(gpus_per_node=share, offers=tuple(nodes)))
-    result.sort(
-        key=lambda p: (p.gpus, len(p.offers), max(price(o) for o in p.offers), p.offers[0].node_id)
-    )
+            if share not in holding:
+                holding[share] = [o for o in members if o.free_gpus >= share]
+            result.append(Placement(gpus_per_node=share, offers=tuple(holding[share][:k])))
+    # A placement's nodes are in `ranked` order, so its dearest node is its last.
+    result.sort(key=lambda p: (p.gpus, len(p.offers), price(p.offers[-1]), p.offers[0].node_id))
     # One placement per GPU count: the one on the fewest nodes, then the cheapest.
     return [p for i, p in enumerate(result) if i == 0 or result[i - 1].gpus != p.gpus]
 

@@ -26,8 +26,11 @@ class Interconnect(models.TextChoices):
 
 def interconnect_label(kind: str, gbps: int) -> str:
     """What customers read: "InfiniBand 400 Gb/s"."""
-    name = Interconnect(kind).label.split(" (")[0] if kind in Interconnect.values else kind
-    return f"{name} {gbps} Gb/s"
+    return f"{_INTERCONNECT_NAMES.get(kind, kind)} {gbps} Gb/s"
+
+
+# Each fabric's short name ("RoCE"), looked up once: the advisor labels every offer it reads.
+_INTERCONNECT_NAMES = {kind.value: kind.label.split(" (")[0] for kind in Interconnect}
 
 
 # A cluster's declared bandwidth per node, in Gb/s: from one 1 GbE port to an NVLink Switch
