@@ -4,14 +4,15 @@ Three parts, on the stack the product runs: the web app under gunicorn (producti
 real Celery worker placing what customers create, PostgreSQL and Redis, and the server's wake-up
 channel to agents where this checkout has one (`wake_server` below).
 
-1. Real agents, process runtime: one fleet process (`python -m nodeagent.fleet`, the real agent
-   code, a thread per host) drives `--agents` simulated 8-GPU hosts. `--rentals` rentals of 1-8
-   GPUs are booked ahead (created, no worker running yet) and handed out at one instant T: one
-   scheduler pass places them all. Printed: the last rental RUNNING after T, and per rental the
-   hand-over (T to the driver's start: placed, heard of by its agent, staged, driver called),
-   the process start (to the command running) and the RUNNING report (to the server's RUNNING
-   event); beside the pass's own time, the heartbeat interval and a bare `python -c pass` start
-   of the same run.
+1. Real agents, process runtime: a fleet process (`python -m nodeagent.fleet`, the real agent
+   code, a thread per host) drives `--agents` simulated 8-GPU hosts (`--fleet-processes`
+   share them out: a real host runs its agent alone, not 64 to one interpreter lock).
+   `--rentals` rentals of 1-8 GPUs are booked ahead (created, no worker running yet) and
+   handed out at one instant T: one scheduler pass places them all. Printed: the last rental
+   RUNNING after T, and per rental the hand-over (T to the driver's start: placed, heard of by
+   its agent, staged, driver called), the process start (to the command running) and the
+   RUNNING report (to the server's RUNNING event); beside the pass's own time, the heartbeat
+   interval and a bare `python -c pass` start of the same run.
 2. Simulated agents: `--sim-agents` protocol clients in one asyncio process (bench/agents.py's
    Host) heartbeating at the interval, reacting to answers as the real agent does: a run the
    answer gives them starts at once and is reported RUNNING by an immediate heartbeat; its first
@@ -24,6 +25,7 @@ channel to agents where this checkout has one (`wake_server` below).
 
     python bench/launch.py [--agents 64] [--rentals 180] [--interval 5] [--sim-agents 1000]
                            [--sim-rentals 200] [--sim-rate 10] [--docker 3]
+                           [--fleet-processes 1]
 """
 
 from __future__ import annotations
@@ -209,30 +211,45 @@ def rental_sizes(hosts: int, rentals: int, seed: int = 31) -> list[int]:
     return sorted(parts[:rentals], reverse=True)  # the big ones first: they pack the hosts
 
 
+class Fleet:
+    """The fleet processes, measured as one (agents.server_cpu_seconds reads `.pid`'s)."""
+
+    def __init__(self, processes: list[subprocess.Popen]) -> None:
+        self.processes = processes
+
+    def cpu_seconds(self) -> float:
+        return sum(server_cpu_seconds(process) for process in self.processes)
+
+
 @contextmanager
-def fleet(base: str, tokens: list[str], region: str):
-    """The real agents: one `python -m nodeagent.fleet` process, a host per token."""
+def fleet(base: str, tokens: list[str], region: str, processes: int = 1):
+    """The real agents: `python -m nodeagent.fleet` processes, a host per token, the hosts
+    dealt among `processes` of them (a real host runs its agent alone: one process for all
+    shares one interpreter lock among 64 agents)."""
     folder = Path(tempfile.mkdtemp(prefix="bench-launch-"))
     folder.chmod(0o711)  # run as root, the process runtime runs a rental as nobody (uid 65534)
-    spec = {
-        "server": base,
-        "nodes": [
-            {"hostname": f"{region}-{i:03d}", "simulate_gpus": f"{GPU_SLUG}:8",
-             "join_token": token, "dir": str(folder / f"h{i:03d}")}
-            for i, token in enumerate(tokens)
-        ],
-    }  # fmt: skip
-    (folder / "fleet.json").write_text(json.dumps(spec))
-    log = (LOG_DIR / "launch-fleet.log").open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "nodeagent.fleet", str(folder / "fleet.json")],
-        cwd=ROOT, env=dict(os.environ, LOG_LEVEL="WARNING"), stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    nodes = [
+        {"hostname": f"{region}-{i:03d}", "simulate_gpus": f"{GPU_SLUG}:8",
+         "join_token": token, "dir": str(folder / f"h{i:03d}")}
+        for i, token in enumerate(tokens)
+    ]  # fmt: skip
+    started = []
+    for k in range(max(1, min(processes, len(nodes)))):
+        spec_path = folder / f"fleet-{k}.json"
+        spec_path.write_text(json.dumps({"server": base, "nodes": nodes[k::processes]}))
+        log = (LOG_DIR / f"launch-fleet-{k}.log").open("wb")
+        started.append(subprocess.Popen(
+            [sys.executable, "-m", "nodeagent.fleet", str(spec_path)],
+            cwd=ROOT, env=dict(os.environ, LOG_LEVEL="WARNING"), stdout=log,
+            stderr=subprocess.STDOUT,
+        ))  # fmt: skip
     try:
-        yield folder, process
+        yield folder, Fleet(started)
     finally:
-        process.terminate()
-        process.wait(30)
+        for process in started:
+            process.terminate()
+        for process in started:
+            process.wait(30)
         # The runs outlive their agents by design: end them, then their supervisors end too.
         for child in folder.glob("h*/runs/*/child.json"):
             with contextlib.suppress(ValueError, KeyError, ProcessLookupError, PermissionError):
@@ -271,14 +288,14 @@ def stop_all(team, customer, timeout_s: float = 90) -> None:
         time.sleep(0.5)
 
 
-def real_agents(server, *, hosts: int, rentals: int, settle_s: float) -> dict:
+def real_agents(server, *, hosts: int, rentals: int, settle_s: float, processes: int) -> dict:
     from marketplace.models import Rental, RentalStatus
     from marketplace.services.rentals import RentalRequest, RuntimeSpec, rental_create
     from scheduler.services import scheduler_cycle_run
 
     region = "launch-real"
     tokens = provider_tokens(region, hosts)
-    with fleet(server.base_url, tokens, region) as (folder, agents):
+    with fleet(server.base_url, tokens, region, processes) as (folder, agents):
         wait_nodes(region, hosts)
         customer, team = funded_team("launcher")
         for size in rental_sizes(hosts, rentals):
@@ -292,7 +309,7 @@ def real_agents(server, *, hosts: int, rentals: int, settle_s: float) -> dict:
             )  # fmt: skip
         time.sleep(settle_s)  # the hosts' first heartbeats and benchmarks are behind them
         load = os.getloadavg()[0]
-        cpu0 = server_cpu_seconds(server), server_cpu_seconds(agents), time.process_time()
+        cpu0 = server_cpu_seconds(server), agents.cpu_seconds(), time.process_time()
         t0 = time.time()
         passes = 0
         while passes < 5:
@@ -313,7 +330,7 @@ def real_agents(server, *, hosts: int, rentals: int, settle_s: float) -> dict:
             running = event_times(placed, RentalStatus.RUNNING)
         cpu = (
             server_cpu_seconds(server) - cpu0[0],
-            server_cpu_seconds(agents) - cpu0[1],
+            agents.cpu_seconds() - cpu0[1],
             time.process_time() - cpu0[2],
         )
         records = run_records(folder)
@@ -622,7 +639,8 @@ def docker_part(base: str, *, rentals: int, image: str) -> dict:
 
 def print_real(args, real: dict, python_s: float) -> None:
     print(
-        f"real agents: {args.agents} hosts of 8 GPUs in one fleet process, process runtime;"
+        f"real agents: {args.agents} hosts of 8 GPUs in {args.fleet_processes} fleet"
+        f" process(es), process runtime;"
         f" {real['placed']}/{real['rentals']} rentals ({real['gpus']} GPUs) placed in"
         f" {real['passes']} scheduler pass(es) of {real['pass_s']:.2f} s at T:"
         f" {real['running']} RUNNING, the last {real['last_running_s']:.2f} s after T"
@@ -666,6 +684,9 @@ def main() -> None:
         "--settle", type=float, default=10.0, help="seconds between the hosts' joining and T"
     )
     parser.add_argument("--interval", type=int, default=5, help="heartbeat interval (s)")
+    parser.add_argument(
+        "--fleet-processes", type=int, default=1, help="processes the real agents are dealt among"
+    )
     parser.add_argument("--sim-agents", type=int, default=1000)
     parser.add_argument("--sim-rentals", type=int, default=200)
     parser.add_argument("--sim-rate", type=float, default=10.0, help="creates per second")
@@ -688,15 +709,20 @@ def main() -> None:
             channel = wake or "none here (a placement reaches its agent at its next heartbeat)"
             print(f"heartbeat interval {args.interval} s; wake-up channel: {channel}")
             real = real_agents(
-                server, hosts=args.agents, rentals=args.rentals, settle_s=args.settle
-            )
+                server, hosts=args.agents, rentals=args.rentals, settle_s=args.settle,
+                processes=args.fleet_processes,
+            )  # fmt: skip
             print_real(args, real, python_s)
             with celery_worker():
-                sim = simulated_agents(
-                    server.base_url, hosts_n=args.sim_agents, rentals=args.sim_rentals,
-                    rate=args.sim_rate, interval=args.interval,
-                )  # fmt: skip
-                print_sim(args, sim)
+                sim = None
+                if args.sim_agents:
+                    sim = simulated_agents(
+                        server.base_url, hosts_n=args.sim_agents, rentals=args.sim_rentals,
+                        rate=args.sim_rate, interval=args.interval,
+                    )  # fmt: skip
+                    print_sim(args, sim)
+                else:
+                    print("simulated agents: skipped (--sim-agents 0)")
                 skipped = docker_unavailable(image) if args.docker else "--docker 0"
                 dock = None
                 if skipped:
@@ -712,6 +738,7 @@ def main() -> None:
         "interval_s": args.interval,
         "wake_channel": bool(wake),
         "agents": args.agents,
+        "fleet_processes": args.fleet_processes,
         "rentals": real["placed"],
         "pass_s": round(real["pass_s"], 2),
         "last_running_s": round(real["last_running_s"], 2),
@@ -725,16 +752,19 @@ def main() -> None:
         "report_p50_s": round(real["report"]["p50"], 2),
         "report_max_s": round(real["report"]["max"], 2),
         "python_start_s": round(python_s, 3),
-        "sim_agents": sim["agents"],
-        "sim_create_to_scheduled_p99_s": round(sim["to_scheduled"]["p99"], 2),
-        "sim_create_to_running_p50_s": round(sim["to_running"]["p50"], 2),
-        "sim_create_to_running_p99_s": round(sim["to_running"]["p99"], 2),
-        "sim_create_to_first_step_p50_s": round(sim["to_first_step"]["p50"], 2),
-        "sim_create_to_first_step_p99_s": round(sim["to_first_step"]["p99"], 2),
-        "sim_errors": sim["errors"],
-        "sim_refused": sim["refused"],
-        "sim_interval_s": sim["told_interval_s"],
     }
+    if sim:
+        figures.update(
+            sim_agents=sim["agents"],
+            sim_create_to_scheduled_p99_s=round(sim["to_scheduled"]["p99"], 2),
+            sim_create_to_running_p50_s=round(sim["to_running"]["p50"], 2),
+            sim_create_to_running_p99_s=round(sim["to_running"]["p99"], 2),
+            sim_create_to_first_step_p50_s=round(sim["to_first_step"]["p50"], 2),
+            sim_create_to_first_step_p99_s=round(sim["to_first_step"]["p99"], 2),
+            sim_errors=sim["errors"],
+            sim_refused=sim["refused"],
+            sim_interval_s=sim["told_interval_s"],
+        )
     if dock:
         figures.update(
             docker_create_to_running_p50_s=round(dock["to_running"]["p50"], 2),
