@@ -249,9 +249,7 @@ def main() -> None:
     for way, (latencies, cpu_ms) in advisor.items():
         print(_line(f"advisor: {way}", latencies, f", PostgreSQL CPU {cpu_ms:.1f} ms"))
     (per_card, per_card_cpu), (one, one_cpu) = advisor.values()
-    print(
-        f"advisor's offers, PostgreSQL CPU one statement / per card: {one_cpu / per_card_cpu:.2f}"
-    )
+    print(f"advisor: PostgreSQL CPU, one statement / per card: {one_cpu / per_card_cpu:.2f}")
     raw_p95 = percentile(raw, 95)
     off_p95, on_p95 = percentile(off["serial"], 95), percentile(on["serial"], 95)
     off_c95, on_c95 = percentile(off["concurrent"], 95), percentile(on["concurrent"], 95)

@@ -140,7 +140,7 @@ _OFFERS_BY_CARD = (
         " row_number() OVER (PARTITION BY m.{gpu_model.slug} ORDER BY {rank}) AS card_rank",
     )
     # A window's ORDER BY cannot name the list's output columns: each card by price.
-    .replace("{rank}", _OFFER_RANK.replace("{order}", "{by_card_order}"))
+    .replace("{rank}", _OFFER_RANK.replace("{order}", OFFER_ORDERINGS["price"]))
 )
 
 # filter -> its condition (each value a parameter).
@@ -170,7 +170,6 @@ def _offers_sql(
         "{where}", "".join(f" AND {_OFFER_CONDITIONS[name]}" for name in conditions)
     )
     template = template.replace("{order}", OFFER_ORDERINGS[ordering])
-    template = template.replace("{by_card_order}", OFFER_ORDERINGS["price"])
     template = template.replace("{min_share}", repr(shares[0]))
     template = template.replace("{max_share}", repr(shares[1]))
     template = template.replace("{online}", NodeStatus.ONLINE.value)

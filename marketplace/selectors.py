@@ -175,15 +175,6 @@ def offers_by_card_sql(*, filters: OfferFilters, per_card: int) -> tuple[str, li
     return queries.offers_by_card_statement(filters=filters, per_card=per_card, shares=_SHARES)
 
 
-def offer_list(*, filters: OfferFilters, limit: int, offset: int) -> list[dict]:
-    """Offers: one row per node with the GPUs free right now, filtered and sorted.
-
-    Returns at most `limit` rows starting at `offset`; callers ask for one more row than they
-    show to know whether a next page exists (no count: it would double the cost).
-    """
-    return queries.offers(filters=filters, limit=limit, offset=offset, shares=_SHARES)
-
-
 # Bump when the rows' shape changes without the statement's text changing (a pickled row from
 # the previous release must not be served by the next one).
 _OFFER_PAGE_KEY_VERSION = 2
@@ -207,9 +198,12 @@ def offer_page(
     offset: int,
     shape: Callable[[list[dict]], list[dict]] | None = None,
 ) -> list[dict]:
-    """offer_list as customers browse it (API, web page, CLI): the same rows, or `shape(rows)`
-    (the API's serialized rows: a cached page then skips the serializer too), served from Redis
-    for up to GPUMARKET["OFFERS_CACHE_TTL_S"] seconds after the statement that made them began.
+    """Offers as customers browse them (API, web page, CLI): one row per node with the GPUs
+    free right now, filtered and sorted, at most `limit` rows from `offset` (callers ask for one
+    more row than they show to know whether a next page exists: no count, it would double the
+    cost); or `shape(rows)` (the API's serialized rows: a cached page then skips the serializer
+    too). Served from Redis for up to GPUMARKET["OFFERS_CACHE_TTL_S"] seconds after the
+    statement that made them began.
 
     At 10,000 nodes the statement costs tens of milliseconds of PostgreSQL per page, and
     browsers ask for the same few pages over and over (bench/offers.py, docs/benchmarks.md).

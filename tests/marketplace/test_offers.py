@@ -383,10 +383,10 @@ def test_each_card_s_cheapest_in_one_statement_are_the_list_s_per_card(fleet, ma
         by_card = selectors.offers_by_card(filters=filters, per_card=2, shape=list, cached=False)
         # Then they are, card by card, the list's first two rows of that card, in its order
         expected = []
-        for card in sorted({row["gpu_model"] for row in selectors.offer_list(
+        for card in sorted({row["gpu_model"] for row in selectors.offer_page(
             filters=filters, limit=100, offset=0
         )}):  # fmt: skip
-            one = selectors.offer_list(
+            one = selectors.offer_page(
                 filters=selectors.OfferFilters(gpu_models=(card,), region=filters.region),
                 limit=2,
                 offset=0,
