@@ -328,6 +328,7 @@ def real_agents(server, *, hosts: int, rentals: int, settle_s: float, processes:
         while len(running) < len(placed) and time.monotonic() < deadline:
             time.sleep(0.25)
             running = event_times(placed, RentalStatus.RUNNING)
+        answered = event_times(placed, RentalStatus.PROVISIONING)
         cpu = (
             server_cpu_seconds(server) - cpu0[0],
             agents.cpu_seconds() - cpu0[1],
@@ -335,12 +336,15 @@ def real_agents(server, *, hosts: int, rentals: int, settle_s: float, processes:
         )
         records = run_records(folder)
         stop_all(team, customer)
-    handover, start, report = [], [], []
+    handover, answer, agent, start, report = [], [], [], [], []
     for rental_id, at_running in running.items():
         began, ran = records.get(rental_id, (None, None))
         if began is None or ran is None:
             continue
         handover.append(began - t0)
+        if rental_id in answered:
+            answer.append(answered[rental_id] - t0)
+            agent.append(began - answered[rental_id])
         start.append(ran - began)
         report.append(at_running - ran)
     return {
@@ -354,6 +358,8 @@ def real_agents(server, *, hosts: int, rentals: int, settle_s: float, processes:
         "pass_s": pass_s,
         "last_running_s": max(running.values()) - t0 if running else float("nan"),
         "handover": spread(handover),
+        "answer": spread(answer),
+        "agent": spread(agent),
         "start": spread(start),
         "report": spread(report),
     }
@@ -646,6 +652,8 @@ def print_real(args, real: dict, python_s: float) -> None:
         f" {real['running']} RUNNING, the last {real['last_running_s']:.2f} s after T"
     )
     print(f"  hand-over (T -> the driver's start): {fmt(real['handover'])}")
+    print(f"    the server's answer (T -> PROVISIONING, sent to the agent): {fmt(real['answer'])}")
+    print(f"    the agent (-> the driver's start: staged, driver called): {fmt(real['agent'])}")
     print(
         f"  process start (-> the command runs): {fmt(real['start'])}"
         f" (a bare `python -c pass`: {python_s * 1000:.0f} ms)"
@@ -747,6 +755,10 @@ def main() -> None:
         "load_at_t": round(real["load"], 1),
         "handover_p50_s": round(real["handover"]["p50"], 2),
         "handover_max_s": round(real["handover"]["max"], 2),
+        "answer_p50_s": round(real["answer"]["p50"], 2),
+        "answer_max_s": round(real["answer"]["max"], 2),
+        "agent_p50_s": round(real["agent"]["p50"], 2),
+        "agent_max_s": round(real["agent"]["max"], 2),
         "start_p50_s": round(real["start"]["p50"], 3),
         "start_max_s": round(real["start"]["max"], 3),
         "report_p50_s": round(real["report"]["p50"], 2),

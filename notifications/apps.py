@@ -10,6 +10,6 @@ class NotificationsConfig(AppConfig):
         # hands the lifecycle its recorder: the outbox rows of a rental event are written in
         # the transaction that writes the event.
         from marketplace.lifecycle import event_recorder_register
-        from notifications.services import RECORDED_STATUSES, rental_event_record
+        from notifications.services import RECORDED_STATUSES, rental_events_record
 
-        event_recorder_register(rental_event_record, statuses=RECORDED_STATUSES)
+        event_recorder_register(rental_events_record, statuses=RECORDED_STATUSES)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import secrets
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -49,7 +49,7 @@ _KIND_BY_STATUS = {
     RentalStatus.PREEMPTED: K.RENTAL_PREEMPTED,
     RentalStatus.COMPLETED: K.RENTAL_COMPLETED,
 }
-# What the lifecycle calls rental_event_record for (the placement of a batch costs nothing).
+# What the lifecycle calls rental_events_record for (the placement of a batch costs nothing).
 RECORDED_STATUSES = frozenset(_KIND_BY_STATUS)
 _RENTAL_VERB = {
     K.RENTAL_STARTED: "started",
@@ -131,6 +131,19 @@ def webhook_secret_rotate(*, team: Team) -> SettingsChange:
 # --- recording (the outbox) ---------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class Tell:
+    """One thing a team is to be told (notification_record's arguments)."""
+
+    team: Team
+    kind: str
+    source_key: str
+    summary: str
+    data: dict[str, Any]
+    rental: Rental | None = None
+    at: datetime | None = None
+
+
 def notification_record(
     *,
     team: Team,
@@ -145,87 +158,111 @@ def notification_record(
     the kind (an email to each of audience.email_recipients), in the caller's transaction;
     queue them after it commits. Recording the same `source_key` again, or a kind every channel
     has switched off, records nothing."""
+    tell = Tell(team=team, kind=kind, source_key=source_key, summary=summary, data=data,
+                rental=rental, at=at)  # fmt: skip
+    return notifications_record([tell])[0]
+
+
+def notifications_record(tells: Sequence[Tell]) -> list[Notification | None]:
+    """notification_record of each of `tells`, in a few statements for all of them (the
+    teams' settings, their members, the notifications, which of them are new, the
+    deliveries), however many there are: a launch tells of a hundred rentals at once."""
+    if not tells:
+        return []
     with transaction.atomic(savepoint=False):
-        row = NotificationSettings.objects.filter(team=team).first()
-        row = row or NotificationSettings(team=team)
-        targets: list[tuple[str, str]] = []
-        if row.email_enabled and kind not in row.email_off:
-            addresses = audience.email_recipients(team, kind=kind, rental=rental)
-            targets += [(Channel.EMAIL, address) for address in addresses]
-        if row.webhook_url and kind not in row.webhook_off:
-            targets.append((Channel.WEBHOOK, ""))
-        if not targets:
-            return None
-        at = at or timezone.now()
-        notification = Notification(
-            id=uuid.uuid4(),
-            team=team,
-            kind=kind,
-            source_key=source_key,
-            rental=rental,
-            summary=summary[:300],
-            payload=data,
-            created_at=at,
+        stored = NotificationSettings.objects.in_bulk(
+            {tell.team.pk for tell in tells}, field_name="team_id"
         )
+        settings_of = [stored.get(tell.team.pk) or NotificationSettings(team=tell.team)
+                       for tell in tells]  # fmt: skip
+        emailed = [
+            i for i, (tell, row) in enumerate(zip(tells, settings_of, strict=True))
+            if row.email_enabled and tell.kind not in row.email_off
+        ]  # fmt: skip
+        addresses = audience.email_recipients_many(
+            [(tells[i].team, tells[i].kind, tells[i].rental) for i in emailed]
+        )
+        targets: list[list[tuple[str, str]]] = [[] for _ in tells]
+        for i, found in zip(emailed, addresses, strict=True):
+            targets[i] += [(Channel.EMAIL, address) for address in found]
+        for i, (tell, row) in enumerate(zip(tells, settings_of, strict=True)):
+            if row.webhook_url and tell.kind not in row.webhook_off:
+                targets[i].append((Channel.WEBHOOK, ""))
+        now = timezone.now()
+        notifications: list[Notification | None] = [
+            Notification(
+                id=uuid.uuid4(), team=tell.team, kind=tell.kind, source_key=tell.source_key,
+                rental=tell.rental, summary=tell.summary[:300], payload=tell.data,
+                created_at=tell.at or now,
+            ) if targets[i] else None
+            for i, tell in enumerate(tells)
+        ]  # fmt: skip
+        new = [n for n in notifications if n is not None]
+        if not new:
+            return notifications
         # ON CONFLICT DO NOTHING: a fact recorded twice (a replayed call) stays one notification,
         # without failing the caller's transaction.
-        Notification.objects.bulk_create([notification], ignore_conflicts=True)
-        if not Notification.objects.filter(pk=notification.pk).exists():
-            return None
-        deliveries = Delivery.objects.bulk_create(
-            Delivery(
-                notification=notification,
-                channel=channel,
-                recipient=recipient,
-                next_attempt_at=at,
-            )
-            for channel, recipient in targets
+        Notification.objects.bulk_create(new, ignore_conflicts=True)
+        kept = set(
+            Notification.objects.filter(pk__in=[n.pk for n in new]).values_list("pk", flat=True)
         )
+        notifications = [n if n is not None and n.pk in kept else None for n in notifications]
+        deliveries = Delivery.objects.bulk_create(
+            Delivery(notification=n, channel=channel, recipient=recipient,
+                     next_attempt_at=n.created_at)
+            for n, found in zip(notifications, targets, strict=True) if n is not None
+            for channel, recipient in found
+        )  # fmt: skip
         ids = [d.pk for d in deliveries]
-        transaction.on_commit(lambda: _deliveries_queue(ids))
-        return notification
+        if ids:
+            transaction.on_commit(lambda: _deliveries_queue(ids))
+        return notifications
 
 
-def rental_event_record(*, rental: Rental, event: RentalEvent) -> Notification | None:
-    """The lifecycle's recorder: a rental that started, resumed, failed, was preempted or
-    completed is notified, in the transition's own transaction."""
-    kind = _KIND_BY_STATUS.get(event.to_status)
-    if kind is None:
-        return None
-    if (
-        kind == K.RENTAL_STARTED
-        and RentalEvent.objects.filter(rental=rental, to_status=RentalStatus.RUNNING)
-        .exclude(pk=event.pk)
-        .exists()
-    ):
-        kind = K.RENTAL_RESUMED
-    label = rental.name or f"rental {str(rental.pk)[:8]}"
-    summary = f"{label} {_RENTAL_VERB[kind]}"
-    if event.reason:
-        summary += f": {event.reason}"
-    return notification_record(
-        team=audience.team_of_rental(rental),
-        kind=kind,
-        source_key=f"rental-event:{event.pk}",
-        summary=summary,
-        rental=rental,
-        at=event.created_at,
-        data={
-            "rental": {
-                "id": str(rental.pk),
-                "name": rental.name,
-                "status": event.to_status,
-                "previous_status": event.from_status,
-                "reason": event.reason,
-                "gpus": rental.gpus_per_node * rental.node_count,
-                "region": rental.region,
-                "image": rental.image,
-                "started_at": _iso(rental.started_at),
-                "ended_at": _iso(rental.ended_at),
-                "exit_code": rental.exit_code,
-            }
-        },
-    )
+def rental_events_record(*, events: Sequence[tuple[Rental, RentalEvent]]) -> None:
+    """The lifecycle's recorder, for one transition or a batch of them: a rental that
+    started, resumed, failed, was preempted or completed is notified, in the transitions' own
+    transaction."""
+    told = [(rental, event, _KIND_BY_STATUS[event.to_status]) for rental, event in events
+            if event.to_status in _KIND_BY_STATUS]  # fmt: skip
+    started = [rental.pk for rental, _, kind in told if kind == K.RENTAL_STARTED]
+    ran_before: set = set()
+    if started:
+        ran_before = set(
+            RentalEvent.objects.filter(rental_id__in=started, to_status=RentalStatus.RUNNING)
+            .exclude(pk__in=[event.pk for _, event, _ in told])
+            .values_list("rental_id", flat=True)
+        )
+    tells = []
+    for rental, event, kind in told:
+        if kind == K.RENTAL_STARTED and rental.pk in ran_before:
+            kind = K.RENTAL_RESUMED
+        label = rental.name or f"rental {str(rental.pk)[:8]}"
+        summary = f"{label} {_RENTAL_VERB[kind]}"
+        if event.reason:
+            summary += f": {event.reason}"
+        tells.append(Tell(
+            team=audience.team_of_rental(rental), kind=kind,
+            source_key=f"rental-event:{event.pk}", summary=summary, rental=rental,
+            at=event.created_at, data={"rental": _rental_data(rental, event)},
+        ))  # fmt: skip
+    notifications_record(tells)
+
+
+def _rental_data(rental: Rental, event: RentalEvent) -> dict[str, Any]:
+    return {
+        "id": str(rental.pk),
+        "name": rental.name,
+        "status": event.to_status,
+        "previous_status": event.from_status,
+        "reason": event.reason,
+        "gpus": rental.gpus_per_node * rental.node_count,
+        "region": rental.region,
+        "image": rental.image,
+        "started_at": _iso(rental.started_at),
+        "ended_at": _iso(rental.ended_at),
+        "exit_code": rental.exit_code,
+    }
 
 
 def balance_low_notify(

@@ -393,6 +393,35 @@ def _writes_sql() -> str:
     return sql_named(_WRITES, **_TABLES)
 
 
+_STARTED = """
+UPDATE {run} c
+SET {run.status} = %(status)s, {run.exit_code} = NULL,
+    {run.started_at} = coalesce(c.{run.started_at}, v.started_at),
+    {run.published} = v.published::jsonb, {run.last_report_at} = %(now)s
+FROM unnest(%(ids)s::bigint[], %(started)s::timestamptz[], %(published)s::text[])
+  AS v(id, started_at, published)
+WHERE c.{run.id} = v.id
+"""
+
+
+@cache
+def _started_sql() -> str:
+    return sql_named(_STARTED, **_TABLES)
+
+
+def runs_mark_started(
+    *, status: str, now: datetime, runs: Sequence[tuple[int, datetime | None, list]]
+) -> None:
+    """Each run (id, the agent's start time, its published ports as stored) reported `status`
+    at `now`, in one statement: a start time already kept is kept."""
+    params = {
+        "status": status, "now": now, "ids": [run[0] for run in runs],
+        "started": [run[1] for run in runs], "published": [json.dumps(run[2]) for run in runs],
+    }  # fmt: skip
+    with connection.cursor() as cursor:
+        cursor.execute(_started_sql(), params)
+
+
 class Rows:
     """The rows of one INSERT of _WRITES: metric rows (rental, run, line hash, event, step,
     JSON text) or log rows (rental, run, line number, line)."""

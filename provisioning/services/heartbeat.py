@@ -489,16 +489,16 @@ def _apply_started(*, node: Node, reports: Sequence[ContainerReport], now: datet
     for run in runs:
         report = fresh[run.run_id]
         run.status = report.status
-        run.exit_code = None
         run.started_at = run.started_at or _dt(report.started_at)
         # As _apply_container shows them: only the ports the rental asked for.
         wanted_ports = set(_ports(run.rental))
         run.published = [
             p.to_payload() for p in report.published if p.container_port in wanted_ports
         ]
-        run.last_report_at = now
-    ContainerRun.objects.bulk_update(
-        runs, ["status", "exit_code", "started_at", "published", "last_report_at"]
+    queries.runs_mark_started(
+        status=ContainerStatus.RUNNING.value,
+        now=now,
+        runs=[(run.pk, run.started_at, run.published) for run in runs],
     )
     moved = lifecycle.rentals_mark_running(
         rentals=[run.rental for run in runs], hostname=node.hostname

@@ -71,8 +71,8 @@ def test_the_batch_placement_calls_the_recorder_for_each_placed_rental(
     first, second = rent(1), rent(2)
     heard: list[tuple[str, str]] = []
 
-    def recorder(*, rental, event):
-        heard.append((str(rental.pk), event.to_status))
+    def recorder(*, events):
+        heard.extend((str(rental.pk), event.to_status) for rental, event in events)
 
     monkeypatch.setattr(lifecycle, "_event_recorder", recorder)
     monkeypatch.setattr(lifecycle, "_recorded_statuses", frozenset({RentalStatus.SCHEDULED}))

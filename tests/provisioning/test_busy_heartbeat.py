@@ -299,6 +299,30 @@ def test_runs_handed_over_and_reported_running_together_move_together(node_agent
     assert RentalEvent.objects.count() == before
 
 
+def _running_report_statements(host, rent, n: int) -> int:
+    before = Rental.objects.filter(status=RentalStatus.RUNNING).count()
+    for _ in range(n):
+        rent(1)
+    scheduler_cycle_run()
+    host.beat()  # handed over
+    with CaptureQueriesContext(connection) as queries:
+        host.beat()  # reported running
+    assert Rental.objects.filter(status=RentalStatus.RUNNING).count() == before + n
+    assert Notification.objects.filter(kind="rental.started").count() == before + n
+    return len(queries)
+
+
+def test_a_running_report_of_many_runs_costs_what_one_costs(node_agent, rent):
+    # Given a node handed one rental, then four more (the same customer's)
+    host = Host(node_agent)
+    # When it reports each batch running in one heartbeat
+    one = _running_report_statements(host, rent, 1)
+    four = _running_report_statements(host, rent, 4)
+    # Then the second makes as many statements as the first: the runs, the rentals, their
+    # events and their notifications (settings, recipients, deliveries) are written together
+    assert four == one
+
+
 def test_a_batch_moves_only_single_node_provisioning_rentals(node_agent, rent):
     # Given one rental handed over (PROVISIONING) and one still SCHEDULED
     rent(2)

@@ -304,3 +304,38 @@ def test_heartbeat_writes_mark_and_insert_as_the_orm_would(make_node, user):
     ]
     logged = RunLogLine.objects.order_by("line_no").values_list("line_no", "line", "received_at")
     assert list(logged) == [(0, "first", now), (1, "second", now)]
+
+
+def test_runs_mark_started_writes_each_run_as_save_would_and_keeps_a_start(make_node, user):
+    node = make_node(gpus=8)
+    kept = timezone.now() - timedelta(minutes=5)
+    first = ContainerRun.objects.create(
+        rental=_placed(user, gpus=2), node=node, run_id="run-1", exit_code=3, started_at=kept
+    )
+    second = ContainerRun.objects.create(rental=_placed(user, gpus=2), node=node, run_id="run-2")
+    untouched = ContainerRun.objects.create(rental=_placed(user, gpus=2), node=node, run_id="run-3")
+    now, reported = timezone.now(), timezone.now() - timedelta(seconds=2)
+    ports = [{"container_port": 8888, "host_port": 40001, "protocol": "tcp"}]
+    queries.runs_mark_started(
+        status="running", now=now,
+        runs=[(first.pk, reported, []), (second.pk, reported, ports)],
+    )  # fmt: skip
+    for run in (first, second, untouched):
+        run.refresh_from_db()
+    assert (first.status, first.exit_code, first.started_at, first.published) == (
+        "running",
+        None,
+        kept,
+        [],
+    )
+    assert (second.status, second.started_at, second.published, second.last_report_at) == (
+        "running",
+        reported,
+        ports,
+        now,
+    )
+    assert (untouched.status, untouched.started_at, untouched.last_report_at) == (
+        ContainerRun.Status.REQUESTED,
+        None,
+        None,
+    )
