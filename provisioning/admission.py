@@ -50,12 +50,14 @@ WsgiApp = Callable[[dict, Callable], Iterable[bytes]]
 # the newest in the moving average.
 FIRST_SERVICE_S = 0.05
 SERVICE_WEIGHT = 0.2
-# How far ahead turns are given: a burst's worth (64 agents woken at once, a few of them per
-# process). Past it the process is overloaded, not in a burst. Under a lasting overload turns
-# still bring the refused back sooner to be refused again: bench/scheduler.py with 1,000 busy
-# hosts offering twice what the web serves counted 206-241 refusals a second with turns (2.5 s
-# or 1 s ahead alike) against 113 without.
-TURNS_AHEAD_S = 1.0
+# How far ahead turns are given: a burst's worth (64 agents woken at once, their hand-overs and
+# RUNNING reports: bench/launch.py, 180 rentals, found the last RUNNING 6.55-6.89 s after T
+# with 2.5 s against 6.95-10.87 s with 1 s, the runs refused past 1 s waiting 3-5 s). Past it
+# the process is overloaded, not in a burst. Under a lasting overload turns still bring the
+# refused back sooner to be refused again: bench/scheduler.py with 1,000 busy hosts offering
+# twice what the web serves counted 206-241 refusals a second with turns (2.5 s or 1 s ahead
+# alike) against 113 without.
+TURNS_AHEAD_S = 2.5
 
 
 def _window_s(interval_s: int, *, sweep_knows: bool) -> int:
