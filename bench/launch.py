@@ -637,8 +637,24 @@ def docker_part(base: str, *, rentals: int, image: str) -> dict:
             and time.monotonic() < deadline
         ):
             time.sleep(0.5)
+        # The agent removes an ended run's container and unmounts its volume in the rounds
+        # after it reported the end: wait for that, then end whatever is left.
+        labels = [f"gpumarket.rental={pk}" for pk in made]
+        while time.monotonic() < deadline and any(
+            client.containers.list(all=True, filters={"label": label}) for label in labels
+        ):
+            time.sleep(0.5)
         agent.terminate()
         agent.wait(30)
+        for label in labels:
+            for container in client.containers.list(all=True, filters={"label": label}):
+                with contextlib.suppress(Exception):
+                    container.remove(force=True)
+        volumes = folder / "v"
+        for mount in Path("/proc/self/mounts").read_text().splitlines():
+            target = mount.split()[1]
+            if target.startswith(f"{volumes}/"):
+                subprocess.run(["umount", "-l", target], check=False)
         subprocess.run(["rm", "-rf", str(folder)], check=False)
     return {"rentals": len(latencies), "to_running": spread(latencies), "bare_run_s": median(bare)}
 
