@@ -129,9 +129,11 @@ class Host:
     def learn(self, answer: dict) -> None:
         if answer.get("heartbeat_interval_s"):
             self.interval = float(answer["heartbeat_interval_s"])
+        # As the real agent: the digest an answer gives names the state held from now on, also
+        # when the answer says it is unchanged (the server may rename it).
+        self.digest = answer.get("desired_digest", "")
         if answer.get("desired_unchanged"):
             return
-        self.digest = answer.get("desired_digest", "")
         wanted = {entry["run_id"]: entry for entry in answer.get("desired", ())}
         for run_id in list(self.runs):
             if run_id not in wanted:

@@ -853,8 +853,6 @@ def _heartbeat_apply(
         masks = _masks(runs=state.runs, reports=reports)
         changing = [c for c in reports.containers if c.run_id not in steady]
         started: set[str] = set()
-        if changing:
-            changed = True
         if any(c.status == ContainerStatus.RUNNING for c in changing):
             try:
                 with transaction.atomic():
@@ -873,6 +871,9 @@ def _heartbeat_apply(
                 log.warning(
                     "container report dropped node=%s run=%s: %s", node.pk, report.run_id, exc
                 )
+        # Runs moved to RUNNING by _apply_started change nothing a node runs (`moved` below).
+        if any(report.run_id not in started for report in changing):
+            changed = True
         ack = 0
         if reports.usage:
             ack, refused = _usage_apply(node=node, usage=reports.usage)
@@ -903,21 +904,56 @@ def _heartbeat_apply(
             benchmark_record(node=node, result=reports.benchmark, clean=clean)
             run_benchmark = False
         held, versions, recorded = state.held, state.versions, state.runs_recorded
-        if changed:
+        # The agent holds the desired state the reads above name.
+        current = recorded and desired_digest == desired_digest_for(
+            node=node, held=held, versions=versions, now=now
+        )
+        moved = {uuid.UUID(c.rental_id) for c in changing if c.run_id in started}
+        kept = False
+        if changed or moved:
+            before = (held, versions)
             held, versions, recorded = queries.gpus_held_versions(
                 node_id=node.pk, now=now, statuses=_CONTAINER_WANTED
             )
+            kept = not changed and current and _moved_only(before, (held, versions), moved)
         digest = desired_digest_for(node=node, held=held, versions=versions, now=now)
-        unchanged = bool(digest) and recorded and digest == desired_digest
+        unchanged = bool(digest) and recorded and (kept or digest == desired_digest)
         desired = [] if unchanged else _desired_from(node=node, held=held)
         if desired:
-            _runs_request(node=node, desired=desired)
+            handed = _runs_request(node=node, desired=desired)
+            if handed:
+                after = queries.gpus_held_versions(
+                    node_id=node.pk, now=now, statuses=_CONTAINER_WANTED
+                )
+                if after[2] and _moved_only((held, versions), after[:2], handed):
+                    # The state just built, named as the next heartbeat will read it.
+                    digest = desired_digest_for(node=node, held=after[0], versions=after[1],
+                                                now=now)  # fmt: skip
     if run_benchmark and failed is None:
         failed = failed_gpu_indices(node_id=node.pk)
     return node, _answer(node_id=node.pk, reports=reports, desired=desired, ack=ack,
                          counts=counts, now=now, run_benchmark=run_benchmark,
                          failed=failed or (), digest=digest, unchanged=unchanged,
                          interval=interval)  # fmt: skip
+
+
+def _moved_only(before: tuple, after: tuple, moved: set) -> bool:
+    """Whether (held, versions) read `after` this heartbeat moved the rentals `moved` (a
+    hand-over to PROVISIONING, a start to RUNNING: edges that change nothing a node runs)
+    name the same desired state as those read `before`: the same GPUs held, each rental's
+    version the same but for the row version of one moved here (its keys', secrets' and
+    gang's parts unchanged). Else the next heartbeat builds the state again, as after any
+    other change."""
+    (held_before, versions_before), (held_after, versions_after) = before, after
+    if held_before != held_after or versions_before.keys() != versions_after.keys():
+        return False
+    for rental_id, version in versions_after.items():
+        old = versions_before[rental_id]
+        if version != old and (
+            rental_id not in moved or version.partition("|")[2] != old.partition("|")[2]
+        ):
+            return False
+    return True
 
 
 def _answer(
@@ -997,11 +1033,12 @@ def _node_images_apply(
     Node.objects.filter(pk=node.pk).update(**update)
 
 
-def _runs_request(*, node: Node, desired: list[DesiredRun]) -> None:
+def _runs_request(*, node: Node, desired: list[DesiredRun]) -> set[uuid.UUID]:
     """Record the runs handed to the agent; the first hand-over moves SCHEDULED->PROVISIONING.
     The runs recorded before (every heartbeat hands them over again) are read in one go; the
     new runs of single-node rentals are recorded together (_runs_request_alone), a gang
-    member's one by one (its rank is stored with it)."""
+    member's one by one (its rank is stored with it). Returns the rentals whose runs it
+    recorded."""
     known = set(
         ContainerRun.objects.filter(run_id__in=[e.run_id for e in desired]).values_list(
             "run_id", flat=True
@@ -1009,7 +1046,7 @@ def _runs_request(*, node: Node, desired: list[DesiredRun]) -> None:
     )
     new = [entry for entry in desired if entry.run_id not in known]
     if not new:
-        return
+        return set()
     together: set[str] = set()
     try:
         with transaction.atomic():
@@ -1017,6 +1054,7 @@ def _runs_request(*, node: Node, desired: list[DesiredRun]) -> None:
     except DatabaseError as exc:
         # Each is then recorded on its own, below.
         log.warning("handed-over runs not recorded together node=%s: %s", node.pk, exc)
+    handed = {uuid.UUID(entry.rental_id) for entry in new if entry.run_id in together}
     for entry in new:
         if entry.run_id in together:
             continue
@@ -1035,8 +1073,10 @@ def _runs_request(*, node: Node, desired: list[DesiredRun]) -> None:
                     run.node_rank = int(entry.env["NODE_RANK"])
                     run.save(update_fields=["node_rank"])
                 lifecycle.rental_mark_provisioning(rental=rental, hostname=node.hostname)
+            handed.add(rental.pk)
         except IntegrityError:
             continue  # a concurrent heartbeat recorded it first
+    return handed
 
 
 def _runs_request_alone(*, node: Node, entries: list[DesiredRun]) -> set[str]:

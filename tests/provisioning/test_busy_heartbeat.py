@@ -7,6 +7,7 @@ import base64
 import json
 import struct
 import time
+import uuid
 
 import pytest
 from django.db import connection, transaction
@@ -224,6 +225,48 @@ def test_a_new_ssh_key_or_secret_value_is_sent_at_once(node_agent, rent, user):
     assert RunLogLine.objects.get(run_id=entry["run_id"], line_no=10_000).line == "token ****"
 
 
+def test_a_launch_builds_the_desired_state_once(node_agent, rent):
+    # Given three rentals placed on one node
+    for _ in range(3):
+        rent(2)
+    scheduler_cycle_run()
+    host = Host(node_agent)
+    # When it is handed them (they move to PROVISIONING), then reports them running (RUNNING)
+    handed = host.beat()
+    assert len(handed["desired"]) == 3
+    with CaptureQueriesContext(connection) as reported:
+        answer = host.beat()
+    # Then neither move renews the state: the report's answer says the one handed over still
+    # stands, under the name the next heartbeat reads, and the next says so in three statements
+    assert Rental.objects.filter(status=RentalStatus.RUNNING).count() == 3
+    assert answer["desired_unchanged"] is True
+    assert answer["desired_digest"] != handed["desired_digest"]
+    assert not any('"marketplace_gpumodel"' in q["sql"] for q in reported)  # nothing built
+    with CaptureQueriesContext(connection) as steady:
+        assert host.beat()["desired_unchanged"] is True
+    assert len([q for q in steady if not q["sql"].startswith(("SAVEPOINT", "RELEASE"))]) == 3
+
+
+def test_a_key_added_during_a_launch_reaches_the_agent_with_the_running_report(
+    node_agent, rent, user
+):
+    # Given a rental with SSH handed over to its node
+    first = _ssh_key(user, b"a")
+    rent(2, ssh=True)
+    scheduler_cycle_run()
+    host = Host(node_agent)
+    [entry] = host.beat()["desired"]
+    assert entry["ssh_authorized_keys"] == [first]
+    # When the team adds a key before the node reports the run running
+    second = _ssh_key(user, b"b")
+    answer = host.beat()
+    # Then that answer carries the whole state again, with the key
+    assert Rental.objects.get().status == RentalStatus.RUNNING
+    [entry] = answer["desired"]
+    assert entry["ssh_authorized_keys"] == [first, second]
+    assert host.beat()["desired_unchanged"] is True
+
+
 def test_a_held_rental_without_its_run_recorded_gets_the_whole_state(node_agent, rent):
     # Given a node whose agent holds the digest of its state
     host = _running(node_agent, rent, n=1)
@@ -372,3 +415,16 @@ def test_a_busy_heartbeat_with_a_token_revoked_since_it_was_seen_is_401_and_writ
         sorted(UsageSegment.objects.values_list("run_id", "last_seq")),
         sorted(ContainerRun.objects.values_list("run_id", "last_report_at")),
     )
+
+
+def test_only_the_row_version_of_a_rental_moved_here_may_differ():
+    from provisioning.services.heartbeat import _moved_only
+
+    a, b = uuid.uuid4(), uuid.uuid4()
+    held = [(a, 0, "GPU-0"), (b, 1, "GPU-1")]
+    before = (held, {a: "100|k1.5", b: "101"})
+    assert _moved_only(before, (held, {a: "107|k1.5", b: "101"}), {a})
+    assert not _moved_only(before, (held, {a: "107|k1.5", b: "102"}), {a})  # b not moved here
+    assert not _moved_only(before, (held, {a: "107|k1.5,2.9", b: "101"}), {a})  # a new key
+    assert not _moved_only(before, (held[:1], {a: "107|k1.5", b: "101"}), {a})  # a GPU freed
+    assert not _moved_only(before, (held, {a: "107|k1.5"}), {a})
