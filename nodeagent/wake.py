@@ -22,7 +22,7 @@ from urllib.parse import urljoin
 import requests
 
 from agentprotocol import WakeChannel
-from nodeagent.client import backoff_delay
+from nodeagent.client import backoff_delay, server_session
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class WakeListener:
         self._channel: WakeChannel | None = None
         self._fresh = threading.Event()  # a new channel was offered
         self._closed = threading.Event()
-        self._session = requests.Session()
+        self._session = server_session(self._server_url)
         self._thread = threading.Thread(target=self._run, name="wake", daemon=True)
         self.wakeups = 0
 

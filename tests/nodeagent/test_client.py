@@ -212,3 +212,27 @@ def test_a_heartbeat_that_timed_out_is_not_resent_within_the_call(fake_server):
         client_for(fake_server, attempts=3, timeout_s=0.2).heartbeat({}, token="t")
     # then one request: the server may still apply it, the next round sends newer state
     assert len(fake_server.requests) == 1
+
+
+def test_the_proxy_the_environment_names_at_the_start_is_used_and_no_proxy_bypasses_it(
+    fake_server, monkeypatch
+):
+    # Given an environment whose proxy (the fake server, answering as a proxy would) stands
+    # between the agent and a server it cannot reach directly
+    monkeypatch.setenv("HTTP_PROXY", fake_server.url)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    answer = JoinAnswer(node_id=1, node_token="n", heartbeat_interval_s=5).to_payload()
+    fake_server.on(f"http://server.invalid{JOIN_PATH}", lambda _: (200, answer))
+    client = AgentApiClient("http://server.invalid", attempts=1)
+    # When the environment changes after the start, the client keeps what it read then
+    monkeypatch.delenv("HTTP_PROXY")
+    # Then its requests go through the proxy, for the server's URL
+    assert client.join({"join_token": "x"}) == answer
+    assert [r.path for r in fake_server.requests] == [f"http://server.invalid{JOIN_PATH}"]
+    # And with the server named in NO_PROXY, a client goes to it directly (unreachable here)
+    monkeypatch.setenv("HTTP_PROXY", fake_server.url)
+    monkeypatch.setenv("NO_PROXY", "server.invalid")
+    with pytest.raises(TransientApiError, match="unreachable"):
+        AgentApiClient("http://server.invalid", attempts=1).join({"join_token": "x"})
+    assert len(fake_server.requests) == 1
