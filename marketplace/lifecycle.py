@@ -406,7 +406,7 @@ WHERE r.id = v.id
 
 def _rentals_move(*, rentals: Sequence[Rental], source: str, target: str, reason: str) -> set[str]:
     """An agent's edge `source` -> `target` for a batch of rentals whose row locks the caller
-    holds: one INSERT of the events, one UPDATE of the rentals, then the recorder for each, as
+    holds: one INSERT of the events, one UPDATE of the rentals, then the recorder once, as
     rental_transition does one by one (neither edge changes what the nodes run: no wake-up).
     A rental in another state, or of several nodes (a gang waits for its barrier), is left to
     the one-by-one path."""
