@@ -904,19 +904,18 @@ def _heartbeat_apply(
             benchmark_record(node=node, result=reports.benchmark, clean=clean)
             run_benchmark = False
         held, versions, recorded = state.held, state.versions, state.runs_recorded
-        # The agent holds the desired state the reads above name.
-        current = recorded and desired_digest == desired_digest_for(
-            node=node, held=held, versions=versions, now=now
-        )
+        digest = desired_digest_for(node=node, held=held, versions=versions, now=now)
         moved = {uuid.UUID(c.rental_id) for c in changing if c.run_id in started}
         kept = False
         if changed or moved:
+            # Whether the agent holds the desired state the reads above name.
+            current = recorded and digest == desired_digest
             before = (held, versions)
             held, versions, recorded = queries.gpus_held_versions(
                 node_id=node.pk, now=now, statuses=_CONTAINER_WANTED
             )
             kept = not changed and current and _moved_only(before, (held, versions), moved)
-        digest = desired_digest_for(node=node, held=held, versions=versions, now=now)
+            digest = desired_digest_for(node=node, held=held, versions=versions, now=now)
         unchanged = bool(digest) and recorded and (kept or digest == desired_digest)
         desired = [] if unchanged else _desired_from(node=node, held=held)
         if desired:
